@@ -1,0 +1,244 @@
+"""The background half of a save: write this rank's chunks, then commit across ranks.
+
+Phases, each ending in a collective on the `data` group so every rank takes the same
+branch (a failure anywhere aborts everywhere and removes the tmp directories):
+
+  WRITE    each rank writes + fsyncs its chunk files and directories into the tmp dir
+  GATHER   rank 0 collects checksums, trees and RNG, builds the manifest, broadcasts it
+  PREPARE  each root's leader writes zarr metadata, root.json and the manifest, fsynced
+  PUBLISH  each leader renames tmp -> v<N> and fsyncs the root
+
+The version counts as committed once any root has published; every root was prepared
+(its data and manifest durable) before any did, so recovery can roll the rest forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from ckpt._dist import Comm
+from ckpt._staging import StageTask
+from store import commit as commit_mod
+from store.errors import RankFailures
+from store.faults import fault_point
+from store.fsio import DIR_MODE, fsync_dirs, write_chunk
+from store.layout import ArrayPlan, chunk_file
+from store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
+from store.zarr_meta import write_hierarchy
+
+__all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit"]
+
+
+@dataclass
+class SaveStats:
+    """Per-rank timings of one save, in seconds."""
+
+    step: int
+    stage_s: float = 0.0  # the training stall: staging copy (and any bounded-memory writes)
+    write_s: float = 0.0  # chunk files written and fsynced
+    fsync_s: float = 0.0  # directories fsynced
+    commit_s: float = 0.0  # gather, prepare and publish
+    total_s: float = 0.0  # save() call to committed
+    bytes_written: int = 0
+
+
+@dataclass
+class SaveJob:
+    step: int
+    save_id: str
+    overwrite: bool
+    plans: Sequence[ArrayPlan]
+    tree: Any
+    rng: dict[str, Any] | None
+    arena: torch.Tensor
+    tasks: list[StageTask]  # the last staged batch, still to be written
+    error: BaseException | None = None  # a failure while staging or writing in the foreground
+    records: dict[str, list[tuple[list[int], str, str | None]]] = field(default_factory=dict)
+    dirs: set[str] = field(default_factory=set)
+    stats: SaveStats = field(default_factory=lambda: SaveStats(0))
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class RootContext:
+    """Where this rank writes, and its part in the root group."""
+
+    root: str
+    rank: int
+    is_leader: bool
+    root_index: int
+    root_groups: tuple[tuple[int, ...], ...]
+
+
+def write_tasks(job: SaveJob, tmp_dir: str, pool: ThreadPoolExecutor) -> None:
+    """Write the staged chunks of `job.tasks`; record their checksums."""
+    arena_np = job.arena.numpy()
+
+    def one(task: StageTask) -> tuple[str, list[int], str, str | None]:
+        view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])
+        if task.chunk.inline:
+            raw = bytes(view)
+            return task.array.spec.name, list(task.chunk.index), xxhash.xxh3_64_hexdigest(raw), raw.hex()
+        path = os.path.join(tmp_dir, chunk_file(f"{STATE_PREFIX}/{task.array.spec.name}", task.chunk.index))
+        os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+        return task.array.spec.name, list(task.chunk.index), write_chunk(path, view), None
+
+    t0 = time.perf_counter()
+    for name, index, digest, inline in pool.map(one, job.tasks):
+        job.records.setdefault(name, []).append((index, digest, inline))
+    for task in job.tasks:
+        if not task.chunk.inline:
+            rel = chunk_file(f"{STATE_PREFIX}/{task.array.spec.name}", task.chunk.index)
+            job.dirs.update(_ancestors(tmp_dir, rel))
+        job.stats.bytes_written += task.chunk.nbytes
+    job.stats.write_s += time.perf_counter() - t0
+
+
+def _ancestors(top: str, rel: str) -> list[str]:
+    """Every directory from `top` down to the one holding `rel`: each may be new, so each is fsynced."""
+    parts = rel.split("/")[:-1]
+    return [os.path.join(top, *parts[:i]) for i in range(len(parts) + 1)]
+
+
+def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootContext, world: int) -> Manifest:
+    records: dict[str, dict[tuple[int, ...], tuple[str, str | None]]] = {}
+    for p in payloads:
+        for name, recs in p["records"].items():
+            for index, digest, inline in recs:
+                records.setdefault(name, {})[tuple(index)] = (digest, inline)
+    arrays = {}
+    for plan in job.plans:
+        got = records.get(plan.spec.name, {})
+        chunks = []
+        for c in plan.chunks:
+            digest, inline = got[c.index]
+            chunks.append(ChunkEntry(c.index, c.writer, c.offsets, c.shape, c.nbytes, digest, inline))
+        regions = tuple({"offsets": list(o), "shape": list(s), "ranks": list(r)} for o, s, r in plan.regions)
+        arrays[plan.spec.name] = ArrayEntry(
+            plan.spec.name,
+            plan.spec.data_type,
+            plan.spec.shape,
+            plan.chunk_shape,
+            plan.replicated,
+            regions,
+            tuple(chunks),
+        )
+    trees: dict[str, Any] = {}
+    ranks = []
+    for r, p in enumerate(payloads):
+        text = json.dumps(p["tree"], sort_keys=True, separators=(",", ":"))
+        key = hashlib.sha1(text.encode()).hexdigest()[:16]
+        trees.setdefault(key, p["tree"])
+        ranks.append(RankEntry(r, key, p["rng"], p["host"], p["root_index"]))
+    meta = {
+        "ckpt_version": _version(),
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "timings": [p["stats"] for p in payloads],
+    }
+    return Manifest(
+        step=job.step,
+        save_id=job.save_id,
+        created=time.time(),
+        world_size=world,
+        arrays=arrays,
+        trees=trees,
+        ranks=tuple(ranks),
+        roots=ctx.root_groups,
+        meta=meta,
+    )
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ckpt")
+    except Exception:
+        return "0+unknown"
+
+
+def _agree(comm: Comm, error: BaseException | None) -> None:
+    """All ranks learn every rank's failure; raise RankFailures if there was any."""
+    causes = comm.all_gather(None if error is None else f"{type(error).__name__}: {error}")
+    bad = {r: c for r, c in enumerate(causes) if c is not None}
+    if bad:
+        raise RankFailures(bad) from error
+
+
+def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor) -> SaveStats:
+    """Runs on the background thread; returns the stats or raises (every rank raises alike)."""
+    tmp_name = commit_mod.tmp_dirname(job.step, job.save_id)
+    tmp_dir = os.path.join(ctx.root, tmp_name)
+    error: BaseException | None = job.error
+    try:  # WRITE
+        if error is not None:
+            raise error
+        os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
+        write_tasks(job, tmp_dir, pool)
+        fault_point("after-write", ctx.rank)
+        t0 = time.perf_counter()
+        fsync_dirs(job.dirs)
+        job.stats.fsync_s = time.perf_counter() - t0
+    except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised
+        error = e
+    t_commit = time.perf_counter()
+    try:
+        payload = {
+            "records": job.records,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "tree": job.tree,
+            "rng": job.rng,
+            "host": platform.node(),
+            "root_index": ctx.root_index,
+            "stats": {"stage_s": job.stats.stage_s, "write_s": job.stats.write_s, "fsync_s": job.stats.fsync_s},
+        }
+        gathered = comm.gather(payload)  # GATHER
+        decision: dict[str, Any] = {}
+        if gathered is not None:
+            bad = {r: p["error"] for r, p in enumerate(gathered) if p["error"]}
+            if bad:
+                decision = {"abort": bad}
+            else:
+                try:
+                    decision = {"manifest": _build_manifest(job, gathered, ctx, comm.world).to_json()}
+                except BaseException as e:  # noqa: BLE001
+                    decision = {"abort": {0: f"{type(e).__name__}: {e}"}}
+        decision = comm.broadcast(decision)
+        if "abort" in decision:
+            raise RankFailures({int(r): c for r, c in decision["abort"].items()}) from error
+        manifest = parse_manifest(decision["manifest"])
+        error = None
+        if ctx.is_leader:  # PREPARE
+            try:
+                dirs = write_hierarchy(tmp_dir, list(manifest.arrays.values()), {"ckpt": {"step": job.step}})
+                commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        _agree(comm, error)
+        fault_point("after-prepare", ctx.rank)
+        if ctx.is_leader:  # PUBLISH
+            try:
+                commit_mod.publish(ctx.root, tmp_name, job.step, overwrite=job.overwrite)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        fault_point("after-publish", ctx.rank)
+        _agree(comm, error)
+    except BaseException:
+        if ctx.is_leader:
+            commit_mod.remove_tmp(ctx.root, tmp_name)
+        raise
+    job.stats.commit_s = time.perf_counter() - t_commit
+    job.stats.total_s = time.perf_counter() - job.started
+    return job.stats

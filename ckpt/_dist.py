@@ -1,0 +1,59 @@
+"""The checkpointer's view of torch.distributed: its own gloo groups, or one process.
+
+Two groups keep the threads apart: `ctl` is used only from the training thread (in
+save/restore), `data` only from the background commit thread, so collectives of one
+never interleave with the other's. Training's own group (NCCL or gloo) is never used.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "make_comms"]
+
+
+class Comm:
+    """Collectives over one group, or trivial ones when there is a single process."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """To rank 0; others get None."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.world == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        if self.world > 1:
+            dist.broadcast(tensor, src=src, group=self.group)
+
+
+def make_comms(timeout: timedelta) -> tuple[Comm, Comm]:
+    """(ctl, data) communicators; collective when torch.distributed is initialised."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Comm(None, 0, 1), Comm(None, 0, 1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctl = dist.new_group(backend="gloo", timeout=timeout)
+    data = dist.new_group(backend="gloo", timeout=timeout)
+    return Comm(ctl, rank, world), Comm(data, rank, world)

@@ -1,0 +1,113 @@
+"""Staging: copy the chunks a rank writes into one reused host buffer.
+
+`save()` blocks only for this copy. The buffer (pinned when any source is on CUDA) is
+kept across saves and reallocated only when it must grow: copies into fresh memory run
+~9x slower here because of page faults. CUDA sources are copied with non_blocking on a
+side stream that is synchronised before `save()` returns, so the optimizer may modify
+the parameters at once.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ckpt._tensors import LocalPiece
+from store.dtypes import itemsize
+from store.layout import ArrayPlan, ChunkPlan
+
+__all__ = ["StageTask", "Arena", "assign_offsets", "stage"]
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class StageTask:
+    """One chunk this rank writes: its plan, the local piece it comes from, and its arena offset."""
+
+    array: ArrayPlan
+    chunk: ChunkPlan
+    piece: LocalPiece
+    offset: int = 0
+
+    @property
+    def staged_bytes(self) -> int:
+        return itemsize(self.array.spec.data_type) if self.chunk.inline else self.chunk.nbytes
+
+
+def assign_offsets(tasks: list[StageTask]) -> tuple[list[StageTask], int]:
+    out, pos = [], 0
+    for t in tasks:
+        out.append(StageTask(t.array, t.chunk, t.piece, pos))
+        pos += -(-t.staged_bytes // _ALIGN) * _ALIGN
+    return out, pos
+
+
+class Arena:
+    """One flat uint8 host buffer, grown on demand and otherwise reused."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def get(self, nbytes: int, pin: bool) -> torch.Tensor:
+        buf = self.buffer
+        if buf is None or buf.numel() < nbytes or (pin and not buf.is_pinned()):
+            self.buffer = None  # free before allocating the replacement
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            self.buffer = buf
+        return buf
+
+    def release(self) -> None:
+        self.buffer = None
+
+
+def chunk_view(arena: torch.Tensor, task: StageTask) -> torch.Tensor:
+    """The task's slot in the arena, typed and shaped as the full chunk."""
+    dtype = task.piece.data.dtype
+    shape = () if task.chunk.inline and not task.array.chunk_shape else task.array.chunk_shape
+    numel = 1 if task.chunk.inline else math.prod(task.array.chunk_shape)
+    raw = arena[task.offset : task.offset + numel * itemsize(task.array.spec.data_type)]
+    return raw.view(dtype).view(shape)
+
+
+def _copy_one(arena: torch.Tensor, task: StageTask, non_blocking: bool) -> None:
+    piece, chunk = task.piece, task.chunk
+    src = piece.data[tuple(slice(c - p, c - p + s) for c, p, s in zip(chunk.offsets, piece.offsets, chunk.shape))]
+    dst = chunk_view(arena, task)
+    if tuple(chunk.shape) == tuple(dst.shape):
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    dst.zero_()  # edge chunk: zero padding keeps the file (and its checksum) deterministic
+    dst[tuple(slice(0, s) for s in chunk.shape)].copy_(src, non_blocking=non_blocking)
+
+
+def stage(arena: torch.Tensor, tasks: list[StageTask], pool: ThreadPoolExecutor | None) -> None:
+    """Copy every task into the arena; returns when all bytes are in host memory."""
+    cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
+    cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda]
+    if cuda_tasks:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for t in cuda_tasks:
+                _copy_one(arena, t, non_blocking=True)
+    if pool is not None and len(cpu_tasks) > 1:
+        # Two lanes balanced by bytes; torch releases the GIL inside copy_.
+        lanes: list[list[StageTask]] = [[], []]
+        loads = [0, 0]
+        for t in sorted(cpu_tasks, key=lambda t: -t.staged_bytes):
+            i = 0 if loads[0] <= loads[1] else 1
+            lanes[i].append(t)
+            loads[i] += t.staged_bytes
+        fut = pool.submit(lambda: [_copy_one(arena, t, False) for t in lanes[1]])
+        for t in lanes[0]:
+            _copy_one(arena, t, False)
+        fut.result()
+    else:
+        for t in cpu_tasks:
+            _copy_one(arena, t, False)
+    if cuda_tasks:
+        stream.synchronize()

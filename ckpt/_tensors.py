@@ -1,0 +1,69 @@
+"""What a rank holds of each tensor-like leaf: its local data and where it sits globally."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckpt.shard import Shard
+from restore.torch_dtypes import TORCH_TO_ZARR, ZARR_TO_TORCH
+from store.errors import UnsupportedStateError
+
+__all__ = ["TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]
+
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """A rank's view of one leaf."""
+
+    data: torch.Tensor  # the local tensor (plain, never a DTensor)
+    data_type: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def is_tensor_like(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, Shard, np.ndarray))
+
+
+def describe(value: Any, key: str) -> LocalPiece:
+    """The local piece of a tensor, DTensor, Shard or ndarray; refuses what cannot be stored."""
+    if isinstance(value, Shard):
+        data, shape, offsets = value.local_tensor, tuple(value.global_shape), tuple(value.offsets)
+    elif _DTENSOR is not None and isinstance(value, _DTENSOR):
+        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(isinstance(p, Partial) for p in value.placements):
+            raise UnsupportedStateError(f"{key}: DTensor with Partial placement must be reduced before saving")
+        data = value.to_local()
+        shape = tuple(value.shape)
+        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        offsets = tuple(int(o) for o in offsets)
+    elif isinstance(value, np.ndarray):
+        data = torch.from_numpy(np.ascontiguousarray(value))
+        shape, offsets = tuple(data.shape), (0,) * data.dim()
+    elif isinstance(value, torch.Tensor):
+        data, shape, offsets = value, tuple(value.shape), (0,) * value.dim()
+    else:
+        raise UnsupportedStateError(f"{key}: not a tensor")
+    if data.layout != torch.strided or data.is_quantized or data.device.type == "meta":
+        raise UnsupportedStateError(f"{key}: {data.layout} / quantized / meta tensors cannot be checkpointed")
+    if data.dtype not in TORCH_TO_ZARR:
+        raise UnsupportedStateError(f"{key}: dtype {data.dtype} is not supported")
+    return LocalPiece(data.detach(), TORCH_TO_ZARR[data.dtype], shape, offsets)

@@ -1,0 +1,196 @@
+"""State <-> JSON tree. Tensors become references to arrays; everything else is JSON.
+
+Encoding walks the user's state: objects with `state_dict()` are expanded, tensors are
+collected as leaves named by their key path, scalars stay JSON. Anything else is
+refused with the key that holds it. Nothing is pickled.
+
+Decoding (`bind`) pairs the saved tree with the live state in one pass and returns a
+`finish()` closure: tensor leaves are filled in place by the caller in between, then
+`finish()` rebuilds containers and calls `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckpt._tensors import is_tensor_like
+from store.errors import StateMismatchError, UnsupportedStateError
+from store.manifest import escape_component
+
+__all__ = ["Leaf", "encode_state", "bind", "Bound"]
+
+TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = "__tensor__", "__object__", "__tuple__", "__dict__", "__float__", "__ndarray__"
+_MARKERS = {TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY}
+_KEY_TYPES = (str, int, bool, type(None))
+
+
+@dataclass
+class Leaf:
+    name: str  # the array name: escaped key path
+    key: str  # human-readable key path, for errors
+    value: Any  # tensor, DTensor, Shard or ndarray (None when restoring into nothing)
+
+
+def _key_str(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def _has_state_dict(v: Any) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def encode_state(state: Mapping[str, Any]) -> tuple[Any, list[Leaf]]:
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
+    leaves: list[Leaf] = []
+    names: dict[str, str] = {}
+
+    def enc(v: Any, path: tuple[Any, ...]) -> Any:
+        if is_tensor_like(v) or (hasattr(v, "to_local") and isinstance(v, torch.Tensor)):
+            name = "/".join(escape_component(str(k)) for k in path)
+            key = _key_str(path)
+            if name in names:
+                raise UnsupportedStateError(f"{key} and {names[name]} map to the same array name {name!r}")
+            names[name] = key
+            leaves.append(Leaf(name, key, v))
+            return {NDARRAY if isinstance(v, np.ndarray) else TENSOR: name}
+        if _has_state_dict(v):
+            return {OBJECT: enc(v.state_dict(), path)}
+        if isinstance(v, Mapping):
+            if all(isinstance(k, str) and k not in _MARKERS for k in v):
+                return {k: enc(x, path + (k,)) for k, x in v.items()}
+            for k in v:
+                if not isinstance(k, _KEY_TYPES):
+                    raise UnsupportedStateError(f"{_key_str(path)}: dict key {k!r} of type {type(k).__name__}")
+            return {DICT: [[k, enc(x, path + (k,))] for k, x in v.items()]}
+        if isinstance(v, tuple):
+            return {TUPLE: [enc(x, path + (i,)) for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [enc(x, path + (i,)) for i, x in enumerate(v)]
+        if v is None or isinstance(v, (bool, str)):
+            return v
+        if isinstance(v, int):
+            return int(v)
+        if isinstance(v, float):
+            return float(v) if math.isfinite(v) else {FLOAT: repr(float(v))}
+        raise UnsupportedStateError(
+            f"{_key_str(path)}: cannot checkpoint a {type(v).__module__}.{type(v).__qualname__}; "
+            "use tensors, objects with state_dict()/load_state_dict(), dicts, lists and JSON scalars"
+        )
+
+    tree = {k: enc(v, (k,)) for k, v in state.items()}
+    return tree, leaves
+
+
+@dataclass
+class Bound:
+    """The result of binding: leaves to fill, then finish() to rebuild the state."""
+
+    leaves: list[Leaf] = field(default_factory=list)
+    results: dict[str, torch.Tensor] = field(default_factory=dict)
+    finish: Callable[[], Any] = lambda: None
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors (as DCP does), so restore fills them in place."""
+    if opt.state:
+        return
+    saved_lr = []
+    for group in opt.param_groups:
+        saved_lr.append(group["lr"])
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for group, lr in zip(opt.param_groups, saved_lr):
+        group["lr"] = lr
+
+
+def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
+    """Pair the saved tree with the live state; raise StateMismatchError on structural differences."""
+    out = Bound()
+
+    def b(s: Any, t: Any, path: tuple[Any, ...]) -> Callable[[], Any]:
+        key = _key_str(path)
+        if isinstance(s, dict) and (TENSOR in s or NDARRAY in s):
+            name = s.get(TENSOR, s.get(NDARRAY))
+            is_array = NDARRAY in s
+            if t is not None and not is_tensor_like(t):
+                raise StateMismatchError(f"{key}: the checkpoint has a tensor here, the state has {type(t).__name__}")
+            out.leaves.append(Leaf(name, key, t))
+            if is_array:
+                return lambda: out.results[name].numpy() if not isinstance(t, np.ndarray) else t
+            return lambda: out.results[name]
+        if isinstance(s, dict) and OBJECT in s:
+            if not _has_state_dict(t):
+                raise StateMismatchError(f"{key}: the checkpoint has an object with state here, the state has {t!r:.60}")
+            if isinstance(t, torch.optim.Optimizer) and _tree_has_tensor(s[OBJECT]):
+                _init_optimizer_state(t)
+            sd = t.state_dict()
+            sub = b(s[OBJECT], sd, path)
+
+            def finish_object() -> Any:
+                loaded = sub()
+                in_place = isinstance(t, torch.nn.Module) and all(
+                    isinstance(v, torch.Tensor) and v is sd.get(k) for k, v in loaded.items()
+                )
+                if not in_place:  # modules whose tensors were filled in place need no second copy
+                    t.load_state_dict(loaded)
+                return t
+
+            return finish_object
+        if isinstance(s, dict) and (DICT in s or not (_MARKERS & s.keys())):
+            items = [(k, v) for k, v in s[DICT]] if DICT in s else list(s.items())
+            t_map = t if isinstance(t, Mapping) else {}
+            missing = [k for k in t_map if k not in {k for k, _ in items}] if isinstance(t, Mapping) else []
+            tensor_missing = [k for k in missing if is_tensor_like(t_map[k]) or _has_state_dict(t_map[k])]
+            if tensor_missing:
+                raise StateMismatchError(f"{key}: {tensor_missing[:5]} are in the state but not in the checkpoint")
+            subs = [(k, b(v, t_map.get(k), path + (k,))) for k, v in items]
+
+            def finish_dict() -> Any:
+                if isinstance(t, dict):
+                    for k, f in subs:
+                        t[k] = f()
+                    return t
+                return {k: f() for k, f in subs}
+
+            return finish_dict
+        if isinstance(s, dict) and TUPLE in s:
+            t_seq = t if isinstance(t, (tuple, list)) and len(t) == len(s[TUPLE]) else [None] * len(s[TUPLE])
+            subs_t = [b(v, tv, path + (i,)) for i, (v, tv) in enumerate(zip(s[TUPLE], t_seq))]
+            return lambda: tuple(f() for f in subs_t)
+        if isinstance(s, list):
+            t_list = t if isinstance(t, list) and len(t) == len(s) else None
+            subs_l = [b(v, t_list[i] if t_list else None, path + (i,)) for i, v in enumerate(s)]
+
+            def finish_list() -> Any:
+                if t_list is not None:
+                    t_list[:] = [f() for f in subs_l]
+                    return t_list
+                return [f() for f in subs_l]
+
+            return finish_list
+        if isinstance(s, dict) and FLOAT in s:
+            value = float(s[FLOAT])
+            return lambda: value
+        return lambda: s
+
+    out.finish = b(saved, target, ())
+    return out
+
+
+def _tree_has_tensor(node: Any) -> bool:
+    if isinstance(node, dict):
+        return TENSOR in node or any(_tree_has_tensor(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_tree_has_tensor(v) for v in node)
+    return False

@@ -1,0 +1,405 @@
+"""`Checkpointer`: the training loop's entry point (save, wait, restore, list).
+
+It owns the per-job wiring: the root of each rank, the root lock, the staging arena,
+the background commit thread and the plan cache. The format and the commit protocol
+live in `store`, reading in `restore`; this module only sequences them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_tasks
+from ckpt._dist import make_comms
+from ckpt._staging import Arena, StageTask, assign_offsets, stage
+from ckpt._tensors import LocalPiece, describe
+from ckpt._tree import bind, encode_state
+from ckpt.config import CheckpointerConfig
+from ckpt.rng import capture_rng, restore_rng
+from restore.discover import choose_step
+from restore.execute import ReadRequest, full_tensor, load_arrays
+from restore.tiers import Candidate, LocalTier
+from store import commit
+from store.errors import (
+    CkptError,
+    CorruptVersionError,
+    RankFailures,
+    ReshardError,
+    RootLockedError,
+    StateMismatchError,
+    TierUnavailableError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
+from store.faults import fault_point
+from store.fsio import DIR_MODE
+from store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
+
+__all__ = ["Checkpointer", "RootSpec"]
+
+log = logging.getLogger("ckpt")
+
+RootSpec = str | os.PathLike[str] | Callable[[int], "str | os.PathLike[str]"]
+LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # name, dtype, global, offsets, local
+
+
+def _resolve_root(root: RootSpec, rank: int) -> str:
+    """A path, a callable of the rank, or a string with {rank}, {local_rank}, {node} or {hostname}."""
+    if callable(root):
+        return os.path.abspath(os.fspath(root(rank)))
+    text = os.fspath(root)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    fields = {
+        "rank": rank,
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank % local_world)),
+        "node": rank // local_world,
+        "hostname": platform.node(),
+    }
+    try:
+        return os.path.abspath(text.format(**fields)) if "{" in text else os.path.abspath(text)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"checkpoint root {text!r} has an unknown field: {e}") from None
+
+
+def _merge_specs(per_rank: list[list[LocalSpec]]) -> list[ArraySpec]:
+    merged: dict[str, tuple[str, tuple[int, ...], list[HeldRegion], int]] = {}
+    for rank, entries in enumerate(per_rank):
+        for name, dtype, gshape, offsets, lshape in entries:
+            if name not in merged:
+                merged[name] = (dtype, gshape, [], rank)
+            first_dtype, first_shape, held, first = merged[name]
+            if (dtype, gshape) != (first_dtype, first_shape):
+                raise StateMismatchError(
+                    f"{name}: rank {rank} holds {dtype}{list(gshape)}, rank {first} holds {first_dtype}{list(first_shape)}"
+                )
+            held.append(HeldRegion(rank, offsets, lshape))
+    return [ArraySpec(n, d, s, tuple(h)) for n, (d, s, h, _) in merged.items()]
+
+
+def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]:
+    if limit is None:
+        return [tasks]
+    out: list[list[StageTask]] = [[]]
+    size = 0
+    for t in tasks:
+        if out[-1] and size + t.staged_bytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t.staged_bytes + 64
+    return out
+
+
+class Checkpointer:
+    """Asynchronous, atomic checkpoints of a training job's full state.
+
+    Collective under torch.distributed: every rank constructs it, saves and restores
+    together. `root` may differ per rank (node-local disks): pass a callable of the
+    rank or a string with {rank}, {local_rank}, {node} or {hostname}.
+    """
+
+    def __init__(self, root: RootSpec, *, config: CheckpointerConfig | None = None, **overrides: Any) -> None:
+        self.config = replace(config or CheckpointerConfig(), **overrides)
+        self._ctl, self._data = make_comms(self.config.timeout)
+        self.rank, self.world = self._ctl.rank, self._ctl.world
+        self._closed = True
+        self._lock: commit.RootLock | None = None
+        self._pending: Future[SaveStats] | None = None
+        self._stats: list[SaveStats] = []
+        self._plans: list[ArrayPlan] = []
+        self._plan_sigs: list[int] | None = None
+        self._arena = Arena()
+        self.root = _resolve_root(root, self.rank)
+        self._ctx = self._open_root()
+        self._tier = LocalTier(self.root)
+        self._recover()
+        self._copy_pool = ThreadPoolExecutor(max(1, self.config.copy_threads - 1), thread_name_prefix="ckpt-copy")
+        self._writer_pool = ThreadPoolExecutor(self.config.writer_threads, thread_name_prefix="ckpt-write")
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        self._closed = False
+
+    # -- opening ---------------------------------------------------------------------
+
+    def _open_root(self) -> RootContext:
+        key: tuple[str, int, int] | None = None
+        error = None
+        try:
+            os.makedirs(self.root, mode=DIR_MODE, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(f"{self.root} is not writable")
+            st = os.stat(self.root)
+            key = (platform.node(), st.st_dev, st.st_ino)
+        except OSError as e:
+            error = f"cannot use checkpoint root {self.root}: {e.strerror or e}"
+        views = self._ctl.all_gather((key, error))
+        failures = {r: err for r, (_, err) in enumerate(views) if err}
+        if failures:
+            raise TierUnavailableError(failures.get(self.rank) or str(RankFailures(failures)))
+        keys: list[tuple[str, int, int]] = []
+        for k, _ in views:
+            if k not in keys:
+                keys.append(k)
+        groups = tuple(tuple(r for r, (k, _) in enumerate(views) if k == key_) for key_ in keys)
+        index = keys.index(key)  # type: ignore[arg-type]
+        ctx = RootContext(self.root, self.rank, groups[index][0] == self.rank, index, groups)
+        lock_error = None
+        if ctx.is_leader:
+            self._lock = commit.RootLock(self.root)
+            try:
+                self._lock.acquire()
+            except RootLockedError as e:
+                self._lock = None
+                lock_error = str(e)
+        locks = self._ctl.all_gather(lock_error)
+        if any(locks):
+            if self._lock is not None:
+                self._lock.release()
+            raise RootLockedError(next(m for m in locks if m))
+        return ctx
+
+    def _recover(self) -> None:
+        """Leftovers of a crash: roll prepared saves forward if another root published them, else remove."""
+        mine = [(c.step, c.save_id) for c in self._tier.committed()] if self._ctx.is_leader else []
+        published = {tuple(x) for view in self._ctl.all_gather(mine) for x in view}
+        if not self._ctx.is_leader:
+            return
+        for p in commit.prepared_versions(self.root):
+            if p.has_manifest and (p.step, p.save_id) in published:
+                log.warning("rank %d: rolling forward step %d, published on another root", self.rank, p.step)
+                commit.publish(self.root, p.dirname, p.step, overwrite=True)
+            else:
+                log.info("rank %d: removing unfinished save of step %d (%s)", self.rank, p.step, p.dirname)
+                commit.remove_tmp(self.root, p.dirname)
+        commit.empty_trash(self.root)
+
+    # -- saving ----------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], *, overwrite: bool = False) -> bool:
+        """Stage `state` and return; the commit goes on in the background.
+
+        Returns False when the save was skipped (if_busy="skip" and a save in flight).
+        Raises a previous save's error, VersionExistsError, UnsupportedStateError.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        started = time.perf_counter()
+        if self.config.if_busy == "skip":
+            busy = self._pending is not None and not self._pending.done()
+            if any(self._ctl.all_gather(busy)):
+                log.info("rank %d step %d: skipped, a save is still in flight", self.rank, step)
+                return False
+        self._wait_pending()
+        pieces: dict[str, LocalPiece] = {}
+        local: list[LocalSpec] = []
+        tree: Any = None
+        rng = None
+        error: BaseException | None = None
+        try:
+            tree, leaves = encode_state(state)
+            for leaf in leaves:
+                p = describe(leaf.value, leaf.key)
+                pieces[leaf.name] = p
+                local.append((leaf.name, p.data_type, p.global_shape, p.offsets, tuple(p.data.shape)))
+            rng = capture_rng() if self.config.capture_rng else None
+        except CkptError as e:
+            error = e
+        exists = self._ctx.is_leader and step in commit.committed_steps(self.root)
+        info = self._ctl.all_gather((hash(tuple(local)), exists, uuid.uuid4().hex, None if error is None else str(error)))
+        failures = {r: e for r, (_, _, _, e) in enumerate(info) if e}
+        if error is not None:
+            raise error
+        if failures:
+            raise RankFailures(failures)
+        if any(x for _, x, _, _ in info) and not overwrite:
+            raise VersionExistsError(f"step {step} is already committed under {self.root}; pass overwrite=True")
+        save_id = info[0][2]
+        sigs = [s for s, _, _, _ in info]
+        if sigs != self._plan_sigs:
+            self._plans = plan_arrays(_merge_specs(self._ctl.all_gather(local)), split_bytes=self.config.split_bytes)
+            self._plan_sigs = sigs
+        tasks = [
+            StageTask(plan, chunk, pieces[plan.spec.name])
+            for plan in self._plans
+            for chunk in plan.chunks
+            if chunk.writer == self.rank
+        ]
+        job = SaveJob(step, save_id, overwrite, self._plans, tree, rng, self._arena.get(0, False), [])
+        job.started = started
+        job.stats.step = step
+        pin = any(t.piece.data.is_cuda for t in tasks)
+        batches = _batches(tasks, self.config.max_staging_bytes)
+        try:
+            for i, batch in enumerate(batches):
+                placed, size = assign_offsets(batch)
+                job.arena = self._arena.get(size, pin)
+                stage(job.arena, placed, self._copy_pool)
+                job.tasks = placed
+                if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
+                    tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
+                    os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
+                    write_tasks(job, tmp_dir, self._writer_pool)
+        except Exception as e:  # reported through the commit so every rank aborts together
+            job.error = e
+            job.tasks = []
+        job.stats.stage_s = time.perf_counter() - started
+        fault_point("after-stage", self.rank)
+        self._pending = self._committer.submit(run_commit, job, self._ctx, self._data, self._writer_pool)
+        return True
+
+    def wait(self) -> None:
+        """Block until every pending save is committed; raise its error if it failed."""
+        self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._stats.append(pending.result())
+
+    # -- reading ---------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps on this rank's root, oldest first."""
+        return commit.committed_steps(self.root)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def stats(self) -> list[SaveStats]:
+        """Timings of this rank's completed saves, oldest first."""
+        return list(self._stats)
+
+    def restore(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+        """Load the newest committed step (or `step`) into `state` in place; None if there is none.
+
+        A version that turns out corrupt is skipped with a warning for the next older one,
+        unless `step` was given.
+        """
+        self._check_open()
+        self._wait_pending()
+        excluded: set[int] = set()
+        while True:
+            views: list[list[Candidate]] = self._ctl.all_gather(self._tier.committed())
+            chosen = choose_step(views, step, frozenset(excluded))
+            if chosen is None:
+                if step is not None:
+                    raise VersionNotFoundError(f"step {step} is not committed where every rank can reach it ({self.root})")
+                return None
+            try:
+                self._load(chosen, views, state)
+                return chosen
+            except CorruptVersionError as e:
+                if step is not None:
+                    raise
+                log.warning("rank %d: step %d is not intact (%s); trying an older version", self.rank, chosen, e)
+                excluded.add(chosen)
+
+    def _load(self, step: int, views: list[list[Candidate]], state: Mapping[str, Any]) -> None:
+        mine = next((c for c in views[self.rank] if c.step == step), None)
+        holders = [r for r, v in enumerate(views) if any(c.step == step for c in v)]
+        raw, error = None, None
+        if self.rank == holders[0] or mine is not None:
+            try:
+                raw = self._tier.manifest(step).to_json()
+            except CkptError as e:
+                error = e
+        self._agree(error, CorruptVersionError)
+        if any(not any(c.step == step for c in v) for v in views):
+            raw = self._ctl.broadcast(raw, src=holders[0])
+        from store.manifest import parse_manifest
+
+        manifest = parse_manifest(raw)  # type: ignore[arg-type]
+        if manifest.world_size != self.world:
+            raise ReshardError(
+                f"step {step} was saved by {manifest.world_size} ranks, this job has {self.world}; "
+                "restoring onto another world size needs resharding"
+            )
+        entry = manifest.ranks[self.rank]
+        bound = None
+        requests: list[ReadRequest] = []
+        error = None
+        try:
+            bound = bind(manifest.trees[entry.tree], state)
+            for leaf in bound.leaves:
+                array = manifest.arrays.get(leaf.name)
+                if array is None:
+                    raise CorruptVersionError(f"{leaf.key}: the manifest has no array {leaf.name!r}")
+                if leaf.value is None:
+                    dest = full_tensor(array)
+                    bound.results[leaf.name] = dest
+                    requests.append(ReadRequest(array, dest, (0,) * len(array.shape)))
+                    continue
+                piece = describe(leaf.value, leaf.key)
+                if (piece.data_type, piece.global_shape) != (array.data_type, array.shape):
+                    raise StateMismatchError(
+                        f"{leaf.key}: the checkpoint holds {array.data_type}{list(array.shape)}, "
+                        f"the state has {piece.data_type}{list(piece.global_shape)}"
+                    )
+                bound.results[leaf.name] = leaf.value
+                requests.append(ReadRequest(array, piece.data, piece.offsets))
+        except CkptError as e:
+            error = e
+        self._agree(error, StateMismatchError)
+        version_dir = self._tier.version_dir(step) if mine is not None else None
+        local_writers = set(mine.writers) if mine is not None else set()
+        load_arrays(
+            self._ctl, version_dir, manifest, requests, local_writers, verify=self.config.verify_on_restore
+        )
+        assert bound is not None
+        bound.finish()
+        if self.config.capture_rng and entry.rng is not None:
+            restore_rng(entry.rng)
+        log.info("rank %d step %d: restored", self.rank, step)
+
+    def _agree(self, error: BaseException | None, kind: type[CkptError]) -> None:
+        """Collective: raise on every rank if any rank failed, so none is left in a collective."""
+        causes = self._ctl.all_gather(None if error is None else str(error))
+        if error is not None:
+            raise error
+        bad = {r: c for r, c in enumerate(causes) if c}
+        if bad:
+            raise kind(str(RankFailures(bad)))
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CkptError("this Checkpointer is closed")
+
+    def close(self) -> None:
+        """Wait for pending saves (raising their error), then release the root."""
+        if self._closed:
+            return
+        try:
+            self._wait_pending()
+        finally:
+            self._closed = True
+            for pool in (self._committer, self._writer_pool, self._copy_pool):
+                pool.shutdown(wait=True)
+            self._arena.release()
+            if self._lock is not None:
+                self._lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:  # the body's exception wins; the save error is logged
+            log.exception("rank %d: a pending save failed while handling another error", self.rank)

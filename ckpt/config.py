@@ -1,0 +1,47 @@
+"""`CheckpointerConfig`: every tunable of the Checkpointer, validated, never rewritten."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+__all__ = ["CheckpointerConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig:
+    capture_rng: bool = True
+    """Save and restore Python, NumPy, torch CPU and CUDA RNG states, per rank."""
+
+    if_busy: Literal["wait", "skip"] = "wait"
+    """When a save is still in flight: wait for it, or skip this save (save() returns False)."""
+
+    max_staging_bytes: int | None = None
+    """Bound on the host staging buffer. None: one copy of everything the rank writes.
+    Under a smaller bound, save() writes all but the last batch before returning."""
+
+    writer_threads: int = 4
+    """Threads writing chunk files in parallel."""
+
+    copy_threads: int = 2
+    """Threads copying tensors into the staging buffer (the training stall)."""
+
+    split_bytes: int = 64 << 20
+    """Replicated arrays larger than this are split along dim 0 so several ranks write them."""
+
+    verify_on_restore: bool = True
+    """Check every chunk's xxh3 while restoring (reads are whole chunks, so this is cheap)."""
+
+    timeout: timedelta = timedelta(minutes=30)
+    """Timeout of the checkpointer's own gloo collectives."""
+
+    def __post_init__(self) -> None:
+        if self.if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', not {self.if_busy!r}")
+        if self.max_staging_bytes is not None and self.max_staging_bytes <= 0:
+            raise ValueError("max_staging_bytes must be positive or None")
+        if self.writer_threads < 1 or self.copy_threads < 1:
+            raise ValueError("writer_threads and copy_threads must be at least 1")
+        if self.split_bytes < 1:
+            raise ValueError("split_bytes must be positive")

@@ -1,0 +1,1 @@
+"""Replication of committed versions to other disks and object storage."""

@@ -1,0 +1,1 @@
+"""Finding, verifying and loading versions (tiers, discovery, reads)."""

@@ -1,0 +1,34 @@
+"""Choosing the version to restore from what every rank's tiers hold. Pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from restore.tiers import Candidate
+
+__all__ = ["reachable_steps", "choose_step"]
+
+
+def reachable_steps(per_rank: Sequence[Sequence[Candidate]]) -> dict[int, str]:
+    """Steps whose every writer's chunks some current rank holds, with one save_id throughout."""
+    held: dict[tuple[int, str, int], set[int]] = {}
+    for cands in per_rank:
+        for c in cands:
+            held.setdefault((c.step, c.save_id, c.world_size), set()).update(c.writers)
+    by_step: dict[int, list[str]] = {}
+    for (s, sid, world), writers in held.items():
+        if writers >= set(range(world)):
+            by_step.setdefault(s, []).append(sid)
+        else:
+            by_step.setdefault(s, [])
+    return {s: ids[0] for s, ids in by_step.items() if len(ids) == 1}
+
+
+def choose_step(
+    per_rank: Sequence[Sequence[Candidate]], step: int | None = None, exclude: frozenset[int] = frozenset()
+) -> int | None:
+    """The requested step if reachable, else the newest reachable step not excluded."""
+    ok = sorted((s for s in reachable_steps(per_rank) if s not in exclude), reverse=True)
+    if step is not None:
+        return step if step in ok else None
+    return ok[0] if ok else None

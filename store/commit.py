@@ -1,0 +1,223 @@
+"""The commit protocol of one root (a local filesystem) and the lock that guards it.
+
+A version of step N lives in `v<N:012d>/`. It is written in `v<N>.tmp-<save_id>/` on
+the same filesystem, in two phases driven by the caller (ckpt.Checkpointer):
+
+1. *write*: every rank writes and fsyncs its chunk files in the tmp directory;
+2. *prepare*: once every rank's data is durable, the root's leader writes the zarr
+   metadata, `root.json` and last `manifest.json`, and fsyncs them and every directory;
+3. *publish*: after every root is prepared, the leader renames tmp -> `v<N>/` and fsyncs
+   the parent. A committed version is a `v<N>/` directory that contains a manifest.
+
+A crash before publish leaves only a tmp directory, which is never listed and which the
+next writer removes (or rolls forward, if another root already published the same
+save). Overwriting swaps the new directory in with one atomic RENAME_EXCHANGE, so the
+old version stays committed until the new one is.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import suppress
+from dataclasses import dataclass
+
+from store.errors import RootLockedError, TierUnavailableError, VersionNotFoundError
+from store.fsio import DIR_MODE, exchange_dirs, fsync_dir, write_durable
+from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
+
+__all__ = [
+    "LOCK_NAME",
+    "TRASH_NAME",
+    "RootLock",
+    "PreparedVersion",
+    "version_dirname",
+    "tmp_dirname",
+    "committed_steps",
+    "prepared_versions",
+    "read_manifest",
+    "read_root_info",
+    "prepare",
+    "publish",
+    "remove_tmp",
+    "delete_version",
+    "empty_trash",
+]
+
+LOCK_NAME = ".ckpt.lock"
+TRASH_NAME = ".trash"
+_VERSION = re.compile(r"^v(\d{12})$")
+_TMP = re.compile(r"^v(\d{12})\.tmp-([0-9a-f]{32})$")
+
+
+def version_dirname(step: int) -> str:
+    return f"v{step:012d}"
+
+
+def tmp_dirname(step: int, save_id: str) -> str:
+    return f"{version_dirname(step)}.tmp-{save_id}"
+
+
+def _entries(root: str) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(root) as it:
+            yield from it
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise TierUnavailableError(e.errno, f"cannot list checkpoint root {root}: {e.strerror}") from None
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps with a published directory holding a manifest, oldest first."""
+    steps = []
+    for e in _entries(root):
+        m = _VERSION.match(e.name)
+        if m and e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedVersion:
+    step: int
+    save_id: str
+    dirname: str
+    has_manifest: bool  # prepared (manifest durable) rather than torn mid-write
+
+
+def prepared_versions(root: str) -> list[PreparedVersion]:
+    """Unpublished tmp directories, with whether they reached the prepare phase."""
+    out = []
+    for e in _entries(root):
+        m = _TMP.match(e.name)
+        if m:
+            has = os.path.isfile(os.path.join(e.path, MANIFEST_NAME))
+            out.append(PreparedVersion(int(m.group(1)), m.group(2), e.name, has))
+    return sorted(out, key=lambda p: p.step)
+
+
+def read_manifest(root: str, step: int) -> Manifest:
+    path = os.path.join(root, version_dirname(step), MANIFEST_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise VersionNotFoundError(f"step {step} is not committed in {root}") from None
+    except OSError as e:
+        raise TierUnavailableError(e.errno, f"cannot read {path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read()
+    manifest = parse_manifest(raw)
+    if manifest.step != step:
+        from store.errors import ManifestError
+
+        raise ManifestError(f"{path} describes step {manifest.step}, not {step}", path=path)
+    return manifest
+
+
+def read_root_info(version_dir: str) -> dict[str, object]:
+    """What this root holds of the version: {"save_id", "writers": [ranks]}; {} if unreadable."""
+    try:
+        with open(os.path.join(version_dir, ROOT_INFO_NAME), "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+class RootLock:
+    """An exclusive advisory lock on a root, held by one process per root for the job's life.
+
+    flock locks belong to an open file description, so a second Checkpointer in the same
+    process is refused too.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, LOCK_NAME)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = ""
+            with suppress(OSError), open(self.path) as f:
+                holder = f.read().strip()
+            raise RootLockedError(
+                f"checkpoint root {os.path.dirname(self.path)} is in use by another writer ({holder or 'unknown'})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def prepare(tmp_dir: str, manifest: Manifest, writers: list[int], dirs: list[str]) -> None:
+    """Phase 2 on one root: make the root info and the manifest durable, manifest last."""
+    info = {"save_id": manifest.save_id, "step": manifest.step, "world_size": manifest.world_size, "writers": writers}
+    write_durable(os.path.join(tmp_dir, ROOT_INFO_NAME), json.dumps(info).encode())
+    for d in sorted(set(dirs), key=len, reverse=True):  # children before parents
+        fsync_dir(d)
+    write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest.to_json())
+    fsync_dir(tmp_dir)
+
+
+def publish(root: str, tmp_name: str, step: int, *, overwrite: bool) -> None:
+    """Phase 3 on one root: rename tmp to v<N> atomically and fsync the root."""
+    tmp = os.path.join(root, tmp_name)
+    final = os.path.join(root, version_dirname(step))
+    if os.path.isdir(final):
+        if not overwrite:
+            raise FileExistsError(final)
+        if exchange_dirs(tmp, final):
+            fsync_dir(root)
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old version
+            return
+        # No RENAME_EXCHANGE: move the old version aside first; recovery restores it on a crash.
+        aside = os.path.join(root, TRASH_NAME, f"{version_dirname(step)}.old-{tmp_name[-32:]}")
+        os.makedirs(os.path.dirname(aside), mode=DIR_MODE, exist_ok=True)
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    os.rename(tmp, final)
+    fsync_dir(root)
+
+
+def remove_tmp(root: str, tmp_name: str) -> None:
+    shutil.rmtree(os.path.join(root, tmp_name), ignore_errors=True)
+
+
+def delete_version(root: str, step: int) -> None:
+    """Unpublish first (one rename into the trash), then delete: never a half-deleted `v<N>/`."""
+    final = os.path.join(root, version_dirname(step))
+    trash = os.path.join(root, TRASH_NAME)
+    os.makedirs(trash, mode=DIR_MODE, exist_ok=True)
+    target = os.path.join(trash, f"{version_dirname(step)}.del-{os.getpid()}-{id(final):x}")
+    os.rename(final, target)
+    fsync_dir(root)
+    shutil.rmtree(target, ignore_errors=True)
+
+
+def empty_trash(root: str) -> None:
+    """Finish interrupted deletions and overwrites (the caller holds the root lock)."""
+    trash = os.path.join(root, TRASH_NAME)
+    for e in _entries(trash):
+        m = re.match(r"^(v\d{12})\.old-", e.name)
+        if m and not os.path.exists(os.path.join(root, m.group(1))):
+            os.rename(e.path, os.path.join(root, m.group(1)))  # an overwrite died between its renames
+            fsync_dir(root)
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)

@@ -1,0 +1,78 @@
+"""The one exception hierarchy of the project; `ckpt` re-exports it.
+
+Errors subclass the builtin they refine, so callers that catch `FileNotFoundError`
+or `ValueError` keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = [
+    "CkptError",
+    "VersionNotFoundError",
+    "VersionExistsError",
+    "CorruptVersionError",
+    "TierUnavailableError",
+    "ReshardError",
+    "RankFailures",
+    "RootLockedError",
+    "UnsupportedStateError",
+    "StateMismatchError",
+    "ManifestError",
+]
+
+
+class CkptError(Exception):
+    """Base of every error raised by ckpt."""
+
+
+class VersionNotFoundError(CkptError, FileNotFoundError):
+    """The requested step is not committed on any reachable root."""
+
+
+class VersionExistsError(CkptError, FileExistsError):
+    """A save targeted a step that is already committed and overwrite was not asked for."""
+
+
+class CorruptVersionError(CkptError):
+    """A chunk or manifest does not match what the manifest promises."""
+
+    def __init__(self, message: str, *, path: str = "", expected: str = "", actual: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+
+
+class ManifestError(CorruptVersionError, ValueError):
+    """A manifest does not parse or fails validation (schema, paths, shapes, dtypes)."""
+
+
+class TierUnavailableError(CkptError, OSError):
+    """A storage tier (a root, a disk, a remote) cannot be reached or written."""
+
+
+class ReshardError(CkptError, ValueError):
+    """The saved layout cannot be mapped onto the current one."""
+
+
+class RootLockedError(CkptError, BlockingIOError):
+    """Another process already writes to this root."""
+
+
+class UnsupportedStateError(CkptError, TypeError):
+    """The state holds an object ckpt will not serialise; the message names its key."""
+
+
+class StateMismatchError(CkptError, ValueError):
+    """The target state does not match the saved one (missing key, other shape or dtype)."""
+
+
+class RankFailures(CkptError):
+    """A collective save or restore failed on one or more ranks."""
+
+    def __init__(self, causes: Mapping[int, str]) -> None:
+        self.causes = dict(causes)
+        detail = "; ".join(f"rank {r}: {c}" for r, c in sorted(self.causes.items()))
+        super().__init__(f"failed on {len(self.causes)} rank(s): {detail}")

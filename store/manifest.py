@@ -1,0 +1,282 @@
+"""The manifest: a versioned JSON document that is the contract of a committed version.
+
+It lists every array (dtype, global shape, chunk grid, which rank wrote each chunk and
+its xxh3), each rank's non-tensor state as a JSON tree, and provenance. Parsing
+validates everything a reader will act on, before any file is opened or any buffer
+is allocated: schema version, array names (so no path can leave the version),
+dtypes, shapes and byte counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any
+
+from store.dtypes import ITEMSIZE
+from store.errors import ManifestError
+from store.layout import chunk_file
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "MANIFEST_NAME",
+    "ROOT_INFO_NAME",
+    "ChunkEntry",
+    "ArrayEntry",
+    "RankEntry",
+    "Manifest",
+    "escape_component",
+    "unescape_component",
+    "parse_manifest",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+ROOT_INFO_NAME = "root.json"
+STATE_PREFIX = "state"
+MAX_ARRAY_BYTES = 1 << 48  # 256 TiB: anything larger is a crafted manifest
+MAX_NDIM = 32
+_COMPONENT = re.compile(r"^[A-Za-z0-9_.~%+-]+$")
+_HEX64 = re.compile(r"^[0-9a-f]{16}$")
+
+
+def escape_component(key: str) -> str:
+    """A state key as a safe zarr node name: percent-encoded, never '.', '..' or '__'-prefixed."""
+    out = urllib.parse.quote(key, safe="")
+    if out in ("", ".", ".."):
+        out = "".join(f"%{ord(c):02X}" for c in out) or "%00"
+    if out.startswith("__"):
+        out = "%5F" + out[1:]
+    return out
+
+
+def unescape_component(name: str) -> str:
+    return "" if name == "%00" else urllib.parse.unquote(name)
+
+
+def _check_name(name: str) -> None:
+    parts = name.split("/")
+    for p in parts:
+        if not _COMPONENT.match(p) or p in (".", "..") or p.startswith("__"):
+            raise ManifestError(f"array name {name!r} is not a safe relative path", path=name)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkEntry:
+    index: tuple[int, ...]
+    writer: int  # the rank that wrote the chunk
+    offsets: tuple[int, ...]  # global start of the valid data
+    shape: tuple[int, ...]  # valid extent; the file holds the full chunk_shape
+    nbytes: int  # file size; 0 when inline
+    xxh3: str  # xxh3_64 hex of the file's bytes (or of the inline value)
+    inline: str | None = None  # little-endian value bytes as hex, for single-element arrays
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayEntry:
+    name: str  # escaped components joined by '/'; the zarr path is state/<name>
+    data_type: str
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    replicated: bool
+    regions: tuple[dict[str, Any], ...]  # {"offsets", "shape", "ranks"}: how ranks held it at save
+    chunks: tuple[ChunkEntry, ...]
+
+    @property
+    def path(self) -> str:
+        return f"{STATE_PREFIX}/{self.name}"
+
+    def chunk_path(self, chunk: ChunkEntry) -> str:
+        return chunk_file(self.path, chunk.index)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.data_type]
+
+
+@dataclass(frozen=True, slots=True)
+class RankEntry:
+    rank: int
+    tree: str  # key into Manifest.trees
+    rng: dict[str, Any] | None
+    host: str
+    root: int  # index of the root group (filesystem) the rank wrote to
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    step: int
+    save_id: str
+    created: float
+    world_size: int
+    arrays: dict[str, ArrayEntry]
+    trees: dict[str, Any]
+    ranks: tuple[RankEntry, ...]
+    roots: tuple[tuple[int, ...], ...]  # per root group: the ranks whose chunks it holds
+    meta: dict[str, Any] = field(default_factory=dict)  # provenance, timings
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.nbytes for a in self.arrays.values() for c in a.chunks)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": "ckpt",
+            "schema_version": SCHEMA_VERSION,
+            "step": self.step,
+            "save_id": self.save_id,
+            "created": self.created,
+            "world_size": self.world_size,
+            "roots": [list(r) for r in self.roots],
+            "meta": self.meta,
+            "ranks": [
+                {"rank": r.rank, "tree": r.tree, "rng": r.rng, "host": r.host, "root": r.root} for r in self.ranks
+            ],
+            "trees": self.trees,
+            "arrays": {
+                name: {
+                    "data_type": a.data_type,
+                    "shape": list(a.shape),
+                    "chunk_shape": list(a.chunk_shape),
+                    "replicated": a.replicated,
+                    "regions": list(a.regions),
+                    "chunks": [_chunk_doc(c) for c in a.chunks],
+                }
+                for name, a in self.arrays.items()
+            },
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _chunk_doc(c: ChunkEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "index": list(c.index),
+        "writer": c.writer,
+        "offsets": list(c.offsets),
+        "shape": list(c.shape),
+        "nbytes": c.nbytes,
+        "xxh3": c.xxh3,
+    }
+    if c.inline is not None:
+        doc["inline"] = c.inline
+    return doc
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise ManifestError(f"manifest field {what} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _ints(v: Any, what: str, lo: int = 0) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise ManifestError(f"manifest field {what} must be a list of at most {MAX_NDIM} integers")
+    return tuple(_int(x, what, lo) for x in v)
+
+
+def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"array {name!r} is not an object")
+    _check_name(name)
+    dtype = doc.get("data_type")
+    if dtype not in ITEMSIZE:
+        raise ManifestError(f"array {name!r} has unsupported data_type {dtype!r}", path=name)
+    shape = _ints(doc.get("shape"), f"{name}.shape")
+    chunk_shape = _ints(doc.get("chunk_shape"), f"{name}.chunk_shape", lo=1)
+    if len(chunk_shape) != len(shape):
+        raise ManifestError(f"array {name!r}: chunk_shape and shape differ in rank", path=name)
+    if math.prod(shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES or math.prod(chunk_shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES:
+        raise ManifestError(f"array {name!r}: shape {shape} is absurdly large", path=name)
+    chunk_bytes = math.prod(chunk_shape) * ITEMSIZE[dtype]
+    grid = [math.ceil(s / c) for s, c in zip(shape, chunk_shape)]
+    chunks = []
+    raw_chunks = doc.get("chunks")
+    if not isinstance(raw_chunks, list):
+        raise ManifestError(f"array {name!r}: chunks must be a list", path=name)
+    for c in raw_chunks:
+        if not isinstance(c, dict):
+            raise ManifestError(f"array {name!r}: chunk is not an object", path=name)
+        index = _ints(c.get("index"), f"{name}.chunk.index")
+        if len(index) != len(shape) or any(i >= g for i, g in zip(index, grid)):
+            raise ManifestError(f"array {name!r}: chunk index {index} is outside the grid {grid}", path=name)
+        offsets = _ints(c.get("offsets"), f"{name}.chunk.offsets")
+        cshape = _ints(c.get("shape"), f"{name}.chunk.shape")
+        expect_off = tuple(i * k for i, k in zip(index, chunk_shape))
+        expect_shape = tuple(min(k, s - o) for k, s, o in zip(chunk_shape, shape, expect_off))
+        if offsets != expect_off or cshape != expect_shape:
+            raise ManifestError(f"array {name!r}: chunk {index} has an inconsistent region", path=name)
+        inline = c.get("inline")
+        nbytes = _int(c.get("nbytes"), f"{name}.chunk.nbytes")
+        if inline is None and nbytes != chunk_bytes:
+            raise ManifestError(f"array {name!r}: chunk {index} nbytes {nbytes} != {chunk_bytes}", path=name)
+        if inline is not None:
+            if not isinstance(inline, str) or len(inline) != 2 * ITEMSIZE[dtype] or math.prod(shape) != 1 or nbytes:
+                raise ManifestError(f"array {name!r}: malformed inline value", path=name)
+            try:
+                bytes.fromhex(inline)
+            except ValueError:
+                raise ManifestError(f"array {name!r}: malformed inline value", path=name) from None
+        digest = c.get("xxh3")
+        if not isinstance(digest, str) or not _HEX64.match(digest):
+            raise ManifestError(f"array {name!r}: chunk {index} has a malformed xxh3", path=name)
+        chunks.append(
+            ChunkEntry(index, _int(c.get("writer"), "writer", 0, world - 1), offsets, cshape, nbytes, digest, inline)
+        )
+    regions = doc.get("regions", [])
+    if not isinstance(regions, list):
+        raise ManifestError(f"array {name!r}: regions must be a list", path=name)
+    return ArrayEntry(name, dtype, shape, chunk_shape, bool(doc.get("replicated")), tuple(regions), tuple(chunks))
+
+
+def parse_manifest(raw: bytes) -> Manifest:
+    """Parse and validate; raises ManifestError on anything a reader should not act on."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"manifest is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != "ckpt":
+        raise ManifestError("not a ckpt manifest")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ManifestError(f"manifest schema_version {doc.get('schema_version')!r} is not supported (want 1)")
+    world = _int(doc.get("world_size"), "world_size", 1, 1 << 24)
+    arrays_doc = doc.get("arrays")
+    trees = doc.get("trees")
+    ranks_doc = doc.get("ranks")
+    roots_doc = doc.get("roots")
+    if not isinstance(arrays_doc, dict) or not isinstance(trees, dict) or not isinstance(ranks_doc, list):
+        raise ManifestError("manifest lacks arrays, trees or ranks")
+    arrays = {name: _parse_array(name, a, world) for name, a in arrays_doc.items()}
+    ranks = []
+    for r in ranks_doc:
+        if not isinstance(r, dict) or r.get("tree") not in trees:
+            raise ManifestError("manifest rank entry is malformed")
+        rng = r.get("rng")
+        ranks.append(
+            RankEntry(
+                _int(r.get("rank"), "rank", 0, world - 1),
+                r["tree"],
+                rng if isinstance(rng, dict) else None,
+                str(r.get("host", "")),
+                _int(r.get("root", 0), "root"),
+            )
+        )
+    if len(ranks) != world or [r.rank for r in ranks] != list(range(world)):
+        raise ManifestError("manifest must have one rank entry per rank, in order")
+    if not isinstance(roots_doc, list) or not all(isinstance(r, list) for r in roots_doc):
+        raise ManifestError("manifest roots must be a list of rank lists")
+    roots = tuple(tuple(_int(x, "roots", 0, world - 1) for x in r) for r in roots_doc)
+    created = doc.get("created", 0.0)
+    return Manifest(
+        step=_int(doc.get("step"), "step"),
+        save_id=str(doc.get("save_id", "")),
+        created=float(created) if isinstance(created, (int, float)) else 0.0,
+        world_size=world,
+        arrays=arrays,
+        trees=trees,
+        ranks=tuple(ranks),
+        roots=roots,
+        meta=doc.get("meta") if isinstance(doc.get("meta"), dict) else {},
+    )
