@@ -1,0 +1,175 @@
+"""Single-process behaviour: round trips, the sampler, the plan, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckpt
+from ckpt import Checkpointer, DistributedSampler
+from ckpt.cli import main as cli
+from store import commit
+from store.errors import ReshardError
+from store.layout import ArraySpec, HeldRegion, plan_arrays
+
+
+def _state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)
+    return {"model": model, "optim": opt, "sched": sched}
+
+
+def _train_step(state: dict) -> None:
+    x = torch.randn(4, 6)
+    state["model"](x).pow(2).mean().backward()
+    state["optim"].step()
+    state["sched"].step()
+
+
+def test_round_trip_is_bitwise_and_fills_in_place(tmp_path):
+    src = _state(0)
+    _train_step(src)
+    sampler = DistributedSampler(list(range(50)), num_replicas=1, rank=0, seed=3)
+    it = iter(sampler)
+    consumed = [next(it) for _ in range(11)]
+    src.update(
+        sampler=sampler,
+        epoch=4,
+        extra={"bf16": torch.randn(5, 3).to(torch.bfloat16), "flags": torch.tensor([True, False]), "t": (1, None, "x")},
+        nd=np.arange(6, dtype=np.int32).reshape(2, 3),
+        inf=float("inf"),
+    )
+    with Checkpointer(tmp_path) as ck:
+        ck.save(7, src)
+    expected_rng = (random.random(), np.random.rand(), torch.rand(2))
+
+    dst = _state(1)
+    weight = dst["model"][0].weight
+    dst_sampler = DistributedSampler(list(range(50)), num_replicas=1, rank=0, seed=0)
+    dst.update(sampler=dst_sampler, epoch=0, extra={}, nd=np.zeros((2, 3), np.int32), inf=0.0)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.steps() == [7] and ck.latest_step() == 7
+        assert ck.restore(dst) == 7
+    assert (random.random(), np.random.rand()) == expected_rng[:2] and torch.equal(torch.rand(2), expected_rng[2])
+    assert dst["model"][0].weight is weight  # loaded in place
+    for k, v in src["model"].state_dict().items():
+        assert torch.equal(v, dst["model"].state_dict()[k]), k
+    so, do = src["optim"].state_dict(), dst["optim"].state_dict()
+    assert so["param_groups"] == do["param_groups"]
+    for i, s in so["state"].items():
+        for k in s:
+            assert torch.equal(s[k], do["state"][i][k]), (i, k)
+    assert src["sched"].state_dict() == dst["sched"].state_dict()
+    assert dst["epoch"] == 4 and dst["inf"] == float("inf")
+    assert torch.equal(dst["extra"]["bf16"], src["extra"]["bf16"]) and dst["extra"]["bf16"].dtype == torch.bfloat16
+    assert torch.equal(dst["extra"]["flags"], src["extra"]["flags"]) and dst["extra"]["t"] == (1, None, "x")
+    assert np.array_equal(dst["nd"], src["nd"])
+    # the sampler continues exactly where the saved one stood
+    reference = list(DistributedSampler(list(range(50)), num_replicas=1, rank=0, seed=3))
+    assert consumed == reference[:11]
+    assert list(iter(dst_sampler)) == reference[11:]
+
+
+def test_sampler_resumes_mid_epoch_and_reshuffles():
+    data = list(range(37))
+    full = DistributedSampler(data, num_replicas=3, rank=1, seed=5)
+    full.set_epoch(2)
+    order = list(full)
+    ref = torch.utils.data.DistributedSampler(data, num_replicas=3, rank=1, seed=5)
+    ref.set_epoch(2)
+    assert order == list(ref)  # drop-in: identical order to torch's sampler
+
+    s = DistributedSampler(data, num_replicas=3, rank=1, seed=5)
+    s.set_epoch(2)
+    it = iter(s)
+    head = [next(it) for _ in range(4)]
+    saved = s.state_dict()
+    assert saved["position"] == 4 and saved["epoch"] == 2
+    r = DistributedSampler(data, num_replicas=3, rank=1, seed=0)
+    r.load_state_dict(json.loads(json.dumps(saved)))
+    r.set_epoch(2)  # a resumed loop re-enters the same epoch: the position stays
+    assert head + list(r) == order
+    r.set_epoch(3)
+    reshuffled = list(r)
+    assert reshuffled != order and len(reshuffled) == len(order)
+
+
+def test_sampler_refuses_other_world_or_dataset():
+    s = DistributedSampler(list(range(10)), num_replicas=2, rank=0)
+    with pytest.raises(ckpt.ReshardError):
+        DistributedSampler(list(range(10)), num_replicas=3, rank=0).load_state_dict(s.state_dict())
+    with pytest.raises(ckpt.StateMismatchError):
+        DistributedSampler(list(range(11)), num_replicas=2, rank=0).load_state_dict(s.state_dict())
+
+
+def _spec(name, shape, *regions, dtype="float32"):
+    return ArraySpec(name, dtype, shape, tuple(HeldRegion(r, o, s) for r, o, s in regions))
+
+
+def test_plan_uneven_shards_get_gcd_chunks_with_one_writer_each():
+    spec = _spec("w", (10, 4), (0, (0, 0), (4, 4)), (1, (4, 0), (6, 4)))
+    (plan,) = plan_arrays([spec])
+    assert plan.chunk_shape == (2, 4) and not plan.replicated
+    assert [c.writer for c in plan.chunks] == [0, 0, 1, 1, 1]
+    assert sum(np.prod(c.shape) for c in plan.chunks) == 40
+
+
+def test_plan_spreads_replicated_writes_and_splits_large_arrays():
+    specs = [_spec(f"t{i}", (100,), *[(r, (0,), (100,)) for r in range(4)]) for i in range(8)]
+    big = _spec("big", (1000, 10), *[(r, (0, 0), (1000, 10)) for r in range(4)])
+    plans = plan_arrays(specs + [big], split_bytes=10_000)
+    writers = [c.writer for p in plans for c in p.chunks]
+    assert {0, 1, 2, 3} <= set(writers)
+    (bp,) = [p for p in plans if p.spec.name == "big"]
+    assert len(bp.chunks) == 4 and bp.chunk_shape == (250, 10) and len({c.writer for c in bp.chunks}) == 4
+
+
+def test_plan_rejects_overlaps_and_gaps():
+    with pytest.raises(ReshardError, match="overlap"):
+        plan_arrays([_spec("w", (8,), (0, (0,), (5,)), (1, (3,), (5,)))])
+    with pytest.raises(ReshardError, match="gaps"):
+        plan_arrays([_spec("w", (8,), (0, (0,), (3,)), (1, (4,), (4,)))])
+
+
+def test_plan_inlines_single_elements():
+    (p,) = plan_arrays([_spec("s", (), (0, (), ()))])
+    assert p.chunks[0].inline and p.chunks[0].nbytes == 0
+
+
+def test_cli_ls_and_verify(tmp_path):
+    src = _state(0)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, src)
+        ck.save(2, src)
+    runner = CliRunner()
+    out = runner.invoke(cli, ["ls", str(tmp_path), "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["status"] == "committed" for r in rows)
+    assert rows[0]["world_size"] == 1 and rows[0]["bytes"] > 0
+    table = runner.invoke(cli, ["ls", str(tmp_path)])
+    assert table.exit_code == 0 and "committed" in table.output
+    assert runner.invoke(cli, ["verify", str(tmp_path)]).exit_code == 0
+    chunk = next((tmp_path / commit.version_dirname(2) / "state" / "model").rglob("c/0/0"))
+    raw = bytearray(chunk.read_bytes())
+    raw[0] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    bad = runner.invoke(cli, ["verify", str(tmp_path)])
+    assert bad.exit_code == 1 and "BAD" in bad.output and str(chunk.relative_to(tmp_path / "v000000000002")) in bad.output
+    assert runner.invoke(cli, ["verify", str(tmp_path), "--step", "1"]).exit_code == 0
+    missing = runner.invoke(cli, ["ls", str(tmp_path / "nope")])
+    assert missing.exit_code == 3 and "error" in missing.output
+
+
+def test_restore_of_empty_root_returns_none_and_unknown_step_raises(tmp_path):
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(_state()) is None
+        with pytest.raises(ckpt.VersionNotFoundError):
+            ck.restore(_state(), step=3)
