@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "make_comms"]
+__all__ = ["Comm", "make_comms", "destroy_comms"]
 
 
 class Comm:
@@ -57,3 +57,14 @@ def make_comms(timeout: timedelta) -> tuple[Comm, Comm]:
     ctl = dist.new_group(backend="gloo", timeout=timeout)
     data = dist.new_group(backend="gloo", timeout=timeout)
     return Comm(ctl, rank, world), Comm(data, rank, world)
+
+
+def destroy_comms(*comms: Comm) -> None:
+    """Free the groups' gloo connections (best effort: the job may be tearing down)."""
+    for c in comms:
+        if c.group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(c.group)
+            except (RuntimeError, ValueError):
+                pass
+            c.group = None

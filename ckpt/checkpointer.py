@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_tasks
-from ckpt._dist import make_comms
+from ckpt._dist import destroy_comms, make_comms
 from ckpt._staging import Arena, StageTask, assign_offsets, stage
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import bind, encode_state
@@ -121,7 +121,12 @@ class Checkpointer:
         self.root = _resolve_root(root, self.rank)
         self._ctx = self._open_root()
         self._tier = LocalTier(self.root)
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
         self._copy_pool = ThreadPoolExecutor(max(1, self.config.copy_threads - 1), thread_name_prefix="ckpt-copy")
         self._writer_pool = ThreadPoolExecutor(self.config.writer_threads, thread_name_prefix="ckpt-write")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
@@ -289,7 +294,12 @@ class Checkpointer:
         self._wait_pending()
         excluded: set[int] = set()
         while True:
-            views: list[list[Candidate]] = self._ctl.all_gather(self._tier.committed())
+            try:
+                mine, error = self._tier.committed(), None
+            except CkptError as e:
+                mine, error = [], e
+            self._agree(error, TierUnavailableError)
+            views: list[list[Candidate]] = self._ctl.all_gather(mine)
             chosen = choose_step(views, step, frozenset(excluded))
             if chosen is None:
                 if step is not None:
@@ -308,7 +318,7 @@ class Checkpointer:
         mine = next((c for c in views[self.rank] if c.step == step), None)
         holders = [r for r, v in enumerate(views) if any(c.step == step for c in v)]
         raw, error = None, None
-        if self.rank == holders[0] or mine is not None:
+        if mine is not None:
             try:
                 raw = self._tier.manifest(step).to_json()
             except CkptError as e:
@@ -362,13 +372,19 @@ class Checkpointer:
         log.info("rank %d step %d: restored", self.rank, step)
 
     def _agree(self, error: BaseException | None, kind: type[CkptError]) -> None:
-        """Collective: raise on every rank if any rank failed, so none is left in a collective."""
-        causes = self._ctl.all_gather(None if error is None else str(error))
-        if error is not None:
+        """Collective: if any rank failed, raise on every rank, so none is left waiting in a collective.
+
+        A corrupt version anywhere makes every rank raise CorruptVersionError, so that
+        restore() falls back to an older version on all ranks together.
+        """
+        causes = self._ctl.all_gather(None if error is None else (isinstance(error, CorruptVersionError), str(error)))
+        bad = {r: c[1] for r, c in enumerate(causes) if c}
+        if not bad:
+            return
+        corrupt = any(c[0] for c in causes if c)
+        if error is not None and (isinstance(error, CorruptVersionError) or not corrupt):
             raise error
-        bad = {r: c for r, c in enumerate(causes) if c}
-        if bad:
-            raise kind(str(RankFailures(bad)))
+        raise (CorruptVersionError if corrupt else kind)(str(RankFailures(bad)))
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -389,6 +405,7 @@ class Checkpointer:
             self._arena.release()
             if self._lock is not None:
                 self._lock.release()
+            destroy_comms(self._ctl, self._data)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -91,12 +91,20 @@ class PreparedVersion:
 
 
 def prepared_versions(root: str) -> list[PreparedVersion]:
-    """Unpublished tmp directories, with whether they reached the prepare phase."""
+    """Unpublished tmp directories, with whether they reached the prepare phase.
+
+    After an overwrite's RENAME_EXCHANGE the tmp name holds the *old* version (another
+    save_id) until it is deleted; that is not a prepared save and must never be rolled
+    forward, so a tmp directory counts as prepared only if its root info names its save.
+    """
     out = []
     for e in _entries(root):
         m = _TMP.match(e.name)
         if m:
-            has = os.path.isfile(os.path.join(e.path, MANIFEST_NAME))
+            has = (
+                os.path.isfile(os.path.join(e.path, MANIFEST_NAME))
+                and read_root_info(e.path).get("save_id") == m.group(2)
+            )
             out.append(PreparedVersion(int(m.group(1)), m.group(2), e.name, has))
     return sorted(out, key=lambda p: p.step)
 
@@ -182,7 +190,7 @@ def publish(root: str, tmp_name: str, step: int, *, overwrite: bool) -> None:
             raise FileExistsError(final)
         if exchange_dirs(tmp, final):
             fsync_dir(root)
-            shutil.rmtree(tmp, ignore_errors=True)  # now the old version
+            _discard(root, tmp)  # now the old version
             return
         # No RENAME_EXCHANGE: move the old version aside first; recovery restores it on a crash.
         aside = os.path.join(root, TRASH_NAME, f"{version_dirname(step)}.old-{tmp_name[-32:]}")
@@ -197,7 +205,18 @@ def publish(root: str, tmp_name: str, step: int, *, overwrite: bool) -> None:
 
 
 def remove_tmp(root: str, tmp_name: str) -> None:
-    shutil.rmtree(os.path.join(root, tmp_name), ignore_errors=True)
+    _discard(root, os.path.join(root, tmp_name))
+
+
+def _discard(root: str, path: str) -> None:
+    """Move into the trash with one rename, then delete: a crash mid-delete leaves only trash."""
+    if not os.path.exists(path):
+        return
+    trash = os.path.join(root, TRASH_NAME)
+    os.makedirs(trash, mode=DIR_MODE, exist_ok=True)
+    target = os.path.join(trash, f"{os.path.basename(path)}.del-{os.getpid()}")
+    os.rename(path, target)
+    shutil.rmtree(target, ignore_errors=True)
 
 
 def delete_version(root: str, step: int) -> None:

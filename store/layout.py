@@ -5,8 +5,9 @@ zarr chunk grid whose every chunk lies inside one held region, and one writer pe
 chunk. No I/O happens here, so the rules can be tested exhaustively.
 
 Rules:
-- The chunk size along a dimension is the gcd of every region boundary on it, so a
-  chunk never straddles two ranks' regions: one writer per chunk, no read-modify-write.
+- The chunk size along a dimension is the gcd of the region boundaries inside the array,
+  so a chunk never straddles two ranks' regions: one writer per chunk, no
+  read-modify-write. The last chunk may be partial (zero-padded on disk).
 - A region held by several ranks (replicated data) is written once, by the holder
   with the fewest bytes assigned so far; large replicated arrays are split along
   dim 0 so the writing is spread over the holders.
@@ -80,12 +81,19 @@ def chunk_file(array_path: str, index: Sequence[int]) -> str:
 
 
 def _grid(spec: ArraySpec, regions: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...]:
+    """gcd of the interior region boundaries per dimension.
+
+    The array's end is left out: zarr's edge chunk may be partial, so a ceil-split such as
+    DTensor's 50257 rows over 4 ranks (12565 x 3 + 12562) keeps 12565-row chunks.
+    """
     chunk = []
     for d, extent in enumerate(spec.shape):
-        g = extent
+        g = 0
         for off, shp in regions:
-            g = math.gcd(g, off[d], off[d] + shp[d])
-        chunk.append(max(g, 1))
+            for b in (off[d], off[d] + shp[d]):
+                if b != extent:
+                    g = math.gcd(g, b)
+        chunk.append(g or max(extent, 1))
     return tuple(chunk)
 
 

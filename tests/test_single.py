@@ -116,9 +116,22 @@ def _spec(name, shape, *regions, dtype="float32"):
 def test_plan_uneven_shards_get_gcd_chunks_with_one_writer_each():
     spec = _spec("w", (10, 4), (0, (0, 0), (4, 4)), (1, (4, 0), (6, 4)))
     (plan,) = plan_arrays([spec])
-    assert plan.chunk_shape == (2, 4) and not plan.replicated
-    assert [c.writer for c in plan.chunks] == [0, 0, 1, 1, 1]
+    assert plan.chunk_shape == (4, 4) and not plan.replicated
+    assert [c.writer for c in plan.chunks] == [0, 1, 1]
+    assert [c.shape for c in plan.chunks] == [(4, 4), (4, 4), (2, 4)]  # the edge chunk is partial
     assert sum(np.prod(c.shape) for c in plan.chunks) == 40
+    spec = _spec("w", (6, 4), (0, (0, 0), (2, 4)), (1, (2, 0), (3, 4)), (2, (5, 0), (1, 4)))
+    (plan,) = plan_arrays([spec])
+    assert plan.chunk_shape == (1, 4) and [c.writer for c in plan.chunks] == [0, 0, 1, 1, 1, 2]
+
+
+def test_plan_ceil_split_like_dtensor_keeps_one_chunk_per_rank():
+    rows = [12565, 12565, 12565, 12562]  # 50257 rows over 4 ranks
+    offsets = [0, 12565, 25130, 37695]
+    spec = _spec("emb", (50257, 8), *[(r, (o, 0), (n, 8)) for r, (o, n) in enumerate(zip(offsets, rows))])
+    (plan,) = plan_arrays([spec])
+    assert plan.chunk_shape == (12565, 8) and [c.writer for c in plan.chunks] == [0, 1, 2, 3]
+    assert plan.chunks[-1].shape == (12562, 8) and plan.chunks[-1].nbytes == 12565 * 8 * 4
 
 
 def test_plan_spreads_replicated_writes_and_splits_large_arrays():

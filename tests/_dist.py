@@ -1,0 +1,158 @@
+"""Run a test scenario on N real processes joined by a gloo process group.
+
+The parent (pytest) calls `launch(module_file, "scenario_name", world, workdir, **kwargs)`.
+It starts `world` fresh Python processes running this file; each joins a gloo group
+through a FileStore under `workdir`, calls `scenario_name(ctx, **kwargs)` from
+`module_file`, and writes `workdir/<tag>.rank<r>.json` with the scenario's result and
+the failed checks. The parent raises AssertionError if any process failed, timed out,
+recorded a failed check or wrote no result, so a broken library fails the test.
+
+Checks inside a scenario go through `ctx.check(cond, msg)`: a failed check is recorded
+and the scenario goes on, so no rank leaves the others hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    workdir: Path
+    failures: list[str] = field(default_factory=list)
+    section: str = "main"  # failed checks are reported as "[section] rank r: message"
+
+    def check(self, cond: Any, msg: str) -> bool:
+        if not cond:
+            self.failures.append(f"[{self.section}] rank {self.rank}: {msg}")
+        return bool(cond)
+
+
+def launch(
+    module_file: str, scenario: str, world: int, workdir: Path, *, timeout: float = 120, **kwargs: Any
+) -> tuple[list[Any], list[str]]:
+    """Run `scenario` on `world` processes: (each rank's result, every failed check).
+
+    Raises AssertionError when a process crashed, timed out or wrote no result.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = f"{scenario}-{uuid.uuid4().hex[:8]}"
+    store = workdir / f"{tag}.store"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # Several ranks share few cores: one intra-op thread each keeps them from thrashing.
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("PYTHONHASHSEED", None)  # each process hashes differently, as in a real job
+    spec = json.dumps(
+        {
+            "module": str(module_file),
+            "scenario": scenario,
+            "kwargs": kwargs,
+            "tag": tag,
+            "store": str(store),
+            "workdir": str(workdir),
+        }
+    )
+    procs = []
+    logs = []
+    for rank in range(world):
+        log = open(workdir / f"{tag}.rank{rank}.log", "wb")  # noqa: SIM115 - closed in the finally below
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, spec, str(rank), str(world)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    first_failure: float | None = None
+    timed_out = False
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if any(p.returncode not in (None, 0) for p in procs) and first_failure is None:
+                first_failure = now
+            # A dead rank leaves the others blocked in a collective: give them a moment, then stop them.
+            if now > deadline or (first_failure is not None and now - first_failure > 10):
+                timed_out = now > deadline
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    problems: list[str] = []
+    failures: list[str] = []
+    results: list[Any] = []
+    for rank, p in enumerate(procs):
+        out = (workdir / f"{tag}.rank{rank}.log").read_text(errors="replace")
+        res_path = workdir / f"{tag}.rank{rank}.json"
+        res = json.loads(res_path.read_text()) if res_path.exists() else None
+        if p.returncode != 0 or res is None:
+            problems.append(
+                f"rank {rank}: exit code {p.returncode}{' (timed out)' if timed_out else ''}, "
+                f"result {'missing' if res is None else 'written'}\n--- output ---\n{out[-4000:]}"
+            )
+            if res is not None:
+                problems.extend(res["failures"])
+        else:
+            failures.extend(res["failures"])
+            results.append(res["result"])
+    if problems:
+        raise AssertionError(f"{scenario} on {world} ranks failed:\n" + "\n".join(problems + failures))
+    return results, failures
+
+
+def _worker(spec_json: str, rank: int, world: int) -> int:
+    spec = json.loads(spec_json)
+    import torch.distributed as dist
+
+    ctx = Ctx(rank, world, Path(spec["workdir"]))
+    out_path = Path(spec["workdir"]) / f"{spec['tag']}.rank{rank}.json"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{spec['store']}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        mod_spec = importlib.util.spec_from_file_location("_scenarios", spec["module"])
+        assert mod_spec is not None and mod_spec.loader is not None
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        result = getattr(module, spec["scenario"])(ctx, **spec["kwargs"])
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - reported to the parent, then the process exits 1
+        traceback.print_exc()
+        ctx.failures.append(f"rank {rank}: exception\n{traceback.format_exc()}")
+        out_path.write_text(json.dumps({"failures": ctx.failures, "result": None}))
+        sys.stdout.flush()
+        os._exit(1)  # peers may be stuck in a collective; do not wait for a clean shutdown
+    tmp = out_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"failures": ctx.failures, "result": result}))
+    os.replace(tmp, out_path)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

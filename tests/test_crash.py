@@ -1,0 +1,314 @@
+"""Real crashes: a child process is SIGKILLed in the middle of a save, then the parent
+checks that only complete versions are listed, that they restore bitwise, and that
+opening the root again removes every leftover tmp directory.
+
+Two kinds of crash:
+- at a named point of the commit protocol (store/faults.py, armed through CKPT_FAULT);
+- from the outside, at a random moment, while the child saves step after step.
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt import Checkpointer
+
+REPO = Path(__file__).resolve().parents[1]
+FAULT_POINTS = ["after-stage", "after-write", "after-prepare", "after-publish"]
+
+
+# -- helpers shared with the child processes (inlined into their scripts) ----------------
+
+
+def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+
+
+def state_for(step: int) -> dict[str, Any]:
+    """The state the looping child saves at `step`: a pure function of the step."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.full((64, 1024), float(step)),
+        "r": torch.randn(300, 70, generator=g),
+        "i": torch.arange(1000, dtype=torch.int64) * step,
+        "h": torch.randn(33, generator=g).to(torch.float16),
+        "s": torch.tensor(step),
+        "meta": {"step": step, "tag": f"s{step}"},
+    }
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("CKPT_FAULT", None)
+    env.pop("CKPT_FAULT_RANK", None)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Path:
+    helpers = "\n\n".join(inspect.getsource(f) for f in (build, train, state_for))
+    header = "from __future__ import annotations\nimport os, sys\nfrom typing import Any\nimport torch\n"
+    path = tmp_path / name
+    path.write_text(header + "\n" + helpers + "\n\n" + textwrap.dedent(body))
+    return path
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    """Bitwise equality of nested state dicts (tensors compared with torch.equal and dtype)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: {type(b).__name__} is not a tensor"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        )
+        assert torch.equal(a, b), f"{where}: values differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def tmp_dirs(root: Path) -> list[str]:
+    return glob.glob(os.path.join(root, "*.tmp-*"))
+
+
+# -- crashes at the protocol's fault points --------------------------------------------
+
+FAULT_CHILD = """
+fault = os.environ.pop("CKPT_FAULT")  # armed for step 2 only
+from ckpt import Checkpointer
+
+root, expected = sys.argv[1], sys.argv[2]
+model, opt = build(0)
+train(model, opt, 3)
+state = {"model": model, "optim": opt, "extra": {"step": 1, "note": "one"}}
+with Checkpointer(root) as ck:
+    ck.save(1, state)
+    ck.wait()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "extra": dict(state["extra"])}, expected + ".1")
+    train(model, opt, 2)
+    state["extra"] = {"step": 2, "note": "two"}
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "extra": dict(state["extra"])}, expected + ".2")
+    os.environ["CKPT_FAULT"] = fault
+    ck.save(2, state)
+    ck.wait()
+sys.exit(17)  # the fault point should have killed us before this
+"""
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_sigkill_at_fault_point(tmp_path: Path, point: str) -> None:
+    root = tmp_path / "root"
+    expected = tmp_path / "expected"
+    script = _script(tmp_path, "child.py", FAULT_CHILD)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root), str(expected)],
+        env=_child_env(CKPT_FAULT=point),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, f"child exited {proc.returncode}\n{out}\n{err}"
+
+    # Before recovery: an unpublished save leaves at most a tmp dir, never a listed version.
+    committed_before = sorted(int(p.name[1:]) for p in root.iterdir() if p.name.startswith("v") and "." not in p.name)
+    want_step = 2 if point == "after-publish" else 1
+    if point in ("after-write", "after-prepare"):
+        assert tmp_dirs(root), "the crash should have left the unfinished save behind"
+    assert committed_before == ([1, 2] if point == "after-publish" else [1])
+
+    with Checkpointer(root) as ck:
+        assert tmp_dirs(root) == [], "recovery must remove unfinished saves"
+        assert ck.steps() == ([1, 2] if point == "after-publish" else [1])
+        assert ck.latest_step() == want_step
+        model, opt = build(1234)  # other initial values, no optimizer state yet
+        state: dict[str, Any] = {"model": model, "optim": opt, "extra": {}}
+        assert ck.restore(state) == want_step
+        # The root takes new saves, also of the step whose save was torn.
+        assert ck.save(want_step + 1, state) is True
+        ck.wait()
+        assert ck.steps() == list(range(1, want_step + 2))
+    ref = torch.load(f"{expected}.{want_step}", weights_only=True)
+    assert_same(ref["model"], model.state_dict(), "model")
+    assert_same(ref["optim"], opt.state_dict(), "optim")
+    assert state["extra"] == ref["extra"]
+    if point == "after-publish":  # the older version is still there and intact
+        model1, opt1 = build(99)
+        with Checkpointer(root) as ck:
+            assert ck.restore({"model": model1, "optim": opt1, "extra": {}}, step=1) == 1
+        ref1 = torch.load(f"{expected}.1", weights_only=True)
+        assert_same(ref1["model"], model1.state_dict(), "model")
+        assert_same(ref1["optim"], opt1.state_dict(), "optim")
+    assert tmp_dirs(root) == []
+
+
+# -- crashes at random moments ----------------------------------------------------------
+
+LOOP_CHILD = """
+from ckpt import Checkpointer
+
+root = sys.argv[1]
+with Checkpointer(root) as ck:
+    start = (ck.latest_step() or 0) + 1
+    for step in range(start, start + 1_000_000):
+        ck.save(step, state_for(step))
+        if step == start:
+            ck.wait()
+            print("ready", step, flush=True)
+"""
+
+
+def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> int:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith("ready "):
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the child did not get ready: {line!r}\n{err}")
+    return int(line.split()[1])
+
+
+def test_sigkill_at_random_moments(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    script = _script(tmp_path, "loop.py", LOOP_CHILD)
+    rng = random.Random(20240601)
+    checked: set[int] = set()
+    for iteration in range(5):
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(root)],
+            env=_child_env(),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            first = _wait_ready(proc, 60)
+            time.sleep(rng.uniform(0.0, 0.4))
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == -signal.SIGKILL, f"iteration {iteration}: child exited {proc.returncode}"
+
+        with Checkpointer(root) as ck:
+            assert tmp_dirs(root) == [], "recovery must remove unfinished saves"
+            steps = ck.steps()
+            assert first in steps, f"step {first} was committed (waited for) before the kill"
+            assert steps == list(range(1, steps[-1] + 1)), f"steps must be contiguous: {steps}"
+            for step in steps:
+                target = {
+                    k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()
+                }
+                assert ck.restore(target, step=step) == step
+                want = state_for(step)
+                for k, v in want.items():
+                    if isinstance(v, torch.Tensor):
+                        assert torch.equal(target[k], v), f"step {step} {k} differs"
+                    else:
+                        assert target[k] == v, f"step {step} {k}: {target[k]!r} vs {v!r}"
+                checked.add(step)
+            latest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()}
+            assert ck.restore(latest) == steps[-1]
+            assert torch.equal(latest["w"], state_for(steps[-1])["w"])
+        assert tmp_dirs(root) == []
+    assert len(checked) >= 5
+
+
+# -- crashes while overwriting a committed step -------------------------------------------
+
+OVERWRITE_CHILD = """
+point = os.environ.pop("CKPT_FAULT")
+import signal
+import store.commit
+from ckpt import Checkpointer
+
+root = sys.argv[1]
+armed = False
+real_fsync_dir = store.commit.fsync_dir
+
+
+def fsync_then_die(path):
+    # publish() fsyncs the root right after swapping the new version in: die there, before
+    # the swapped-out old version is deleted.
+    real_fsync_dir(path)
+    if armed and os.path.abspath(path) == os.path.abspath(root):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+store.commit.fsync_dir = fsync_then_die
+with Checkpointer(root) as ck:
+    ck.save(5, state_for(1))
+    ck.wait()
+    if point == "after-exchange":
+        armed = True
+    else:
+        os.environ["CKPT_FAULT"] = point
+    ck.save(5, state_for(2), overwrite=True)
+    ck.wait()
+sys.exit(17)
+"""
+
+
+@pytest.mark.parametrize("point", ["after-write", "after-prepare", "after-exchange", "after-publish"])
+def test_sigkill_during_overwrite(tmp_path: Path, point: str) -> None:
+    root = tmp_path / "root"
+    script = _script(tmp_path, "overwrite.py", OVERWRITE_CHILD)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(root)],
+        check=False,
+        env=_child_env(CKPT_FAULT=point),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, f"child exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    # Before the swap the old version is the committed one; from the swap on, the new one.
+    want = state_for(1) if point in ("after-write", "after-prepare") else state_for(2)
+    with Checkpointer(root) as ck:
+        assert tmp_dirs(root) == [], "recovery must remove unfinished saves"
+        assert ck.steps() == [5]
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()}
+        assert ck.restore(target) == 5
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(target[k], v), f"{k} differs from the {'old' if want is state_for(1) else 'new'} version"
+        else:
+            assert target[k] == v
+    assert not (root / ".trash").exists() or list((root / ".trash").iterdir()) == []
