@@ -1,9 +1,9 @@
 """ckpt: fault-tolerant, asynchronous checkpoints for distributed PyTorch training.
 
-    from ckpt import Checkpointer
-    with Checkpointer("/nvme/ckpt/run1") as ck:
-        start = ck.restore(state)
-        ck.save(step, state)
+from ckpt import Checkpointer
+with Checkpointer("/nvme/ckpt/run1") as ck:
+    start = ck.restore(state)
+    ck.save(step, state)
 """
 
 from ckpt.checkpointer import Checkpointer

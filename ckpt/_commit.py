@@ -86,7 +86,7 @@ def write_tasks(job: SaveJob, tmp_dir: str, pool: ThreadPoolExecutor) -> None:
     arena_np = job.arena.numpy()
 
     def one(task: StageTask) -> tuple[str, list[int], str, str | None]:
-        view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])
+        view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])  # type: ignore[arg-type]
         if task.chunk.inline:
             raw = bytes(view)
             return task.array.spec.name, list(task.chunk.index), xxhash.xxh3_64_hexdigest(raw), raw.hex()

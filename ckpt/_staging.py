@@ -89,7 +89,7 @@ def stage(arena: torch.Tensor, tasks: list[StageTask], pool: ThreadPoolExecutor 
     cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
     cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda]
     if cuda_tasks:
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for t in cuda_tasks:
@@ -102,7 +102,12 @@ def stage(arena: torch.Tensor, tasks: list[StageTask], pool: ThreadPoolExecutor 
             i = 0 if loads[0] <= loads[1] else 1
             lanes[i].append(t)
             loads[i] += t.staged_bytes
-        fut = pool.submit(lambda: [_copy_one(arena, t, False) for t in lanes[1]])
+
+        def other_lane() -> None:
+            for t in lanes[1]:
+                _copy_one(arena, t, False)
+
+        fut = pool.submit(other_lane)
         for t in lanes[0]:
             _copy_one(arena, t, False)
         fut.result()

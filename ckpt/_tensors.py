@@ -15,7 +15,6 @@ from store.errors import UnsupportedStateError
 __all__ = ["TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]
 
 
-
 @dataclass(frozen=True)
 class LocalPiece:
     """A rank's view of one leaf."""
@@ -26,15 +25,10 @@ class LocalPiece:
     offsets: tuple[int, ...]
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
 
 
 def is_tensor_like(value: Any) -> bool:
@@ -45,7 +39,7 @@ def describe(value: Any, key: str) -> LocalPiece:
     """The local piece of a tensor, DTensor, Shard or ndarray; refuses what cannot be stored."""
     if isinstance(value, Shard):
         data, shape, offsets = value.local_tensor, tuple(value.global_shape), tuple(value.offsets)
-    elif _DTENSOR is not None and isinstance(value, _DTENSOR):
+    elif DTensor is not None and isinstance(value, DTensor):
         from torch.distributed.tensor import Partial
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

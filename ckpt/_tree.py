@@ -25,7 +25,14 @@ from store.manifest import escape_component
 
 __all__ = ["Leaf", "encode_state", "bind", "Bound"]
 
-TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = "__tensor__", "__object__", "__tuple__", "__dict__", "__float__", "__ndarray__"
+TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = (
+    "__tensor__",
+    "__object__",
+    "__tuple__",
+    "__dict__",
+    "__float__",
+    "__ndarray__",
+)
 _MARKERS = {TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY}
 _KEY_TYPES = (str, int, bool, type(None))
 
@@ -121,7 +128,7 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
     def b(s: Any, t: Any, path: tuple[Any, ...]) -> Callable[[], Any]:
         key = _key_str(path)
         if isinstance(s, dict) and (TENSOR in s or NDARRAY in s):
-            name = s.get(TENSOR, s.get(NDARRAY))
+            name = str(s.get(TENSOR, s.get(NDARRAY)))
             is_array = NDARRAY in s
             if t is not None and not is_tensor_like(t):
                 raise StateMismatchError(f"{key}: the checkpoint has a tensor here, the state has {type(t).__name__}")
@@ -131,7 +138,9 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
             return lambda: out.results[name]
         if isinstance(s, dict) and OBJECT in s:
             if not _has_state_dict(t):
-                raise StateMismatchError(f"{key}: the checkpoint has an object with state here, the state has {t!r:.60}")
+                raise StateMismatchError(
+                    f"{key}: the checkpoint has an object with state here, the state has {t!r:.60}"
+                )
             if isinstance(t, torch.optim.Optimizer) and _tree_has_tensor(s[OBJECT]):
                 _init_optimizer_state(t)
             sd = t.state_dict()

@@ -219,7 +219,9 @@ class Checkpointer:
         except CkptError as e:
             error = e
         exists = self._ctx.is_leader and step in commit.committed_steps(self.root)
-        info = self._ctl.all_gather((hash(tuple(local)), exists, uuid.uuid4().hex, None if error is None else str(error)))
+        info = self._ctl.all_gather(
+            (hash(tuple(local)), exists, uuid.uuid4().hex, None if error is None else str(error))
+        )
         failures = {r: e for r, (_, _, _, e) in enumerate(info) if e}
         if error is not None:
             raise error
@@ -303,7 +305,9 @@ class Checkpointer:
             chosen = choose_step(views, step, frozenset(excluded))
             if chosen is None:
                 if step is not None:
-                    raise VersionNotFoundError(f"step {step} is not committed where every rank can reach it ({self.root})")
+                    raise VersionNotFoundError(
+                        f"step {step} is not committed where every rank can reach it ({self.root})"
+                    )
                 return None
             try:
                 self._load(chosen, views, state)
@@ -362,9 +366,7 @@ class Checkpointer:
         self._agree(error, StateMismatchError)
         version_dir = self._tier.version_dir(step) if mine is not None else None
         local_writers = set(mine.writers) if mine is not None else set()
-        load_arrays(
-            self._ctl, version_dir, manifest, requests, local_writers, verify=self.config.verify_on_restore
-        )
+        load_arrays(self._ctl, version_dir, manifest, requests, local_writers, verify=self.config.verify_on_restore)
         assert bound is not None
         bound.finish()
         if self.config.capture_rng and entry.rng is not None:

@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,9 +29,7 @@ WORLD = 2
 
 
 def _model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1))
 
 
 def _worker(rank: int, port: int, out_dir: str, ckpt_dir: str | None, steps: int, every: int, crash_at: int) -> None:
@@ -45,20 +44,30 @@ def _worker(rank: int, port: int, out_dir: str, ckpt_dir: str | None, steps: int
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     torch.manual_seed(100 + rank)
-    state = {"model": model, "optim": opt, "sched": sched, "sampler": sampler, "step": 0, "epoch": 0, "losses": []}
+    state: dict[str, Any] = {
+        "model": model,
+        "optim": opt,
+        "sched": sched,
+        "sampler": sampler,
+        "step": 0,
+        "epoch": 0,
+        "losses": [],
+    }
     ck = Checkpointer(ckpt_dir) if ckpt_dir else None
     if ck is not None and ck.restore(state) is not None and rank == 0:
         print(f"  rank 0 resumed from step {state['step']} (epoch {state['epoch']}, sample {sampler.position})")
-    step, epoch = state["step"], state["epoch"]
+    step: int = state["step"]
+    epoch: int = state["epoch"]
     while step < steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             for p in model.parameters():
+                assert p.grad is not None
                 dist.all_reduce(p.grad)
-                p.grad /= WORLD
+                p.grad.div_(WORLD)
             opt.step()
             sched.step()
             step += 1
@@ -68,7 +77,9 @@ def _worker(rank: int, port: int, out_dir: str, ckpt_dir: str | None, steps: int
                 t0 = time.perf_counter()
                 ck.save(step, state)
                 if rank == 0:
-                    print(f"  step {step}: saved asynchronously, training stalled {1e3 * (time.perf_counter() - t0):.1f} ms")
+                    print(
+                        f"  step {step}: saved asynchronously, training stalled {1e3 * (time.perf_counter() - t0):.1f} ms"
+                    )
             if step == crash_at:
                 if rank == 0:
                     print(f"  step {step}: both ranks exit abruptly (os._exit), no clean shutdown")
@@ -92,7 +103,8 @@ def _run(out_dir: str, ckpt_dir: str | None, steps: int, every: int, crash_at: i
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(_worker, (port, out_dir, ckpt_dir, steps, every, crash_at), nprocs=WORLD, start_method="spawn")
+    args = (port, out_dir, ckpt_dir, steps, every, crash_at)
+    mp.start_processes(_worker, args, nprocs=WORLD, start_method="spawn")  # type: ignore[attr-defined,no-untyped-call]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         same_loss = ref["losses"] == got["losses"]
         same_w = ref["weights"] == got["weights"]
         ok &= same_loss and same_w
-        print(f"rank {rank}: {len(got['losses'])} losses identical to reference: {same_loss}; final weights identical: {same_w}")
+        print(
+            f"rank {rank}: {len(got['losses'])} losses identical to reference: {same_loss}; final weights identical: {same_w}"
+        )
     print(f"final loss {got['losses'][-1]:.6f}; checkpoints: `ckpt ls {ckpt_dir}`")
     print("RESULT:", "resumed run is bit-exact" if ok else "MISMATCH")
     return 0 if ok else 1

@@ -26,7 +26,7 @@ def _unb64(s: str) -> torch.Tensor:
 
 def capture_rng() -> dict[str, Any]:
     version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": {"version": version, "state": list(mt), "gauss": gauss},
         "numpy": {
@@ -39,7 +39,7 @@ def capture_rng() -> dict[str, Any]:
         "torch": _b64(torch.get_rng_state()),
         "cuda": [],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
@@ -49,9 +49,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     npst = state["numpy"]
     keys = np.frombuffer(base64.b64decode(npst["keys"]), dtype="<u4").astype(np.uint32)
-    np.random.set_state(
-        (npst["name"], keys, npst["pos"], npst["has_gauss"], float.fromhex(npst["cached_gaussian"]))
-    )
+    np.random.set_state((npst["name"], keys, npst["pos"], npst["has_gauss"], float.fromhex(npst["cached_gaussian"])))
     torch.set_rng_state(_unb64(state["torch"]))
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available():

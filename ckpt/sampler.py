@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
+from torch.utils.data import DistributedSampler as _TorchSampler
 
 from store.errors import ReshardError, StateMismatchError
-from torch.utils.data import DistributedSampler as _TorchSampler
 
 __all__ = ["DistributedSampler"]
 
@@ -85,8 +85,9 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["dataset_len"] != len(self.dataset):  # type: ignore[arg-type]
-            raise StateMismatchError(f"sampler was saved over {state['dataset_len']} samples, the dataset has {len(self.dataset)}")  # type: ignore[arg-type]
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if state["dataset_len"] != size:
+            raise StateMismatchError(f"sampler was saved over {state['dataset_len']} samples, the dataset has {size}")
         if state["num_replicas"] != self.num_replicas:
             raise ReshardError(
                 f"sampler was saved with num_replicas={state['num_replicas']}, now {self.num_replicas}; "

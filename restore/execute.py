@@ -46,7 +46,7 @@ def _overlaps(chunk: ChunkEntry, req: ReadRequest) -> bool:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _place(raw: torch.Tensor, chunk: ChunkEntry, req: ReadRequest) -> None:
@@ -56,8 +56,8 @@ def _place(raw: torch.Tensor, chunk: ChunkEntry, req: ReadRequest) -> None:
     full = raw.view(ZARR_TO_TORCH[a.data_type]).view(shape)
     lo = [max(c, d) for c, d in zip(chunk.offsets, req.offsets)]
     hi = [min(c + cs, d + ds) for c, cs, d, ds in zip(chunk.offsets, chunk.shape, req.offsets, req.dest.shape)]
-    src = full[tuple(slice(l - c, h - c) for l, h, c in zip(lo, hi, chunk.offsets))]
-    req.dest[tuple(slice(l - d, h - d) for l, h, d in zip(lo, hi, req.offsets))].copy_(src)
+    src = full[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk.offsets))]
+    req.dest[tuple(slice(a - d, b - d) for a, b, d in zip(lo, hi, req.offsets))].copy_(src)
 
 
 def _direct(chunk: ChunkEntry, req: ReadRequest) -> bool:
@@ -100,10 +100,10 @@ def load_arrays(
     views = comm.all_gather((remote, sorted(local_writers) if version_dir is not None else []))
     error: BaseException | None = None
     # Transfers first, in one global order, so every rank joins the same broadcasts.
-    needed = sorted({tuple(k) for v, _ in views for k in v})  # type: ignore[union-attr]
+    needed = sorted({tuple(k) for v, _ in views for k in v})
     for name, index in needed:
         chunk = _chunk(manifest, (name, index))
-        holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]  # type: ignore[operator]
+        holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]
         if not holders:
             error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
             continue
@@ -157,4 +157,3 @@ def _chunk(manifest: Manifest, key: tuple[str, tuple[int, ...]]) -> ChunkEntry:
 def full_tensor(array: ArrayEntry) -> torch.Tensor:
     """A fresh CPU tensor for an array the live state has no tensor for."""
     return torch.empty(tuple(array.shape), dtype=ZARR_TO_TORCH[array.data_type])
-

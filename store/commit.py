@@ -101,10 +101,9 @@ def prepared_versions(root: str) -> list[PreparedVersion]:
     for e in _entries(root):
         m = _TMP.match(e.name)
         if m:
-            has = (
-                os.path.isfile(os.path.join(e.path, MANIFEST_NAME))
-                and read_root_info(e.path).get("save_id") == m.group(2)
-            )
+            has = os.path.isfile(os.path.join(e.path, MANIFEST_NAME)) and read_root_info(e.path).get(
+                "save_id"
+            ) == m.group(2)
             out.append(PreparedVersion(int(m.group(1)), m.group(2), e.name, has))
     return sorted(out, key=lambda p: p.step)
 

@@ -113,7 +113,10 @@ def plan_arrays(specs: Sequence[ArraySpec], *, split_bytes: int = 64 << 20) -> l
     """Plan every array; deterministic, so every rank computes the same plan from the same specs."""
     load: dict[int, int] = {}
     pending: list[tuple[int, str, int, tuple[int, ...], list[int], ArraySpec, tuple[int, ...], tuple[int, ...]]] = []
-    plans: dict[str, tuple[ArraySpec, tuple[int, ...], bool, tuple]] = {}
+    plans: dict[
+        str,
+        tuple[ArraySpec, tuple[int, ...], bool, tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]],
+    ] = {}
     for spec in sorted(specs, key=lambda s: s.name):
         size = itemsize(spec.data_type)
         regions = _distinct_regions(spec)
@@ -144,9 +147,7 @@ def plan_arrays(specs: Sequence[ArraySpec], *, split_bytes: int = 64 << 20) -> l
                 covered += math.prod(c_shp)
                 pending.append((nbytes, spec.name, 0, index, sorted(holders), spec, c_off, c_shp))
         if covered != numel:
-            raise ReshardError(
-                f"{spec.name}: the ranks' regions leave gaps ({covered} of {numel} elements covered)"
-            )
+            raise ReshardError(f"{spec.name}: the ranks' regions leave gaps ({covered} of {numel} elements covered)")
     # Largest first onto the least-loaded holder: spreads replicated writes over ranks.
     pending.sort(key=lambda p: (-p[0], p[1], p[3]))
     chunks: dict[str, list[ChunkPlan]] = {name: [] for name in plans}

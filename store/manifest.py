@@ -188,7 +188,10 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
     chunk_shape = _ints(doc.get("chunk_shape"), f"{name}.chunk_shape", lo=1)
     if len(chunk_shape) != len(shape):
         raise ManifestError(f"array {name!r}: chunk_shape and shape differ in rank", path=name)
-    if math.prod(shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES or math.prod(chunk_shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES:
+    if (
+        math.prod(shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES
+        or math.prod(chunk_shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES
+    ):
         raise ManifestError(f"array {name!r}: shape {shape} is absurdly large", path=name)
     chunk_bytes = math.prod(chunk_shape) * ITEMSIZE[dtype]
     grid = [math.ceil(s / c) for s, c in zip(shape, chunk_shape)]
@@ -278,5 +281,5 @@ def parse_manifest(raw: bytes) -> Manifest:
         trees=trees,
         ranks=tuple(ranks),
         roots=roots,
-        meta=doc.get("meta") if isinstance(doc.get("meta"), dict) else {},
+        meta=doc["meta"] if isinstance(doc.get("meta"), dict) else {},
     )

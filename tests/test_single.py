@@ -175,7 +175,9 @@ def test_cli_ls_and_verify(tmp_path):
     raw[0] ^= 0xFF
     chunk.write_bytes(bytes(raw))
     bad = runner.invoke(cli, ["verify", str(tmp_path)])
-    assert bad.exit_code == 1 and "BAD" in bad.output and str(chunk.relative_to(tmp_path / "v000000000002")) in bad.output
+    assert (
+        bad.exit_code == 1 and "BAD" in bad.output and str(chunk.relative_to(tmp_path / "v000000000002")) in bad.output
+    )
     assert runner.invoke(cli, ["verify", str(tmp_path), "--step", "1"]).exit_code == 0
     missing = runner.invoke(cli, ["ls", str(tmp_path / "nope")])
     assert missing.exit_code == 3 and "error" in missing.output
