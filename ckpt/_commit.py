@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -30,10 +31,11 @@ import xxhash
 from ckpt._dist import Comm
 from ckpt._staging import StageTask
 from store import commit as commit_mod
+from store.dtypes import itemsize
 from store.errors import RankFailures
 from store.faults import fault_point
 from store.fsio import DIR_MODE, fsync_dirs, write_chunk
-from store.layout import ArrayPlan, chunk_file
+from store.layout import ArrayPlan, block_rows, chunk_file
 from store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
 from store.zarr_meta import write_hierarchy
 
@@ -64,7 +66,7 @@ class SaveJob:
     arena: torch.Tensor
     tasks: list[StageTask]  # the last staged batch, still to be written
     error: BaseException | None = None  # a failure while staging or writing in the foreground
-    records: dict[str, list[tuple[list[int], str, str | None]]] = field(default_factory=dict)
+    records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=set)
     stats: SaveStats = field(default_factory=lambda: SaveStats(0))
     started: float = field(default_factory=time.perf_counter)
@@ -85,18 +87,23 @@ def write_tasks(job: SaveJob, tmp_dir: str, pool: ThreadPoolExecutor) -> None:
     """Write the staged chunks of `job.tasks`; record their checksums."""
     arena_np = job.arena.numpy()
 
-    def one(task: StageTask) -> tuple[str, list[int], str, str | None]:
+    def one(task: StageTask) -> tuple[str, list[int], str, str | None, list[str]]:
         view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])  # type: ignore[arg-type]
+        name, index = task.array.spec.name, list(task.chunk.index)
         if task.chunk.inline:
             raw = bytes(view)
-            return task.array.spec.name, list(task.chunk.index), xxhash.xxh3_64_hexdigest(raw), raw.hex()
-        path = os.path.join(tmp_dir, chunk_file(f"{STATE_PREFIX}/{task.array.spec.name}", task.chunk.index))
+            return name, index, xxhash.xxh3_64_hexdigest(raw), raw.hex(), []
+        path = os.path.join(tmp_dir, chunk_file(f"{STATE_PREFIX}/{name}", task.chunk.index))
         os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
-        return task.array.spec.name, list(task.chunk.index), write_chunk(path, view), None
+        item = itemsize(task.array.spec.data_type)
+        rows = block_rows(task.array.chunk_shape, item)
+        row_bytes = math.prod(task.array.chunk_shape[1:]) * item
+        digest, blocks = write_chunk(path, view, block_bytes=rows * row_bytes)
+        return name, index, digest, None, blocks
 
     t0 = time.perf_counter()
-    for name, index, digest, inline in pool.map(one, job.tasks):
-        job.records.setdefault(name, []).append((index, digest, inline))
+    for name, index, digest, inline, blocks in pool.map(one, job.tasks):
+        job.records.setdefault(name, []).append((index, digest, inline, blocks))
     for task in job.tasks:
         if not task.chunk.inline:
             rel = chunk_file(f"{STATE_PREFIX}/{task.array.spec.name}", task.chunk.index)
@@ -112,18 +119,18 @@ def _ancestors(top: str, rel: str) -> list[str]:
 
 
 def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootContext, world: int) -> Manifest:
-    records: dict[str, dict[tuple[int, ...], tuple[str, str | None]]] = {}
+    records: dict[str, dict[tuple[int, ...], tuple[str, str | None, list[str]]]] = {}
     for p in payloads:
         for name, recs in p["records"].items():
-            for index, digest, inline in recs:
-                records.setdefault(name, {})[tuple(index)] = (digest, inline)
+            for index, digest, inline, blocks in recs:
+                records.setdefault(name, {})[tuple(index)] = (digest, inline, blocks)
     arrays = {}
     for plan in job.plans:
         got = records.get(plan.spec.name, {})
         chunks = []
         for c in plan.chunks:
-            digest, inline = got[c.index]
-            chunks.append(ChunkEntry(c.index, c.writer, c.offsets, c.shape, c.nbytes, digest, inline))
+            digest, inline, blocks = got[c.index]
+            chunks.append(ChunkEntry(c.index, c.writer, c.offsets, c.shape, c.nbytes, digest, inline, tuple(blocks)))
         regions = tuple({"offsets": list(o), "shape": list(s), "ranks": list(r)} for o, s, r in plan.regions)
         arrays[plan.spec.name] = ArrayEntry(
             plan.spec.name,
@@ -133,6 +140,7 @@ def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootConte
             plan.replicated,
             regions,
             tuple(chunks),
+            block_rows(plan.chunk_shape, itemsize(plan.spec.data_type)),
         )
     trees: dict[str, Any] = {}
     ranks = []

@@ -12,7 +12,7 @@ import os
 import platform
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from types import TracebackType
@@ -24,16 +24,15 @@ from ckpt._staging import Arena, StageTask, assign_offsets, stage
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import bind, encode_state
 from ckpt.config import CheckpointerConfig
-from ckpt.rng import capture_rng, restore_rng
-from restore.discover import choose_step
-from restore.execute import ReadRequest, full_tensor, load_arrays
-from restore.tiers import Candidate, LocalTier
+from ckpt.rng import capture_rng, restore_rng, seed_new_rank
+from restore.discover import choose_step, reachable_steps
+from restore.execute import ReadRequest, Source, full_tensor, load_arrays
+from restore.tiers import Candidate, LocalTier, Tier
 from store import commit
 from store.errors import (
     CkptError,
     CorruptVersionError,
     RankFailures,
-    ReshardError,
     RootLockedError,
     StateMismatchError,
     TierUnavailableError,
@@ -43,6 +42,7 @@ from store.errors import (
 from store.faults import fault_point
 from store.fsio import DIR_MODE
 from store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
+from store.manifest import parse_manifest
 
 __all__ = ["Checkpointer", "RootSpec"]
 
@@ -104,10 +104,18 @@ class Checkpointer:
 
     Collective under torch.distributed: every rank constructs it, saves and restores
     together. `root` may differ per rank (node-local disks): pass a callable of the
-    rank or a string with {rank}, {local_rank}, {node} or {hostname}.
+    rank or a string with {rank}, {local_rank}, {node} or {hostname}. `tiers` are
+    further places restore() reads from (replica disks, other tiers), in order.
     """
 
-    def __init__(self, root: RootSpec, *, config: CheckpointerConfig | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        root: RootSpec,
+        *,
+        tiers: Sequence[RootSpec | Tier] = (),
+        config: CheckpointerConfig | None = None,
+        **overrides: Any,
+    ) -> None:
         self.config = replace(config or CheckpointerConfig(), **overrides)
         self._ctl, self._data = make_comms(self.config.timeout)
         self.rank, self.world = self._ctl.rank, self._ctl.world
@@ -121,6 +129,9 @@ class Checkpointer:
         self.root = _resolve_root(root, self.rank)
         self._ctx = self._open_root()
         self._tier = LocalTier(self.root)
+        self._tiers: list[Tier] = [self._tier] + [
+            t if isinstance(t, Tier) else LocalTier(_resolve_root(t, self.rank)) for t in tiers
+        ]
         try:
             self._recover()
         except BaseException:
@@ -287,21 +298,29 @@ class Checkpointer:
         return list(self._stats)
 
     def restore(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
-        """Load the newest committed step (or `step`) into `state` in place; None if there is none.
+        """Load the newest intact committed step (or `step`) into `state` in place; None if none.
 
-        A version that turns out corrupt is skipped with a warning for the next older one,
-        unless `step` was given.
+        Every configured tier is searched (this rank's root first). A version that turns out
+        corrupt is skipped with a warning for the next older one, unless `step` was given;
+        a bad chunk is first fetched from another tier that holds it. The state may use
+        another world size or sharding than the one that saved it.
         """
         self._check_open()
         self._wait_pending()
         excluded: set[int] = set()
         while True:
-            try:
-                mine, error = self._tier.committed(), None
-            except CkptError as e:
-                mine, error = [], e
+            mine: list[tuple[int, Candidate]] = []
+            error: BaseException | None = None
+            for i, tier in enumerate(self._tiers):
+                try:
+                    mine += [(i, c) for c in tier.committed()]
+                except CkptError as e:
+                    if i == 0:
+                        error = e
+                    else:
+                        log.warning("rank %d: tier %s is unavailable: %s", self.rank, tier.name, e)
             self._agree(error, TierUnavailableError)
-            views: list[list[Candidate]] = self._ctl.all_gather(mine)
+            views: list[list[Candidate]] = self._ctl.all_gather([c for _, c in mine])
             chosen = choose_step(views, step, frozenset(excluded))
             if chosen is None:
                 if step is not None:
@@ -309,8 +328,14 @@ class Checkpointer:
                         f"step {step} is not committed where every rank can reach it ({self.root})"
                     )
                 return None
+            save_id = reachable_steps(views)[chosen]
+            sources = [
+                (self._tiers[i], Source(self._tiers[i].version_dir(chosen), frozenset(c.writers), self._tiers[i].name))
+                for i, c in mine
+                if c.step == chosen and c.save_id == save_id
+            ]
             try:
-                self._load(chosen, views, state)
+                self._load(chosen, sources, state)
                 return chosen
             except CorruptVersionError as e:
                 if step is not None:
@@ -318,27 +343,27 @@ class Checkpointer:
                 log.warning("rank %d: step %d is not intact (%s); trying an older version", self.rank, chosen, e)
                 excluded.add(chosen)
 
-    def _load(self, step: int, views: list[list[Candidate]], state: Mapping[str, Any]) -> None:
-        mine = next((c for c in views[self.rank] if c.step == step), None)
-        holders = [r for r, v in enumerate(views) if any(c.step == step for c in v)]
+    def _load(self, step: int, sources: list[tuple[Tier, Source]], state: Mapping[str, Any]) -> None:
         raw, error = None, None
-        if mine is not None:
+        for tier, _ in sources:
             try:
-                raw = self._tier.manifest(step).to_json()
+                raw = tier.manifest(step).to_json()
+                break
             except CkptError as e:
                 error = e
+                log.warning("rank %d: manifest of step %d on %s: %s", self.rank, step, tier.name, e)
+        if raw is not None:
+            error = None
+        elif sources and not isinstance(error, CorruptVersionError):
+            error = CorruptVersionError(f"no readable manifest of step {step}: {error}")
         self._agree(error, CorruptVersionError)
-        if any(not any(c.step == step for c in v) for v in views):
-            raw = self._ctl.broadcast(raw, src=holders[0])
-        from store.manifest import parse_manifest
-
-        manifest = parse_manifest(raw)  # type: ignore[arg-type]
-        if manifest.world_size != self.world:
-            raise ReshardError(
-                f"step {step} was saved by {manifest.world_size} ranks, this job has {self.world}; "
-                "restoring onto another world size needs resharding"
-            )
-        entry = manifest.ranks[self.rank]
+        haves = self._ctl.all_gather(raw is not None)
+        if not all(haves):
+            raw = self._ctl.broadcast(raw, src=haves.index(True))
+        assert raw is not None
+        manifest = parse_manifest(raw)
+        saved_world = manifest.world_size
+        entry = manifest.ranks[self.rank % saved_world]
         bound = None
         requests: list[ReadRequest] = []
         error = None
@@ -364,14 +389,23 @@ class Checkpointer:
         except CkptError as e:
             error = e
         self._agree(error, StateMismatchError)
-        version_dir = self._tier.version_dir(step) if mine is not None else None
-        local_writers = set(mine.writers) if mine is not None else set()
-        load_arrays(self._ctl, version_dir, manifest, requests, local_writers, verify=self.config.verify_on_restore)
+        load_arrays(
+            self._ctl,
+            [s for _, s in sources],
+            manifest,
+            requests,
+            verify=self.config.verify_on_restore,
+            threads=self.config.reader_threads,
+        )
         assert bound is not None
         bound.finish()
-        if self.config.capture_rng and entry.rng is not None:
-            restore_rng(entry.rng)
-        log.info("rank %d step %d: restored", self.rank, step)
+        if self.config.capture_rng:
+            if self.rank < saved_world and manifest.ranks[self.rank].rng is not None:
+                restore_rng(manifest.ranks[self.rank].rng)  # type: ignore[arg-type]
+            else:
+                seed_new_rank(manifest.save_id, self.rank)
+        how = "" if saved_world == self.world else f" (saved by {saved_world} ranks, resharded)"
+        log.info("rank %d step %d: restored%s", self.rank, step, how)
 
     def _agree(self, error: BaseException | None, kind: type[CkptError]) -> None:
         """Collective: if any rank failed, raise on every rank, so none is left waiting in a collective.

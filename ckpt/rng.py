@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["capture_rng", "restore_rng", "seed_new_rank"]
 
 log = logging.getLogger("ckpt")
 
@@ -58,3 +58,19 @@ def restore_rng(state: dict[str, Any]) -> None:
             log.warning("checkpoint has RNG state for %d CUDA devices, this process sees %d", len(cuda), n)
         for i, s in enumerate(cuda[:n]):
             torch.cuda.set_rng_state(_unb64(s), device=i)
+
+
+def seed_new_rank(save_id: str, rank: int) -> None:
+    """Seed every generator of a rank the checkpoint has no RNG state for.
+
+    The seed is xxh3_64 of "<save_id>:<rank>": deterministic for a given checkpoint and
+    rank (a rerun of the same restore draws the same numbers), and different per rank.
+    """
+    import xxhash
+
+    seed = xxhash.xxh3_64_intdigest(f"{save_id}:{rank}".encode())
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed % 2**63)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed % 2**63)

@@ -1,8 +1,15 @@
-"""`DistributedSampler`: torch's sampler, resumable mid-epoch.
+"""`DistributedSampler`: torch's sampler, resumable mid-epoch, also on another world size.
 
 The index order is exactly torch.utils.data.DistributedSampler's; on top, the sampler
 counts the indices it has handed out in the current epoch, so `state_dict()` records
 (epoch, seed, position) and a resumed run continues with the very next sample.
+
+Resharding: within an epoch, the samples form one list, the epoch's padded permutation
+for the world size the epoch started with. Rank r of R takes every R-th element of the
+part not yet consumed when the current layout began (`segment_start`). After each rank
+has taken `position` samples, the first `segment_start + position * R` elements are
+consumed, so a job resumed on R' ranks splits exactly the rest over its ranks: none
+repeated, none skipped (the last round may give some ranks one sample fewer).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data import DistributedSampler as _TorchSampler
 
-from store.errors import ReshardError, StateMismatchError
+from store.errors import StateMismatchError
 
 __all__ = ["DistributedSampler"]
 
@@ -38,25 +45,42 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         drop_last: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
-        self.position = 0  # indices of this epoch already handed out on this rank
+        self.position = 0  # indices of this epoch (segment) already handed out on this rank
         self._resume_from = 0
+        self._segment_start = 0  # elements of the epoch list consumed before the current layout
+        self._segment_world = self.num_replicas  # the world size that padded the epoch list
 
-    def _indices(self) -> list[int]:
+    def _epoch_list(self) -> list[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(len(self.dataset), generator=g).tolist()  # type: ignore[arg-type]
+            indices = torch.randperm(n, generator=g).tolist()
         else:
-            indices = list(range(len(self.dataset)))  # type: ignore[arg-type]
+            indices = list(range(n))
+        world = self._segment_world
+        if self.drop_last and n % world:
+            total = (n // world) * world
+        else:
+            total = -(-n // world) * world
         if not self.drop_last:
-            padding = self.total_size - len(indices)
+            padding = total - len(indices)
             if padding <= len(indices):
                 indices += indices[:padding]
             else:
                 indices += (indices * -(-padding // len(indices)))[:padding]
-        else:
-            indices = indices[: self.total_size]
-        return indices[self.rank : self.total_size : self.num_replicas]
+        return indices[:total]
+
+    def _epoch_list_for(self, epoch: int) -> list[int]:
+        """The whole epoch's padded index list (all ranks), as this sampler's layout would see it."""
+        saved, self.epoch = self.epoch, epoch
+        try:
+            return self._epoch_list()
+        finally:
+            self.epoch = saved
+
+    def _indices(self) -> list[int]:
+        return self._epoch_list()[self._segment_start :][self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         start, self._resume_from = self._resume_from, 0
@@ -65,11 +89,16 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
             self.position += 1
             yield index
 
+    def __len__(self) -> int:
+        if self._segment_start == 0 and self._segment_world == self.num_replicas:
+            return self.num_samples
+        return len(self._indices())
+
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for a new epoch; setting the epoch a resumed sampler is already in keeps its position."""
         if epoch != self.epoch:
-            self.position = 0
-            self._resume_from = 0
+            self.position = self._resume_from = self._segment_start = 0
+            self._segment_world = self.num_replicas
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
@@ -79,6 +108,8 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
             "position": self.position,
             "num_replicas": self.num_replicas,
             "rank": self.rank,
+            "segment_start": self._segment_start,
+            "segment_world": self._segment_world,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "dataset_len": len(self.dataset),  # type: ignore[arg-type]
@@ -88,13 +119,17 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         size = len(self.dataset)  # type: ignore[arg-type]
         if state["dataset_len"] != size:
             raise StateMismatchError(f"sampler was saved over {state['dataset_len']} samples, the dataset has {size}")
-        if state["num_replicas"] != self.num_replicas:
-            raise ReshardError(
-                f"sampler was saved with num_replicas={state['num_replicas']}, now {self.num_replicas}; "
-                "resuming on another world size needs the restore layer's resharding"
-            )
         self.epoch = state["epoch"]
         self.seed = state["seed"]
         self.shuffle = state["shuffle"]
         self.drop_last = state["drop_last"]
-        self.position = self._resume_from = state["position"]
+        start = state.get("segment_start", 0)
+        world = state.get("segment_world", state["num_replicas"])
+        if state["num_replicas"] == self.num_replicas and state["rank"] == self.rank:
+            self._segment_start, self._segment_world = start, world
+            self.position = self._resume_from = state["position"]
+            return
+        # Another layout: what all old ranks consumed is a prefix of the epoch list.
+        self._segment_start = start + state["position"] * state["num_replicas"]
+        self._segment_world = world
+        self.position = self._resume_from = 0

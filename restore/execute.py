@@ -1,25 +1,42 @@
-"""Reading a version's chunks into the tensors of the current ranks.
+"""Reading a version's chunks into the tensors of the current ranks, for any layout.
 
-Each request names a destination tensor and where it sits in the global array; only
-the chunks that overlap it are read. A chunk on this rank's own root is read (and its
-xxh3 verified) from disk; a chunk that only another rank can reach (ranks do not share
-filesystems) is read there and broadcast over the checkpointer's gloo group.
+Each request names a destination tensor and where it sits in the global array. Only
+the rows of each chunk that overlap a destination are read: chunk files are raw C-order
+bytes, so a row range is a byte range. With verification on, whole checksummed blocks
+(about 4 MiB of rows, see store.layout.BLOCK_BYTES) are read and checked; with it off,
+exactly the needed rows (and, for a column split, only the needed span of each row).
+Extra memory is one block per reader thread, or none when a chunk is exactly the
+destination and is read straight into it.
+
+A chunk is read from the first source (tier) that holds it; a missing or corrupt copy
+falls back to the next source. A chunk that no source of this rank holds (ranks do not
+share filesystems) is read by a rank that holds it and broadcast block by block over
+the checkpointer's gloo group.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from restore.torch_dtypes import ZARR_TO_TORCH
-from store.chunk_read import read_chunk
+from store.chunk_read import open_chunk, pread_into
+from store.dtypes import itemsize
 from store.errors import CorruptVersionError, RankFailures
 from store.manifest import ArrayEntry, ChunkEntry, Manifest
 
-__all__ = ["ReadRequest", "load_arrays"]
+__all__ = ["ReadRequest", "Source", "load_arrays", "full_tensor"]
+
+log = logging.getLogger("ckpt")
 
 
 class _Comm(Protocol):
@@ -39,33 +56,205 @@ class ReadRequest:
     offsets: tuple[int, ...]  # where dest starts in the global array
 
 
-def _overlaps(chunk: ChunkEntry, req: ReadRequest) -> bool:
-    return all(
-        c < d + ds and d < c + cs for c, cs, d, ds in zip(chunk.offsets, chunk.shape, req.offsets, req.dest.shape)
-    )
+@dataclass(frozen=True)
+class Source:
+    """One tier's copy of the version, as reachable from this rank."""
+
+    version_dir: str
+    writers: frozenset[int]  # ranks whose chunks it holds
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class _Block:
+    rows: tuple[int, int]  # chunk-local rows [lo, hi) of dim 0 (0-d arrays: (0, 1))
+    offset: int  # byte offset in the chunk file
+    nbytes: int
+    xxh3: str
+
+
+def _geometry(array: ArrayEntry) -> tuple[tuple[int, ...], int]:
+    """(chunk shape as rows x rest, bytes per row)."""
+    shape = array.chunk_shape or (1,)
+    return shape, math.prod(shape[1:]) * itemsize(array.data_type)
+
+
+def _blocks(array: ArrayEntry, chunk: ChunkEntry) -> list[_Block]:
+    shape, row_bytes = _geometry(array)
+    if not chunk.blocks:
+        return [_Block((0, shape[0]), 0, chunk.nbytes, chunk.xxh3)]
+    k = array.block_rows
+    return [
+        _Block(
+            (i * k, min(shape[0], (i + 1) * k)), i * k * row_bytes, (min(shape[0], (i + 1) * k) - i * k) * row_bytes, d
+        )
+        for i, d in enumerate(chunk.blocks)
+    ]
+
+
+def _box(req: ReadRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return req.offsets, tuple(o + s for o, s in zip(req.offsets, req.dest.shape))
+
+
+def _overlap(
+    a_lo: Sequence[int], a_hi: Sequence[int], b_lo: Sequence[int], b_hi: Sequence[int]
+) -> tuple[list[int], list[int]] | None:
+    lo = [max(x, y) for x, y in zip(a_lo, b_lo)]
+    hi = [min(x, y) for x, y in zip(a_hi, b_hi)]
+    return None if any(h <= lo_ for lo_, h in zip(lo, hi)) else (lo, hi)
+
+
+def _place(piece: torch.Tensor, origin: Sequence[int], req: ReadRequest) -> None:
+    """Copy the part of `piece` (a box of the global array starting at `origin`) inside req.dest."""
+    if not origin:  # 0-d
+        req.dest.copy_(piece.reshape(()))
+        return
+    d_lo, d_hi = _box(req)
+    ov = _overlap(origin, [o + s for o, s in zip(origin, piece.shape)], d_lo, d_hi)
+    if ov is None:
+        return
+    lo, hi = ov
+    src = piece[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))]
+    req.dest[tuple(slice(a - d, b - d) for a, b, d in zip(lo, hi, d_lo))].copy_(src)
+
+
+def _rows_needed(chunk: ChunkEntry, reqs: Sequence[ReadRequest]) -> tuple[int, int]:
+    if not chunk.offsets:
+        return 0, 1
+    lo = min(max(r.offsets[0], chunk.offsets[0]) for r in reqs) - chunk.offsets[0]
+    hi = max(min(r.offsets[0] + r.dest.shape[0], chunk.offsets[0] + chunk.shape[0]) for r in reqs) - chunk.offsets[0]
+    return lo, hi
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def _place(raw: torch.Tensor, chunk: ChunkEntry, req: ReadRequest) -> None:
-    """Copy the part of a chunk (raw bytes, full chunk_shape) that overlaps the destination."""
-    a = req.array
-    shape = a.chunk_shape if chunk.inline is None else (1,) * len(a.shape)
-    full = raw.view(ZARR_TO_TORCH[a.data_type]).view(shape)
-    lo = [max(c, d) for c, d in zip(chunk.offsets, req.offsets)]
-    hi = [min(c + cs, d + ds) for c, cs, d, ds in zip(chunk.offsets, chunk.shape, req.offsets, req.dest.shape)]
-    src = full[tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk.offsets))]
-    req.dest[tuple(slice(a - d, b - d) for a, b, d in zip(lo, hi, req.offsets))].copy_(src)
+class _Bounce(threading.local):
+    buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return self.buf[:nbytes]
 
 
-def _direct(chunk: ChunkEntry, req: ReadRequest) -> bool:
-    """Whether the chunk is exactly the destination, so it can be read straight into it."""
+_bounce = _Bounce()
+
+
+def _typed(raw: torch.Tensor, array: ArrayEntry, rows: int) -> torch.Tensor:
+    shape, _ = _geometry(array)
+    return raw.view(ZARR_TO_TORCH[array.data_type]).view((rows, *shape[1:]))
+
+
+def _inline(array: ArrayEntry, chunk: ChunkEntry, verify: bool) -> torch.Tensor:
+    raw = bytes.fromhex(chunk.inline or "")
+    if verify and xxhash.xxh3_64_hexdigest(raw) != chunk.xxh3:
+        raise CorruptVersionError(f"{array.name}: inline value fails its checksum", path=array.path)
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return t.view(ZARR_TO_TORCH[array.data_type]).reshape((1,) * len(array.shape))
+
+
+def _read_block(fd: int, array: ArrayEntry, block: _Block, out: torch.Tensor, path: str, verify: bool) -> None:
+    pread_into(fd, _byte_view(out), block.offset, path)
+    if verify:
+        got = xxhash.xxh3_64_hexdigest(_byte_view(out))
+        if got != block.xxh3:
+            raise CorruptVersionError(
+                f"chunk {path} rows {block.rows} fail their checksum (xxh3 {got}, manifest {block.xxh3})",
+                path=path,
+                expected=block.xxh3,
+                actual=got,
+            )
+
+
+def _origin(chunk: ChunkEntry, row: int) -> list[int]:
+    return [chunk.offsets[0] + row, *chunk.offsets[1:]] if chunk.offsets else []
+
+
+def _read_from(version_dir: str, array: ArrayEntry, chunk: ChunkEntry, reqs: list[ReadRequest], verify: bool) -> None:
+    """Read what `reqs` need of one chunk from one source."""
+    if chunk.inline is not None:
+        piece = _inline(array, chunk, verify)
+        for r in reqs:
+            _place(piece, chunk.offsets, r)
+        return
+    path = os.path.join(version_dir, array.chunk_path(chunk))
+    fd = open_chunk(version_dir, array, chunk)
+    try:
+        lo, hi = _rows_needed(chunk, reqs)
+        shape, row_bytes = _geometry(array)
+        whole = len(reqs) == 1 and _is_exact(chunk, reqs[0], array)
+        if verify or whole:
+            for block in _blocks(array, chunk):
+                if block.rows[1] <= lo or block.rows[0] >= hi:
+                    continue
+                n = block.rows[1] - block.rows[0]
+                if whole:  # straight into the destination: no extra memory
+                    _read_block(
+                        fd,
+                        array,
+                        block,
+                        reqs[0].dest.reshape(-1).view(torch.uint8)[block.offset : block.offset + block.nbytes],
+                        path,
+                        verify,
+                    )
+                    continue
+                raw = _bounce.get(block.nbytes)
+                _read_block(fd, array, block, raw, path, verify)
+                piece = _typed(raw, array, n)
+                for r in reqs:
+                    _place(piece, _origin(chunk, block.rows[0]), r)
+            return
+        _read_unverified(fd, array, chunk, reqs, (lo, hi), shape, row_bytes, path)
+    finally:
+        os.close(fd)
+
+
+def _read_unverified(
+    fd: int,
+    array: ArrayEntry,
+    chunk: ChunkEntry,
+    reqs: list[ReadRequest],
+    rows: tuple[int, int],
+    shape: tuple[int, ...],
+    row_bytes: int,
+    path: str,
+) -> None:
+    """Exactly the needed rows; for a split along dim 1, only the needed span of each row."""
+    item = itemsize(array.data_type)
+    inner = math.prod(shape[2:]) * item if len(shape) > 1 else 0
+    c_lo, c_hi = 0, shape[1] if len(shape) > 1 else 0
+    if len(shape) > 1 and chunk.offsets:
+        c_lo = min(max(r.offsets[1], chunk.offsets[1]) for r in reqs) - chunk.offsets[1]
+        c_hi = (
+            max(min(r.offsets[1] + r.dest.shape[1], chunk.offsets[1] + chunk.shape[1]) for r in reqs) - chunk.offsets[1]
+        )
+    span = (c_hi - c_lo) * inner if len(shape) > 1 else row_bytes
+    full_rows = span == row_bytes
+    step = max(1, (4 << 20) // max(span, 1))
+    dtype = ZARR_TO_TORCH[array.data_type]
+    for r0 in range(rows[0], rows[1], step):
+        r1 = min(rows[1], r0 + step)
+        raw = _bounce.get((r1 - r0) * span)
+        if full_rows:
+            pread_into(fd, _byte_view(raw), r0 * row_bytes, path)
+        else:
+            view = _byte_view(raw)
+            for i in range(r1 - r0):
+                pread_into(fd, view[i * span : (i + 1) * span], (r0 + i) * row_bytes + c_lo * inner, path)
+        piece = raw.view(dtype).view((r1 - r0, c_hi - c_lo, *shape[2:]) if len(shape) > 1 else (r1 - r0,))
+        origin = _origin(chunk, r0)
+        if len(origin) > 1:
+            origin[1] += c_lo
+        for r in reqs:
+            _place(piece, origin, r)
+
+
+def _is_exact(chunk: ChunkEntry, req: ReadRequest, array: ArrayEntry) -> bool:
     d = req.dest
     return (
-        chunk.inline is None
-        and tuple(chunk.shape) == tuple(req.array.chunk_shape) == tuple(d.shape)
+        tuple(chunk.shape) == tuple(array.chunk_shape) == tuple(d.shape)
         and tuple(chunk.offsets) == tuple(req.offsets)
         and d.device.type == "cpu"
         and d.is_contiguous()
@@ -73,64 +262,85 @@ def _direct(chunk: ChunkEntry, req: ReadRequest) -> bool:
     )
 
 
-def _staged_bytes(chunk: ChunkEntry, array: ArrayEntry) -> int:
-    return len(chunk.inline) // 2 if chunk.inline is not None else chunk.nbytes
+def _read_any(
+    sources: Sequence[Source], array: ArrayEntry, chunk: ChunkEntry, reqs: list[ReadRequest], verify: bool
+) -> None:
+    """Read from the first source that holds a good copy; fall back past bad ones."""
+    errors = []
+    for src in sources:
+        if chunk.inline is None and chunk.writer not in src.writers:
+            continue
+        try:
+            _read_from(src.version_dir, array, chunk, reqs, verify)
+            if errors:
+                log.warning("%s: used the copy on %s after: %s", array.name, src.name or src.version_dir, errors[-1])
+            return
+        except CorruptVersionError as e:
+            errors.append(str(e))
+    if not errors:
+        raise CorruptVersionError(f"{array.name} chunk {list(chunk.index)} is on no reachable tier", path=array.path)
+    raise CorruptVersionError("; ".join(errors), path=array.path)
+
+
+def full_tensor(array: ArrayEntry) -> torch.Tensor:
+    """A fresh CPU tensor for an array the live state has no tensor for."""
+    return torch.empty(tuple(array.shape), dtype=ZARR_TO_TORCH[array.data_type])
 
 
 def load_arrays(
     comm: _Comm,
-    version_dir: str | None,
+    sources: Sequence[Source],
     manifest: Manifest,
     requests: Sequence[ReadRequest],
-    local_writers: set[int],
     *,
     verify: bool = True,
+    threads: int = 4,
 ) -> None:
     """Fill every request. Collective: every rank of `comm` calls it, with its own requests."""
     wanted: dict[tuple[str, tuple[int, ...]], list[ReadRequest]] = {}
     for req in requests:
+        lo, hi = _box(req)
         for chunk in req.array.chunks:
-            if _overlaps(chunk, req):
+            c_hi = [o + s for o, s in zip(chunk.offsets, chunk.shape)]
+            if not chunk.offsets or _overlap(chunk.offsets, c_hi, lo, hi) is not None:
                 wanted.setdefault((req.array.name, chunk.index), []).append(req)
-    remote = sorted(
-        key
-        for key in wanted
-        if (c := _chunk(manifest, key)).inline is None and (version_dir is None or c.writer not in local_writers)
-    )
-    views = comm.all_gather((remote, sorted(local_writers) if version_dir is not None else []))
+    reach = frozenset().union(*(s.writers for s in sources)) if sources else frozenset()
+    chunks = {key: _find(manifest, key) for key in wanted}
+    remote = sorted(k for k, c in chunks.items() if c.inline is None and c.writer not in reach)
+    views = comm.all_gather((remote, sorted(reach)))
     error: BaseException | None = None
-    # Transfers first, in one global order, so every rank joins the same broadcasts.
-    needed = sorted({tuple(k) for v, _ in views for k in v})
-    for name, index in needed:
-        chunk = _chunk(manifest, (name, index))
+    # Chunks some rank cannot reach: one holder reads, everyone joins the same broadcasts in one order.
+    for key in sorted({tuple(k) for needs, _ in views for k in needs}):
+        name, index = key[0], tuple(key[1])
+        chunk = _find(manifest, (name, index))
+        array = manifest.arrays[name]
         holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]
         if not holders:
             error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
             continue
-        buf = torch.zeros(chunk.nbytes, dtype=torch.uint8)
-        if comm.rank == holders[0]:
-            try:
-                read_chunk(version_dir or "", manifest.arrays[name], chunk, _byte_view(buf), verify=verify)
-            except CorruptVersionError as e:
-                error = error or e
-        comm.broadcast_tensor(buf, holders[0])
-        for req in wanted.get((name, index), []):
-            _place(buf, chunk, req)
-    for key, reqs in wanted.items():
-        if key in remote:
-            continue
-        chunk = _chunk(manifest, key)
-        array = manifest.arrays[key[0]]
-        try:
-            if len(reqs) == 1 and _direct(chunk, reqs[0]):
-                read_chunk(version_dir or "", array, chunk, _byte_view(reqs[0].dest), verify=verify)
-                continue
-            buf = torch.empty(_staged_bytes(chunk, array), dtype=torch.uint8)
-            read_chunk(version_dir or "", array, chunk, _byte_view(buf), verify=verify)
-            for req in reqs:
-                _place(buf, chunk, req)
-        except CorruptVersionError as e:
-            error = error or e
+        mine = wanted.get((name, index), []) if (name, index) in remote else []
+        for block in _blocks(array, chunk):
+            buf = torch.zeros(block.nbytes, dtype=torch.uint8)
+            if comm.rank == holders[0]:
+                try:
+                    _read_block_any(sources, array, chunk, block, buf, verify)
+                except CorruptVersionError as e:
+                    error = error or e
+            comm.broadcast_tensor(buf, holders[0])
+            piece = _typed(buf, array, block.rows[1] - block.rows[0])
+            for r in mine:
+                _place(piece, _origin(chunk, block.rows[0]), r)
+    local = [(k, chunks[k], reqs) for k, reqs in wanted.items() if k not in set(remote)]
+    if local:
+        with ThreadPoolExecutor(min(threads, len(local)), thread_name_prefix="ckpt-read") as pool:
+            futures = [
+                pool.submit(_read_any, sources, manifest.arrays[k[0]], chunk, reqs, verify) for k, chunk, reqs in local
+            ]
+            for f in futures:
+                try:
+                    f.result()
+                except CorruptVersionError as e:
+                    error = error or e
     causes = comm.all_gather(None if error is None else str(error))
     bad = {r: c for r, c in enumerate(causes) if c is not None}
     if bad:
@@ -139,21 +349,35 @@ def load_arrays(
         raise CorruptVersionError(str(RankFailures(bad)))
 
 
-def _chunk(manifest: Manifest, key: tuple[str, tuple[int, ...]]) -> ChunkEntry:
+def _read_block_any(
+    sources: Sequence[Source], array: ArrayEntry, chunk: ChunkEntry, block: _Block, out: torch.Tensor, verify: bool
+) -> None:
+    errors = []
+    for src in sources:
+        if chunk.writer not in src.writers:
+            continue
+        path = os.path.join(src.version_dir, array.chunk_path(chunk))
+        try:
+            fd = open_chunk(src.version_dir, array, chunk)
+            try:
+                _read_block(fd, array, block, out, path, verify)
+            finally:
+                os.close(fd)
+            return
+        except CorruptVersionError as e:
+            errors.append(str(e))
+    raise CorruptVersionError("; ".join(errors) or f"{array.name}: chunk {list(chunk.index)} unreachable")
+
+
+def _find(manifest: Manifest, key: tuple[str, tuple[int, ...]]) -> ChunkEntry:
     array = manifest.arrays[key[0]]
-    # Chunks are stored in grid order, so the flat position follows from the index.
     grid = [-(-s // c) for s, c in zip(array.shape, array.chunk_shape)]
     flat = 0
     for i, g in zip(key[1], grid):
         flat = flat * g + i
-    if flat < len(array.chunks) and array.chunks[flat].index == key[1]:
+    if flat < len(array.chunks) and array.chunks[flat].index == tuple(key[1]):
         return array.chunks[flat]
     for c in array.chunks:
-        if c.index == key[1]:
+        if c.index == tuple(key[1]):
             return c
     raise CorruptVersionError(f"{key[0]} has no chunk {list(key[1])}")
-
-
-def full_tensor(array: ArrayEntry) -> torch.Tensor:
-    """A fresh CPU tensor for an array the live state has no tensor for."""
-    return torch.empty(tuple(array.shape), dtype=ZARR_TO_TORCH[array.data_type])

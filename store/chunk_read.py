@@ -1,11 +1,14 @@
-"""Reading chunks back with their checksums verified, and whole-version verification.
+"""Reading chunk bytes back safely, and whole-version verification.
 
-Opens refuse symlinks (O_NOFOLLOW) and check the size before reading, so a truncated
-or swapped file is reported without reading past what the manifest promises.
+Chunk files are opened one path component at a time beneath the version directory with
+O_NOFOLLOW, so neither the file nor any directory on its path may be a symlink, and their
+size is checked against the manifest before anything is read. Reads are positional
+(pread), so ranges of a chunk can be read without the rest.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,19 +18,38 @@ import xxhash
 from store.errors import CorruptVersionError
 from store.manifest import ArrayEntry, ChunkEntry, Manifest
 
-__all__ = ["read_chunk", "ChunkProblem", "verify_chunks"]
+__all__ = ["open_beneath", "open_chunk", "pread_into", "read_chunk", "ChunkProblem", "verify_chunks"]
 
-_READ_BLOCK = 4 << 20  # readinto in small blocks: 1-4 MiB reads measured ~5x faster than 64 MiB here
+READ_BLOCK = 4 << 20  # pread in small blocks: 1-4 MiB reads measured ~5x faster than 64 MiB here
 
 
-def _open_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry) -> int:
-    path = os.path.join(version_dir, array.chunk_path(chunk))
+def open_beneath(top: str, rel: str) -> int:
+    """Open `top/rel` for reading, refusing symlinks and '..' anywhere in `rel`."""
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise CorruptVersionError(f"unsafe path {rel!r}", path=rel)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        for p in parts[:-1]:
+            nxt = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def open_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry) -> int:
+    """An fd of the chunk's file, checked to have the manifest's size."""
+    rel = array.chunk_path(chunk)
+    path = os.path.join(version_dir, rel)
+    try:
+        fd = open_beneath(version_dir, rel)
     except FileNotFoundError:
         raise CorruptVersionError(f"chunk {path} is missing", path=path, expected=chunk.xxh3) from None
     except OSError as e:
-        raise CorruptVersionError(f"chunk {path} cannot be opened: {e.strerror}", path=path) from None
+        why = "is or passes through a symlink" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
+        raise CorruptVersionError(f"chunk {path} cannot be opened: {why}", path=path) from None
     size = os.fstat(fd).st_size
     if size != chunk.nbytes:
         os.close(fd)
@@ -37,41 +59,38 @@ def _open_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry) -> int:
     return fd
 
 
-def read_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry, out: memoryview, *, verify: bool = True) -> None:
-    """Fill `out` (exactly chunk.nbytes, or the inline value's size) with the chunk's bytes."""
+def pread_into(fd: int, out: memoryview, offset: int, path: str = "") -> None:
+    """Fill `out` from `offset`, in READ_BLOCK pieces; a short file is corruption."""
     view = out.cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done : done + READ_BLOCK]], offset + done)
+        if n <= 0:
+            raise CorruptVersionError(f"chunk {path} ended early", path=path)
+        done += n
+
+
+def read_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry, out: memoryview, *, verify: bool = True) -> None:
+    """Fill `out` (chunk.nbytes, or the inline value's size) with the whole chunk, verified."""
+    view = out.cast("B")
+    path = os.path.join(version_dir, array.chunk_path(chunk))
     if chunk.inline is not None:
         raw = bytes.fromhex(chunk.inline)
         view[: len(raw)] = raw
-        digest = xxhash.xxh3_64_hexdigest(raw)
-        if verify and digest != chunk.xxh3:
-            raise CorruptVersionError(
-                f"{array.name}: inline value fails its checksum", path=array.path, expected=chunk.xxh3, actual=digest
-            )
-        return
-    fd = _open_chunk(version_dir, array, chunk)
-    hasher = xxhash.xxh3_64()
-    try:
-        done = 0
-        while done < chunk.nbytes:
-            piece = view[done : min(done + _READ_BLOCK, chunk.nbytes)]
-            n = os.readv(fd, [piece])
-            if n <= 0:
-                break
-            if verify:
-                hasher.update(piece[:n])
-            done += n
-    finally:
-        os.close(fd)
-    path = os.path.join(version_dir, array.chunk_path(chunk))
-    if done != chunk.nbytes:
-        raise CorruptVersionError(f"chunk {path} ended after {done} bytes", path=path, expected=chunk.xxh3)
-    if verify and hasher.hexdigest() != chunk.xxh3:
+        got = xxhash.xxh3_64_hexdigest(raw)
+    else:
+        fd = open_chunk(version_dir, array, chunk)
+        try:
+            pread_into(fd, view[: chunk.nbytes], 0, path)
+        finally:
+            os.close(fd)
+        got = xxhash.xxh3_64_hexdigest(view[: chunk.nbytes])
+    if verify and got != chunk.xxh3:
         raise CorruptVersionError(
-            f"chunk {path} fails its checksum (xxh3 {hasher.hexdigest()}, manifest {chunk.xxh3})",
+            f"chunk {path} fails its checksum (xxh3 {got}, manifest {chunk.xxh3})",
             path=path,
             expected=chunk.xxh3,
-            actual=hasher.hexdigest(),
+            actual=got,
         )
 
 
@@ -87,7 +106,7 @@ def verify_chunks(version_dir: str, manifest: Manifest, writers: set[int] | None
 
     `writers` limits the check to chunks written by those ranks (the part a root holds).
     """
-    buf = bytearray(_READ_BLOCK)
+    buf = bytearray(READ_BLOCK)
     view = memoryview(buf)
     for array in manifest.arrays.values():
         for chunk in array.chunks:
@@ -98,7 +117,7 @@ def verify_chunks(version_dir: str, manifest: Manifest, writers: set[int] | None
                 if chunk.inline is not None:
                     read_chunk(version_dir, array, chunk, memoryview(bytearray(len(chunk.inline) // 2)))
                     continue
-                fd = _open_chunk(version_dir, array, chunk)
+                fd = open_chunk(version_dir, array, chunk)
             except CorruptVersionError as e:
                 yield ChunkProblem(array.name, path, str(e))
                 continue

@@ -71,30 +71,37 @@ def _write_all(fd: int, view: memoryview) -> None:
         done += os.write(fd, view[done : done + _WRITE_BLOCK])
 
 
-def write_chunk(path: str, data: memoryview, *, fsync: bool = True) -> str:
-    """Write one chunk file from a staged buffer; returns the xxh3_64 hex of the bytes.
+def write_chunk(path: str, data: memoryview, *, block_bytes: int = 0, fsync: bool = True) -> tuple[str, list[str]]:
+    """Write one chunk file from a staged buffer; return its xxh3_64 and per-block xxh3_64s.
 
-    The checksum is computed from the staged buffer, not by reading the file back.
-    Large files start their writeback every 64 MiB (sync_file_range) so the final
-    fsync has little left to wait for.
+    Checksums are computed from the staged buffer, not by reading the file back. With
+    `block_bytes` > 0 and a chunk larger than one block, every block also gets its own
+    digest, so a partial (resharded) read can be verified. Large files start their
+    writeback every 64 MiB (sync_file_range) so the final fsync has little left to wait for.
     """
     view = data.cast("B")
+    step = block_bytes if 0 < block_bytes < len(view) else _WRITE_BLOCK
+    with_blocks = 0 < block_bytes < len(view)
     hasher = xxhash.xxh3_64()
+    blocks: list[str] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
-        done = 0
+        done = flushed = 0
         while done < len(view):
-            piece = view[done : done + _WRITE_BLOCK]
+            piece = view[done : done + step]
             hasher.update(piece)
+            if with_blocks:
+                blocks.append(xxhash.xxh3_64_hexdigest(piece))
             _write_all(fd, piece)
-            if _sync_file_range is not None and len(view) > _WRITE_BLOCK:
-                _sync_file_range(fd, ctypes.c_int64(done), ctypes.c_int64(len(piece)), _SYNC_FILE_RANGE_WRITE)
             done += len(piece)
+            if _sync_file_range is not None and done - flushed >= _WRITE_BLOCK:
+                _sync_file_range(fd, ctypes.c_int64(flushed), ctypes.c_int64(done - flushed), _SYNC_FILE_RANGE_WRITE)
+                flushed = done
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
-    return hasher.hexdigest()
+    return hasher.hexdigest(), blocks
 
 
 def exchange_dirs(a: str, b: str) -> bool:

@@ -24,7 +24,17 @@ from dataclasses import dataclass, field
 from store.dtypes import itemsize
 from store.errors import ReshardError
 
-__all__ = ["HeldRegion", "ArraySpec", "ChunkPlan", "ArrayPlan", "plan_arrays", "chunk_file", "INLINE_TYPES"]
+__all__ = [
+    "HeldRegion",
+    "ArraySpec",
+    "ChunkPlan",
+    "ArrayPlan",
+    "plan_arrays",
+    "chunk_file",
+    "block_rows",
+    "INLINE_TYPES",
+    "BLOCK_BYTES",
+]
 
 # Element types whose single value is stored inline as the array's fill_value.
 INLINE_TYPES = frozenset(
@@ -71,6 +81,19 @@ class ArrayPlan:
     replicated: bool  # every holder holds the whole array
     regions: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = field(default=())
     """Distinct (offsets, shape, holder ranks) triples, for inspection and resharding."""
+
+
+# Target size of a checksummed block: a partial read verifies whole blocks, so this bounds
+# both the over-read and the bounce buffer of a resharded restore.
+BLOCK_BYTES = 4 << 20
+
+
+def block_rows(chunk_shape: Sequence[int], item: int, target: int = BLOCK_BYTES) -> int:
+    """Rows of dim 0 per block (0 when the chunk is a single block)."""
+    if not chunk_shape or math.prod(chunk_shape) * item <= target:
+        return 0
+    row = math.prod(chunk_shape[1:]) * item
+    return max(1, target // row)
 
 
 def chunk_file(array_path: str, index: Sequence[int]) -> str:

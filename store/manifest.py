@@ -73,6 +73,7 @@ class ChunkEntry:
     nbytes: int  # file size; 0 when inline
     xxh3: str  # xxh3_64 hex of the file's bytes (or of the inline value)
     inline: str | None = None  # little-endian value bytes as hex, for single-element arrays
+    blocks: tuple[str, ...] = ()  # xxh3_64 of each block of `block_rows` rows, when more than one
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class ArrayEntry:
     replicated: bool
     regions: tuple[dict[str, Any], ...]  # {"offsets", "shape", "ranks"}: how ranks held it at save
     chunks: tuple[ChunkEntry, ...]
+    block_rows: int = 0  # rows of dim 0 per checksummed block (0: the chunk is one block)
 
     @property
     def path(self) -> str:
@@ -143,6 +145,7 @@ class Manifest:
                     "chunk_shape": list(a.chunk_shape),
                     "replicated": a.replicated,
                     "regions": list(a.regions),
+                    "block_rows": a.block_rows,
                     "chunks": [_chunk_doc(c) for c in a.chunks],
                 }
                 for name, a in self.arrays.items()
@@ -162,6 +165,8 @@ def _chunk_doc(c: ChunkEntry) -> dict[str, Any]:
     }
     if c.inline is not None:
         doc["inline"] = c.inline
+    if c.blocks:
+        doc["blocks"] = list(c.blocks)
     return doc
 
 
@@ -194,6 +199,7 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
     ):
         raise ManifestError(f"array {name!r}: shape {shape} is absurdly large", path=name)
     chunk_bytes = math.prod(chunk_shape) * ITEMSIZE[dtype]
+    block_rows = _int(doc.get("block_rows", 0), f"{name}.block_rows", 0, chunk_shape[0] if chunk_shape else 0)
     grid = [math.ceil(s / c) for s, c in zip(shape, chunk_shape)]
     chunks = []
     raw_chunks = doc.get("chunks")
@@ -225,13 +231,22 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
         digest = c.get("xxh3")
         if not isinstance(digest, str) or not _HEX64.match(digest):
             raise ManifestError(f"array {name!r}: chunk {index} has a malformed xxh3", path=name)
-        chunks.append(
-            ChunkEntry(index, _int(c.get("writer"), "writer", 0, world - 1), offsets, cshape, nbytes, digest, inline)
-        )
+        blocks = c.get("blocks", [])
+        if blocks:
+            want = -(-chunk_shape[0] // block_rows) if block_rows and shape else 0
+            if (
+                not isinstance(blocks, list)
+                or len(blocks) != want
+                or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks)
+            ):
+                raise ManifestError(f"array {name!r}: chunk {index} has malformed block checksums", path=name)
+        writer = _int(c.get("writer"), "writer", 0, world - 1)
+        chunks.append(ChunkEntry(index, writer, offsets, cshape, nbytes, digest, inline, tuple(blocks)))
     regions = doc.get("regions", [])
     if not isinstance(regions, list):
         raise ManifestError(f"array {name!r}: regions must be a list", path=name)
-    return ArrayEntry(name, dtype, shape, chunk_shape, bool(doc.get("replicated")), tuple(regions), tuple(chunks))
+    replicated = bool(doc.get("replicated"))
+    return ArrayEntry(name, dtype, shape, chunk_shape, replicated, tuple(regions), tuple(chunks), block_rows)
 
 
 def parse_manifest(raw: bytes) -> Manifest:

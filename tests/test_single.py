@@ -101,12 +101,45 @@ def test_sampler_resumes_mid_epoch_and_reshuffles():
     assert reshuffled != order and len(reshuffled) == len(order)
 
 
-def test_sampler_refuses_other_world_or_dataset():
+def test_sampler_refuses_another_dataset():
     s = DistributedSampler(list(range(10)), num_replicas=2, rank=0)
-    with pytest.raises(ckpt.ReshardError):
-        DistributedSampler(list(range(10)), num_replicas=3, rank=0).load_state_dict(s.state_dict())
     with pytest.raises(ckpt.StateMismatchError):
         DistributedSampler(list(range(11)), num_replicas=2, rank=0).load_state_dict(s.state_dict())
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (4, 1), (1, 4), (3, 2), (3, 5)])
+def test_sampler_reshards_the_rest_of_the_epoch(old, new):
+    data = list(range(53))
+    olds = [DistributedSampler(data, num_replicas=old, rank=r, seed=9) for r in range(old)]
+    consumed = []
+    for s in olds:
+        s.set_epoch(1)
+        it = iter(s)
+        consumed += [next(it) for _ in range(5)]
+    epoch = list(DistributedSampler(data, num_replicas=old, rank=0, seed=9)._epoch_list_for(1))
+    states = [json.loads(json.dumps(s.state_dict())) for s in olds]
+    news = [DistributedSampler(data, num_replicas=new, rank=r, seed=0) for r in range(new)]
+    rest = []
+    for r, s in enumerate(news):
+        s.load_state_dict(states[r % old])
+        s.set_epoch(1)
+        rest.append(list(s))
+    assert sorted(consumed) == sorted(epoch[: 5 * old])
+    assert sorted(x for part in rest for x in part) == sorted(epoch[5 * old :])  # none repeated, none skipped
+    assert max(map(len, rest)) - min(map(len, rest)) <= 1
+    # reshard twice in one epoch: 2 more samples per new rank, then back to the old size
+    taken = []
+    for r, s in enumerate(news):
+        s.load_state_dict(states[r % old])
+        it = iter(s)
+        taken += [next(it) for _ in range(2)]
+    mids = [s.state_dict() for s in news]
+    back = [DistributedSampler(data, num_replicas=old, rank=r, seed=0) for r in range(old)]
+    final = []
+    for r, s in enumerate(back):
+        s.load_state_dict(mids[r % new])
+        final += list(s)
+    assert sorted(consumed + taken + final) == sorted(epoch)
 
 
 def _spec(name, shape, *regions, dtype="float32"):
