@@ -16,12 +16,14 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from restore.tiers import LocalTier
+from restore.export import assemble, copy_version, open_version
+from restore.tiers import LocalTier, Tier
 from store import commit
 from store.chunk_read import verify_chunks
-from store.errors import CkptError
+from store.errors import CkptError, CorruptVersionError
 
 __all__ = ["main"]
 
@@ -83,7 +85,32 @@ def _version_rows(root: str) -> list[dict[str, Any]]:
 @click.group()
 @click.version_option(package_name="ckpt")
 def main() -> None:
-    """Inspect and verify ckpt checkpoint roots."""
+    """Inspect, verify and restore ckpt checkpoint roots."""
+
+
+def _tiers(root: str, extra: tuple[str, ...]) -> list[Tier]:
+    for path in (root, *extra):
+        if not os.path.isdir(path):
+            raise CkptError(f"{path} is not a directory")
+    return [LocalTier(root), *(LocalTier(p) for p in extra)]
+
+
+def _progress(description: str, total: int) -> Progress:
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+    bar.add_task(description, total=total)
+    return bar
+
+
+_TIER_OPTION = click.option(
+    "--tier", "tiers", multiple=True, type=click.Path(file_okay=False), help="Another root or copy to read from."
+)
 
 
 @main.command("ls")
@@ -140,6 +167,102 @@ def verify_cmd(root: str, step: int | None) -> None:
     if bad:
         click.echo(f"{bad} bad chunk(s)", err=True)
         sys.exit(EXIT_BAD_CHUNKS)
+
+
+@main.command("restore")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--step", type=int, default=None, help="The step (default: the newest intact one).")
+@click.option("--to", "to_dir", type=click.Path(file_okay=False), help="Copy the verified version into this root.")
+@click.option("--to-torch", "to_torch", type=click.Path(dir_okay=False), help="Write one torch.save state dict.")
+@_TIER_OPTION
+@_errors_to_exit
+def restore_cmd(root: str, step: int | None, to_dir: str | None, to_torch: str | None, tiers: tuple[str, ...]) -> None:
+    """Copy a verified version out of ROOT (and --tier copies), or assemble it into one file."""
+    if (to_dir is None) == (to_torch is None):
+        raise click.UsageError("give exactly one of --to DIR or --to-torch FILE")
+    sources_tiers = _tiers(root, tiers)
+    excluded: set[int] = set()
+    while True:
+        chosen, manifest, sources = open_version(sources_tiers, step, frozenset(excluded))
+        total = manifest.total_bytes if to_dir else sum(a.nbytes for a in manifest.arrays.values())
+        try:
+            with _progress(f"step {chosen}", total) as bar:
+                task = bar.task_ids[0]
+                advance = lambda n: bar.advance(task, n)  # noqa: E731
+                if to_dir is not None:
+                    where = copy_version(manifest, sources, to_dir, advance)
+                else:
+                    import torch
+
+                    state = assemble(manifest, sources, advance)
+                    tmp = f"{to_torch}.tmp-{os.getpid()}"
+                    torch.save(state, tmp)
+                    os.replace(tmp, str(to_torch))
+                    where = str(to_torch)
+        except CkptError as e:
+            if step is not None or not isinstance(e, CorruptVersionError):
+                raise
+            click.echo(f"step {chosen} is not intact ({e}); trying an older version", err=True)
+            excluded.add(chosen)
+            continue
+        click.echo(f"restored step {chosen} ({_human(total)}) to {where}")
+        return
+
+
+@main.command("inspect")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--step", type=int, default=None, help="The step (default: the newest).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@_TIER_OPTION
+@_errors_to_exit
+def inspect_cmd(root: str, step: int | None, as_json: bool, tiers: tuple[str, ...]) -> None:
+    """List a version's tensors with their dtypes, shapes and sharding."""
+    chosen, manifest, _ = open_version(_tiers(root, tiers), step)
+    rows: list[dict[str, Any]] = [
+        {
+            "name": a.name,
+            "dtype": a.data_type,
+            "shape": list(a.shape),
+            "chunk_shape": list(a.chunk_shape),
+            "chunks": len(a.chunks),
+            "bytes": a.nbytes,
+            "sharding": _sharding(a.regions, manifest.world_size),
+        }
+        for a in manifest.arrays.values()
+    ]
+    if as_json:
+        click.echo(
+            json.dumps({"step": chosen, "world_size": manifest.world_size, "meta": manifest.meta, "arrays": rows})
+        )
+        return
+    console = Console()
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
+    console.print(
+        f"step {chosen}  saved {when}  world size {manifest.world_size}  roots {len(manifest.roots)}  "
+        f"{len(rows)} tensors, {_human(manifest.total_bytes)}"
+    )
+    for key in ("ckpt_version", "torch_version", "python"):
+        if key in manifest.meta:
+            console.print(f"  {key}: {manifest.meta[key]}")
+    table = Table()
+    for col in ("tensor", "dtype", "shape", "chunks", "size", "sharding"):
+        table.add_column(col, justify="right" if col in ("chunks", "size") else "left")
+    for r in rows:
+        table.add_row(r["name"], r["dtype"], str(r["shape"]), str(r["chunks"]), _human(r["bytes"]), r["sharding"])
+    console.print(table)
+
+
+def _sharding(regions: tuple[dict[str, Any], ...], world: int) -> str:
+    """A short description of how the saving ranks held a tensor."""
+    if len(regions) <= 1:
+        holders = len(regions[0]["ranks"]) if regions else 0
+        return "replicated" + (f" on {holders} ranks" if holders != world else "")
+    dims = sorted({d for r in regions for d, o in enumerate(r["offsets"]) if o})
+    sizes = {tuple(r["shape"]) for r in regions}
+    kind = "uneven " if len(sizes) > 1 else ""
+    replicas = max(len(r["ranks"]) for r in regions)
+    extra = f", {replicas} replicas each" if replicas > 1 else ""
+    return f"{kind}sharded on dim {','.join(map(str, dims))} in {len(regions)} pieces{extra}"
 
 
 if __name__ == "__main__":

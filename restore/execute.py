@@ -266,7 +266,7 @@ def _read_any(
     sources: Sequence[Source], array: ArrayEntry, chunk: ChunkEntry, reqs: list[ReadRequest], verify: bool
 ) -> None:
     """Read from the first source that holds a good copy; fall back past bad ones."""
-    errors = []
+    errors: list[str] = []
     for src in sources:
         if chunk.inline is None and chunk.writer not in src.writers:
             continue

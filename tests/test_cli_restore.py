@@ -1,0 +1,124 @@
+"""`ckpt restore` and `ckpt inspect`: exports across tiers, bitwise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import zarr
+from click.testing import CliRunner
+
+from ckpt import Checkpointer, Shard
+from ckpt.cli import main as cli
+from store import commit
+from tests._dist import Ctx, launch
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "meta": {"epoch": 2, "pair": (1, 2.5)}}
+
+
+def test_restore_to_torch_and_to_dir_are_bitwise(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    src = _state(0)
+    with Checkpointer(root) as ck:
+        ck.save(3, src)
+        src["meta"]["epoch"] = 9
+        ck.save(4, src)
+    runner = CliRunner()
+    out = runner.invoke(cli, ["restore", str(root), "--step", "3", "--to-torch", str(tmp_path / "s3.pt")])
+    assert out.exit_code == 0, out.output
+    got = torch.load(tmp_path / "s3.pt", weights_only=True)
+    for k, v in src["model"].state_dict().items():
+        assert torch.equal(got["model"][k], v), k
+    for i, st in src["optim"].state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["optim"]["state"][i][k], v), (i, k)
+    assert got["meta"] == {"epoch": 2, "pair": (1, 2.5)}
+    assert got["optim"]["param_groups"] == src["optim"].state_dict()["param_groups"]
+
+    out = runner.invoke(cli, ["restore", str(root), "--to", str(tmp_path / "copy")])
+    assert out.exit_code == 0, out.output
+    assert "restored step 4" in out.output
+    assert commit.committed_steps(str(tmp_path / "copy")) == [4]
+    assert runner.invoke(cli, ["verify", str(tmp_path / "copy")]).exit_code == 0
+    fresh = _state(1)
+    with Checkpointer(tmp_path / "copy") as ck:
+        assert ck.restore(fresh) == 4
+    for k, v in src["model"].state_dict().items():
+        assert torch.equal(fresh["model"].state_dict()[k], v), k
+    assert fresh["meta"]["epoch"] == 9
+
+    usage = runner.invoke(cli, ["restore", str(root)])
+    assert usage.exit_code == 2  # neither --to nor --to-torch
+    missing = runner.invoke(cli, ["restore", str(root), "--step", "7", "--to", str(tmp_path / "x")])
+    assert missing.exit_code == 3 and "step 7" in missing.output
+
+
+def test_restore_skips_a_corrupt_version_and_uses_a_tier(tmp_path: Path) -> None:
+    root, tier = tmp_path / "root", tmp_path / "tier"
+    src = _state(0)
+    with Checkpointer(root) as ck:
+        ck.save(1, src)
+        src["meta"]["epoch"] = 5
+        ck.save(2, src)
+    shutil.copytree(root / "v000000000002", tier / "v000000000002")
+    chunk = next((root / "v000000000002" / "state" / "model").rglob("c/0/0"))
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 1
+    chunk.write_bytes(bytes(raw))
+    runner = CliRunner()
+    alone = runner.invoke(cli, ["restore", str(root), "--to-torch", str(tmp_path / "a.pt")])
+    assert alone.exit_code == 0, alone.output
+    assert "step 2 is not intact" in alone.output and "restored step 1" in alone.output
+    assert torch.load(tmp_path / "a.pt", weights_only=True)["meta"]["epoch"] == 2
+    both = runner.invoke(cli, ["restore", str(root), "--tier", str(tier), "--to-torch", str(tmp_path / "b.pt")])
+    assert both.exit_code == 0 and "restored step 2" in both.output, both.output
+    got = torch.load(tmp_path / "b.pt", weights_only=True)
+    for k, v in src["model"].state_dict().items():
+        assert torch.equal(got["model"][k], v), k
+
+
+def save_two_nodes(ctx: Ctx, root: str) -> dict:
+    import torch.distributed as dist  # noqa: F401
+
+    torch.manual_seed(0)
+    full = torch.randn(12, 5)
+    rows = [(0, 2), (2, 5), (5, 9), (9, 12)][ctx.rank]  # uneven, 4 ranks
+    state = {
+        "w": Shard(full[rows[0] : rows[1]].clone(), (12, 5), (rows[0], 0)),
+        "rep": torch.arange(40, dtype=torch.int64).reshape(8, 5),
+    }
+    with Checkpointer(lambda r: f"{root}/node{r // 2}", split_bytes=64) as ck:
+        ck.save(1, state)
+    return {"full": full.tolist()}
+
+
+def test_multi_root_version_is_assembled_and_copied(tmp_path: Path) -> None:
+    results, failures = launch(__file__, "save_two_nodes", 4, tmp_path / "job", root=str(tmp_path))
+    assert not failures, failures
+    full = torch.tensor(results[0]["full"])
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    runner = CliRunner()
+    alone = runner.invoke(cli, ["restore", str(node0), "--to-torch", str(tmp_path / "x.pt")])
+    assert alone.exit_code == 3  # node0 alone does not hold every rank's chunks
+    out = runner.invoke(cli, ["restore", str(node0), "--tier", str(node1), "--to", str(tmp_path / "all")])
+    assert out.exit_code == 0, out.output
+    version = tmp_path / "all" / "v000000000001"
+    assert torch.equal(torch.from_numpy(zarr.open_array(str(version / "state" / "w"))[:]), full)
+    rep = torch.from_numpy(zarr.open_array(str(version / "state" / "rep"))[:])
+    assert torch.equal(rep, torch.arange(40, dtype=torch.int64).reshape(8, 5))
+    info = json.loads(runner.invoke(cli, ["inspect", str(version.parent), "--json"]).output)
+    arrays = {a["name"]: a for a in info["arrays"]}
+    assert info["world_size"] == 4 and arrays["w"]["shape"] == [12, 5]
+    assert arrays["w"]["sharding"].startswith("uneven sharded on dim 0 in 4 pieces")
+    assert arrays["rep"]["sharding"] == "replicated"
+    table = runner.invoke(cli, ["inspect", str(node0), "--tier", str(node1)])
+    assert table.exit_code == 0 and "sharded" in table.output and "float32" in table.output
