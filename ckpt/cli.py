@@ -188,7 +188,10 @@ def restore_cmd(root: str, step: int | None, to_dir: str | None, to_torch: str |
         try:
             with _progress(f"step {chosen}", total) as bar:
                 task = bar.task_ids[0]
-                advance = lambda n: bar.advance(task, n)  # noqa: E731
+
+                def advance(n: int, bar: Progress = bar, task: Any = task) -> None:
+                    bar.advance(task, n)
+
                 if to_dir is not None:
                     where = copy_version(manifest, sources, to_dir, advance)
                 else:
