@@ -27,7 +27,7 @@ from ckpt.config import CheckpointerConfig
 from ckpt.rng import capture_rng, restore_rng, seed_new_rank
 from restore.discover import choose_step, reachable_steps
 from restore.execute import ReadRequest, Source, full_tensor, load_arrays
-from restore.tiers import Candidate, LocalTier, Tier
+from restore.tiers import Candidate, LocalTier, RemoteTier, Tier
 from store import commit
 from store.errors import (
     CkptError,
@@ -43,6 +43,7 @@ from store.faults import fault_point
 from store.fsio import DIR_MODE
 from store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
 from store.manifest import parse_manifest
+from store.objstore import is_url
 
 __all__ = ["Checkpointer", "RootSpec"]
 
@@ -85,6 +86,10 @@ def _merge_specs(per_rank: list[list[LocalSpec]]) -> list[ArraySpec]:
     return [ArraySpec(n, d, s, tuple(h)) for n, (d, s, h, _) in merged.items()]
 
 
+def _source(tier: Tier, step: int, cand: Candidate) -> Source:
+    return Source(tier.version_dir(step), frozenset(cand.writers), tier.name, tier.fetcher(step))
+
+
 def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]:
     if limit is None:
         return [tasks]
@@ -105,7 +110,8 @@ class Checkpointer:
     Collective under torch.distributed: every rank constructs it, saves and restores
     together. `root` may differ per rank (node-local disks): pass a callable of the
     rank or a string with {rank}, {local_rank}, {node} or {hostname}. `tiers` are
-    further places restore() reads from (replica disks, other tiers), in order.
+    further places restore() reads from, in order: local paths (replica disks) or fsspec
+    URLs (s3://bucket/prefix, configured by AWS_* variables or `storage_options`).
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class Checkpointer:
         root: RootSpec,
         *,
         tiers: Sequence[RootSpec | Tier] = (),
+        storage_options: Mapping[str, Any] | None = None,
         config: CheckpointerConfig | None = None,
         **overrides: Any,
     ) -> None:
@@ -129,9 +136,7 @@ class Checkpointer:
         self.root = _resolve_root(root, self.rank)
         self._ctx = self._open_root()
         self._tier = LocalTier(self.root)
-        self._tiers: list[Tier] = [self._tier] + [
-            t if isinstance(t, Tier) else LocalTier(_resolve_root(t, self.rank)) for t in tiers
-        ]
+        self._tiers: list[Tier] = [self._tier] + [self._open_tier(t, storage_options) for t in tiers]
         try:
             self._recover()
         except BaseException:
@@ -144,6 +149,13 @@ class Checkpointer:
         self._closed = False
 
     # -- opening ---------------------------------------------------------------------
+
+    def _open_tier(self, spec: RootSpec | Tier, storage_options: Mapping[str, Any] | None) -> Tier:
+        if isinstance(spec, Tier):
+            return spec
+        if isinstance(spec, str) and is_url(spec):
+            return RemoteTier(spec, storage_options, cache_dir=os.path.join(self.root, ".cache"))
+        return LocalTier(_resolve_root(spec, self.rank))
 
     def _open_root(self) -> RootContext:
         key: tuple[str, int, int] | None = None
@@ -330,7 +342,7 @@ class Checkpointer:
                 return None
             save_id = reachable_steps(views)[chosen]
             sources = [
-                (self._tiers[i], Source(self._tiers[i].version_dir(chosen), frozenset(c.writers), self._tiers[i].name))
+                (self._tiers[i], _source(self._tiers[i], chosen, c))
                 for i, c in mine
                 if c.step == chosen and c.save_id == save_id
             ]

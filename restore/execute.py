@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -63,6 +63,19 @@ class Source:
     version_dir: str
     writers: frozenset[int]  # ranks whose chunks it holds
     name: str = ""
+    fetch: Callable[[str, int], None] | None = None  # brings a file into version_dir first (remote tiers)
+
+    def prepare(self, array: ArrayEntry, chunk: ChunkEntry) -> None:
+        if self.fetch is not None and chunk.inline is None:
+            self.fetch(array.chunk_path(chunk), chunk.nbytes)
+
+    def discard(self, array: ArrayEntry, chunk: ChunkEntry) -> None:
+        """Drop a fetched copy that failed its checks, so the next attempt downloads it again."""
+        if self.fetch is not None:
+            try:
+                os.unlink(os.path.join(self.version_dir, array.chunk_path(chunk)))
+            except OSError:
+                pass
 
 
 @dataclass(frozen=True)
@@ -271,11 +284,13 @@ def _read_any(
         if chunk.inline is None and chunk.writer not in src.writers:
             continue
         try:
+            src.prepare(array, chunk)
             _read_from(src.version_dir, array, chunk, reqs, verify)
             if errors:
                 log.warning("%s: used the copy on %s after: %s", array.name, src.name or src.version_dir, errors[-1])
             return
         except CorruptVersionError as e:
+            src.discard(array, chunk)
             errors.append(str(e))
     if not errors:
         raise CorruptVersionError(f"{array.name} chunk {list(chunk.index)} is on no reachable tier", path=array.path)
@@ -358,6 +373,7 @@ def _read_block_any(
             continue
         path = os.path.join(src.version_dir, array.chunk_path(chunk))
         try:
+            src.prepare(array, chunk)
             fd = open_chunk(src.version_dir, array, chunk)
             try:
                 _read_block(fd, array, block, out, path, verify)
@@ -365,6 +381,7 @@ def _read_block_any(
                 os.close(fd)
             return
         except CorruptVersionError as e:
+            src.discard(array, chunk)
             errors.append(str(e))
     raise CorruptVersionError("; ".join(errors) or f"{array.name}: chunk {list(chunk.index)} unreachable")
 

@@ -73,7 +73,7 @@ def open_version(
     for tier, mine in zip(tiers, by_tier):
         for c in mine:
             if c.step == chosen and c.save_id == save_id:
-                sources.append(Source(tier.version_dir(chosen), frozenset(c.writers), tier.name))
+                sources.append(Source(tier.version_dir(chosen), frozenset(c.writers), tier.name, tier.fetcher(chosen)))
                 if manifest is None:
                     try:
                         manifest = tier.manifest(chosen)
@@ -142,9 +142,11 @@ def _read_whole(sources: Sequence[Source], array: Any, chunk: Any, buf: np.ndarr
         if chunk.writer not in src.writers:
             continue
         try:
+            src.prepare(array, chunk)
             read_chunk(src.version_dir, array, chunk, memoryview(buf))  # type: ignore[arg-type]
             return
         except CorruptVersionError as e:
+            src.discard(array, chunk)
             errors.append(str(e))
     raise CorruptVersionError("; ".join(errors) or f"{array.name} chunk {list(chunk.index)} is on no tier")
 

@@ -7,14 +7,27 @@ chunk reads. A tier that cannot be reached raises TierUnavailableError.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import re
+import shutil
+import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from store import commit
-from store.manifest import Manifest
+from store import commit, objstore
+from store.errors import CkptError, TierUnavailableError, VersionNotFoundError
+from store.fsio import DIR_MODE
+from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
-__all__ = ["Tier", "LocalTier", "Candidate"]
+log = logging.getLogger("ckpt")
+_VERSION = re.compile(r"^v(\d{12})$")
+
+__all__ = ["Tier", "LocalTier", "RemoteTier", "Candidate", "open_tier"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,11 @@ class Tier(ABC):
     def version_dir(self, step: int) -> str:
         """A local directory holding the version's files (tiers that are not local fetch first)."""
 
+    def fetcher(self, step: int) -> Callable[[str, int], None] | None:
+        """For tiers that are not local: a function (relative path, size) that brings one file
+        into version_dir(step) before it is read. None for local tiers."""
+        return None
+
 
 class LocalTier(Tier):
     """A root directory on a local filesystem."""
@@ -66,3 +84,91 @@ class LocalTier(Tier):
 
     def version_dir(self, step: int) -> str:
         return os.path.join(self.root, commit.version_dirname(step))
+
+
+class RemoteTier(Tier):
+    """A prefix on an fsspec filesystem (s3://bucket/prefix, file://...). Chunks are fetched
+    on demand into a local cache directory, so a rank downloads only what it reads."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None):
+        self.url = url
+        self.options = dict(storage_options or {})
+        self.fs, self.prefix = objstore.open_fs(url, self.options)
+        self.name = url
+        digest = hashlib.sha1(url.encode()).hexdigest()[:12]
+        base = cache_dir or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ckpt")
+        self.cache = os.path.join(base, digest)
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (FileNotFoundError, CkptError):
+            raise
+        except Exception as e:  # noqa: BLE001 - backend errors become one documented type
+            raise TierUnavailableError(f"{self.url}: cannot {what}: {objstore.redact(str(e), self.options)}") from None
+
+    def committed(self) -> list[Candidate]:
+        try:
+            names = self._call("list", lambda: self.fs.ls(self.prefix, detail=False))
+        except FileNotFoundError:
+            return []
+        out = []
+        for full in names:
+            m = _VERSION.match(full.rstrip("/").rsplit("/", 1)[-1])
+            if not m:
+                continue
+            step = int(m.group(1))
+            try:
+                raw = self._call("read", lambda: self.fs.cat_file(objstore.join(full, ROOT_INFO_NAME)))
+                if not self._call("stat", lambda: self.fs.exists(objstore.join(full, MANIFEST_NAME))):
+                    continue  # an upload in progress: invisible until its manifest exists
+                info = json.loads(raw)
+                writers = tuple(int(w) for w in info["writers"])
+                out.append(Candidate(step, str(info["save_id"]), int(info["world_size"]), writers))
+            except (FileNotFoundError, ValueError, KeyError, TypeError):
+                continue
+        return sorted(out, key=lambda c: c.step)
+
+    def manifest(self, step: int) -> Manifest:
+        path = objstore.join(self.prefix, commit.version_dirname(step), MANIFEST_NAME)
+        try:
+            raw = self._call("read", lambda: self.fs.cat_file(path))
+        except FileNotFoundError:
+            raise VersionNotFoundError(f"step {step} is not committed in {self.url}") from None
+        return parse_manifest(raw)
+
+    def version_dir(self, step: int) -> str:
+        d = os.path.join(self.cache, commit.version_dirname(step))
+        os.makedirs(d, mode=DIR_MODE, exist_ok=True)
+        return d
+
+    def fetcher(self, step: int) -> Callable[[str, int], None]:
+        local_dir = self.version_dir(step)
+        remote_dir = objstore.join(self.prefix, commit.version_dirname(step))
+
+        def fetch(rel: str, nbytes: int) -> None:
+            dest = os.path.join(local_dir, rel)
+            if os.path.isfile(dest) and os.path.getsize(dest) == nbytes:
+                return
+            os.makedirs(os.path.dirname(dest), mode=DIR_MODE, exist_ok=True)
+            tmp = f"{dest}.part-{uuid.uuid4().hex}"
+            try:
+                self._call("download", lambda: self.fs.get_file(objstore.join(remote_dir, rel), tmp))
+                os.replace(tmp, dest)
+            except FileNotFoundError:
+                pass  # the reader reports the chunk missing and tries another tier
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+        return fetch
+
+    def clear_cache(self) -> None:
+        shutil.rmtree(self.cache, ignore_errors=True)
+
+
+def open_tier(location: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None) -> Tier:
+    """A local root for a path, a RemoteTier for a URL (file:// URLs too)."""
+    if objstore.is_url(location):
+        return RemoteTier(location, storage_options, cache_dir)
+    return LocalTier(location)
