@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ READ_BLOCK = 4 << 20  # pread in small blocks: 1-4 MiB reads measured ~5x faster
 
 
 def open_beneath(top: str, rel: str) -> int:
-    """Open `top/rel` for reading, refusing symlinks and '..' anywhere in `rel`."""
+    """Open `top/rel` for reading, refusing symlinks and '..' anywhere in `rel`, and anything but a regular file.
+
+    The final open is non-blocking, so a FIFO planted in a version cannot stall it."""
     parts = rel.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise CorruptVersionError(f"unsafe path {rel!r}", path=rel)
@@ -34,9 +37,13 @@ def open_beneath(top: str, rel: str) -> int:
             nxt = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = nxt
-        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        out = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
     finally:
         os.close(fd)
+    if not stat.S_ISREG(os.fstat(out).st_mode):
+        os.close(out)
+        raise CorruptVersionError(f"{os.path.join(top, rel)} is not a regular file", path=rel)
+    return out
 
 
 def open_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry) -> int:

@@ -22,11 +22,12 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 
-from store.errors import RootLockedError, TierUnavailableError, VersionNotFoundError
+from store.errors import ManifestError, RootLockedError, TierUnavailableError, VersionNotFoundError
 from store.fsio import DIR_MODE, exchange_dirs, fsync_dir, write_durable
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
@@ -111,17 +112,18 @@ def prepared_versions(root: str) -> list[PreparedVersion]:
 def read_manifest(root: str, step: int) -> Manifest:
     path = os.path.join(root, version_dirname(step), MANIFEST_NAME)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block
     except FileNotFoundError:
         raise VersionNotFoundError(f"step {step} is not committed in {root}") from None
     except OSError as e:
         raise TierUnavailableError(e.errno, f"cannot read {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ManifestError(f"{path} is not a regular file", path=path)
     with os.fdopen(fd, "rb") as f:
         raw = f.read()
     manifest = parse_manifest(raw)
     if manifest.step != step:
-        from store.errors import ManifestError
-
         raise ManifestError(f"{path} describes step {manifest.step}, not {step}", path=path)
     return manifest
 
@@ -129,10 +131,18 @@ def read_manifest(root: str, step: int) -> Manifest:
 def read_root_info(version_dir: str) -> dict[str, object]:
     """What this root holds of the version: {"save_id", "writers": [ranks]}; {} if unreadable."""
     try:
-        with open(os.path.join(version_dir, ROOT_INFO_NAME), "rb") as f:
+        fd = os.open(os.path.join(version_dir, ROOT_INFO_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block the read
+            return {}
+        with open(fd, "rb", closefd=False) as f:
             doc = json.loads(f.read())
     except (OSError, ValueError):
         return {}
+    finally:
+        os.close(fd)
     return doc if isinstance(doc, dict) else {}
 
 

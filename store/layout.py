@@ -113,6 +113,8 @@ def _grid(spec: ArraySpec, regions: Sequence[tuple[tuple[int, ...], tuple[int, .
     for d, extent in enumerate(spec.shape):
         g = 0
         for off, shp in regions:
+            if math.prod(shp) == 0:  # an empty piece holds nothing: it must not shape the grid
+                continue
             for b in (off[d], off[d] + shp[d]):
                 if b != extent:
                     g = math.gcd(g, b)
@@ -158,6 +160,8 @@ def plan_arrays(specs: Sequence[ArraySpec], *, split_bytes: int = 64 << 20) -> l
         covered = 0
         seen: set[tuple[int, ...]] = set()
         for (off, shp), holders in holders_of.items():
+            if math.prod(shp) == 0:  # e.g. DTensor's empty last shard, at offset = the dim's size
+                continue
             lo = [o // c for o, c in zip(off, chunk_shape)]
             hi = [math.ceil((o + s) / c) for o, s, c in zip(off, shp, chunk_shape)]
             for index in _box_indices(lo, hi):

@@ -193,6 +193,8 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
     chunk_shape = _ints(doc.get("chunk_shape"), f"{name}.chunk_shape", lo=1)
     if len(chunk_shape) != len(shape):
         raise ManifestError(f"array {name!r}: chunk_shape and shape differ in rank", path=name)
+    if any(c > max(s, 1) for c, s in zip(chunk_shape, shape)):  # writers never chunk beyond the extent
+        raise ManifestError(f"array {name!r}: chunk_shape {chunk_shape} exceeds the shape {shape}", path=name)
     if (
         math.prod(shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES
         or math.prod(chunk_shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES

@@ -31,6 +31,7 @@ __all__ = [
     "create_only",
     "is_local",
     "join",
+    "put_durable",
     "SECRET_KEYS",
 ]
 
@@ -122,3 +123,20 @@ def create_only(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
         fsync_dir(os.path.dirname(path))
         return
     fs.pipe_file(path, data, mode="create")
+
+
+def put_durable(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write (replacing) `path`; on a local filesystem through temp file, fsync and rename."""
+    if is_local(fs):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+        return
+    fs.pipe_file(path, data)

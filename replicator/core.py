@@ -1,0 +1,229 @@
+"""The replicator: copies every committed version of a node's roots onto other disks and
+to the shared remote, verifies the copies, records a status, and applies retention.
+
+Runs as the `ckpt replicate` daemon or as a thread of the Checkpointer. One pass
+(`run_once`) is idempotent and resumable; `run` repeats it until stopped.
+
+Placement: each chunk must exist on `replicas` distinct disks, the source's included.
+The part a source root holds is copied to `<replica root>/replicas/<source label>/`
+on replica roots whose disk differs from the source's and from each other's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from replicator.gc import gc_local, gc_remote
+from replicator.policy import Policy
+from replicator.push import Destination, Stopped, disk_id, push_version
+from replicator.ratelimit import RateLimiter
+from store import commit, objstore
+from store.errors import CkptError
+from store.fsio import DIR_MODE
+
+__all__ = ["ReplicatorConfig", "Replicator", "STATE_DIR", "read_status", "source_label"]
+
+log = logging.getLogger("ckpt.replicator")
+STATE_DIR = ".replicator"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicatorConfig:
+    replicas: int = 1
+    """Copies of every chunk on distinct disks, the original included (1: no extra copy)."""
+    replica_roots: tuple[str, ...] = ()
+    """Where copies may go: other local disks, or a peer's disk through any fsspec URL."""
+    remote: str | None = None
+    """The shared tier: s3://bucket/prefix, file:///path, any fsspec URL."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """fsspec options for URLs (endpoint_url, key, ...). Default: AWS_* variables and files."""
+    bwlimit_mbps: float | None = None
+    """Cap on the bytes/s all copies and uploads of this replicator send, in MB/s."""
+    threads: int = 8
+    readback: bool = True
+    """Verify each copy by reading it back and comparing its xxh3 with the manifest."""
+    interval_s: float = 0.5
+    local_policy: Policy | None = None
+    """Retention of the source roots (and their replicas); None keeps everything."""
+    remote_policy: Policy | None = None
+    """Retention of the remote; None keeps everything."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        if self.replicas - 1 > len(self.replica_roots):
+            raise ValueError(f"replicas={self.replicas} needs at least {self.replicas - 1} replica roots")
+        if self.bwlimit_mbps is not None and self.bwlimit_mbps <= 0:
+            raise ValueError("bwlimit_mbps must be positive")
+        if self.threads < 1 or self.interval_s <= 0:
+            raise ValueError("threads and interval_s must be positive")
+
+
+def source_label(root: str) -> str:
+    """A stable name for a source root in replica directories: host and path."""
+    path = os.path.abspath(root).strip("/").replace("/", "_")
+    return f"{platform.node()}_{path}"[:200]
+
+
+def read_status(root: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(root, STATE_DIR, "status.json")) as f:
+            doc = json.load(f)
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+class Replicator:
+    def __init__(self, sources: list[str], config: ReplicatorConfig) -> None:
+        self.sources = [os.path.abspath(s) for s in sources]
+        self.config = config
+        self.limiter = RateLimiter(config.bwlimit_mbps * 1e6 if config.bwlimit_mbps else None)
+        self.stop = threading.Event()
+        self._status: dict[str, dict[str, Any]] = {s: read_status(s) for s in self.sources}
+        self.remote = Destination(config.remote, "shared", config.storage_options) if config.remote else None
+        self.bytes_sent = 0
+
+    def _replica_dests(self, source: str) -> list[Destination]:
+        used = {disk_id(source)}
+        out: list[Destination] = []
+        for r in self.config.replica_roots:
+            if len(out) == self.config.replicas - 1:
+                break
+            d = disk_id(r)
+            if d in used:
+                continue
+            used.add(d)
+            url = (
+                objstore.join(r, "replicas", source_label(source))
+                if objstore.is_url(r)
+                else os.path.join(r, "replicas", source_label(source))
+            )
+            out.append(Destination(url, "replica", self.config.storage_options))
+        if len(out) < self.config.replicas - 1:
+            log.warning("only %d distinct disks for %d copies of %s", len(out) + 1, self.config.replicas, source)
+        return out
+
+    def run_once(self) -> dict[str, Any]:
+        """One pass over every committed version of every source; returns the status."""
+        for source in self.sources:
+            self._pass(source)
+        return self._status
+
+    def run(self) -> None:
+        """Repeat passes until `stop` is set (SIGTERM in the daemon)."""
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                self.run_once()
+            except Stopped:
+                break
+            except CkptError as e:
+                log.warning("replication pass failed: %s", objstore.redact(str(e), self.config.storage_options))
+            self.stop.wait(max(0.0, self.config.interval_s - (time.monotonic() - started)))
+
+    def _pass(self, source: str) -> None:
+        status = self._status.setdefault(source, {})
+        versions: dict[str, Any] = status.setdefault("versions", {})
+        state_dir = os.path.join(source, STATE_DIR)
+        dests = self._replica_dests(source)
+        steps = commit.committed_steps(source)
+        for step in steps:
+            if self.stop.is_set():
+                raise Stopped()
+            vdir = os.path.join(source, commit.version_dirname(step))
+            info = commit.read_root_info(vdir)
+            try:
+                manifest = commit.read_manifest(source, step)
+            except CkptError as e:
+                log.warning("step %d on %s is unreadable, not replicated: %s", step, source, e)
+                continue
+            raw_writers = info.get("writers", [])
+            writers = [int(w) for w in raw_writers] if isinstance(raw_writers, list) else []
+            entry = versions.get(str(step))
+            if not entry or entry.get("save_id") != manifest.save_id:
+                entry = {"save_id": manifest.save_id, "created": manifest.created, "copies": {}, "remote": None}
+                versions[str(step)] = entry
+            for dest in dests:
+                copy = entry["copies"].get(dest.url)
+                if copy and copy["state"] == "verified":
+                    continue
+                ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
+                entry["copies"][dest.url] = {"state": "verified" if ok else "pending", "at": time.time()}
+            if self.remote is not None and (entry["remote"] or {}).get("state") != "verified":
+                part = manifest.ranks[writers[0]].root if writers else 0
+                ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
+                entry["remote"] = {
+                    "url": objstore.redact(self.remote.url, self.config.storage_options),
+                    "state": "verified" if ok else "waiting for other nodes",
+                    "at": time.time(),
+                }
+            self._write_status(source)
+        for gone in set(versions) - {str(s) for s in steps}:
+            versions.pop(gone)
+        self._gc(source, dests, versions)
+        self._write_status(source)
+
+    def _push(
+        self, source: str, step: int, manifest: Any, writers: list[int], dest: Destination, state_dir: str, part: int
+    ) -> bool:
+        def count(n: int) -> None:
+            self.bytes_sent += n
+
+        return push_version(
+            source,
+            step,
+            manifest,
+            writers,
+            dest,
+            state_dir,
+            part_index=part,
+            limiter=self.limiter,
+            threads=self.config.threads,
+            readback=self.config.readback,
+            stop=self.stop,
+            progress=count,
+        )
+
+    def redundant_steps(self, source: str) -> set[int]:
+        """Steps of `source` whose required copies (replicas and remote) are all verified."""
+        need_copies = len(self._replica_dests(source))
+        out = set()
+        for step, entry in self._status.get(source, {}).get("versions", {}).items():
+            copies = sum(1 for c in entry.get("copies", {}).values() if c.get("state") == "verified")
+            remote_ok = self.remote is None or (entry.get("remote") or {}).get("state") == "verified"
+            if copies >= need_copies and remote_ok:
+                out.add(int(step))
+        return out
+
+    def _gc(self, source: str, dests: list[Destination], versions: dict[str, Any]) -> None:
+        policy = self.config.local_policy
+        if policy is not None:
+            result = gc_local(source, policy, redundant=self.redundant_steps(source))
+            for dest in dests:
+                if dest.local:
+                    for step in result.deleted:
+                        if step in commit.committed_steps(dest.prefix):
+                            commit.delete_version(dest.prefix, step)
+            for step in result.deleted:
+                versions.pop(str(step), None)
+        if self.remote is not None and self.config.remote_policy is not None:
+            gc_remote(self.remote.url, self.config.remote_policy, storage_options=dict(self.config.storage_options))
+
+    def _write_status(self, source: str) -> None:
+        status = self._status[source]
+        status["updated"] = time.time()
+        path = os.path.join(source, STATE_DIR, "status.json")
+        os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "w") as f:
+            json.dump(status, f)
+        os.replace(tmp, path)

@@ -1,0 +1,47 @@
+"""What has been copied and verified, per destination and version, kept beside the source
+root so a restarted replicator resumes without re-sending verified chunks."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from store.fsio import DIR_MODE
+
+__all__ = ["Journal"]
+
+
+class Journal:
+    """A set of verified relative paths, saved atomically (write temp, fsync, rename)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            self.done: set[str] = set(doc.get("verified", []))
+        except (OSError, ValueError):
+            self.done = set()
+
+    def add(self, rel: str) -> None:
+        with self._lock:
+            self.done.add(rel)
+
+    def save(self) -> None:
+        with self._lock:
+            data = json.dumps({"verified": sorted(self.done)}).encode()
+        os.makedirs(os.path.dirname(self.path), mode=DIR_MODE, exist_ok=True)
+        tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

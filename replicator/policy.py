@@ -1,0 +1,100 @@
+"""Retention policies: pure functions from version metadata to the set of steps to keep.
+
+A policy never sees the filesystem. GC asks each tier's policy which steps to keep, adds
+the safety rules (the newest intact version, versions whose required copies are not yet
+made, pinned versions), and deletes only the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["VersionInfo", "Policy", "KeepLast", "KeepMilestones", "KeepAll", "Union", "plan_deletions"]
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """What a policy may look at."""
+
+    step: int
+    created: float = 0.0  # unix time of the commit
+    intact: bool = True  # manifest valid and every chunk present (verified if known)
+    tagged: bool = False  # the user marked it as a milestone
+    redundant: bool = True  # every required copy exists and is verified
+
+
+class Policy(Protocol):
+    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
+        """Steps to keep, out of `versions` (sorted by step)."""
+        ...
+
+
+@dataclass(frozen=True)
+class KeepLast:
+    """The newest `n` versions."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ValueError("KeepLast.n must be >= 0")
+
+    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
+        steps = sorted(v.step for v in versions)
+        return set(steps[len(steps) - self.n :]) if self.n else set()
+
+
+@dataclass(frozen=True)
+class KeepMilestones:
+    """Every step that is a multiple of `every` (if set), plus every tagged step."""
+
+    every: int | None = None
+    steps: frozenset[int] = field(default_factory=frozenset)  # explicitly tagged steps
+
+    def __post_init__(self) -> None:
+        if self.every is not None and self.every <= 0:
+            raise ValueError("KeepMilestones.every must be positive")
+
+    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
+        return {
+            v.step
+            for v in versions
+            if v.tagged or v.step in self.steps or (self.every is not None and v.step % self.every == 0)
+        }
+
+
+@dataclass(frozen=True)
+class KeepAll:
+    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
+        return {v.step for v in versions}
+
+
+@dataclass(frozen=True)
+class Union:
+    """Keep what any of the policies keeps."""
+
+    policies: tuple[Policy, ...]
+
+    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
+        out: set[int] = set()
+        for p in self.policies:
+            out |= p.keep(versions)
+        return out
+
+
+def plan_deletions(
+    versions: Iterable[VersionInfo], policy: Policy, *, pinned: Iterable[int] = (), require_redundant: bool = True
+) -> list[int]:
+    """Steps GC may delete: not kept by the policy, never the newest intact version,
+    never a pinned one, and (for tiers whose copies are required) never one whose copies
+    do not exist yet. Oldest first."""
+    vs = sorted(versions, key=lambda v: v.step)
+    keep = set(policy.keep(vs)) | set(pinned)
+    intact = [v.step for v in vs if v.intact]
+    if intact:
+        keep.add(intact[-1])
+    if require_redundant:
+        keep |= {v.step for v in vs if v.intact and not v.redundant}
+    return [v.step for v in vs if v.step not in keep]

@@ -1,0 +1,313 @@
+"""Copy one committed version (the part a source root holds) to one destination, verify
+it, and commit it there with the manifest written last.
+
+Destinations are fsspec locations: a local path (another disk), a peer's disk through
+any fsspec URL, or the shared remote (s3://...). A *replica* destination commits the
+part as soon as it is complete (its root.json lists the source's writer ranks). The
+*shared* destination gathers every node's part; it is committed, by whichever node
+completes it, once the parts cover every rank, with a create-only manifest write, so a
+remote version is complete or invisible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import fsspec
+import xxhash
+
+from replicator.journal import Journal
+from replicator.ratelimit import RateLimiter
+from store import commit, objstore
+from store.errors import CorruptVersionError, TierUnavailableError
+from store.fsio import DIR_MODE, FILE_MODE, fsync_dirs
+from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, ChunkEntry, Manifest, parse_manifest
+
+__all__ = ["Destination", "Stopped", "push_version", "remote_committed", "with_retries", "disk_id"]
+
+log = logging.getLogger("ckpt.replicator")
+T = TypeVar("T")
+_BLOCK = 8 << 20
+_MULTIPART = 16 << 20  # s3fs part size: chunks of 32 MiB and more go as multipart uploads
+
+
+class Stopped(Exception):
+    """The replicator was asked to stop; nothing was committed."""
+
+
+DISK_MARKER = ".ckpt-disk"
+
+
+def disk_id(location: str) -> str:
+    """What 'the same disk' means for placement: protocol and host for URLs; for local paths
+    the content of the nearest `.ckpt-disk` file above it (for bind mounts, network
+    filesystems or tests, where the device number says too little), else the device."""
+    if objstore.is_url(location) and not location.startswith("file://"):
+        proto, rest = location.split("://", 1)
+        return f"{proto}://{rest.split('/', 1)[0]}"
+    path = location[len("file://") :] if location.startswith("file://") else location
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    probe = path
+    while True:
+        marker = os.path.join(probe, DISK_MARKER)
+        if os.path.isfile(marker):
+            with open(marker) as f:
+                return f"marker:{f.read().strip()}"
+        if probe == os.path.dirname(probe):
+            break
+        probe = os.path.dirname(probe)
+    return f"dev:{os.stat(path).st_dev}"
+
+
+@dataclass
+class Destination:
+    url: str  # a local path or an fsspec URL
+    kind: Literal["replica", "shared"]
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    fs: fsspec.AbstractFileSystem = field(init=False)
+    prefix: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fs, self.prefix = objstore.open_fs(self.url, self.storage_options)
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha1(self.url.encode()).hexdigest()[:12]
+
+    @property
+    def local(self) -> bool:
+        return objstore.is_local(self.fs)
+
+
+def with_retries(
+    fn: Callable[[], T], what: str, options: Mapping[str, Any], stop: threading.Event, attempts: int = 7
+) -> T:
+    """Retry transient failures (network, 5xx, throttling) with exponential backoff."""
+    delay = 0.2
+    for attempt in range(attempts):
+        if stop.is_set():
+            raise Stopped()
+        try:
+            return fn()
+        except (FileExistsError, PermissionError, CorruptVersionError, Stopped):
+            raise
+        except Exception as e:  # noqa: BLE001 - backend errors are many and untyped
+            if attempt == attempts - 1:
+                raise TierUnavailableError(f"{what}: {objstore.redact(str(e), options)}") from None
+            log.warning("%s failed (%s); retrying in %.1fs", what, objstore.redact(str(e), options)[:200], delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 10.0)
+    raise AssertionError("unreachable")
+
+
+def _copy_local(lpath: str, rpath: str, limiter: RateLimiter, stop: threading.Event) -> None:
+    os.makedirs(os.path.dirname(rpath), mode=DIR_MODE, exist_ok=True)
+    tmp = f"{rpath}.tmp-{uuid.uuid4().hex}"
+    with open(lpath, "rb") as src:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        try:
+            while block := src.read(_BLOCK):
+                if stop.is_set():
+                    raise Stopped()
+                limiter.acquire(len(block))
+                view = memoryview(block)
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+    os.replace(tmp, rpath)
+
+
+def _upload(dest: Destination, lpath: str, rpath: str, limiter: RateLimiter, stop: threading.Event) -> None:
+    if dest.local:
+        _copy_local(lpath, rpath, limiter, stop)
+    elif limiter.rate is None:
+        dest.fs.put_file(lpath, rpath, chunksize=_MULTIPART)
+    else:
+        with open(lpath, "rb") as src, dest.fs.open(rpath, "wb", block_size=_MULTIPART) as out:
+            while block := src.read(_BLOCK):
+                if stop.is_set():
+                    raise Stopped()
+                limiter.acquire(len(block))
+                out.write(block)
+
+
+def _digest(dest: Destination, rpath: str) -> tuple[int, str]:
+    hasher = xxhash.xxh3_64()
+    size = 0
+    with dest.fs.open(rpath, "rb", block_size=_BLOCK) as f:
+        while block := f.read(_BLOCK):
+            hasher.update(block)
+            size += len(block)
+    return size, hasher.hexdigest()
+
+
+def remote_committed(dest: Destination, step: int) -> dict[str, Any] | None:
+    """The destination's root info if the version is committed there, else None."""
+    vdir = objstore.join(dest.prefix, commit.version_dirname(step))
+    try:
+        if not dest.fs.exists(objstore.join(vdir, MANIFEST_NAME)):
+            return None
+        info = json.loads(dest.fs.cat_file(objstore.join(vdir, ROOT_INFO_NAME)))
+    except (FileNotFoundError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def push_version(
+    source_root: str,
+    step: int,
+    manifest: Manifest,
+    writers: list[int],
+    dest: Destination,
+    state_dir: str,
+    *,
+    part_index: int = 0,
+    limiter: RateLimiter | None = None,
+    threads: int = 8,
+    readback: bool = True,
+    stop: threading.Event | None = None,
+    progress: Callable[[int], None] = lambda n: None,
+) -> bool:
+    """Copy, verify and commit; True once the destination holds the version (or this part).
+
+    Resumable: chunks recorded as verified in the journal (and still of the right size at
+    the destination) are not sent again.
+    """
+    stop = stop or threading.Event()
+    limiter = limiter or RateLimiter(None)
+    opts = dest.storage_options
+    info = remote_committed(dest, step)
+    if info is not None and info.get("save_id") == manifest.save_id:
+        if dest.kind == "shared" or set(writers) <= set(info.get("writers", [])):
+            return True
+    name = commit.version_dirname(step)
+    local_dir = os.path.join(source_root, name)
+    remote_dir = objstore.join(dest.prefix, name)
+    journal = Journal(os.path.join(state_dir, dest.id, f"{name}-{manifest.save_id}.json"))
+    chunks: dict[str, ChunkEntry] = {
+        a.chunk_path(c): c for a in manifest.arrays.values() for c in a.chunks if c.inline is None
+    }
+    files = []
+    for top, _, names in os.walk(local_dir):
+        for n in names:
+            rel = os.path.relpath(os.path.join(top, n), local_dir).replace(os.sep, "/")
+            if rel not in (MANIFEST_NAME, ROOT_INFO_NAME):
+                files.append(rel)
+    files.sort(key=lambda r: -(chunks[r].nbytes if r in chunks else 0))
+    last_save = [time.monotonic()]
+
+    def one(rel: str) -> None:
+        rpath = objstore.join(remote_dir, rel)
+        chunk = chunks.get(rel)
+        size = chunk.nbytes if chunk else os.path.getsize(os.path.join(local_dir, rel))
+        if rel in journal.done:
+            try:
+                if with_retries(lambda: dest.fs.size(rpath), f"stat {rpath}", opts, stop) == size:
+                    return
+            except (FileNotFoundError, TierUnavailableError):
+                pass  # gone (e.g. a restarted object store): send it again
+        with_retries(
+            lambda: _upload(dest, os.path.join(local_dir, rel), rpath, limiter, stop), f"upload {rel}", opts, stop
+        )
+        if readback and chunk is not None:
+            got_size, got = with_retries(lambda: _digest(dest, rpath), f"verify {rel}", opts, stop)
+            if got_size != size or got != chunk.xxh3:
+                raise CorruptVersionError(f"{dest.url}/{name}/{rel}: copy does not match the manifest", path=rel)
+        else:
+            got_size = with_retries(lambda: dest.fs.size(rpath), f"stat {rel}", opts, stop)
+            if got_size != size:
+                raise CorruptVersionError(f"{dest.url}/{name}/{rel}: copy has {got_size} bytes, want {size}")
+        journal.add(rel)
+        progress(size)
+        if time.monotonic() - last_save[0] > 0.5:
+            last_save[0] = time.monotonic()
+            journal.save()
+
+    try:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-push") as pool:
+            for f in [pool.submit(one, rel) for rel in files]:
+                f.result()
+    finally:
+        journal.save()
+    if dest.local:
+        fsync_dirs({os.path.dirname(objstore.join(remote_dir, r)) for r in files} | {remote_dir})
+    return _commit(dest, step, manifest, writers, part_index, journal, stop)
+
+
+def _commit(
+    dest: Destination,
+    step: int,
+    manifest: Manifest,
+    writers: list[int],
+    part_index: int,
+    journal: Journal,
+    stop: threading.Event,
+) -> bool:
+    opts = dest.storage_options
+    name = commit.version_dirname(step)
+    remote_dir = objstore.join(dest.prefix, name)
+    if dest.kind == "shared":
+        part = {"save_id": manifest.save_id, "writers": sorted(writers)}
+        with_retries(
+            lambda: objstore.put_durable(
+                dest.fs, objstore.join(remote_dir, "parts", f"{part_index}.json"), json.dumps(part).encode()
+            ),
+            "record part",
+            opts,
+            stop,
+        )
+        covered: set[int] = set()
+        for p in with_retries(
+            lambda: dest.fs.ls(objstore.join(remote_dir, "parts"), detail=False), "list parts", opts, stop
+        ):
+            try:
+                doc = json.loads(dest.fs.cat_file(p))
+            except (FileNotFoundError, ValueError):
+                continue
+            if doc.get("save_id") == manifest.save_id:
+                covered |= set(doc.get("writers", []))
+        if not covered >= set(range(manifest.world_size)):
+            return False  # other nodes' parts are still on their way; whoever completes the set commits
+        holders = list(range(manifest.world_size))
+    else:
+        holders = sorted(writers)
+    root_info = {"save_id": manifest.save_id, "step": step, "world_size": manifest.world_size, "writers": holders}
+    with_retries(
+        lambda: objstore.put_durable(
+            dest.fs, objstore.join(remote_dir, ROOT_INFO_NAME), json.dumps(root_info).encode()
+        ),
+        "write root info",
+        opts,
+        stop,
+    )
+    if stop.is_set():
+        raise Stopped()
+    manifest_path = objstore.join(remote_dir, MANIFEST_NAME)
+    try:
+        with_retries(lambda: objstore.create_only(dest.fs, manifest_path, manifest.to_json()), "commit", opts, stop)
+    except FileExistsError:
+        existing = parse_manifest(dest.fs.cat_file(manifest_path))
+        if existing.save_id != manifest.save_id:
+            log.warning("%s already holds step %d from another save; not replaced", dest.url, step)
+            return False
+    if dest.local:
+        fsync_dirs([remote_dir, os.path.dirname(remote_dir)])
+    journal.remove()
+    return True
