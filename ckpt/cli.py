@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 verification found bad chunks, 2 usage error (click),
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -19,11 +20,16 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from replicator.core import ReplicatorConfig, read_status
+from replicator.daemon import run_daemon
+from replicator.gc import gc_local, gc_remote
+from replicator.policy import KeepLast, KeepMilestones, Policy, Union
 from restore.export import assemble, copy_version, open_version
-from restore.tiers import LocalTier, Tier
+from restore.tiers import LocalTier, RemoteTier, Tier, open_tier
 from store import commit
 from store.chunk_read import verify_chunks
 from store.errors import CkptError, CorruptVersionError
+from store.objstore import is_url, parse_storage_options, redact
 
 __all__ = ["main"]
 
@@ -52,9 +58,17 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _version_rows(root: str) -> list[dict[str, Any]]:
+def _version_rows(root: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+    if is_url(root):
+        tier = RemoteTier(root, options)
+        rows = []
+        for c in tier.committed():
+            m = tier.manifest(c.step)
+            rows.append(_row(c.step, m, "committed", list(c.writers)))
+        return rows
     if not os.path.isdir(root):
         raise CkptError(f"{root} is not a directory")
+    status = read_status(root).get("versions", {})
     rows = []
     for step in commit.committed_steps(root):
         try:
@@ -64,22 +78,66 @@ def _version_rows(root: str) -> list[dict[str, Any]]:
             continue
         info = commit.read_root_info(os.path.join(root, commit.version_dirname(step)))
         writers = info.get("writers", [])
-        local = all(w in writers for w in range(m.world_size)) if isinstance(writers, list) else False
-        rows.append(
-            {
-                "step": step,
-                "time": m.created,
-                "bytes": m.total_bytes,
-                "world_size": m.world_size,
-                "arrays": len(m.arrays),
-                "status": "committed" if local else "committed (part: other ranks' chunks on other roots)",
-                "writers_here": writers,
-                "timings": m.meta.get("timings", []),
-            }
-        )
+        writers = writers if isinstance(writers, list) else []
+        local = all(w in writers for w in range(m.world_size))
+        row = _row(step, m, "committed" if local else "committed (part: other ranks' chunks on other roots)", writers)
+        entry = status.get(str(step))
+        if entry and entry.get("save_id") == m.save_id:
+            row["copies"] = entry.get("copies", {})
+            row["remote"] = entry.get("remote")
+            remote = entry.get("remote") or {}
+            done = float(remote.get("at") or 0.0) if remote.get("state") == "verified" else time.time()
+            row["lag_s"] = round(max(0.0, done - m.created), 3) if remote else None
+        rows.append(row)
     for p in commit.prepared_versions(root):
         rows.append({"step": p.step, "status": "incomplete (not committed)", "dir": p.dirname})
     return sorted(rows, key=lambda r: r["step"])
+
+
+def _row(step: int, m: Any, status: str, writers: list[Any]) -> dict[str, Any]:
+    return {
+        "step": step,
+        "time": m.created,
+        "bytes": m.total_bytes,
+        "world_size": m.world_size,
+        "arrays": len(m.arrays),
+        "status": status,
+        "writers_here": writers,
+        "milestone": bool(m.meta.get("milestone")),
+        "timings": m.meta.get("timings", []),
+    }
+
+
+def _copies(r: dict[str, Any]) -> str:
+    copies = r.get("copies")
+    if copies is None:
+        return "-"
+    ok = sum(1 for c in copies.values() if c.get("state") == "verified")
+    return f"{ok}/{len(copies)} verified" if copies else "none"
+
+
+def _remote(r: dict[str, Any]) -> str:
+    remote = r.get("remote")
+    if not remote:
+        return "-"
+    lag = r.get("lag_s")
+    return f"{remote.get('state')}" + (f" (lag {lag:.1f}s)" if lag is not None else "")
+
+
+_STORAGE_OPTION = click.option(
+    "--storage-option",
+    "storage_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec option for URL roots, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable).",
+)
+
+
+def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    try:
+        return parse_storage_options(pairs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 @click.group()
@@ -88,11 +146,11 @@ def main() -> None:
     """Inspect, verify and restore ckpt checkpoint roots."""
 
 
-def _tiers(root: str, extra: tuple[str, ...]) -> list[Tier]:
+def _tiers(root: str, extra: tuple[str, ...], options: dict[str, Any] | None = None) -> list[Tier]:
     for path in (root, *extra):
-        if not os.path.isdir(path):
+        if not is_url(path) and not os.path.isdir(path):
             raise CkptError(f"{path} is not a directory")
-    return [LocalTier(root), *(LocalTier(p) for p in extra)]
+    return [open_tier(p, options) for p in (root, *extra)]
 
 
 def _progress(description: str, total: int) -> Progress:
@@ -114,31 +172,36 @@ _TIER_OPTION = click.option(
 
 
 @main.command("ls")
-@click.argument("root", type=click.Path(file_okay=False))
+@click.argument("root")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_STORAGE_OPTION
 @_errors_to_exit
-def ls_cmd(root: str, as_json: bool) -> None:
-    """List the versions under ROOT: step, time, size, world size, status."""
-    rows = _version_rows(root)
+def ls_cmd(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """List the versions under ROOT (a path or a URL): step, time, size, world size, status, copies."""
+    rows = _version_rows(root, _options(storage_options))
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     table = Table(title=f"ckpt versions in {root}")
-    for col in ("step", "time", "size", "world", "status"):
+    for col in ("step", "time", "size", "world", "status", "copies", "remote"):
         table.add_column(col, justify="right" if col in ("step", "size", "world") else "left")
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if "time" in r else "-"
         size = _human(r["bytes"]) if "bytes" in r else "-"
-        table.add_row(str(r["step"]), when, size, str(r.get("world_size", "-")), r["status"])
+        table.add_row(str(r["step"]), when, size, str(r.get("world_size", "-")), r["status"], _copies(r), _remote(r))
     Console().print(table)
 
 
 @main.command("verify")
-@click.argument("root", type=click.Path(file_okay=False))
+@click.argument("root")
 @click.option("--step", type=int, default=None, help="Verify only this step (default: every committed step).")
+@_STORAGE_OPTION
 @_errors_to_exit
-def verify_cmd(root: str, step: int | None) -> None:
-    """Recompute every chunk's xxh3; exit 1 naming each bad chunk."""
+def verify_cmd(root: str, step: int | None, storage_options: tuple[str, ...]) -> None:
+    """Recompute every chunk's xxh3 (ROOT: a path or a URL); exit 1 naming each bad chunk."""
+    if is_url(root):
+        _verify_remote(RemoteTier(root, _options(storage_options)), step)
+        return
     tier = LocalTier(root)
     if not os.path.isdir(root):
         raise CkptError(f"{root} is not a directory")
@@ -169,18 +232,50 @@ def verify_cmd(root: str, step: int | None) -> None:
         sys.exit(EXIT_BAD_CHUNKS)
 
 
+def _verify_remote(tier: RemoteTier, step: int | None) -> None:
+    steps = [step] if step is not None else [c.step for c in tier.committed()]
+    if not steps:
+        raise CkptError(f"no committed versions in {tier.url}")
+    bad = 0
+    for s in steps:
+        manifest = tier.manifest(s)
+        fetch = tier.fetcher(s)
+        for a in manifest.arrays.values():
+            for c in a.chunks:
+                if c.inline is None:
+                    fetch(a.chunk_path(c), c.nbytes)
+        problems = list(verify_chunks(tier.version_dir(s), manifest))
+        for p in problems:
+            click.echo(f"step {s}: BAD {p.path}: {p.reason}")
+        bad += len(problems)
+        if not problems:
+            click.echo(f"step {s}: ok ({_human(manifest.total_bytes)})")
+    tier.clear_cache()
+    if bad:
+        click.echo(f"{bad} bad chunk(s)", err=True)
+        sys.exit(EXIT_BAD_CHUNKS)
+
+
 @main.command("restore")
-@click.argument("root", type=click.Path(file_okay=False))
+@click.argument("root")
 @click.option("--step", type=int, default=None, help="The step (default: the newest intact one).")
 @click.option("--to", "to_dir", type=click.Path(file_okay=False), help="Copy the verified version into this root.")
 @click.option("--to-torch", "to_torch", type=click.Path(dir_okay=False), help="Write one torch.save state dict.")
 @_TIER_OPTION
+@_STORAGE_OPTION
 @_errors_to_exit
-def restore_cmd(root: str, step: int | None, to_dir: str | None, to_torch: str | None, tiers: tuple[str, ...]) -> None:
-    """Copy a verified version out of ROOT (and --tier copies), or assemble it into one file."""
+def restore_cmd(
+    root: str,
+    step: int | None,
+    to_dir: str | None,
+    to_torch: str | None,
+    tiers: tuple[str, ...],
+    storage_options: tuple[str, ...],
+) -> None:
+    """Copy a verified version out of ROOT (a path or URL; and --tier copies), or assemble it into one file."""
     if (to_dir is None) == (to_torch is None):
         raise click.UsageError("give exactly one of --to DIR or --to-torch FILE")
-    sources_tiers = _tiers(root, tiers)
+    sources_tiers = _tiers(root, tiers, _options(storage_options))
     excluded: set[int] = set()
     while True:
         chosen, manifest, sources = open_version(sources_tiers, step, frozenset(excluded))
@@ -213,14 +308,17 @@ def restore_cmd(root: str, step: int | None, to_dir: str | None, to_torch: str |
 
 
 @main.command("inspect")
-@click.argument("root", type=click.Path(file_okay=False))
+@click.argument("root")
 @click.option("--step", type=int, default=None, help="The step (default: the newest).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @_TIER_OPTION
+@_STORAGE_OPTION
 @_errors_to_exit
-def inspect_cmd(root: str, step: int | None, as_json: bool, tiers: tuple[str, ...]) -> None:
+def inspect_cmd(
+    root: str, step: int | None, as_json: bool, tiers: tuple[str, ...], storage_options: tuple[str, ...]
+) -> None:
     """List a version's tensors with their dtypes, shapes and sharding."""
-    chosen, manifest, _ = open_version(_tiers(root, tiers), step)
+    chosen, manifest, _ = open_version(_tiers(root, tiers, _options(storage_options)), step)
     rows: list[dict[str, Any]] = [
         {
             "name": a.name,
@@ -266,6 +364,120 @@ def _sharding(regions: tuple[dict[str, Any], ...], world: int) -> str:
     replicas = max(len(r["ranks"]) for r in regions)
     extra = f", {replicas} replicas each" if replicas > 1 else ""
     return f"{kind}sharded on dim {','.join(map(str, dims))} in {len(regions)} pieces{extra}"
+
+
+def _policy(keep_last: int | None, milestone_every: int | None, milestones: tuple[int, ...]) -> Policy | None:
+    parts: list[Policy] = []
+    if keep_last is not None:
+        parts.append(KeepLast(keep_last))
+    if milestone_every is not None or milestones:
+        parts.append(KeepMilestones(milestone_every, frozenset(milestones)))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else Union(tuple(parts))
+
+
+def _status_redundant(root: str) -> set[int] | None:
+    """Steps whose copies the replicator has verified; None if no replicator ran here."""
+    versions = read_status(root).get("versions")
+    if versions is None:
+        return None
+    out = set()
+    for step, entry in versions.items():
+        copies_ok = all(c.get("state") == "verified" for c in entry.get("copies", {}).values())
+        remote = entry.get("remote")
+        if copies_ok and (remote is None or remote.get("state") == "verified"):
+            out.add(int(step))
+    return out
+
+
+@main.command("gc")
+@click.argument("root")
+@click.option("--keep-last", type=click.IntRange(min=0), default=None, help="Keep the newest N versions.")
+@click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Keep every step divisible by K.")
+@click.option("--milestone", "milestones", type=int, multiple=True, help="Keep this step too (repeatable).")
+@click.option("--dry-run", is_flag=True, help="Only print what would be deleted.")
+@_STORAGE_OPTION
+@_errors_to_exit
+def gc_cmd(
+    root: str,
+    keep_last: int | None,
+    milestone_every: int | None,
+    milestones: tuple[int, ...],
+    dry_run: bool,
+    storage_options: tuple[str, ...],
+) -> None:
+    """Delete the versions of ROOT (a path or URL) that the policy does not keep.
+
+    Never deletes the newest intact version, a milestone, or (where a replicator runs) a
+    version whose copies are not verified yet.
+    """
+    policy = _policy(keep_last, milestone_every, milestones)
+    if policy is None:
+        raise click.UsageError("give --keep-last and/or --milestone-every / --milestone")
+    if is_url(root):
+        result = gc_remote(root, policy, storage_options=_options(storage_options), dry_run=dry_run)
+    else:
+        if not os.path.isdir(root):
+            raise CkptError(f"{root} is not a directory")
+        result = gc_local(root, policy, redundant=_status_redundant(root), dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(f"{verb} {len(result.deleted)} version(s): {result.deleted}; kept {result.kept}")
+
+
+@main.command("replicate")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--to", "remote", default=None, help="The shared tier: s3://bucket/prefix, file:///path, any fsspec URL.")
+@click.option("--replicas", type=click.IntRange(min=1), default=1, help="Copies of each chunk on distinct disks.")
+@click.option("--replica-root", "replica_roots", multiple=True, help="A place for copies: another disk or a peer URL.")
+@click.option("--bwlimit", type=click.FloatRange(min=0, min_open=True), default=None, help="Cap in MB/s.")
+@click.option("--once", is_flag=True, help="Make one pass and exit.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=0.5, help="Seconds between passes.")
+@click.option("--keep-last", type=click.IntRange(min=0), default=None, help="Local retention: newest N.")
+@click.option("--remote-keep-last", type=click.IntRange(min=0), default=None, help="Remote retention: newest N.")
+@click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Remote: keep every K-th step.")
+@click.option("--no-readback", is_flag=True, help="Verify copies by size only, not by reading them back.")
+@_STORAGE_OPTION
+@_errors_to_exit
+def replicate_cmd(
+    root: str,
+    remote: str | None,
+    replicas: int,
+    replica_roots: tuple[str, ...],
+    bwlimit: float | None,
+    once: bool,
+    interval: float,
+    keep_last: int | None,
+    remote_keep_last: int | None,
+    milestone_every: int | None,
+    no_readback: bool,
+    storage_options: tuple[str, ...],
+) -> None:
+    """Copy ROOT's committed versions to other disks and to a remote; runs until SIGTERM."""
+    if not os.path.isdir(root):
+        raise CkptError(f"{root} is not a directory")
+    options = _options(storage_options)
+    try:
+        config = ReplicatorConfig(
+            replicas=replicas,
+            replica_roots=replica_roots,
+            remote=remote,
+            storage_options=options,
+            bwlimit_mbps=bwlimit,
+            interval_s=interval,
+            readback=not no_readback,
+            local_policy=_policy(keep_last, None, ()),
+            remote_policy=_policy(remote_keep_last, milestone_every, ()),
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    target = redact(remote, options) if remote else "no remote"
+    logging.getLogger("ckpt.replicator").info(
+        "replicating %s to %s, %d copies over %s", root, target, replicas, list(replica_roots)
+    )
+    rep = run_daemon([root], config, once=once)
+    click.echo(f"replicator stopped; {_human(rep.bytes_sent)} sent")
 
 
 if __name__ == "__main__":
