@@ -66,6 +66,7 @@ class SaveJob:
     arena: torch.Tensor
     tasks: list[StageTask]  # the last staged batch, still to be written
     error: BaseException | None = None  # a failure while staging or writing in the foreground
+    milestone: bool = False  # tagged for milestone retention
     records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=set)
     stats: SaveStats = field(default_factory=lambda: SaveStats(0))
@@ -154,6 +155,7 @@ def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootConte
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "timings": [p["stats"] for p in payloads],
+        "milestone": job.milestone,
     }
     return Manifest(
         step=job.step,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import bind, encode_state
 from ckpt.config import CheckpointerConfig
 from ckpt.rng import capture_rng, restore_rng, seed_new_rank
+from replicator.core import Replicator, ReplicatorConfig
 from restore.discover import choose_step, reachable_steps
 from restore.execute import ReadRequest, Source, full_tensor, load_arrays
 from restore.tiers import Candidate, LocalTier, RemoteTier, Tier
@@ -49,11 +51,12 @@ __all__ = ["Checkpointer", "RootSpec"]
 
 log = logging.getLogger("ckpt")
 
-RootSpec = str | os.PathLike[str] | Callable[[int], "str | os.PathLike[str]"]
+PathSpec = str | os.PathLike[str] | Callable[[int], "str | os.PathLike[str]"]
+RootSpec = PathSpec | Sequence[PathSpec]
 LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # name, dtype, global, offsets, local
 
 
-def _resolve_root(root: RootSpec, rank: int) -> str:
+def _resolve_root(root: PathSpec, rank: int) -> str:
     """A path, a callable of the rank, or a string with {rank}, {local_rank}, {node} or {hostname}."""
     if callable(root):
         return os.path.abspath(os.fspath(root(rank)))
@@ -118,8 +121,10 @@ class Checkpointer:
         self,
         root: RootSpec,
         *,
-        tiers: Sequence[RootSpec | Tier] = (),
+        tiers: Sequence[PathSpec | Tier] = (),
         storage_options: Mapping[str, Any] | None = None,
+        replicate_to: str | None = None,
+        replication: ReplicatorConfig | None = None,
         config: CheckpointerConfig | None = None,
         **overrides: Any,
     ) -> None:
@@ -133,16 +138,29 @@ class Checkpointer:
         self._plans: list[ArrayPlan] = []
         self._plan_sigs: list[int] | None = None
         self._arena = Arena()
-        self.root = _resolve_root(root, self.rank)
+        self._replicator: Replicator | None = None
+        self._replicator_thread: threading.Thread | None = None
+        node_roots = self._node_roots(root)
+        if node_roots:
+            self.root = node_roots[self._local_rank() % len(node_roots)]
+        else:
+            self.root = _resolve_root(root, self.rank)  # type: ignore[arg-type]
         self._ctx = self._open_root()
         self._tier = LocalTier(self.root)
-        self._tiers: list[Tier] = [self._tier] + [self._open_tier(t, storage_options) for t in tiers]
+        replication = self._replication_config(replication, replicate_to, storage_options, node_roots)
+        extra = list(tiers) + ([replication.remote] if replication and replication.remote else [])
+        self._tiers: list[Tier] = [self._tier] + [self._open_tier(t, storage_options) for t in extra]
+        self._replica_roots = [r for r in (node_roots or [self.root]) if not is_url(r)]
         try:
             self._recover()
         except BaseException:
             if self._lock is not None:
                 self._lock.release()
             raise
+        if replication is not None and self._ctx.is_leader:
+            self._replicator = Replicator([self.root], replication)
+            self._replicator_thread = threading.Thread(target=self._replicator.run, name="ckpt-replicator", daemon=True)
+            self._replicator_thread.start()
         self._copy_pool = ThreadPoolExecutor(max(1, self.config.copy_threads - 1), thread_name_prefix="ckpt-copy")
         self._writer_pool = ThreadPoolExecutor(self.config.writer_threads, thread_name_prefix="ckpt-write")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
@@ -150,7 +168,52 @@ class Checkpointer:
 
     # -- opening ---------------------------------------------------------------------
 
-    def _open_tier(self, spec: RootSpec | Tier, storage_options: Mapping[str, Any] | None) -> Tier:
+    def _node_roots(self, root: RootSpec) -> list[str] | None:
+        """Several local disks per node: `root` given as a list; ranks of a node are spread over them."""
+        if isinstance(root, (list, tuple)):
+            if not root:
+                raise ValueError("root list is empty")
+            return [_resolve_root(r, self.rank) for r in root]
+        return None
+
+    def _local_rank(self) -> int:
+        """This rank's index among the ranks of its host (LOCAL_RANK when torchrun sets it)."""
+        if "LOCAL_RANK" in os.environ:
+            return int(os.environ["LOCAL_RANK"])
+        hosts = self._ctl.all_gather(platform.node())
+        return sum(1 for h in hosts[: self.rank] if h == hosts[self.rank])
+
+    def _replication_config(
+        self,
+        replication: ReplicatorConfig | None,
+        replicate_to: str | None,
+        storage_options: Mapping[str, Any] | None,
+        node_roots: list[str] | None,
+    ) -> ReplicatorConfig | None:
+        if replication is None and replicate_to is None:
+            return None
+        others = tuple(r for r in (node_roots or []) if r != self.root)
+        if replication is None:
+            return ReplicatorConfig(
+                replicas=2 if others else 1,
+                replica_roots=others,
+                remote=replicate_to,
+                storage_options=dict(storage_options or {}),
+            )
+        return replace(
+            replication, remote=replicate_to or replication.remote, replica_roots=replication.replica_roots or others
+        )
+
+    def _replica_tiers(self) -> list[Tier]:
+        """Copies the replicator made of any root of this node (found again on every restore)."""
+        out: list[Tier] = []
+        for r in self._replica_roots:
+            base = os.path.join(r, "replicas")
+            if os.path.isdir(base):
+                out += [LocalTier(os.path.join(base, d)) for d in sorted(os.listdir(base))]
+        return out
+
+    def _open_tier(self, spec: PathSpec | Tier, storage_options: Mapping[str, Any] | None) -> Tier:
         if isinstance(spec, Tier):
             return spec
         if isinstance(spec, str) and is_url(spec):
@@ -211,10 +274,11 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any], *, overwrite: bool = False) -> bool:
+    def save(self, step: int, state: Mapping[str, Any], *, overwrite: bool = False, milestone: bool = False) -> bool:
         """Stage `state` and return; the commit goes on in the background.
 
         Returns False when the save was skipped (if_busy="skip" and a save in flight).
+        `milestone=True` tags the version: milestone retention policies always keep it.
         Raises a previous save's error, VersionExistsError, UnsupportedStateError.
         """
         self._check_open()
@@ -264,6 +328,7 @@ class Checkpointer:
             if chunk.writer == self.rank
         ]
         job = SaveJob(step, save_id, overwrite, self._plans, tree, rng, self._arena.get(0, False), [])
+        job.milestone = milestone
         job.started = started
         job.stats.step = step
         pin = any(t.piece.data.is_cuda for t in tasks)
@@ -323,7 +388,8 @@ class Checkpointer:
         while True:
             mine: list[tuple[int, Candidate]] = []
             error: BaseException | None = None
-            for i, tier in enumerate(self._tiers):
+            tiers = self._tiers[:1] + self._replica_tiers() + self._tiers[1:]
+            for i, tier in enumerate(tiers):
                 try:
                     mine += [(i, c) for c in tier.committed()]
                 except CkptError as e:
@@ -342,9 +408,7 @@ class Checkpointer:
                 return None
             save_id = reachable_steps(views)[chosen]
             sources = [
-                (self._tiers[i], _source(self._tiers[i], chosen, c))
-                for i, c in mine
-                if c.step == chosen and c.save_id == save_id
+                (tiers[i], _source(tiers[i], chosen, c)) for i, c in mine if c.step == chosen and c.save_id == save_id
             ]
             try:
                 self._load(chosen, sources, state)
@@ -448,12 +512,24 @@ class Checkpointer:
             self._wait_pending()
         finally:
             self._closed = True
+            if self._replicator is not None and self._replicator_thread is not None:
+                self._replicator.stop.set()
+                self._replicator_thread.join()
+                self._drain_replicator(self._replicator)
             for pool in (self._committer, self._writer_pool, self._copy_pool):
                 pool.shutdown(wait=True)
             self._arena.release()
             if self._lock is not None:
                 self._lock.release()
             destroy_comms(self._ctl, self._data)
+
+    def _drain_replicator(self, replicator: Replicator) -> None:
+        """One last pass so the final versions reach their copies and the remote before exit."""
+        replicator.stop.clear()
+        try:
+            replicator.run_once()
+        except CkptError as e:
+            log.warning("rank %d: final replication pass failed: %s", self.rank, e)
 
     def __enter__(self) -> Checkpointer:
         return self
