@@ -21,7 +21,7 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +103,10 @@ def write_tasks(job: SaveJob, tmp_dir: str, pool: ThreadPoolExecutor) -> None:
         return name, index, digest, None, blocks
 
     t0 = time.perf_counter()
-    for name, index, digest, inline, blocks in pool.map(one, job.tasks):
+    futures = [pool.submit(one, t) for t in job.tasks]
+    wait(futures)  # on a failure, let every writer stop before the arena may be reused
+    for f in futures:
+        name, index, digest, inline, blocks = f.result()
         job.records.setdefault(name, []).append((index, digest, inline, blocks))
     for task in job.tasks:
         if not task.chunk.inline:
@@ -204,6 +207,7 @@ def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecu
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised
         error = e
     t_commit = time.perf_counter()
+    prepared_everywhere = False
     try:
         payload = {
             "records": job.records,
@@ -237,6 +241,7 @@ def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecu
             except BaseException as e:  # noqa: BLE001
                 error = e
         _agree(comm, error)
+        prepared_everywhere = True
         fault_point("after-prepare", ctx.rank)
         if ctx.is_leader:  # PUBLISH
             try:
@@ -246,7 +251,9 @@ def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecu
         fault_point("after-publish", ctx.rank)
         _agree(comm, error)
     except BaseException:
-        if ctx.is_leader:
+        # Once every root is prepared, another root may have published: a prepared copy
+        # is kept so the next open rolls it forward instead of losing the version.
+        if ctx.is_leader and not prepared_everywhere:
             commit_mod.remove_tmp(ctx.root, tmp_name)
         raise
     job.stats.commit_s = time.perf_counter() - t_commit

@@ -50,7 +50,10 @@ def describe(value: Any, key: str) -> LocalPiece:
         _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
         offsets = tuple(int(o) for o in offsets)
     elif isinstance(value, np.ndarray):
-        data = torch.from_numpy(np.ascontiguousarray(value))
+        try:
+            data = torch.from_numpy(np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="), copy=False))
+        except TypeError:
+            raise UnsupportedStateError(f"{key}: numpy dtype {value.dtype} cannot be checkpointed") from None
         shape, offsets = tuple(data.shape), (0,) * data.dim()
     elif isinstance(value, torch.Tensor):
         data, shape, offsets = value, tuple(value.shape), (0,) * value.dim()

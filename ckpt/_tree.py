@@ -104,21 +104,40 @@ class Bound:
     finish: Callable[[], Any] = lambda: None
 
 
-def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer its state tensors (as DCP does), so restore fills them in place."""
+def _init_optimizer_state(opt: torch.optim.Optimizer, saved_state: Any) -> None:
+    """Give a fresh optimizer its state tensors (as DCP does), so restore fills them in place
+    with the parameters' own placement. Only parameters that have state in the checkpoint
+    keep any; their gradients are left as they were."""
     if opt.state:
         return
+    saved_keys = {k for k, _ in saved_state[DICT]} if isinstance(saved_state, dict) and DICT in saved_state else set()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
     saved_lr = []
     for group in opt.param_groups:
         saved_lr.append(group["lr"])
         group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
+    try:
+        for p in params:
+            if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    for group, lr in zip(opt.param_groups, saved_lr):
-        group["lr"] = lr
+        try:
+            opt.step()
+        except TypeError:  # optimizers that need a closure (LBFGS)
+            opt.step(lambda: torch.zeros(()))  # type: ignore[arg-type,return-value]
+    except Exception as e:  # noqa: BLE001 - any optimizer: report, do not leave ranks hanging
+        raise StateMismatchError(
+            f"cannot create the state of {type(opt).__name__} to restore into ({type(e).__name__}: {e}); "
+            "take one optimizer step before restore()"
+        ) from e
+    finally:
+        for group, lr in zip(opt.param_groups, saved_lr):
+            group["lr"] = lr
+        for p, g in zip(params, grads):
+            p.grad = g
+    for i, p in enumerate(params):
+        if i not in saved_keys:
+            opt.state.pop(p, None)
 
 
 def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
@@ -134,7 +153,7 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
                 raise StateMismatchError(f"{key}: the checkpoint has a tensor here, the state has {type(t).__name__}")
             out.leaves.append(Leaf(name, key, t))
             if is_array:
-                return lambda: out.results[name].numpy() if not isinstance(t, np.ndarray) else t
+                return lambda: _to_ndarray(out.results[name], t)
             return lambda: out.results[name]
         if isinstance(s, dict) and OBJECT in s:
             if not _has_state_dict(t):
@@ -142,17 +161,14 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
                     f"{key}: the checkpoint has an object with state here, the state has {t!r:.60}"
                 )
             if isinstance(t, torch.optim.Optimizer) and _tree_has_tensor(s[OBJECT]):
-                _init_optimizer_state(t)
+                _init_optimizer_state(t, s[OBJECT].get("state") if isinstance(s[OBJECT], dict) else None)
             sd = t.state_dict()
             sub = b(s[OBJECT], sd, path)
 
             def finish_object() -> Any:
-                loaded = sub()
-                in_place = isinstance(t, torch.nn.Module) and all(
-                    isinstance(v, torch.Tensor) and v is sd.get(k) for k, v in loaded.items()
-                )
-                if not in_place:  # modules whose tensors were filled in place need no second copy
-                    t.load_state_dict(loaded)
+                # Always through load_state_dict: extra state, hooks, strict key checks and
+                # state dicts that hold copies all need it.
+                t.load_state_dict(sub())
                 return t
 
             return finish_object
@@ -195,6 +211,15 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
 
     out.finish = b(saved, target, ())
     return out
+
+
+def _to_ndarray(filled: Any, target: Any) -> Any:
+    """NumPy leaves are read into a tensor view (or a copy, for non-contiguous arrays)."""
+    if not isinstance(target, np.ndarray):
+        return filled.numpy() if isinstance(filled, torch.Tensor) else filled
+    if isinstance(filled, torch.Tensor) and not np.shares_memory(filled.numpy(), target):
+        np.copyto(target, filled.numpy().reshape(target.shape))
+    return target
 
 
 def _tree_has_tensor(node: Any) -> bool:

@@ -19,6 +19,8 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_tasks
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._staging import Arena, StageTask, assign_offsets, stage
@@ -221,21 +223,20 @@ class Checkpointer:
         return LocalTier(_resolve_root(spec, self.rank))
 
     def _open_root(self) -> RootContext:
-        key: tuple[str, int, int] | None = None
+        key: str | None = None
         error = None
         try:
             os.makedirs(self.root, mode=DIR_MODE, exist_ok=True)
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(f"{self.root} is not writable")
-            st = os.stat(self.root)
-            key = (platform.node(), st.st_dev, st.st_ino)
+            key = commit.root_id(self.root)
         except OSError as e:
             error = f"cannot use checkpoint root {self.root}: {e.strerror or e}"
         views = self._ctl.all_gather((key, error))
         failures = {r: err for r, (_, err) in enumerate(views) if err}
         if failures:
             raise TierUnavailableError(failures.get(self.rank) or str(RankFailures(failures)))
-        keys: list[tuple[str, int, int]] = []
+        keys: list[str] = []
         for k, _ in views:
             if k not in keys:
                 keys.append(k)
@@ -247,9 +248,9 @@ class Checkpointer:
             self._lock = commit.RootLock(self.root)
             try:
                 self._lock.acquire()
-            except RootLockedError as e:
+            except (RootLockedError, OSError) as e:
                 self._lock = None
-                lock_error = str(e)
+                lock_error = str(e) if isinstance(e, RootLockedError) else f"cannot lock {self.root}: {e}"
         locks = self._ctl.all_gather(lock_error)
         if any(locks):
             if self._lock is not None:
@@ -259,7 +260,13 @@ class Checkpointer:
 
     def _recover(self) -> None:
         """Leftovers of a crash: roll prepared saves forward if another root published them, else remove."""
-        mine = [(c.step, c.save_id) for c in self._tier.committed()] if self._ctx.is_leader else []
+        mine: list[tuple[int, str]] = []
+        error = None
+        try:
+            mine = [(c.step, c.save_id) for c in self._tier.committed()] if self._ctx.is_leader else []
+        except CkptError as e:
+            error = e
+        self._agree(error, TierUnavailableError)
         published = {tuple(x) for view in self._ctl.all_gather(mine) for x in view}
         if not self._ctx.is_leader:
             return
@@ -303,9 +310,13 @@ class Checkpointer:
                 pieces[leaf.name] = p
                 local.append((leaf.name, p.data_type, p.global_shape, p.offsets, tuple(p.data.shape)))
             rng = capture_rng() if self.config.capture_rng else None
-        except CkptError as e:
+        except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
             error = e
-        exists = self._ctx.is_leader and step in commit.committed_steps(self.root)
+        exists = False
+        try:
+            exists = self._ctx.is_leader and step in commit.committed_steps(self.root)
+        except CkptError as e:
+            error = error or e
         info = self._ctl.all_gather(
             (hash(tuple(local)), exists, uuid.uuid4().hex, None if error is None else str(error))
         )
@@ -420,7 +431,8 @@ class Checkpointer:
                 excluded.add(chosen)
 
     def _load(self, step: int, sources: list[tuple[Tier, Source]], state: Mapping[str, Any]) -> None:
-        raw, error = None, None
+        raw: bytes | None = None
+        error: BaseException | None = None
         for tier, _ in sources:
             try:
                 raw = tier.manifest(step).to_json()
@@ -460,9 +472,9 @@ class Checkpointer:
                         f"{leaf.key}: the checkpoint holds {array.data_type}{list(array.shape)}, "
                         f"the state has {piece.data_type}{list(piece.global_shape)}"
                     )
-                bound.results[leaf.name] = leaf.value
+                bound.results[leaf.name] = piece.data if isinstance(leaf.value, np.ndarray) else leaf.value
                 requests.append(ReadRequest(array, piece.data, piece.offsets))
-        except CkptError as e:
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
         self._agree(error, StateMismatchError)
         load_arrays(

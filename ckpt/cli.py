@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import wraps
@@ -200,7 +201,9 @@ def ls_cmd(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
 def verify_cmd(root: str, step: int | None, storage_options: tuple[str, ...]) -> None:
     """Recompute every chunk's xxh3 (ROOT: a path or a URL); exit 1 naming each bad chunk."""
     if is_url(root):
-        _verify_remote(RemoteTier(root, _options(storage_options)), step)
+        # A private cache: verify what the remote holds now, never chunks an earlier restore cached.
+        with tempfile.TemporaryDirectory(prefix="ckpt-verify-") as cache:
+            _verify_remote(RemoteTier(root, _options(storage_options), cache_dir=cache), step)
         return
     tier = LocalTier(root)
     if not os.path.isdir(root):

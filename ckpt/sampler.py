@@ -43,8 +43,14 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        even_after_reshard: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
+        # After resuming on another world size, split the rest of the epoch exactly (some ranks
+        # may get one sample fewer), or, with this flag, pad like torch (drop_last: truncate)
+        # so every rank runs the same number of steps, which collective training steps need.
+        self.even_after_reshard = even_after_reshard
         self.position = 0  # indices of this epoch (segment) already handed out on this rank
         self._resume_from = 0
         self._segment_start = 0  # elements of the epoch list consumed before the current layout
@@ -80,7 +86,15 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
             self.epoch = saved
 
     def _indices(self) -> list[int]:
-        return self._epoch_list()[self._segment_start :][self.rank :: self.num_replicas]
+        rest = self._epoch_list()[self._segment_start :]
+        resharded = self._segment_start > 0 or self._segment_world != self.num_replicas
+        if resharded and self.even_after_reshard and rest and len(rest) % self.num_replicas:
+            if self.drop_last:
+                rest = rest[: len(rest) - len(rest) % self.num_replicas]
+            else:
+                short = self.num_replicas - len(rest) % self.num_replicas
+                rest = rest + (rest * -(-short // len(rest)))[:short]
+        return rest[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         start, self._resume_from = self._resume_from, 0

@@ -272,6 +272,7 @@ def _is_exact(chunk: ChunkEntry, req: ReadRequest, array: ArrayEntry) -> bool:
         and d.device.type == "cpu"
         and d.is_contiguous()
         and d.dim() > 0
+        and d.stride(-1) == 1  # a (1,)-shaped tensor may be "contiguous" with another stride
     )
 
 
@@ -289,9 +290,9 @@ def _read_any(
             if errors:
                 log.warning("%s: used the copy on %s after: %s", array.name, src.name or src.version_dir, errors[-1])
             return
-        except CorruptVersionError as e:
+        except (CorruptVersionError, OSError) as e:
             src.discard(array, chunk)
-            errors.append(str(e))
+            errors.append(str(_as_corruption(e, array.name)))
     if not errors:
         raise CorruptVersionError(f"{array.name} chunk {list(chunk.index)} is on no reachable tier", path=array.path)
     raise CorruptVersionError("; ".join(errors), path=array.path)
@@ -299,7 +300,15 @@ def _read_any(
 
 def full_tensor(array: ArrayEntry) -> torch.Tensor:
     """A fresh CPU tensor for an array the live state has no tensor for."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if array.nbytes > physical:
+        raise CorruptVersionError(f"{array.name}: {array.nbytes} bytes exceed this machine's memory", path=array.path)
     return torch.empty(tuple(array.shape), dtype=ZARR_TO_TORCH[array.data_type])
+
+
+def _as_corruption(e: Exception, what: str) -> CorruptVersionError:
+    """I/O errors while reading a tier make that copy unusable, like a bad checksum."""
+    return e if isinstance(e, CorruptVersionError) else CorruptVersionError(f"{what}: {type(e).__name__}: {e}")
 
 
 def load_arrays(
@@ -323,7 +332,7 @@ def load_arrays(
     chunks = {key: _find(manifest, key) for key in wanted}
     remote = sorted(k for k, c in chunks.items() if c.inline is None and c.writer not in reach)
     views = comm.all_gather((remote, sorted(reach)))
-    error: BaseException | None = None
+    error: Exception | None = None
     # Chunks some rank cannot reach: one holder reads, everyone joins the same broadcasts in one order.
     for key in sorted({tuple(k) for needs, _ in views for k in needs}):
         name, index = key[0], tuple(key[1])
@@ -335,16 +344,19 @@ def load_arrays(
             continue
         mine = wanted.get((name, index), []) if (name, index) in remote else []
         for block in _blocks(array, chunk):
-            buf = torch.zeros(block.nbytes, dtype=torch.uint8)
+            buf = torch.zeros(block.nbytes, dtype=torch.uint8)  # bounded: the manifest caps block sizes
             if comm.rank == holders[0]:
                 try:
                     _read_block_any(sources, array, chunk, block, buf, verify)
-                except CorruptVersionError as e:
-                    error = error or e
+                except Exception as e:  # noqa: BLE001 - every rank must still join the broadcast
+                    error = error or _as_corruption(e, name)
             comm.broadcast_tensor(buf, holders[0])
-            piece = _typed(buf, array, block.rows[1] - block.rows[0])
-            for r in mine:
-                _place(piece, _origin(chunk, block.rows[0]), r)
+            try:
+                piece = _typed(buf, array, block.rows[1] - block.rows[0])
+                for r in mine:
+                    _place(piece, _origin(chunk, block.rows[0]), r)
+            except Exception as e:  # noqa: BLE001
+                error = error or _as_corruption(e, name)
     local = [(k, chunks[k], reqs) for k, reqs in wanted.items() if k not in set(remote)]
     if local:
         with ThreadPoolExecutor(min(threads, len(local)), thread_name_prefix="ckpt-read") as pool:
@@ -354,8 +366,8 @@ def load_arrays(
             for f in futures:
                 try:
                     f.result()
-                except CorruptVersionError as e:
-                    error = error or e
+                except Exception as e:  # noqa: BLE001 - reported to every rank below
+                    error = error or _as_corruption(e, "read")
     causes = comm.all_gather(None if error is None else str(error))
     bad = {r: c for r, c in enumerate(causes) if c is not None}
     if bad:
@@ -380,9 +392,9 @@ def _read_block_any(
             finally:
                 os.close(fd)
             return
-        except CorruptVersionError as e:
+        except (CorruptVersionError, OSError) as e:
             src.discard(array, chunk)
-            errors.append(str(e))
+            errors.append(str(_as_corruption(e, array.name)))
     raise CorruptVersionError("; ".join(errors) or f"{array.name}: chunk {list(chunk.index)} unreachable")
 
 

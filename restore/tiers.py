@@ -7,6 +7,7 @@ chunk reads. A tier that cannot be reached raises TierUnavailableError.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -119,8 +120,9 @@ class RemoteTier(Tier):
                 continue
             step = int(m.group(1))
             try:
-                raw = self._call("read", lambda: self.fs.cat_file(objstore.join(full, ROOT_INFO_NAME)))
-                if not self._call("stat", lambda: self.fs.exists(objstore.join(full, MANIFEST_NAME))):
+                info_path, manifest_path = objstore.join(full, ROOT_INFO_NAME), objstore.join(full, MANIFEST_NAME)
+                raw = self._call("read", functools.partial(self.fs.cat_file, info_path))
+                if not self._call("stat", functools.partial(self.fs.exists, manifest_path)):
                     continue  # an upload in progress: invisible until its manifest exists
                 info = json.loads(raw)
                 writers = tuple(int(w) for w in info["writers"])

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import stat
+import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -47,9 +48,11 @@ __all__ = [
     "remove_tmp",
     "delete_version",
     "empty_trash",
+    "root_id",
 ]
 
 LOCK_NAME = ".ckpt.lock"
+ROOT_ID_NAME = ".ckpt-root-id"
 TRASH_NAME = ".trash"
 _VERSION = re.compile(r"^v(\d{12})$")
 _TMP = re.compile(r"^v(\d{12})\.tmp-([0-9a-f]{32})$")
@@ -249,3 +252,30 @@ def empty_trash(root: str) -> None:
             fsync_dir(root)
             continue
         shutil.rmtree(e.path, ignore_errors=True)
+
+
+def root_id(root: str) -> str:
+    """The root's identity, created once: ranks that see the same id share one root (one
+    directory, even one shared filesystem mounted on several hosts); else they do not."""
+    path = os.path.join(root, ROOT_ID_NAME)
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+        if value:
+            return value
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "w") as f:
+        f.write(uuid.uuid4().hex)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # create-only: concurrent creators agree on the first id
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    fsync_dir(root)
+    with open(path) as f:
+        return f.read().strip()

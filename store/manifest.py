@@ -18,6 +18,7 @@ from typing import Any
 
 from store.dtypes import ITEMSIZE
 from store.errors import ManifestError
+from store.layout import block_rows as expected_block_rows
 from store.layout import chunk_file
 
 __all__ = [
@@ -39,6 +40,7 @@ ROOT_INFO_NAME = "root.json"
 STATE_PREFIX = "state"
 MAX_ARRAY_BYTES = 1 << 48  # 256 TiB: anything larger is a crafted manifest
 MAX_NDIM = 32
+MAX_ROW_BYTES = 1 << 30  # one row of a chunk is the smallest unit a reader buffers
 _COMPONENT = re.compile(r"^[A-Za-z0-9_.~%+-]+$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 
@@ -202,6 +204,10 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
         raise ManifestError(f"array {name!r}: shape {shape} is absurdly large", path=name)
     chunk_bytes = math.prod(chunk_shape) * ITEMSIZE[dtype]
     block_rows = _int(doc.get("block_rows", 0), f"{name}.block_rows", 0, chunk_shape[0] if chunk_shape else 0)
+    if block_rows != expected_block_rows(chunk_shape, ITEMSIZE[dtype]):
+        raise ManifestError(f"array {name!r}: block_rows {block_rows} does not follow from its chunk shape", path=name)
+    if chunk_shape and math.prod(chunk_shape[1:]) * ITEMSIZE[dtype] > MAX_ROW_BYTES:
+        raise ManifestError(f"array {name!r}: rows of {chunk_shape[1:]} are absurdly large", path=name)
     grid = [math.ceil(s / c) for s, c in zip(shape, chunk_shape)]
     chunks = []
     raw_chunks = doc.get("chunks")
@@ -234,6 +240,8 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
         if not isinstance(digest, str) or not _HEX64.match(digest):
             raise ManifestError(f"array {name!r}: chunk {index} has a malformed xxh3", path=name)
         blocks = c.get("blocks", [])
+        if block_rows and not blocks and inline is None:
+            raise ManifestError(f"array {name!r}: chunk {index} lacks its block checksums", path=name)
         if blocks:
             want = -(-chunk_shape[0] // block_rows) if block_rows and shape else 0
             if (
@@ -244,19 +252,40 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
                 raise ManifestError(f"array {name!r}: chunk {index} has malformed block checksums", path=name)
         writer = _int(c.get("writer"), "writer", 0, world - 1)
         chunks.append(ChunkEntry(index, writer, offsets, cshape, nbytes, digest, inline, tuple(blocks)))
+    seen = {c.index for c in chunks}
+    numel: int = math.prod(shape)
+    if len(seen) != len(chunks) or (numel > 0 and len(seen) != math.prod(grid)):
+        raise ManifestError(f"array {name!r}: chunks do not cover the grid {grid} exactly once", path=name)
     regions = doc.get("regions", [])
-    if not isinstance(regions, list):
-        raise ManifestError(f"array {name!r}: regions must be a list", path=name)
+    if not isinstance(regions, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("offsets"), list) and isinstance(r.get("ranks"), list) for r in regions
+    ):
+        raise ManifestError(f"array {name!r}: regions must be a list of region objects", path=name)
     replicated = bool(doc.get("replicated"))
     return ArrayEntry(name, dtype, shape, chunk_shape, replicated, tuple(regions), tuple(chunks), block_rows)
+
+
+def _rng_ok(rng: Any) -> bool:
+    py, npst = (rng.get("python"), rng.get("numpy")) if isinstance(rng, dict) else (None, None)
+    return (
+        isinstance(py, dict)
+        and isinstance(py.get("state"), list)
+        and len(py["state"]) == 625
+        and all(type(x) is int for x in py["state"])
+        and isinstance(npst, dict)
+        and isinstance(npst.get("keys"), str)
+        and isinstance(npst.get("pos"), int)
+        and isinstance(rng.get("torch"), str)
+        and isinstance(rng.get("cuda", []), list)
+    )
 
 
 def parse_manifest(raw: bytes) -> Manifest:
     """Parse and validate; raises ManifestError on anything a reader should not act on."""
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"manifest is not valid JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"manifest is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict) or doc.get("format") != "ckpt":
         raise ManifestError("not a ckpt manifest")
     if doc.get("schema_version") != SCHEMA_VERSION:
@@ -274,6 +303,8 @@ def parse_manifest(raw: bytes) -> Manifest:
         if not isinstance(r, dict) or r.get("tree") not in trees:
             raise ManifestError("manifest rank entry is malformed")
         rng = r.get("rng")
+        if rng is not None and not _rng_ok(rng):
+            raise ManifestError(f"manifest rank {r.get('rank')!r} has a malformed RNG state")
         ranks.append(
             RankEntry(
                 _int(r.get("rank"), "rank", 0, world - 1),

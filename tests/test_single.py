@@ -142,6 +142,24 @@ def test_sampler_reshards_the_rest_of_the_epoch(old, new):
     assert sorted(consumed + taken + final) == sorted(epoch)
 
 
+def test_sampler_even_after_reshard_gives_every_rank_the_same_count():
+    data = list(range(53))
+    olds = [DistributedSampler(data, num_replicas=2, rank=r, seed=1) for r in range(2)]
+    for s in olds:
+        it = iter(s)
+        [next(it) for _ in range(4)]
+    for drop_last in (False, True):
+        news = [DistributedSampler(data, 3, r, drop_last=drop_last, even_after_reshard=True) for r in range(3)]
+        parts = []
+        for r, s in enumerate(news):
+            s.load_state_dict(dict(olds[r % 2].state_dict(), drop_last=drop_last))
+            parts.append(list(s))
+        assert len({len(p) for p in parts}) == 1
+        rest = set(olds[0]._epoch_list_for(0)[8:])
+        got = {x for p in parts for x in p}
+        assert got <= rest and (drop_last or got == rest)
+
+
 def _spec(name, shape, *regions, dtype="float32"):
     return ArraySpec(name, dtype, shape, tuple(HeldRegion(r, o, s) for r, o, s in regions))
 

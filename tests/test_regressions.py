@@ -1,0 +1,124 @@
+"""Regressions found in review: each failed before its fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt
+from ckpt import Checkpointer
+from store import commit
+from store.manifest import parse_manifest
+
+
+class WithExtraState(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.scale = torch.ones(())
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.scale.clone()
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.scale = state.clone()
+
+
+def test_module_extra_state_goes_through_load_state_dict(tmp_path: Path) -> None:
+    src = WithExtraState()
+    src.scale = torch.tensor(7.0)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"m": src})
+    dst = WithExtraState()
+    with Checkpointer(tmp_path) as ck:
+        ck.restore({"m": dst})
+    assert dst.scale.item() == 7.0
+    assert torch.equal(dst.lin.weight, src.lin.weight)
+
+
+def test_fresh_optimizer_gets_state_only_where_the_checkpoint_has_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = torch.optim.Adam(list(used.parameters()) + list(unused.parameters()), lr=0.1)
+    used(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert len(opt.state) == 2
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"used": used, "unused": unused, "opt": opt})
+    used2, unused2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt2 = torch.optim.Adam(list(used2.parameters()) + list(unused2.parameters()), lr=0.1)
+    grad = torch.full_like(used2.weight, 3.0)
+    used2.weight.grad = grad
+    with Checkpointer(tmp_path) as ck:
+        ck.restore({"used": used2, "unused": unused2, "opt": opt2})
+    assert len(opt2.state) == 2 and all(p in opt2.state for p in used2.parameters())
+    assert used2.weight.grad is grad  # the user's gradients are left alone
+    assert torch.equal(unused2.weight, unused.weight)
+
+
+def test_lbfgs_restores(tmp_path: Path) -> None:
+    lin = torch.nn.Linear(3, 1)
+    opt = torch.optim.LBFGS(lin.parameters())
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = lin(torch.ones(2, 3)).pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"lin": lin, "opt": opt})
+    lin2 = torch.nn.Linear(3, 1)
+    opt2 = torch.optim.LBFGS(lin2.parameters())
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"lin": lin2, "opt": opt2}) == 1
+    assert torch.equal(lin2.weight, lin.weight)
+
+
+def test_non_contiguous_ndarray_is_restored(tmp_path: Path) -> None:
+    src = np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4))
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"a": src})
+    dst = np.asfortranarray(np.zeros((3, 4)))
+    with Checkpointer(tmp_path) as ck:
+        ck.restore({"a": dst})
+    assert np.array_equal(dst, src)
+
+
+def _manifest(tmp_path: Path) -> dict:
+    with Checkpointer(tmp_path / "r") as ck:
+        ck.save(1, {"w": torch.randn(4, 3)})
+    return json.loads((tmp_path / "r" / commit.version_dirname(1) / "manifest.json").read_bytes())
+
+
+def test_manifest_without_all_chunks_is_rejected(tmp_path: Path) -> None:
+    doc = _manifest(tmp_path)
+    doc["arrays"]["w"]["chunks"] = []
+    with pytest.raises(ckpt.ManifestError, match="cover"):
+        parse_manifest(json.dumps(doc).encode())
+
+
+def test_deeply_nested_manifest_is_a_manifest_error() -> None:
+    with pytest.raises(ckpt.ManifestError):
+        parse_manifest(b"[" * 100000 + b"]" * 100000)
+
+
+def test_malformed_rng_is_rejected(tmp_path: Path) -> None:
+    doc = _manifest(tmp_path)
+    doc["ranks"][0]["rng"] = {"python": {"state": "x"}}
+    with pytest.raises(ckpt.ManifestError, match="RNG"):
+        parse_manifest(json.dumps(doc).encode())
+
+
+def test_numpy_object_array_is_refused_cleanly(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(ckpt.UnsupportedStateError, match="bad"):
+            ck.save(1, {"bad": np.array(["a", "b"], dtype=object)})
+        ck.save(2, {"ok": torch.ones(2)})  # the checkpointer stays usable
+        ck.wait()
+        assert ck.steps() == [2]
