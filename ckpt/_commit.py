@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -30,16 +32,20 @@ import xxhash
 
 from ckpt._dist import Comm
 from ckpt._staging import StageTask
+from ckpt.provenance import job_provenance, rank_provenance
 from store import commit as commit_mod
+from store import metrics
 from store.dtypes import itemsize
-from store.errors import RankFailures
-from store.faults import fault_point
+from store.errors import NonFiniteError, RankFailures
+from store.faults import fault_delay, fault_point
 from store.fsio import DIR_MODE, fsync_dirs, write_chunk
 from store.layout import ArrayPlan, block_rows, chunk_file
 from store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
 from store.zarr_meta import write_hierarchy
 
 __all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit"]
+
+log = logging.getLogger("ckpt")
 
 
 @dataclass
@@ -67,6 +73,7 @@ class SaveJob:
     tasks: list[StageTask]  # the last staged batch, still to be written
     error: BaseException | None = None  # a failure while staging or writing in the foreground
     milestone: bool = False  # tagged for milestone retention
+    check_finite: bool = False  # refuse NaN/Inf in floating tensors
     records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=set)
     stats: SaveStats = field(default_factory=lambda: SaveStats(0))
@@ -92,8 +99,13 @@ def write_tasks(job: SaveJob, tmp_dir: str, pool: ThreadPoolExecutor) -> None:
         view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])  # type: ignore[arg-type]
         name, index = task.array.spec.name, list(task.chunk.index)
         if task.chunk.inline:
+            if job.check_finite:
+                _check_finite(job, task)
             raw = bytes(view)
             return name, index, xxhash.xxh3_64_hexdigest(raw), raw.hex(), []
+        if job.check_finite:
+            _check_finite(job, task)
+        fault_delay("write", task.chunk.writer)
         path = os.path.join(tmp_dir, chunk_file(f"{STATE_PREFIX}/{name}", task.chunk.index))
         os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
         item = itemsize(task.array.spec.data_type)
@@ -114,6 +126,27 @@ def write_tasks(job: SaveJob, tmp_dir: str, pool: ThreadPoolExecutor) -> None:
             job.dirs.update(_ancestors(tmp_dir, rel))
         job.stats.bytes_written += task.chunk.nbytes
     job.stats.write_s += time.perf_counter() - t0
+
+
+_FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+def _check_finite(job: SaveJob, task: StageTask) -> None:
+    """NaN/Inf in the staged copy: one min/max pass, no temporary of the chunk's size."""
+    dtype = task.piece.data.dtype
+    if dtype not in _FLOATS and not dtype.is_complex:
+        return
+    raw = job.arena[task.offset : task.offset + task.staged_bytes]
+    values = raw.view(dtype)
+    if dtype.is_complex:
+        values = torch.view_as_real(values).reshape(-1)
+    lo, hi = torch.aminmax(values)
+    if not (torch.isfinite(lo) and torch.isfinite(hi)):
+        rank = task.chunk.writer
+        raise NonFiniteError(
+            f"tensor {task.array.spec.name!r} holds NaN or Inf on rank {rank} (check_finite); "
+            f"step {job.step} was not committed, the previous version stays the newest"
+        )
 
 
 def _ancestors(top: str, rel: str) -> list[str]:
@@ -154,9 +187,8 @@ def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootConte
         trees.setdefault(key, p["tree"])
         ranks.append(RankEntry(r, key, p["rng"], p["host"], p["root_index"]))
     meta = {
-        "ckpt_version": _version(),
-        "torch_version": torch.__version__,
-        "python": platform.python_version(),
+        **job_provenance(),
+        "ranks": [p["provenance"] for p in payloads],
         "timings": [p["stats"] for p in payloads],
         "milestone": job.milestone,
     }
@@ -173,15 +205,6 @@ def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootConte
     )
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("ckpt")
-    except Exception:
-        return "0+unknown"
-
-
 def _agree(comm: Comm, error: BaseException | None) -> None:
     """All ranks learn every rank's failure; raise RankFailures if there was any."""
     causes = comm.all_gather(None if error is None else f"{type(error).__name__}: {error}")
@@ -190,7 +213,31 @@ def _agree(comm: Comm, error: BaseException | None) -> None:
         raise RankFailures(bad) from error
 
 
-def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor) -> SaveStats:
+def _report_stragglers(payloads: list[dict[str, Any]], step: int, threshold: float) -> None:
+    """Warn about ranks whose write time exceeds the median by more than `threshold`."""
+    times = [(r, p["stats"]["write_s"] + p["stats"]["fsync_s"]) for r, p in enumerate(payloads) if not p["error"]]
+    if len(times) < 2:
+        return
+    median = statistics.median(t for _, t in times)
+    for rank, t in times:
+        if t > median * (1 + threshold) and t - median > 0.05:  # ignore noise on tiny saves
+            p = payloads[rank]
+            log.warning(
+                "rank 0 step %d: straggler rank %d (host %s, disk %s) wrote in %.2fs, %.0f%% above the median %.2fs",
+                step,
+                rank,
+                p["host"],
+                p["root"],
+                t,
+                100 * (t / median - 1) if median else 100.0,
+                median,
+            )
+            metrics.STRAGGLERS.labels(rank=str(rank)).inc()
+
+
+def run_commit(
+    job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float = 0.3
+) -> SaveStats:
     """Runs on the background thread; returns the stats or raises (every rank raises alike)."""
     tmp_name = commit_mod.tmp_dirname(job.step, job.save_id)
     tmp_dir = os.path.join(ctx.root, tmp_name)
@@ -216,11 +263,19 @@ def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecu
             "rng": job.rng,
             "host": platform.node(),
             "root_index": ctx.root_index,
-            "stats": {"stage_s": job.stats.stage_s, "write_s": job.stats.write_s, "fsync_s": job.stats.fsync_s},
+            "stats": {
+                "stage_s": job.stats.stage_s,
+                "write_s": job.stats.write_s,
+                "fsync_s": job.stats.fsync_s,
+                "bytes": job.stats.bytes_written,
+            },
+            "root": ctx.root,
+            "provenance": rank_provenance(),
         }
         gathered = comm.gather(payload)  # GATHER
         decision: dict[str, Any] = {}
         if gathered is not None:
+            _report_stragglers(gathered, job.step, straggler_threshold)
             bad = {r: p["error"] for r, p in enumerate(gathered) if p["error"]}
             if bad:
                 decision = {"abort": bad}
@@ -231,7 +286,9 @@ def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecu
                     decision = {"abort": {0: f"{type(e).__name__}: {e}"}}
         decision = comm.broadcast(decision)
         if "abort" in decision:
-            raise RankFailures({int(r): c for r, c in decision["abort"].items()}) from error
+            if error is not None:  # this rank's own failure says the most
+                raise error
+            raise RankFailures({int(r): c for r, c in decision["abort"].items()})
         manifest = parse_manifest(decision["manifest"])
         error = None
         if ctx.is_leader:  # PREPARE
@@ -250,7 +307,8 @@ def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecu
                 error = e
         fault_point("after-publish", ctx.rank)
         _agree(comm, error)
-    except BaseException:
+    except BaseException as e:
+        metrics.SAVE_FAILURES.labels(reason=type(e).__name__).inc()
         # Once every root is prepared, another root may have published: a prepared copy
         # is kept so the next open rolls it forward instead of losing the version.
         if ctx.is_leader and not prepared_everywhere:
@@ -258,4 +316,18 @@ def run_commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecu
         raise
     job.stats.commit_s = time.perf_counter() - t_commit
     job.stats.total_s = time.perf_counter() - job.started
+    metrics.COMMIT_LATENCY.observe(job.stats.total_s)
+    metrics.BYTES_WRITTEN.inc(job.stats.bytes_written)
+    s = job.stats
+    log.info(
+        "rank %d step %d: committed in %.3fs (stage %.3fs, write %.3fs, fsync %.3fs, commit %.3fs, %d bytes)",
+        ctx.rank,
+        job.step,
+        s.total_s,
+        s.stage_s,
+        s.write_s,
+        s.fsync_s,
+        s.commit_s,
+        s.bytes_written,
+    )
     return job.stats

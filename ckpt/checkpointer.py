@@ -32,7 +32,7 @@ from replicator.core import Replicator, ReplicatorConfig
 from restore.discover import choose_step, reachable_steps
 from restore.execute import ReadRequest, Source, full_tensor, load_arrays
 from restore.tiers import Candidate, LocalTier, RemoteTier, Tier
-from store import commit
+from store import commit, metrics
 from store.errors import (
     CkptError,
     CorruptVersionError,
@@ -163,6 +163,8 @@ class Checkpointer:
             self._replicator = Replicator([self.root], replication)
             self._replicator_thread = threading.Thread(target=self._replicator.run, name="ckpt-replicator", daemon=True)
             self._replicator_thread.start()
+        if self.config.metrics_port is not None:
+            metrics.serve(self.config.metrics_port + self._local_rank())
         self._copy_pool = ThreadPoolExecutor(max(1, self.config.copy_threads - 1), thread_name_prefix="ckpt-copy")
         self._writer_pool = ThreadPoolExecutor(self.config.writer_threads, thread_name_prefix="ckpt-write")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
@@ -340,6 +342,7 @@ class Checkpointer:
         ]
         job = SaveJob(step, save_id, overwrite, self._plans, tree, rng, self._arena.get(0, False), [])
         job.milestone = milestone
+        job.check_finite = self.config.check_finite
         job.started = started
         job.stats.step = step
         pin = any(t.piece.data.is_cuda for t in tasks)
@@ -359,7 +362,10 @@ class Checkpointer:
             job.tasks = []
         job.stats.stage_s = time.perf_counter() - started
         fault_point("after-stage", self.rank)
-        self._pending = self._committer.submit(run_commit, job, self._ctx, self._data, self._writer_pool)
+        metrics.SAVE_STALL.observe(job.stats.stage_s)
+        self._pending = self._committer.submit(
+            run_commit, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
+        )
         return True
 
     def wait(self) -> None:
@@ -425,6 +431,7 @@ class Checkpointer:
                 self._load(chosen, sources, state)
                 return chosen
             except CorruptVersionError as e:
+                metrics.VERIFY_ERRORS.inc()
                 if step is not None:
                     raise
                 log.warning("rank %d: step %d is not intact (%s); trying an older version", self.rank, chosen, e)

@@ -345,9 +345,19 @@ def inspect_cmd(
         f"step {chosen}  saved {when}  world size {manifest.world_size}  roots {len(manifest.roots)}  "
         f"{len(rows)} tensors, {_human(manifest.total_bytes)}"
     )
-    for key in ("ckpt_version", "torch_version", "python"):
-        if key in manifest.meta:
+    for key in ("ckpt_version", "torch_version", "python", "cuda"):
+        if manifest.meta.get(key):
             console.print(f"  {key}: {manifest.meta[key]}")
+    git = manifest.meta.get("git")
+    if isinstance(git, dict):
+        console.print(f"  training code: {git.get('path')} @ {git.get('commit')}" + (" (dirty)" if git.get("dirty") else ""))
+    hosts: dict[tuple[str, str, str], list[int]] = {}
+    for rank, p in enumerate(manifest.meta.get("ranks", [])):
+        if isinstance(p, dict):
+            where = (str(p.get("host")), str(p.get("cpu")), ", ".join(p.get("gpus") or []) or "no GPU")
+            hosts.setdefault(where, []).append(rank)
+    for (host, cpu, gpus), ranks in hosts.items():
+        console.print(f"  ranks {ranks}: {host}, {cpu}, {gpus}")
     table = Table()
     for col in ("tensor", "dtype", "shape", "chunks", "size", "sharding"):
         table.add_column(col, justify="right" if col in ("chunks", "size") else "left")

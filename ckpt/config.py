@@ -40,6 +40,16 @@ class CheckpointerConfig:
     timeout: timedelta = timedelta(minutes=30)
     """Timeout of the checkpointer's own gloo collectives."""
 
+    check_finite: bool = False
+    """Refuse to commit a version with NaN or Inf in any floating tensor (checked on the
+    staged copy by the writer threads, so training does not wait for it)."""
+
+    straggler_threshold: float = 0.3
+    """Warn (and count in a metric) when a rank's write time exceeds the ranks' median by this fraction."""
+
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on 127.0.0.1 at this port plus the local rank."""
+
     def __post_init__(self) -> None:
         if self.if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {self.if_busy!r}")
@@ -49,3 +59,5 @@ class CheckpointerConfig:
             raise ValueError("writer_threads, copy_threads and reader_threads must be at least 1")
         if self.split_bytes < 1:
             raise ValueError("split_bytes must be positive")
+        if self.straggler_threshold <= 0:
+            raise ValueError("straggler_threshold must be positive")

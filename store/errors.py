@@ -20,6 +20,7 @@ __all__ = [
     "UnsupportedStateError",
     "StateMismatchError",
     "ManifestError",
+    "NonFiniteError",
 ]
 
 
@@ -76,3 +77,7 @@ class RankFailures(CkptError):
         self.causes = dict(causes)
         detail = "; ".join(f"rank {r}: {c}" for r, c in sorted(self.causes.items()))
         super().__init__(f"failed on {len(self.causes)} rank(s): {detail}")
+
+
+class NonFiniteError(CkptError, ValueError):
+    """check_finite found NaN or Inf in a tensor; the version was not committed."""
