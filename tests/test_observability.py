@@ -1,0 +1,132 @@
+"""Metrics over loopback, stragglers, provenance, check_finite."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+import ckpt
+from ckpt import Checkpointer
+from ckpt.cli import main as cli
+from tests._dist import Ctx, launch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_metrics_endpoint_is_scraped_and_parsed(tmp_path: Path) -> None:
+    port = _free_port()
+    with Checkpointer(tmp_path, metrics_port=port) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.randn(256, 256)})
+            ck.wait()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["ckpt_save_stall_seconds_count"] >= 2
+    assert samples["ckpt_commit_latency_seconds_count"] >= 2
+    assert samples["ckpt_bytes_written_total"] >= 2 * 256 * 256 * 4
+
+
+def test_check_finite_refuses_and_keeps_the_previous_version(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, check_finite=True) as ck:
+        ck.save(1, {"w": torch.ones(8), "h": torch.ones(4, dtype=torch.bfloat16)})
+        ck.wait()
+        bad = torch.ones(1000)
+        bad[567] = float("inf")
+        ck.save(2, {"w": bad, "h": torch.ones(4, dtype=torch.bfloat16)})
+        with pytest.raises(ckpt.NonFiniteError, match=r"'w'.*rank 0"):
+            ck.wait()
+        assert ck.steps() == [1] and ck.latest_step() == 1
+        nan_bf16 = torch.ones(4, dtype=torch.bfloat16)
+        nan_bf16[0] = float("nan")
+        ck.save(3, {"w": torch.ones(8), "h": nan_bf16})
+        with pytest.raises(ckpt.NonFiniteError, match="'h'"):
+            ck.wait()
+        ck.save(4, {"w": torch.ones(8), "h": torch.ones(4, dtype=torch.bfloat16)})
+        ck.wait()
+        assert ck.steps() == [1, 4]
+    with Checkpointer(tmp_path) as ck:  # off by default: NaN is saved as is
+        ck.save(5, {"w": torch.tensor([float("nan")])})
+        ck.wait()
+        assert ck.latest_step() == 5
+
+
+def nan_on_one_rank(ctx: Ctx, root: str) -> dict:
+    with Checkpointer(root, check_finite=True) as ck:
+        ck.save(1, {"w": torch.ones(64)})
+        ck.wait()
+        w = torch.ones(64)
+        if ctx.rank == 1:
+            w[3] = float("nan")
+        from ckpt import Shard
+
+        ck.save(2, {"w": Shard(w, (128,), (64 * ctx.rank,))})
+        try:
+            ck.wait()
+            ctx.check(False, "a NaN on rank 1 must fail the save everywhere")
+        except ckpt.CkptError as e:
+            ctx.check("rank 1" in str(e), f"the error names rank 1: {e}")
+        ctx.check(ck.steps() == [1], f"previous version stays the newest: {ck.steps()}")
+    return {}
+
+
+def straggler(ctx: Ctx, root: str) -> dict:
+    from store import metrics
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("ckpt").addHandler(Grab())
+    with Checkpointer(root) as ck:
+        for step in (1, 2):
+            piece = torch.randn(64, 64)  # each rank writes its own piece
+            ck.save(step, {"w": ckpt.Shard(piece, (128, 64), (64 * ctx.rank, 0))})
+            ck.wait()
+    if ctx.rank == 0:
+        hits = [m for m in records if "straggler rank 1" in m]
+        ctx.check(len(hits) == 2, f"a straggler warning per save: {records}")
+        ctx.check(all(root in m for m in hits), f"the warning names the disk: {hits}")
+        ctx.check(metrics.STRAGGLERS.labels(rank="1")._value.get() == 2, "counted in the metric")
+        ctx.check(metrics.STRAGGLERS.labels(rank="0")._value.get() == 0, "rank 0 is not a straggler")
+    return {}
+
+
+def test_nan_on_one_rank_fails_the_save_on_all(tmp_path: Path) -> None:
+    _, failures = launch(__file__, "nan_on_one_rank", 2, tmp_path / "job", root=str(tmp_path / "root"))
+    assert not failures, failures
+
+
+def test_a_slow_rank_is_reported_as_straggler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPT_DELAY", "write:1:0.4")  # rank 1's writer sleeps 0.4 s per chunk
+    _, failures = launch(__file__, "straggler", 2, tmp_path / "job", root=str(tmp_path / "root"))
+    assert not failures, failures
+
+
+def test_inspect_shows_provenance(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.ones(3)})
+    out = CliRunner().invoke(cli, ["inspect", str(tmp_path), "--json"])
+    meta = json.loads(out.output)["meta"]
+    assert meta["torch_version"] == torch.__version__ and meta["ckpt_version"]
+    assert meta["ranks"][0]["host"] and meta["ranks"][0]["cpu"]
+    repo = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # the tests run inside the project's checkout
+        assert meta["git"]["commit"] == head.stdout.strip()
+    table = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
+    assert "torch_version" in table.output and "ranks [0]" in table.output
