@@ -422,6 +422,11 @@ class Checkpointer:
                     raise VersionNotFoundError(
                         f"step {step} is not committed where every rank can reach it ({self.root})"
                     )
+                if excluded:
+                    raise CorruptVersionError(
+                        f"no committed version is intact (steps {sorted(excluded)} failed their checks); "
+                        "the state may be partly overwritten"
+                    )
                 return None
             save_id = reachable_steps(views)[chosen]
             sources = [

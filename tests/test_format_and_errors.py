@@ -391,7 +391,10 @@ def test_all_versions_corrupt(tmp_path: Path) -> None:
     for step in (1, 2):
         _flip_byte(vdir(root, step) / "state" / "w" / "c" / "0" / "0")
     with Checkpointer(root) as ck:
-        assert ck.restore(zeros_like_state(plain_state(0))) is None
+        # Not None ("nothing saved, start afresh"): the state may be partly overwritten, and
+        # the operator must learn that every committed version is damaged.
+        with pytest.raises(ckpt.CorruptVersionError, match="no committed version is intact"):
+            ck.restore(zeros_like_state(plain_state(0)))
 
 
 # -- manifest validation -------------------------------------------------------------------
