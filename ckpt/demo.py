@@ -1,10 +1,18 @@
-"""The main job (for now): a 2-rank training loop that checkpoints, dies, and resumes.
+"""The main job: train, checkpoint, lose a rank, come back on another world size, match.
 
-    python -m ckpt.demo [--dir DIR] [--steps 30] [--every 5] [--crash-at 17]
+    python -m ckpt.demo [--dir DIR] [--steps 30] [--every 5] [--kill-at 17] [--remote URL | --moto]
 
-Run 1 trains an uninterrupted reference. Run 2 trains with async saves every few steps
-and exits abruptly at --crash-at; run 3 restores the newest committed version and
-finishes. The losses and final weights of runs 2+3 must equal the reference bit for bit.
+1. A reference run trains a small transformer on synthetic data on 2 ranks (gloo).
+2. The same run saves asynchronously every few steps to two local "disks" with the
+   replicator running in the trainer (copies across the disks, upload to the remote),
+   and one rank is SIGKILLed mid-run.
+3. The job restarts on 3 ranks from the newest intact version, resharded, and finishes.
+4. The losses of 2+3 must equal the reference's bit for bit: the global batch is the
+   same 12 samples whatever the world size, and per-sample gradients are summed in one
+   fixed order, so the arithmetic does not depend on how many ranks share the work.
+
+Prints a summary table and writes a PNG with the loss curves and a timeline of the saves.
+The remote is a local file:// directory by default; --moto starts a loopback S3 server.
 """
 
 from __future__ import annotations
@@ -12,79 +20,123 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.utils.data import DataLoader, TensorDataset
-
-from ckpt import Checkpointer, DistributedSampler
-
-WORLD = 2
+GLOBAL_BATCH = 12  # divisible by 2 and 3: the same global batch at either world size
+SAMPLES = 240
 
 
-def _model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1))
+def _model() -> Any:
+    import torch
 
+    class Block(torch.nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.attn = torch.nn.MultiheadAttention(d, 4, batch_first=True)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
 
-def _worker(rank: int, port: int, out_dir: str, ckpt_dir: str | None, steps: int, every: int, crash_at: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        def forward(self, x: Any) -> Any:
+            h = self.ln1(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            return x + self.mlp(self.ln2(x))
+
+    class TinyGPT(torch.nn.Module):
+        def __init__(self, vocab: int = 64, d: int = 64, layers: int = 2, ctx: int = 16) -> None:
+            super().__init__()
+            self.tok = torch.nn.Embedding(vocab, d)
+            self.pos = torch.nn.Parameter(torch.zeros(ctx, d))
+            self.blocks = torch.nn.Sequential(*[Block(d) for _ in range(layers)])
+            self.head = torch.nn.Linear(d, vocab)
+
+        def forward(self, idx: Any) -> Any:
+            return self.head(self.blocks(self.tok(idx) + self.pos[: idx.shape[-1]]))
+
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(512, 32), torch.randn(512, 1))
-    sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, seed=1)
-    # The loader draws a base seed from its generator on every iter(); a private generator
-    # keeps that draw out of the global RNG, which would otherwise shift after a resume.
-    loader = DataLoader(data, batch_size=16, sampler=sampler, generator=torch.Generator())
+    return TinyGPT()
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One rank. Exits 0 after `--steps`, or is killed."""
+    import torch
+    import torch.distributed as dist
+
+    from ckpt import Checkpointer, DistributedSampler
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, 64, (SAMPLES, 17), generator=gen)  # a synthetic corpus
+    dataset = torch.utils.data.TensorDataset(tokens)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=7)
+    per_rank = GLOBAL_BATCH // world
+    loader = torch.utils.data.DataLoader(dataset, batch_size=per_rank, sampler=sampler, generator=torch.Generator())
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
-    torch.manual_seed(100 + rank)
-    state: dict[str, Any] = {
-        "model": model,
-        "optim": opt,
-        "sched": sched,
-        "sampler": sampler,
-        "step": 0,
-        "epoch": 0,
-        "losses": [],
-    }
-    ck = Checkpointer(ckpt_dir) if ckpt_dir else None
-    if ck is not None and ck.restore(state) is not None and rank == 0:
-        print(f"  rank 0 resumed from step {state['step']} (epoch {state['epoch']}, sample {sampler.position})")
-    step: int = state["step"]
-    epoch: int = state["epoch"]
-    while step < steps:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    state: dict[str, Any] = {"model": model, "optim": opt, "sched": sched, "sampler": sampler, "step": 0, "epoch": 0}
+    ck = None
+    report: dict[str, Any] = {"rank": rank, "world": world, "losses": {}, "saves": []}
+    if args.ckpt:
+        roots = [os.path.join(args.work, "disk0", "ckpt"), os.path.join(args.work, "disk1", "ckpt")]
+        opts = json.loads(args.storage_options) if args.storage_options else None
+        ck = Checkpointer(roots, replicate_to=args.remote, storage_options=opts)
+        t0 = time.perf_counter()
+        resumed = ck.restore(state)
+        report["restore_s"] = time.perf_counter() - t0
+        report["resumed_from"] = resumed
+    params = [p for p in model.parameters()]
+    step, epoch = state["step"], state["epoch"]
+    while step < args.steps:
         sampler.set_epoch(epoch)
-        for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            for p in model.parameters():
-                assert p.grad is not None
-                dist.all_reduce(p.grad)
-                p.grad.div_(WORLD)
+        for (batch,) in loader:
+            # Per-sample gradients, gathered and summed in global-batch order: the same
+            # floating-point operations whatever the world size.
+            grads, losses = [], []
+            for sample in batch:
+                model.zero_grad(set_to_none=True)
+                logits = model(sample[:-1].unsqueeze(0))
+                loss = torch.nn.functional.cross_entropy(logits.view(-1, 64), sample[1:])
+                loss.backward()
+                grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
+                losses.append(loss.detach().reshape(1))
+            mine = torch.stack(grads)
+            everyone = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(everyone, mine)
+            all_losses = [torch.empty(per_rank) for _ in range(world)]
+            dist.all_gather(all_losses, torch.cat(losses))
+            # rank r's i-th sample sits at global position i * world + r
+            order = [everyone[p % world][p // world] for p in range(GLOBAL_BATCH)]
+            total = order[0].clone()
+            for g in order[1:]:
+                total += g
+            total /= GLOBAL_BATCH
+            offset = 0
+            for p in params:
+                p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
             opt.step()
             sched.step()
             step += 1
-            state["losses"].append(loss.item())
+            loss_value = sum(all_losses[p % world][p // world].item() for p in range(GLOBAL_BATCH)) / GLOBAL_BATCH
+            report["losses"][step] = loss_value
             state["step"], state["epoch"] = step, epoch
-            if ck is not None and step % every == 0:
+            if ck is not None and step % args.every == 0:
                 t0 = time.perf_counter()
                 ck.save(step, state)
-                if rank == 0:
-                    print(
-                        f"  step {step}: saved asynchronously, training stalled {1e3 * (time.perf_counter() - t0):.1f} ms"
-                    )
-            if step == crash_at:
-                if rank == 0:
-                    print(f"  step {step}: both ranks exit abruptly (os._exit), no clean shutdown")
-                os._exit(0)
-            if step >= steps:
+                report["saves"].append({"step": step, "t": time.time(), "stall_s": time.perf_counter() - t0})
+            _write_report(args.out, rank, report)  # kept current: this rank may be killed
+            with open(os.path.join(args.out, f"progress.rank{rank}"), "w") as f:
+                f.write(str(step))
+            if step >= args.steps:
                 break
         else:
             epoch += 1
@@ -92,19 +144,81 @@ def _worker(rank: int, port: int, out_dir: str, ckpt_dir: str | None, steps: int
         break
     if ck is not None:
         ck.close()
-    result = {"losses": state["losses"], "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+        report["stats"] = [vars(s) for s in ck.stats()]
+    _write_report(args.out, rank, report)
     dist.destroy_process_group()
 
 
-def _run(out_dir: str, ckpt_dir: str | None, steps: int, every: int, crash_at: int) -> None:
+def _write_report(out: str, rank: int, report: dict[str, Any]) -> None:
+    tmp = os.path.join(out, f"rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, os.path.join(out, f"rank{rank}.json"))
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.makedirs(out_dir, exist_ok=True)
-    args = (port, out_dir, ckpt_dir, steps, every, crash_at)
-    mp.start_processes(_worker, args, nprocs=WORLD, start_method="spawn")  # type: ignore[attr-defined,no-untyped-call]
+        return int(s.getsockname()[1])
+
+
+def _launch(world: int, out: str, extra: list[str], kill_rank_at: tuple[int, int] | None = None) -> list[int]:
+    """Start `world` rank processes; optionally SIGKILL one when it reaches a step. Returns exit codes."""
+    os.makedirs(out, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+        log = open(os.path.join(out, f"rank{rank}.log"), "wb")  # noqa: SIM115 - lives as long as the process
+        cmd = [sys.executable, "-m", "ckpt.demo", "--worker", "--out", out, *extra]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        if kill_rank_at is not None:
+            victim, at = kill_rank_at
+            progress = Path(out, f"progress.rank{victim}")
+            while procs[victim].poll() is None:
+                if progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= at:
+                    procs[victim].send_signal(signal.SIGKILL)
+                    print(f"  SIGKILL rank {victim} at step {at}")
+                    break
+                time.sleep(0.01)
+            deadline = time.monotonic() + 60
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the survivors fail in their next collective
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs]
+
+
+def _start_moto(work: str) -> tuple[subprocess.Popen[bytes], str, dict[str, Any]]:
+    import boto3
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo-secret")
+    for _ in range(200):
+        try:
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="ckpt-demo")
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.05)
+    return proc, "s3://ckpt-demo/run", {"endpoint_url": endpoint}
+
+
+def _du(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if os.path.isdir(path) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,32 +226,124 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a fresh temp dir)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--every", type=int, default=5)
-    ap.add_argument("--crash-at", type=int, default=17)
+    ap.add_argument("--kill-at", type=int, default=17)
+    ap.add_argument("--remote", default=None, help="remote tier URL (default: file://<dir>/remote)")
+    ap.add_argument("--moto", action="store_true", help="start a loopback S3 server (moto) as the remote")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--storage-options", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    work = args.dir or tempfile.mkdtemp(prefix="ckpt-demo-")
-    ckpt_dir = os.path.join(work, "ckpt")
-    print(f"ckpt demo in {work}")
-    print("1) reference run, no checkpoints")
-    _run(os.path.join(work, "ref"), None, args.steps, args.every, -1)
-    print(f"2) run with checkpoints every {args.every} steps, killed at step {args.crash_at}")
-    _run(os.path.join(work, "crashed"), ckpt_dir, args.steps, args.every, args.crash_at)
-    print("3) restart: restore the newest committed version and finish")
-    _run(os.path.join(work, "resumed"), ckpt_dir, args.steps, args.every, -1)
-    ok = True
-    for rank in range(WORLD):
-        with open(os.path.join(work, "ref", f"rank{rank}.json")) as f:
-            ref = json.load(f)
-        with open(os.path.join(work, "resumed", f"rank{rank}.json")) as f:
-            got = json.load(f)
-        same_loss = ref["losses"] == got["losses"]
-        same_w = ref["weights"] == got["weights"]
-        ok &= same_loss and same_w
-        print(
-            f"rank {rank}: {len(got['losses'])} losses identical to reference: {same_loss}; final weights identical: {same_w}"
-        )
-    print(f"final loss {got['losses'][-1]:.6f}; checkpoints: `ckpt ls {ckpt_dir}`")
-    print("RESULT:", "resumed run is bit-exact" if ok else "MISMATCH")
-    return 0 if ok else 1
+    if args.worker:
+        _worker(args)
+        return 0
+    work = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="ckpt-demo-"))
+    for d in ("disk0", "disk1"):
+        os.makedirs(os.path.join(work, d), exist_ok=True)
+        Path(work, d, ".ckpt-disk").write_text(d)  # two simulated disks: copies must not share one
+    moto = None
+    options: dict[str, Any] = {}
+    remote = args.remote or f"file://{os.path.join(work, 'remote')}"
+    if args.moto:
+        moto, remote, options = _start_moto(work)
+    common = ["--steps", str(args.steps), "--every", str(args.every), "--work", work]
+    try:
+        print(f"ckpt demo in {work} (remote: {remote})")
+        print("1) reference run: 2 ranks, no checkpoints")
+        _launch(2, os.path.join(work, "ref"), common)
+        print(f"2) 2 ranks, async saves every {args.every} steps to 2 disks + replication; one rank dies")
+        run = [*common, "--ckpt", "--remote", remote, "--storage-options", json.dumps(options)]
+        codes = _launch(2, os.path.join(work, "killed"), run, kill_rank_at=(1, args.kill_at))
+        print(f"  exit codes {codes}")
+        print("3) restart on 3 ranks from the newest intact version (resharded)")
+        _launch(3, os.path.join(work, "resumed"), run)
+        return _summarize(work, remote, options, args)
+    finally:
+        if moto is not None:
+            moto.terminate()
+            moto.wait()
+
+
+def _summarize(work: str, remote: str, options: dict[str, Any], args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from replicator.core import read_status
+
+    def load(run: str, rank: int) -> dict[str, Any]:
+        with open(os.path.join(work, run, f"rank{rank}.json")) as f:
+            return json.load(f)  # type: ignore[no-any-return]
+
+    ref = load("ref", 0)
+    resumed = [load("resumed", r) for r in range(3)]
+    start = resumed[0]["resumed_from"]
+    ref_losses = {int(k): v for k, v in ref["losses"].items()}
+    got = {int(k): v for k, v in resumed[0]["losses"].items()}
+    exact = all(got[s] == ref_losses[s] for s in got) and len(got) == args.steps - (start or 0)
+    saves = [s for r in resumed for s in r["saves"] if r["rank"] == 0]
+    stats = resumed[0].get("stats", [])
+    status = read_status(os.path.join(work, "disk0", "ckpt")).get("versions", {})
+    lags = [e["remote"]["at"] - e["created"] for e in status.values() if (e.get("remote") or {}).get("state") == "verified"]
+    table = Table(title="ckpt demo summary")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("resumed from step", str(start)),
+        ("saves after the restart (rank 0)", str(len(saves))),
+        ("stall per save, median", f"{1e3 * _median([s['stall_s'] for s in saves]):.1f} ms"),
+        ("time to commit, median", f"{1e3 * _median([s['total_s'] for s in stats]):.0f} ms"),
+        ("replication lag to the remote, median", f"{_median(lags):.2f} s" if lags else "-"),
+        ("restore time (3 ranks, resharded)", f"{max(r['restore_s'] for r in resumed):.2f} s"),
+        ("bytes on disk0 / disk1", f"{_du(os.path.join(work, 'disk0')):,} / {_du(os.path.join(work, 'disk1')):,}"),
+        ("bytes on the remote", f"{_du(remote[len('file://'):]):,}" if remote.startswith("file://") else "(s3)"),
+        ("losses identical to the uninterrupted run", "yes, bit for bit" if exact else "NO"),
+    ]
+    for r in rows:
+        table.add_row(*r)
+    Console().print(table)
+    _plot(work, ref_losses, load("killed", 0), resumed[0], start)
+    print(f"plot: {os.path.join(work, 'demo.png')}; checkpoints: ckpt ls {os.path.join(work, 'disk0', 'ckpt')}")
+    print("RESULT:", "the resumed run is bit-exact" if exact else "MISMATCH")
+    return 0 if exact else 1
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else float("nan")
+
+
+def _plot(work: str, ref: dict[int, float], killed: dict[str, Any], resumed: dict[str, Any], start: int | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7))
+    a.plot(list(ref), list(ref.values()), "k-", lw=3, alpha=0.3, label="reference, uninterrupted (2 ranks)")
+    k = {int(s): v for s, v in killed["losses"].items()}
+    a.plot(list(k), list(k.values()), "C0.-", label="2 ranks, one killed")
+    r = {int(s): v for s, v in resumed["losses"].items()}
+    a.plot(list(r), list(r.values()), "C1.-", label=f"resumed on 3 ranks from step {start}")
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    a.legend()
+    a.set_title("loss: the resumed run continues the reference exactly")
+    saves = [(s, "killed run") for s in killed["saves"]] + [(s, "resumed run") for s in resumed["saves"]]
+    stats = {s["step"]: s for s in killed.get("stats", []) + resumed.get("stats", [])}
+    t0 = min(s["t"] for s, _ in saves) if saves else 0
+    for i, (s, label) in enumerate(saves):
+        y = i
+        b.barh(y, s["stall_s"], left=s["t"] - t0, color="C3")
+        st = stats.get(s["step"])
+        if st:
+            b.barh(y, st["total_s"] - s["stall_s"], left=s["t"] - t0 + s["stall_s"], color="C2", alpha=0.6)
+        b.text(s["t"] - t0, y, f" step {s['step']} ({label})", va="center", fontsize=7)
+    b.set_xlabel("seconds since the first save")
+    b.set_title("saves: training stall (red) and background write + commit (green)")
+    b.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(os.path.join(work, "demo.png"), dpi=110)
 
 
 if __name__ == "__main__":

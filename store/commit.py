@@ -29,7 +29,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from store.errors import ManifestError, RootLockedError, TierUnavailableError, VersionNotFoundError
-from store.fsio import DIR_MODE, exchange_dirs, fsync_dir, write_durable
+from store.fsio import DIR_MODE, exchange_dirs, fsync_dir, fsync_dirs, write_durable
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
 __all__ = [
@@ -187,8 +187,7 @@ def prepare(tmp_dir: str, manifest: Manifest, writers: list[int], dirs: list[str
     """Phase 2 on one root: make the root info and the manifest durable, manifest last."""
     info = {"save_id": manifest.save_id, "step": manifest.step, "world_size": manifest.world_size, "writers": writers}
     write_durable(os.path.join(tmp_dir, ROOT_INFO_NAME), json.dumps(info).encode())
-    for d in sorted(set(dirs), key=len, reverse=True):  # children before parents
-        fsync_dir(d)
+    fsync_dirs(dirs)
     write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest.to_json())
     fsync_dir(tmp_dir)
 

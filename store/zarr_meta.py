@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from store.dtypes import ITEMSIZE
-from store.fsio import DIR_MODE, write_durable
+from store.fsio import DIR_MODE, FILE_MODE
 from store.manifest import ArrayEntry
 
 __all__ = ["array_document", "write_hierarchy"]
@@ -57,12 +58,32 @@ def array_document(entry: ArrayEntry, attributes: dict[str, Any]) -> dict[str, A
     }
 
 
-def write_hierarchy(version_dir: str, arrays: list[ArrayEntry], root_attributes: dict[str, Any]) -> list[str]:
-    """Write every zarr.json (root, intermediate groups, arrays); returns the directories touched.
+def _write_all(docs: list[tuple[str, bytes]], threads: int = 16) -> None:
+    """Create and fsync many small files; concurrent fsyncs share journal commits (ext4),
+    which is ~10x faster than one after another for the hundreds of zarr.json files."""
 
-    Files are fsynced as written; the caller fsyncs the returned directories.
-    """
+    def one(item: tuple[str, bytes]) -> None:
+        path, data = item
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    if len(docs) <= 4:
+        for d in docs:
+            one(d)
+        return
+    with ThreadPoolExecutor(min(threads, len(docs))) as pool:
+        list(pool.map(one, docs))
+
+
+def write_hierarchy(version_dir: str, arrays: list[ArrayEntry], root_attributes: dict[str, Any]) -> list[str]:
+    """Write every zarr.json (root, intermediate groups, arrays), each fsynced; returns the
+    directories touched, for the caller to fsync."""
     dirs: set[str] = {version_dir}
+    docs: list[tuple[str, bytes]] = []
     groups: set[str] = {""}
     for a in arrays:
         parts = a.path.split("/")
@@ -73,11 +94,12 @@ def write_hierarchy(version_dir: str, arrays: list[ArrayEntry], root_attributes:
         os.makedirs(d, mode=DIR_MODE, exist_ok=True)
         dirs.add(d)
         doc = {"zarr_format": 3, "node_type": "group", "attributes": root_attributes if not g else {}}
-        write_durable(os.path.join(d, "zarr.json"), json.dumps(doc).encode())
+        docs.append((os.path.join(d, "zarr.json"), json.dumps(doc).encode()))
     for a in arrays:
         d = os.path.join(version_dir, a.path)
         os.makedirs(d, mode=DIR_MODE, exist_ok=True)
         dirs.add(d)
         dirs.add(posixpath.dirname(d))
-        write_durable(os.path.join(d, "zarr.json"), json.dumps(array_document(a, {})).encode())
+        docs.append((os.path.join(d, "zarr.json"), json.dumps(array_document(a, {})).encode()))
+    _write_all(docs)
     return sorted(dirs)
