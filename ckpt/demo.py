@@ -105,7 +105,7 @@ def _worker(args: argparse.Namespace) -> None:
                 model.zero_grad(set_to_none=True)
                 logits = model(sample[:-1].unsqueeze(0))
                 loss = torch.nn.functional.cross_entropy(logits.view(-1, 64), sample[1:])
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
                 losses.append(loss.detach().reshape(1))
             mine = torch.stack(grads)
