@@ -36,7 +36,7 @@ from ckpt.provenance import job_provenance, rank_provenance
 from store import commit as commit_mod
 from store import metrics
 from store.dtypes import itemsize
-from store.errors import NonFiniteError, RankFailures
+from store.errors import NonFiniteError, RankFailures, TierUnavailableError
 from store.faults import fault_delay, fault_point
 from store.fsio import DIR_MODE, fsync_dirs, write_chunk
 from store.layout import ArrayPlan, block_rows, chunk_file
@@ -251,6 +251,10 @@ def run_commit(
         t0 = time.perf_counter()
         fsync_dirs(job.dirs)
         job.stats.fsync_s = time.perf_counter() - t0
+    except OSError as e:  # disk full, I/O error, unwritable: one documented type, errno kept
+        error = e if isinstance(e, TierUnavailableError) else TierUnavailableError(
+            e.errno, f"cannot write step {job.step} to {ctx.root}: {e.strerror or e}"
+        )
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised
         error = e
     t_commit = time.perf_counter()

@@ -357,7 +357,10 @@ class Checkpointer:
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
                     os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
                     write_tasks(job, tmp_dir, self._writer_pool)
-        except Exception as e:  # reported through the commit so every rank aborts together
+        except OSError as e:  # reported through the commit so every rank aborts together
+            job.error = TierUnavailableError(e.errno, f"cannot write step {step} to {self.root}: {e.strerror or e}")
+            job.tasks = []
+        except Exception as e:
             job.error = e
             job.tasks = []
         job.stats.stage_s = time.perf_counter() - started
