@@ -7,6 +7,7 @@ live in `store`, reading in `restore`; this module only sequences them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -436,7 +437,11 @@ class Checkpointer:
                 (tiers[i], _source(tiers[i], chosen, c)) for i, c in mine if c.step == chosen and c.save_id == save_id
             ]
             try:
-                self._load(chosen, sources, state)
+                with contextlib.ExitStack() as pins:
+                    for tier, _ in sources:
+                        if isinstance(tier, LocalTier):
+                            pins.enter_context(commit.pin_version(tier.root, chosen))
+                    self._load(chosen, sources, state)
                 return chosen
             except CorruptVersionError as e:
                 metrics.VERIFY_ERRORS.inc()

@@ -17,6 +17,7 @@ old version stays committed until the new one is.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -49,10 +50,13 @@ __all__ = [
     "delete_version",
     "empty_trash",
     "root_id",
+    "pin_version",
+    "pinned_steps",
 ]
 
 LOCK_NAME = ".ckpt.lock"
 ROOT_ID_NAME = ".ckpt-root-id"
+PINS_NAME = ".pins"
 TRASH_NAME = ".trash"
 _VERSION = re.compile(r"^v(\d{12})$")
 _TMP = re.compile(r"^v(\d{12})\.tmp-([0-9a-f]{32})$")
@@ -278,3 +282,44 @@ def root_id(root: str) -> str:
     fsync_dir(root)
     with open(path) as f:
         return f.read().strip()
+
+
+@contextlib.contextmanager
+def pin_version(root: str, step: int) -> Iterator[None]:
+    """Hold a version against GC while it is read: a pin file under an flock, so a pin
+    left by a killed reader is recognised as stale (its lock is gone) and ignored."""
+    d = os.path.join(root, PINS_NAME)
+    try:
+        os.makedirs(d, mode=DIR_MODE, exist_ok=True)
+        path = os.path.join(d, f"{step}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError:  # a read-only root cannot be garbage-collected either
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+        with suppress(OSError):
+            os.unlink(path)
+
+
+def pinned_steps(root: str) -> set[int]:
+    """Steps some live reader holds; stale pins are removed."""
+    out: set[int] = set()
+    for e in _entries(os.path.join(root, PINS_NAME)):
+        try:
+            fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with suppress(OSError):
+                os.unlink(e.path)  # nobody holds it: a reader died
+        except BlockingIOError:
+            with suppress(ValueError):
+                out.add(int(e.name.split(".")[0]))
+        finally:
+            os.close(fd)
+    return out
