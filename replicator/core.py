@@ -128,6 +128,9 @@ class Replicator:
                 break
             except CkptError as e:
                 log.warning("replication pass failed: %s", objstore.redact(str(e), self.config.storage_options))
+            except Exception as e:  # noqa: BLE001 - a backend error must not end the daemon or the thread
+                msg = objstore.redact(f"{type(e).__name__}: {e}", self.config.storage_options)
+                log.error("replication pass failed: %s", msg)
             self.stop.wait(max(0.0, self.config.interval_s - (time.monotonic() - started)))
 
     def _pass(self, source: str) -> None:

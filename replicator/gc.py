@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 from replicator.policy import Policy, VersionInfo, plan_deletions
 from store import commit, objstore
@@ -73,7 +74,7 @@ def gc_remote(
     tier = RemoteTier(url, storage_options)
     fs, prefix = tier.fs, tier.prefix
     if not dry_run:
-        _finish_interrupted(fs, prefix)
+        tier._call("finish interrupted deletions", lambda: _finish_interrupted(fs, prefix))
     versions = []
     for c in tier.committed():
         try:
@@ -84,10 +85,10 @@ def gc_remote(
     doomed = plan_deletions(versions, policy, require_redundant=False)
     for step in [] if dry_run else doomed:
         vdir = objstore.join(prefix, commit.version_dirname(step))
-        objstore.put_durable(fs, objstore.join(vdir, DELETING), b"")
+        tier._call("mark a deletion", partial(objstore.put_durable, fs, objstore.join(vdir, DELETING), b""))
         fault_point("gc-delete")
-        fs.rm_file(objstore.join(vdir, MANIFEST_NAME))  # invisible from here on
-        fs.rm(vdir, recursive=True)
+        tier._call("delete a manifest", partial(fs.rm_file, objstore.join(vdir, MANIFEST_NAME)))  # invisible now
+        tier._call("delete a version", partial(fs.rm, vdir, recursive=True))
         log.info("gc %s: deleted step %d", objstore.redact(url, storage_options), step)
     return GcResult([v.step for v in versions if v.step not in doomed], doomed)
 

@@ -29,6 +29,10 @@ class Journal:
         with self._lock:
             self.done.add(rel)
 
+    def discard(self, rel: str) -> None:
+        with self._lock:
+            self.done.discard(rel)
+
     def save(self) -> None:
         with self._lock:
             data = json.dumps({"verified": sorted(self.done)}).encode()

@@ -11,6 +11,7 @@ remote version is complete or invisible.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -119,9 +120,9 @@ def _copy_local(lpath: str, rpath: str, limiter: RateLimiter, stop: threading.Ev
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         try:
             while block := src.read(_BLOCK):
+                limiter.acquire(len(block), stop)
                 if stop.is_set():
                     raise Stopped()
-                limiter.acquire(len(block))
                 view = memoryview(block)
                 while view:
                     view = view[os.write(fd, view) :]
@@ -140,12 +141,21 @@ def _upload(dest: Destination, lpath: str, rpath: str, limiter: RateLimiter, sto
     elif limiter.rate is None:
         dest.fs.put_file(lpath, rpath, chunksize=_MULTIPART)
     else:
-        with open(lpath, "rb") as src, dest.fs.open(rpath, "wb", block_size=_MULTIPART) as out:
-            while block := src.read(_BLOCK):
-                if stop.is_set():
-                    raise Stopped()
-                limiter.acquire(len(block))
-                out.write(block)
+        with open(lpath, "rb") as src:
+            out = dest.fs.open(rpath, "wb", block_size=_MULTIPART)
+            try:
+                while block := src.read(_BLOCK):
+                    limiter.acquire(len(block), stop)
+                    if stop.is_set():
+                        raise Stopped()
+                    out.write(block)
+            except BaseException:
+                # Abandon the upload: closing would publish the truncated object.
+                with contextlib.suppress(Exception):
+                    out.discard()
+                    out.closed = True
+                raise
+            out.close()
 
 
 def _digest(dest: Destination, rpath: str) -> tuple[int, str]:
@@ -158,15 +168,41 @@ def _digest(dest: Destination, rpath: str) -> tuple[int, str]:
     return size, hasher.hexdigest()
 
 
-def remote_committed(dest: Destination, step: int) -> dict[str, Any] | None:
+def _size_or_none(dest: Destination, rpath: str) -> int | None:
+    try:
+        return int(dest.fs.size(rpath))
+    except FileNotFoundError:
+        return None
+
+
+def _missing(dest: Destination, remote_dir: str, sizes: Mapping[str, int], stop: threading.Event) -> list[str]:
+    """The files of `sizes` (relative path -> bytes) that the destination does not hold at
+    that size, from one fresh recursive listing."""
+    dest.fs.invalidate_cache(remote_dir)
+    found = with_retries(lambda: dest.fs.find(remote_dir, detail=True), "list copied files", dest.storage_options, stop)
+    base = dest.fs._strip_protocol(remote_dir).rstrip("/") + "/"
+    held = {}
+    for path, info in found.items():
+        path = dest.fs._strip_protocol(path)
+        if path.startswith(base):
+            held[path[len(base) :]] = info.get("size")
+    return sorted(rel for rel, size in sizes.items() if held.get(rel) != size)
+
+
+def remote_committed(dest: Destination, step: int, stop: threading.Event | None = None) -> dict[str, Any] | None:
     """The destination's root info if the version is committed there, else None."""
     vdir = objstore.join(dest.prefix, commit.version_dirname(step))
-    try:
-        if not dest.fs.exists(objstore.join(vdir, MANIFEST_NAME)):
+
+    def read() -> Any:
+        try:
+            if not dest.fs.exists(objstore.join(vdir, MANIFEST_NAME)):
+                return None
+            return json.loads(dest.fs.cat_file(objstore.join(vdir, ROOT_INFO_NAME)))
+        except (FileNotFoundError, ValueError):
             return None
-        info = json.loads(dest.fs.cat_file(objstore.join(vdir, ROOT_INFO_NAME)))
-    except (FileNotFoundError, ValueError):
-        return None
+
+    # Network and credential errors are retried, then raised as TierUnavailableError.
+    info = with_retries(read, f"look up step {step}", dest.storage_options, stop or threading.Event())
     return info if isinstance(info, dict) else None
 
 
@@ -193,7 +229,7 @@ def push_version(
     stop = stop or threading.Event()
     limiter = limiter or RateLimiter(None)
     opts = dest.storage_options
-    info = remote_committed(dest, step)
+    info = remote_committed(dest, step, stop)
     if info is not None and info.get("save_id") == manifest.save_id:
         if dest.kind == "shared" or set(writers) <= set(info.get("writers", [])):
             return True
@@ -219,33 +255,54 @@ def push_version(
         size = chunk.nbytes if chunk else os.path.getsize(os.path.join(local_dir, rel))
         if rel in journal.done:
             try:
-                if with_retries(lambda: dest.fs.size(rpath), f"stat {rpath}", opts, stop) == size:
+                if with_retries(lambda: _size_or_none(dest, rpath), f"stat {rpath}", opts, stop) == size:
                     return
-            except (FileNotFoundError, TierUnavailableError):
-                pass  # gone (e.g. a restarted object store): send it again
-        with_retries(
-            lambda: _upload(dest, os.path.join(local_dir, rel), rpath, limiter, stop), f"upload {rel}", opts, stop
-        )
-        if readback and chunk is not None:
-            got_size, got = with_retries(lambda: _digest(dest, rpath), f"verify {rel}", opts, stop)
-            if got_size != size or got != chunk.xxh3:
-                raise CorruptVersionError(f"{dest.url}/{name}/{rel}: copy does not match the manifest", path=rel)
-        else:
-            got_size = with_retries(lambda: dest.fs.size(rpath), f"stat {rel}", opts, stop)
-            if got_size != size:
-                raise CorruptVersionError(f"{dest.url}/{name}/{rel}: copy has {got_size} bytes, want {size}")
+            except TierUnavailableError:
+                pass
+            # gone (e.g. a restarted object store): send it again
+
+        def send() -> None:
+            # Upload and check as one unit: a copy that vanished before it was read back
+            # is sent again rather than looked for until the retries run out.
+            _upload(dest, os.path.join(local_dir, rel), rpath, limiter, stop)
+            if readback and chunk is not None:
+                got_size, got = _digest(dest, rpath)
+                if got_size != size or got != chunk.xxh3:
+                    raise CorruptVersionError(f"{dest.url}/{name}/{rel}: copy does not match the manifest", path=rel)
+            else:
+                got_size = dest.fs.size(rpath)
+                if got_size != size:
+                    raise CorruptVersionError(f"{dest.url}/{name}/{rel}: copy has {got_size} bytes, want {size}")
+
+        with_retries(send, f"upload {rel}", opts, stop)
         journal.add(rel)
         progress(size)
         if time.monotonic() - last_save[0] > 0.5:
             last_save[0] = time.monotonic()
             journal.save()
 
-    try:
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-push") as pool:
-            for f in [pool.submit(one, rel) for rel in files]:
-                f.result()
-    finally:
-        journal.save()
+    sizes = {
+        rel: chunks[rel].nbytes if rel in chunks else os.path.getsize(os.path.join(local_dir, rel)) for rel in files
+    }
+    todo = files
+    for _attempt in range(3):
+        try:
+            with ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-push") as pool:
+                for f in [pool.submit(one, rel) for rel in todo]:
+                    f.result()
+        finally:
+            journal.save()
+        # The manifest may go up only if every file is there now: an object store that lost
+        # objects since they were verified (restarted, wiped) must not get a manifest naming them.
+        todo = _missing(dest, remote_dir, sizes, stop)
+        if not todo:
+            break
+        where = objstore.redact(dest.url, opts)
+        log.warning("%s/%s: %d verified file(s) are gone; sending them again", where, name, len(todo))
+        for rel in todo:
+            journal.discard(rel)
+    else:
+        raise TierUnavailableError(f"{objstore.redact(dest.url, opts)}/{name}: files keep vanishing after upload")
     if dest.local:
         fsync_dirs({os.path.dirname(objstore.join(remote_dir, r)) for r in files} | {remote_dir})
     return _commit(dest, step, manifest, writers, part_index, journal, stop)

@@ -20,7 +20,8 @@ class RateLimiter:
         self._last = time.monotonic()
         self._lock = threading.Lock()
 
-    def acquire(self, n: int) -> None:
+    def acquire(self, n: int, stop: threading.Event | None = None) -> None:
+        """Blocks until the n bytes fit; returns early (without them) once `stop` is set."""
         if self.rate is None:
             return
         with self._lock:
@@ -30,4 +31,7 @@ class RateLimiter:
             self._tokens -= n
             wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
         if wait > 0:
-            time.sleep(wait)
+            if stop is None:
+                time.sleep(wait)
+            else:
+                stop.wait(wait)

@@ -109,6 +109,9 @@ class RemoteTier(Tier):
             raise TierUnavailableError(f"{self.url}: cannot {what}: {objstore.redact(str(e), self.options)}") from None
 
     def committed(self) -> list[Candidate]:
+        # fsspec filesystems (s3fs) cache listings per instance, and instances are shared
+        # process-wide: without this, versions committed or deleted since would go unseen.
+        self.fs.invalidate_cache()
         try:
             names = self._call("list", lambda: self.fs.ls(self.prefix, detail=False))
         except FileNotFoundError:
