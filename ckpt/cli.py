@@ -450,6 +450,7 @@ def gc_cmd(
 @click.option("--remote-keep-last", type=click.IntRange(min=0), default=None, help="Remote retention: newest N.")
 @click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Remote: keep every K-th step.")
 @click.option("--no-readback", is_flag=True, help="Verify copies by size only, not by reading them back.")
+@click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None, help="Serve Prometheus metrics.")
 @_STORAGE_OPTION
 @_errors_to_exit
 def replicate_cmd(
@@ -464,9 +465,14 @@ def replicate_cmd(
     remote_keep_last: int | None,
     milestone_every: int | None,
     no_readback: bool,
+    metrics_port: int | None,
     storage_options: tuple[str, ...],
 ) -> None:
     """Copy ROOT's committed versions to other disks and to a remote; runs until SIGTERM."""
+    if metrics_port is not None:
+        from store.metrics import serve
+
+        serve(metrics_port)
     if not os.path.isdir(root):
         raise CkptError(f"{root} is not a directory")
     options = _options(storage_options)

@@ -25,7 +25,7 @@ from replicator.gc import gc_local, gc_remote
 from replicator.policy import Policy
 from replicator.push import Destination, Stopped, disk_id, push_version
 from replicator.ratelimit import RateLimiter
-from store import commit, objstore
+from store import commit, metrics, objstore
 from store.errors import CkptError
 from store.fsio import DIR_MODE
 
@@ -114,9 +114,24 @@ class Replicator:
 
     def run_once(self) -> dict[str, Any]:
         """One pass over every committed version of every source; returns the status."""
+        started, sent = time.monotonic(), self.bytes_sent
         for source in self.sources:
             self._pass(source)
+        if self.bytes_sent > sent:
+            metrics.UPLOAD_THROUGHPUT.set((self.bytes_sent - sent) / max(time.monotonic() - started, 1e-6))
+        metrics.REPLICATION_LAG.set(self.lag())
         return self._status
+
+    def lag(self) -> float:
+        """Seconds since the oldest committed version that has not reached every copy yet (0: none)."""
+        now, oldest = time.time(), None
+        for source in self.sources:
+            redundant = self.redundant_steps(source)
+            for step, entry in self._status.get(source, {}).get("versions", {}).items():
+                if int(step) not in redundant:
+                    created = float(entry.get("created", now))
+                    oldest = created if oldest is None else min(oldest, created)
+        return 0.0 if oldest is None else max(0.0, now - oldest)
 
     def run(self) -> None:
         """Repeat passes until `stop` is set (SIGTERM in the daemon)."""
@@ -127,8 +142,10 @@ class Replicator:
             except Stopped:
                 break
             except CkptError as e:
+                metrics.REPLICATION_FAILURES.inc()
                 log.warning("replication pass failed: %s", objstore.redact(str(e), self.config.storage_options))
             except Exception as e:  # noqa: BLE001 - a backend error must not end the daemon or the thread
+                metrics.REPLICATION_FAILURES.inc()
                 msg = objstore.redact(f"{type(e).__name__}: {e}", self.config.storage_options)
                 log.error("replication pass failed: %s", msg)
             self.stop.wait(max(0.0, self.config.interval_s - (time.monotonic() - started)))
@@ -180,6 +197,7 @@ class Replicator:
     ) -> bool:
         def count(n: int) -> None:
             self.bytes_sent += n
+            metrics.UPLOAD_BYTES.labels(tier=dest.kind).inc(n)
 
         return push_version(
             source,

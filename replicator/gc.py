@@ -58,7 +58,8 @@ def gc_local(
     dry_run: bool = False,
 ) -> GcResult:
     versions = local_versions(root, redundant)
-    doomed = plan_deletions(versions, policy, pinned=pinned, require_redundant=redundant is not None)
+    pins = set(pinned) | commit.pinned_steps(root)  # versions a restore is reading right now
+    doomed = plan_deletions(versions, policy, pinned=pins, require_redundant=redundant is not None)
     for step in [] if dry_run else doomed:
         fault_point("gc-delete")
         commit.delete_version(root, step)

@@ -30,6 +30,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from store.errors import ManifestError, RootLockedError, TierUnavailableError, VersionNotFoundError
+from store.faults import fault_point
 from store.fsio import DIR_MODE, exchange_dirs, fsync_dir, fsync_dirs, write_durable
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
@@ -242,6 +243,7 @@ def delete_version(root: str, step: int) -> None:
     target = os.path.join(trash, f"{version_dirname(step)}.del-{os.getpid()}-{id(final):x}")
     os.rename(final, target)
     fsync_dir(root)
+    fault_point("gc-mid-delete")  # unpublished, files not yet deleted
     shutil.rmtree(target, ignore_errors=True)
 
 

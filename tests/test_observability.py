@@ -130,3 +130,40 @@ def test_inspect_shows_provenance(tmp_path: Path) -> None:
         assert meta["git"]["commit"] == head.stdout.strip()
     table = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
     assert "torch_version" in table.output and "ranks [0]" in table.output
+
+
+def test_daemon_metrics_endpoint(tmp_path: Path) -> None:
+    import os
+    import signal
+    import sys
+    import time
+
+    root = tmp_path / "root"
+    with Checkpointer(root) as ck:
+        ck.save(1, {"w": torch.randn(512, 512)})
+    port = _free_port()
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    cmd = [sys.executable, "-m", "ckpt.cli", "replicate", str(root), "--to", f"file://{tmp_path / 'remote'}"]
+    proc = subprocess.Popen([*cmd, "--metrics-port", str(port)], env=env, cwd=repo)
+    try:
+        samples: dict[str, float] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                samples = {
+                    s.name + str(sorted(s.labels.items())): s.value
+                    for f in text_string_to_metric_families(text)
+                    for s in f.samples
+                }
+                if samples.get("ckpt_upload_bytes_total[('tier', 'shared')]", 0) >= 512 * 512 * 4:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert samples.get("ckpt_upload_bytes_total[('tier', 'shared')]", 0) >= 512 * 512 * 4, samples
+        assert "ckpt_replication_lag_seconds[]" in samples
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

@@ -1,0 +1,49 @@
+"""GC and readers: pinned versions survive GC; a GC killed mid-delete leaves nothing half-listed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ckpt import Checkpointer
+from replicator.gc import gc_local
+from replicator.policy import KeepLast
+from store import commit
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _versions(root: Path, n: int) -> None:
+    with Checkpointer(root) as ck:
+        for step in range(1, n + 1):
+            ck.save(step, {"w": torch.full((1000,), float(step))})
+
+
+def test_gc_skips_a_version_a_reader_holds(tmp_path: Path) -> None:
+    _versions(tmp_path, 4)
+    with commit.pin_version(str(tmp_path), 2):
+        result = gc_local(str(tmp_path), KeepLast(1))
+    assert result.deleted == [1, 3] and commit.committed_steps(str(tmp_path)) == [2, 4]
+    assert commit.pinned_steps(str(tmp_path)) == set()  # released
+    assert gc_local(str(tmp_path), KeepLast(1)).deleted == [2]
+
+
+def test_gc_killed_mid_delete_leaves_no_half_deleted_version(tmp_path: Path) -> None:
+    _versions(tmp_path, 3)
+    env = dict(os.environ, PYTHONPATH=str(REPO), CKPT_FAULT="gc-mid-delete")
+    out = subprocess.run(
+        [sys.executable, "-m", "ckpt.cli", "gc", str(tmp_path), "--keep-last", "1"], env=env, capture_output=True
+    )
+    assert out.returncode == -9
+    assert commit.committed_steps(str(tmp_path)) == [2, 3]  # step 1 is gone from the listing, not half there
+    assert any((tmp_path / ".trash").iterdir())  # its files wait in the trash
+    for step in (2, 3):
+        state = {"w": torch.zeros(1000)}
+        with Checkpointer(tmp_path) as ck:  # opening empties the trash
+            assert ck.restore(state, step=step) == step
+        assert torch.equal(state["w"], torch.full((1000,), float(step)))
+    assert not any((tmp_path / ".trash").iterdir())
