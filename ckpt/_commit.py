@@ -78,6 +78,7 @@ class SaveJob:
     dirs: set[str] = field(default_factory=set)
     stats: SaveStats = field(default_factory=lambda: SaveStats(0))
     started: float = field(default_factory=time.perf_counter)
+    started_unix: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,7 @@ def run_commit(
                 "write_s": job.stats.write_s,
                 "fsync_s": job.stats.fsync_s,
                 "bytes": job.stats.bytes_written,
+                "started": job.started_unix,  # with the manifest's `created`: the commit time
             },
             "root": ctx.root,
             "provenance": rank_provenance(),

@@ -86,6 +86,11 @@ def _version_rows(root: str, options: dict[str, Any]) -> list[dict[str, Any]]:
         if entry and entry.get("save_id") == m.save_id:
             row["copies"] = entry.get("copies", {})
             row["remote"] = entry.get("remote")
+            row["replicate_s"] = {
+                dest: round(c["at"] - m.created, 3)
+                for dest, c in [*row["copies"].items(), ("remote", entry.get("remote") or {})]
+                if c.get("state") == "verified" and "at" in c
+            }
             remote = entry.get("remote") or {}
             done = float(remote.get("at") or 0.0) if remote.get("state") == "verified" else time.time()
             row["lag_s"] = round(max(0.0, done - m.created), 3) if remote else None
@@ -96,6 +101,10 @@ def _version_rows(root: str, options: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _row(step: int, m: Any, status: str, writers: list[Any]) -> dict[str, Any]:
+    timings = [dict(t) for t in m.meta.get("timings", []) if isinstance(t, dict)]
+    for t in timings:  # per rank: from save() to the manifest being built, minus the measured phases
+        if isinstance(t.get("started"), (int, float)):
+            t["commit_s"] = round(max(0.0, m.created - t["started"] - t.get("stage_s", 0) - t.get("write_s", 0)), 4)
     return {
         "step": step,
         "time": m.created,
@@ -105,7 +114,7 @@ def _row(step: int, m: Any, status: str, writers: list[Any]) -> dict[str, Any]:
         "status": status,
         "writers_here": writers,
         "milestone": bool(m.meta.get("milestone")),
-        "timings": m.meta.get("timings", []),
+        "timings": timings,
     }
 
 
