@@ -21,7 +21,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from store.errors import TierUnavailableError
-from store.fsio import FILE_MODE, fsync_dir
+from store.fsio import fsync_dir, write_durable
 
 __all__ = [
     "is_url",
@@ -110,12 +110,7 @@ def create_only(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     readers see nothing or all of it."""
     if is_local(fs):
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durable(tmp, data)
         try:
             os.link(tmp, path)  # fails with EEXIST: create-only and atomic
         finally:
@@ -130,12 +125,7 @@ def put_durable(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     if is_local(fs):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durable(tmp, data)
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
         return

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from store.dtypes import ITEMSIZE
-from store.fsio import DIR_MODE, FILE_MODE
+from store.fsio import DIR_MODE, write_durable
 from store.manifest import ArrayEntry
 
 __all__ = ["array_document", "write_hierarchy"]
@@ -62,21 +62,12 @@ def _write_all(docs: list[tuple[str, bytes]], threads: int = 16) -> None:
     """Create and fsync many small files; concurrent fsyncs share journal commits (ext4),
     which is ~10x faster than one after another for the hundreds of zarr.json files."""
 
-    def one(item: tuple[str, bytes]) -> None:
-        path, data = item
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     if len(docs) <= 4:
-        for d in docs:
-            one(d)
+        for path, data in docs:
+            write_durable(path, data)
         return
     with ThreadPoolExecutor(min(threads, len(docs))) as pool:
-        list(pool.map(one, docs))
+        list(pool.map(lambda d: write_durable(*d), docs))
 
 
 def write_hierarchy(version_dir: str, arrays: list[ArrayEntry], root_attributes: dict[str, Any]) -> list[str]:
