@@ -139,6 +139,16 @@ def _rows_needed(chunk: ChunkEntry, reqs: Sequence[ReadRequest]) -> tuple[int, i
     return lo, hi
 
 
+_PIECE = 1 << 20  # bytes per preadv: copies out of the page cache run ~1.5x faster in 1 MiB than in 4 MiB pieces here
+
+
+def _pread(fd: int, out: memoryview, offset: int, path: str = "") -> None:
+    """store.chunk_read.pread_into, in 1 MiB preads (a short file is still corruption)."""
+    view = out.cast("B")
+    for start in range(0, len(view), _PIECE):
+        pread_into(fd, view[start : start + _PIECE], offset + start, path)
+
+
 def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
@@ -169,20 +179,61 @@ def _inline(array: ArrayEntry, chunk: ChunkEntry, verify: bool) -> torch.Tensor:
 
 
 def _read_block(fd: int, array: ArrayEntry, block: _Block, out: torch.Tensor, path: str, verify: bool) -> None:
-    pread_into(fd, _byte_view(out), block.offset, path)
-    if verify:
-        got = xxhash.xxh3_64_hexdigest(_byte_view(out))
-        if got != block.xxh3:
-            raise CorruptVersionError(
-                f"chunk {path} rows {block.rows} fail their checksum (xxh3 {got}, manifest {block.xxh3})",
-                path=path,
-                expected=block.xxh3,
-                actual=got,
-            )
+    view = _byte_view(out).cast("B")
+    if not verify:
+        _pread(fd, view, block.offset, path)
+        return
+    hasher = xxhash.xxh3_64()  # streamed: each piece is hashed while it is still in the CPU cache
+    for start in range(0, len(view), _PIECE):
+        piece = view[start : start + _PIECE]
+        pread_into(fd, piece, block.offset + start, path)
+        hasher.update(piece)
+    got = hasher.hexdigest()
+    if got != block.xxh3:
+        raise CorruptVersionError(
+            f"chunk {path} rows {block.rows} fail their checksum (xxh3 {got}, manifest {block.xxh3})",
+            path=path,
+            expected=block.xxh3,
+            actual=got,
+        )
 
 
 def _origin(chunk: ChunkEntry, row: int) -> list[int]:
     return [chunk.offsets[0] + row, *chunk.offsets[1:]] if chunk.offsets else []
+
+
+def _direct_rows(array: ArrayEntry, chunk: ChunkEntry, req: ReadRequest) -> tuple[int, int] | None:
+    """The chunk-local rows [lo, hi) that land as one contiguous byte range in req.dest, or None.
+
+    That is the case when the chunk and the destination span the same full extent in every
+    dimension but the first (a split along dim 0 only, as DTensor Shard(0) or FSDP make)
+    and the destination is a plain contiguous CPU tensor of the array's type: those rows
+    are then read straight into it, with no bounce buffer and no copy.
+    """
+    d = req.dest
+    shape, _ = _geometry(array)
+    if (
+        not chunk.offsets
+        or d.dim() == 0
+        or d.device.type != "cpu"
+        or d.dtype != ZARR_TO_TORCH[array.data_type]
+        or not d.is_contiguous()
+        or d.stride(-1) != 1  # a (1,)-shaped tensor may be "contiguous" with another stride
+        or tuple(d.shape[1:]) != tuple(shape[1:])
+        or tuple(chunk.shape[1:]) != tuple(shape[1:])  # no padding in the trailing dims
+        or any(o != 0 for o in chunk.offsets[1:])
+        or any(o != 0 for o in req.offsets[1:])
+    ):
+        return None
+    lo = max(req.offsets[0], chunk.offsets[0]) - chunk.offsets[0]
+    hi = min(req.offsets[0] + d.shape[0], chunk.offsets[0] + chunk.shape[0]) - chunk.offsets[0]
+    return (lo, hi) if lo < hi else None
+
+
+def _dest_bytes(req: ReadRequest, chunk: ChunkEntry, rows: tuple[int, int], row_bytes: int) -> torch.Tensor:
+    """The bytes of req.dest that chunk-local rows [rows) fill (see _direct_rows)."""
+    start = (chunk.offsets[0] + rows[0] - req.offsets[0]) * row_bytes
+    return req.dest.reshape(-1).view(torch.uint8)[start : start + (rows[1] - rows[0]) * row_bytes]
 
 
 def _read_from(version_dir: str, array: ArrayEntry, chunk: ChunkEntry, reqs: list[ReadRequest], verify: bool) -> None:
@@ -197,22 +248,19 @@ def _read_from(version_dir: str, array: ArrayEntry, chunk: ChunkEntry, reqs: lis
     try:
         lo, hi = _rows_needed(chunk, reqs)
         shape, row_bytes = _geometry(array)
-        whole = len(reqs) == 1 and _is_exact(chunk, reqs[0], array)
-        if verify or whole:
+        direct = _direct_rows(array, chunk, reqs[0]) if len(reqs) == 1 else None
+        if not verify and direct is not None:  # exactly the needed rows, straight into the destination
+            _pread(fd, _byte_view(_dest_bytes(reqs[0], chunk, direct, row_bytes)), direct[0] * row_bytes, path)
+            return
+        if verify:
             for block in _blocks(array, chunk):
                 if block.rows[1] <= lo or block.rows[0] >= hi:
                     continue
-                n = block.rows[1] - block.rows[0]
-                if whole:  # straight into the destination: no extra memory
-                    _read_block(
-                        fd,
-                        array,
-                        block,
-                        reqs[0].dest.reshape(-1).view(torch.uint8)[block.offset : block.offset + block.nbytes],
-                        path,
-                        verify,
-                    )
+                if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
+                    # a whole block inside the destination: read (and check) it in place
+                    _read_block(fd, array, block, _dest_bytes(reqs[0], chunk, block.rows, row_bytes), path, verify)
                     continue
+                n = block.rows[1] - block.rows[0]
                 raw = _bounce.get(block.nbytes)
                 _read_block(fd, array, block, raw, path, verify)
                 piece = _typed(raw, array, n)
@@ -251,29 +299,17 @@ def _read_unverified(
         r1 = min(rows[1], r0 + step)
         raw = _bounce.get((r1 - r0) * span)
         if full_rows:
-            pread_into(fd, _byte_view(raw), r0 * row_bytes, path)
+            _pread(fd, _byte_view(raw), r0 * row_bytes, path)
         else:
             view = _byte_view(raw)
             for i in range(r1 - r0):
-                pread_into(fd, view[i * span : (i + 1) * span], (r0 + i) * row_bytes + c_lo * inner, path)
+                _pread(fd, view[i * span : (i + 1) * span], (r0 + i) * row_bytes + c_lo * inner, path)
         piece = raw.view(dtype).view((r1 - r0, c_hi - c_lo, *shape[2:]) if len(shape) > 1 else (r1 - r0,))
         origin = _origin(chunk, r0)
         if len(origin) > 1:
             origin[1] += c_lo
         for r in reqs:
             _place(piece, origin, r)
-
-
-def _is_exact(chunk: ChunkEntry, req: ReadRequest, array: ArrayEntry) -> bool:
-    d = req.dest
-    return (
-        tuple(chunk.shape) == tuple(array.chunk_shape) == tuple(d.shape)
-        and tuple(chunk.offsets) == tuple(req.offsets)
-        and d.device.type == "cpu"
-        and d.is_contiguous()
-        and d.dim() > 0
-        and d.stride(-1) == 1  # a (1,)-shaped tensor may be "contiguous" with another stride
-    )
 
 
 def _read_any(
@@ -357,23 +393,91 @@ def load_arrays(
                     _place(piece, _origin(chunk, block.rows[0]), r)
             except Exception as e:  # noqa: BLE001
                 error = error or _as_corruption(e, name)
-    local = [(k, chunks[k], reqs) for k, reqs in wanted.items() if k not in set(remote)]
+    remote_set = set(remote)
+    local = [(k, chunks[k], reqs) for k, reqs in wanted.items() if k not in remote_set]
+    local.sort(key=lambda item: -item[1].nbytes)  # largest first: no lone big read at the end
+    _warm_metadata(sources, manifest, local)
     if local:
-        with ThreadPoolExecutor(min(threads, len(local)), thread_name_prefix="ckpt-read") as pool:
-            futures = [
-                pool.submit(_read_any, sources, manifest.arrays[k[0]], chunk, reqs, verify) for k, chunk, reqs in local
-            ]
-            for f in futures:
-                try:
-                    f.result()
-                except Exception as e:  # noqa: BLE001 - reported to every rank below
-                    error = error or _as_corruption(e, "read")
+        failures = _for_each(
+            local,
+            lambda item: _read_any(sources, manifest.arrays[item[0][0]], item[1], item[2], verify),
+            threads,
+            "ckpt-read",
+        )
+        if failures:  # reported to every rank below; the first in reading order, as before
+            error = error or _as_corruption(failures[0], "read")
     causes = comm.all_gather(None if error is None else str(error))
     bad = {r: c for r, c in enumerate(causes) if c is not None}
     if bad:
         if isinstance(error, CorruptVersionError):
             raise error
         raise CorruptVersionError(str(RankFailures(bad)))
+
+
+def _lstat_quietly(path: str) -> None:
+    try:
+        os.lstat(path)
+    except OSError:
+        pass  # reported by the read itself
+
+
+def _warm_metadata(
+    sources: Sequence[Source],
+    manifest: Manifest,
+    local: list[tuple[tuple[str, tuple[int, ...]], ChunkEntry, list[ReadRequest]]],
+    threads: int = 16,
+) -> None:
+    """Bring the directories and inodes of every chunk file into the cache, many at once.
+
+    On a cold cache each chunk's open walks ~6 directory levels, and each level's inode
+    and directory block is a small read. Interleaved with the data reads those small reads
+    queue behind multi-MiB ones, and readers stall on them (40% of the readers' time,
+    py-spy, 876 chunk files). Done first, in parallel, they take ~0.15 s for the same files.
+    Only a cache warm-up: every file is still opened (and checked) by open_chunk.
+    """
+    paths = []
+    for (name, _), chunk, _ in local:
+        if chunk.inline is not None:
+            continue
+        src = next((s for s in sources if chunk.writer in s.writers), None)
+        if src is not None and src.fetch is None:
+            paths.append(os.path.join(src.version_dir, manifest.arrays[name].chunk_path(chunk)))
+    if len(paths) < 8:
+        return
+    _for_each(paths, _lstat_quietly, threads, "ckpt-stat")
+
+
+def _for_each(items: Sequence[Any], fn: Callable[[Any], None], threads: int, name: str) -> list[Exception]:
+    """fn(item) for every item, on `threads` threads that take the items in order; returns the
+    exceptions raised, in item order (every item is attempted).
+
+    One task per thread rather than one future per item: with ~1000 chunks per version,
+    creating and collecting the futures cost a third of a warm restore's time (py-spy),
+    the submitting thread competing for the GIL with the readers.
+    """
+    if not items:
+        return []
+    pending = iter(enumerate(items))
+    lock = threading.Lock()
+    failed: list[tuple[int, Exception]] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                nxt = next(pending, None)
+            if nxt is None:
+                return
+            i, item = nxt
+            try:
+                fn(item)
+            except Exception as e:  # noqa: BLE001 - returned to the caller
+                failed.append((i, e))
+
+    n = max(1, min(threads, len(items)))
+    with ThreadPoolExecutor(n, thread_name_prefix=name) as pool:
+        for f in [pool.submit(work) for _ in range(n)]:
+            f.result()
+    return [e for _, e in sorted(failed, key=lambda x: x[0])]
 
 
 def _read_block_any(

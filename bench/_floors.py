@@ -1,0 +1,205 @@
+"""The machine's own limits for the benchmark's bytes: the best raw copy, write and read.
+
+Each floor moves exactly the bytes of the rank's local tensors, with no format, no
+checksums and no metadata beyond the files themselves. Several strategies are tried per
+floor and the fastest is taken, so a library can only beat a floor by measurement noise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+_MIB = 1 << 20
+_WRITE_BLOCK = 64 * _MIB  # one os.write per 64 MiB (no extra copies: views of the tensor)
+_READ_BLOCK = 1 * _MIB  # preadv size: copies out of the page cache run far faster in 1 MiB pieces than in 4+ MiB
+_SFR_EVERY = 64 * _MIB
+_SYNC_FILE_RANGE_WRITE = 2
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def lanes(tensors: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
+    """Split tensors into n lanes balanced by bytes (largest first onto the lightest lane)."""
+    out: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    load = [0] * n
+    for t in sorted(tensors, key=lambda t: -t.numel() * t.element_size()):
+        i = load.index(min(load))
+        out[i].append(t)
+        load[i] += t.numel() * t.element_size()
+    return out
+
+
+def _memcpy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """glibc memcpy through numpy (GIL released): ~2x torch's copy_ on this machine."""
+    np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+
+
+def _torch_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+COPY_METHODS = {"torch_copy_": _torch_copy, "memcpy": _memcpy}
+
+
+class CopyFloor:
+    """Two threads copying every local tensor into one preallocated, already-touched buffer."""
+
+    def __init__(self, tensors: list[torch.Tensor], threads: int = 2) -> None:
+        self.tensors = [t for t in tensors if t.numel()]
+        total = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.buffer.fill_(0)  # warm: no page faults in the measured copies
+        self.plan: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        pos = 0
+        for lane in lanes(self.tensors, threads):
+            pairs = []
+            for t in lane:
+                n = t.numel() * t.element_size()
+                pairs.append((t, self.buffer[pos : pos + n].view(t.dtype).view(t.shape)))
+                pos += n
+            self.plan.append(pairs)
+        self.pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+
+    def run(self, method: str) -> None:
+        copy = COPY_METHODS[method]
+
+        def lane(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            for src, dst in pairs:
+                copy(src, dst)
+
+        futs = [self.pool.submit(lane, p) for p in self.plan[1:]] if self.pool else []
+        lane(self.plan[0])
+        for f in futs:
+            f.result()
+
+    def close(self) -> None:
+        if self.pool:
+            self.pool.shutdown()
+        del self.buffer, self.plan
+
+
+def _write_file(path: str, tensors: list[torch.Tensor], early: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        done = flushed = 0
+        for t in tensors:
+            view = byte_view(t)
+            pos = 0
+            while pos < len(view):
+                n = os.write(fd, view[pos : pos + _WRITE_BLOCK])
+                pos += n
+                done += n
+                if early and _sync_file_range is not None and done - flushed >= _SFR_EVERY:
+                    _sync_file_range(
+                        fd, ctypes.c_int64(flushed), ctypes.c_int64(done - flushed), _SYNC_FILE_RANGE_WRITE
+                    )
+                    flushed = done
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# name -> (files, early writeback)
+WRITE_STRATEGIES = {
+    "one_file": (1, False),
+    "one_file_sync_file_range": (1, True),
+    "4_files_4_threads": (4, False),
+    "4_files_4_threads_sync_file_range": (4, True),
+}
+
+
+def write_floor(directory: str, rank: int, tensors: list[torch.Tensor], strategy: str) -> list[str]:
+    """Durably write the tensors' bytes into `directory` (files, then the directory, fsynced)."""
+    files, early = WRITE_STRATEGIES[strategy]
+    os.makedirs(directory, exist_ok=True)
+    groups = lanes(tensors, files) if files > 1 else [tensors]
+    paths = [os.path.join(directory, f"rank{rank}-part{i}.bin") for i in range(len(groups))]
+    if len(groups) == 1:
+        _write_file(paths[0], groups[0], early)
+    else:
+        with ThreadPoolExecutor(len(groups)) as pool:
+            list(pool.map(lambda a: _write_file(a[0], a[1], early), zip(paths, groups)))
+    _fsync_dir(directory)
+    return paths
+
+
+def _read_file(path: str, tensors: list[torch.Tensor]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        off = 0
+        for t in tensors:
+            view = byte_view(t)
+            pos = 0
+            while pos < len(view):
+                n = os.preadv(fd, [view[pos : pos + _READ_BLOCK]], off + pos)
+                if n <= 0:
+                    raise EOFError(path)
+                pos += n
+            off += len(view)
+    finally:
+        os.close(fd)
+
+
+def read_floor(directory: str, rank: int, tensors: list[torch.Tensor], files: int) -> None:
+    """Read back what write_floor(strategy with `files` files) wrote, into the existing tensors."""
+    groups = lanes(tensors, files) if files > 1 else [tensors]
+    paths = [os.path.join(directory, f"rank{rank}-part{i}.bin") for i in range(len(groups))]
+    if len(groups) == 1:
+        _read_file(paths[0], groups[0])
+    else:
+        with ThreadPoolExecutor(len(groups)) as pool:
+            list(pool.map(lambda a: _read_file(a[0], a[1]), zip(paths, groups)))
+
+
+def read_floor_ranges(directory: str, rank: int, tensors: list[torch.Tensor], threads: int) -> None:
+    """One file (one_file layout), read by `threads` threads, each a contiguous byte range of tensors."""
+    path = os.path.join(directory, f"rank{rank}-part0.bin")
+    offsets, off = [], 0
+    for t in tensors:
+        offsets.append(off)
+        off += t.numel() * t.element_size()
+    items = list(zip(tensors, offsets))
+    total = off
+    cut = [0]
+    acc = 0
+    for i, (t, _) in enumerate(items):
+        acc += t.numel() * t.element_size()
+        if acc >= total * len(cut) / threads and len(cut) < threads:
+            cut.append(i + 1)
+    cut.append(len(items))
+    parts = [items[a:b] for a, b in zip(cut, cut[1:]) if b > a]
+
+    def one(part: list[tuple[torch.Tensor, int]]) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for t, base in part:
+                view = byte_view(t)
+                pos = 0
+                while pos < len(view):
+                    n = os.preadv(fd, [view[pos : pos + _READ_BLOCK]], base + pos)
+                    if n <= 0:
+                        raise EOFError(path)
+                    pos += n
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(len(parts)) as pool:
+        list(pool.map(one, parts))

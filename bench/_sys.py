@@ -1,0 +1,78 @@
+"""Process-level measuring tools for the benchmark: peak RSS, page cache, clocks."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss() -> int:
+    return _status_kb("VmRSS")
+
+
+def peak() -> int:
+    return _status_kb("VmHWM")
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def can_drop_caches() -> bool:
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_caches() -> None:
+    """Write back dirty pages, then drop the page cache (needs root)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+class Measured:
+    """Wall time and extra peak RSS (VmHWM above the RSS at the start) of one call."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        reset_peak()
+        before = rss()
+        t0 = time.perf_counter()
+        self.result = fn()
+        self.seconds = time.perf_counter() - t0
+        self.extra_rss = max(0, peak() - before)
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def du(path: str) -> int:
+    """Bytes of the regular files under `path` (or of the file)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for top, _, names in os.walk(path):
+        for n in names:
+            p = os.path.join(top, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                total += os.path.getsize(p)
+    return total

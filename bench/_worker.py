@@ -1,0 +1,471 @@
+"""One rank of one benchmark phase (started by bench/run.py; not meant to be run by hand).
+
+Phases:
+  save      world 1 or 2: training stall and time to durable for ckpt, torch.save (world 1),
+            DCP save (thread_count 1/2/4), DCP async_save with a reused stager, and the
+            copy and write floors; each write that has a reader is followed by a cold restore
+            of what it wrote (ckpt, torch.load, DCP load, the read floors), same layout.
+  restore   world 1 or 3: cold restores of the version the world-2 phase left, 2->1 (and
+            1->1 in the same repetition) or 2->3; ckpt and DCP.
+  replicate world 1: ckpt's replicator vs a plain s3fs put, to a loopback moto server.
+
+Every measurement is appended as a JSON line to the results file by rank 0: the
+slowest rank's seconds (a collective operation is as slow as its slowest rank), each
+rank's seconds, and the sum over ranks of the extra peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import _floors  # noqa: E402
+import _sys  # noqa: E402
+import _workload  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def log(msg: str) -> None:
+    if RANK == 0:
+        print(f"[{time.strftime('%H:%M:%S')} w{WORLD}] {msg}", flush=True)
+
+
+class Recorder:
+    def __init__(self, path: str, phase: str) -> None:
+        self.path, self.phase = path, phase
+
+    def gather(self, obj: Any) -> list[Any]:
+        if WORLD == 1:
+            return [obj]
+        out: list[Any] = [None] * WORLD
+        dist.all_gather_object(out, obj)
+        return out
+
+    def add(self, op: str, rep: int, seconds: float, extra_rss: int = 0, **extra: Any) -> None:
+        views = self.gather((seconds, extra_rss))
+        if RANK == 0:
+            rec = {
+                "phase": self.phase,
+                "world": WORLD,
+                "op": op,
+                "rep": rep,
+                "seconds": max(s for s, _ in views),
+                "rank_seconds": [s for s, _ in views],
+                "extra_rss": sum(r for _, r in views),
+                **extra,
+            }
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            log(f"rep {rep} {op:34s} {rec['seconds']:7.3f} s  extra RSS {rec['extra_rss'] / 2**30:5.2f} GiB")
+
+
+def barrier() -> None:
+    if WORLD > 1:
+        dist.barrier()
+
+
+def cold() -> None:
+    """Every rank's data out of the page cache before a restore."""
+    barrier()
+    if RANK == 0:
+        _sys.drop_caches()
+    barrier()
+
+
+def timed(rec: Recorder, op: str, rep: int, fn: Callable[[], Any], **extra: Any) -> Any:
+    barrier()
+    m = _sys.Measured(fn)
+    rec.add(op, rep, m.seconds, m.extra_rss, **extra)
+    return m.result
+
+
+def rmtree(path: str) -> None:
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    barrier()
+
+
+def global_fingerprint(state: dict[str, Any]) -> list[float]:
+    """Sums of a few sharded tensors, summed over ranks: the same at every world size."""
+    local = torch.tensor(_workload.fingerprint(state), dtype=torch.float64)
+    if WORLD > 1:
+        dist.all_reduce(local)
+    return [float(x) for x in local]
+
+
+def check(state: dict[str, Any], expected: list[float] | None, what: str) -> None:
+    if expected is None:
+        return
+    got = global_fingerprint(state)
+    for g, e in zip(got, expected):
+        if abs(g - e) > 1e-6 * max(1.0, abs(e)):
+            raise SystemExit(f"{what}: restored state differs from the saved one ({got} != {expected})")
+
+
+def spoil(state: dict[str, Any]) -> None:
+    """Zero the fingerprinted tensors so a restore that does nothing is caught by check()."""
+    ts = _workload.local_tensors(state)
+    for t in (ts[0], ts[len(ts) // 3], ts[-2], ts[-1]):
+        t.zero_()
+
+
+def rotate(ops: list[Any], rep: int) -> list[Any]:
+    k = (rep * 3) % len(ops)
+    return ops[k:] + ops[:k]
+
+
+# -- the save phase -------------------------------------------------------------------
+
+
+def _caching_writer(path: str) -> Any:
+    """FileSystemWriter(cache_staged_state_dict=True), to be reused by every async_save.
+
+    Its cache is allocated with pin_memory=True, which raises without an accelerator; on a
+    CPU-only torch the same stager code runs with pageable memory instead.
+    """
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if torch.cuda.is_available():
+        return FileSystemWriter(path, cache_staged_state_dict=True)
+
+    class UnpinnedCachingWriter(FileSystemWriter):
+        def stage(self, state_dict: Any) -> Any:  # BlockingAsyncStager.stage with pin_memory=False
+            self.per_thread_copy_ahead = 0
+            if self.state_dict_cache is None:
+                self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=False)
+            return _copy_state_dict(state_dict, self.state_dict_cache)
+
+    return UnpinnedCachingWriter(path, cache_staged_state_dict=True)
+
+
+
+def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
+    """Stall and time-to-durable of every writer, each followed by a cold restore of what it wrote.
+
+    The virtual disk here writes ~3x faster into blocks that were just freed than into
+    blocks never (or long ago) written. So every write goes under one directory (the ckpt
+    root), and the previous write's output is deleted (and synced) right before the next
+    write starts: every writer reuses about the same amount of freshly freed space.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckpt import Checkpointer
+    from store import commit
+
+    base = os.path.join(args.dir, f"w{WORLD}")
+    rmtree(base)
+    t = time.perf_counter()
+    state = _workload.build_state(args.params, RANK, WORLD, mesh)
+    tensors = _workload.local_tensors(state)
+    total = sum(rec.gather(_workload.nbytes(state)))
+    fp = global_fingerprint(state)
+    log(f"state built in {time.perf_counter() - t:.1f}s: {total / 1e9:.2f} GB, {len(tensors)} tensors per rank")
+    if RANK == 0:
+        with open(os.path.join(args.dir, f"meta-w{WORLD}.json"), "w") as f:
+            json.dump({"state_bytes": total, "fingerprint": fp, "tensors": len(tensors),
+                       "width": _workload.width_for(args.params), "params": args.params}, f)
+    gc.collect()
+    baseline_rss = sum(rec.gather(_sys.rss()))
+
+    root = os.path.join(base, "ckpt")
+    ck = Checkpointer(root)
+    step = [0]
+
+    def free_previous() -> None:
+        """Delete the previous write's output (a ckpt version or a sibling directory), then sync."""
+        barrier()
+        if RANK == 0:
+            for old in commit.committed_steps(root):
+                commit.delete_version(root, old)
+            for name in os.listdir(root):
+                if name.startswith("out-"):
+                    shutil.rmtree(os.path.join(root, name))
+            os.sync()
+        barrier()
+
+    def out(name: str) -> str:
+        return os.path.join(root, f"out-{name}")
+
+    def restore(op: str, rep: int, fn: Callable[[], Any], verify: bool = True) -> None:
+        spoil(state)
+        cold()
+        timed(rec, op, rep, fn)
+        check(state, fp if verify else None, op)
+
+    copy: _floors.CopyFloor | None = None
+
+    # ckpt: the first save allocates the staging buffer; later ones reuse it.
+    def ckpt_save(rep: int, first: bool = False) -> None:
+        free_previous()
+        if copy is not None:  # the copy floor, under the same conditions, just before
+            for method in _floors.COPY_METHODS:
+                timed(rec, f"stall/floor_copy_2_threads_{method}", rep, lambda: copy.run(method))
+        step[0] += 1
+        barrier()
+        _sys.reset_peak()
+        before = _sys.rss()
+        t0 = time.perf_counter()
+        ck.save(step[0], state)
+        t1 = time.perf_counter()
+        ck.wait()
+        t2 = time.perf_counter()
+        extra = max(0, _sys.peak() - before)
+        s = ck.stats()[-1]
+        tag = "_first" if first else ""
+        rec.add(f"stall/ckpt{tag}", rep, t1 - t0, extra)
+        rec.add(f"durable/ckpt{tag}", rep, t2 - t0, extra, write_s=s.write_s, fsync_s=s.fsync_s, commit_s=s.commit_s)
+        if not first:
+            restore(f"restore/ckpt_{WORLD}to{WORLD}", rep, lambda: ck.restore(state, step=step[0]))
+
+    ckpt_save(-1, first=True)
+    buf = getattr(getattr(ck, "_arena", None), "buffer", None)  # the staging buffer ckpt keeps between saves
+    arena_bytes = sum(rec.gather(buf.numel() if buf is not None else 0))
+    del buf
+
+    # DCP async_save with one reused stager (FileSystemWriter(cache_staged_state_dict=True)).
+    writer = _caching_writer(out("dcp_async_first"))
+
+    def dcp_async(rep: int, first: bool = False) -> None:
+        free_previous()
+        path = out("dcp_async_first" if first else f"dcp_async_r{rep}")
+        barrier()
+        _sys.reset_peak()
+        before = _sys.rss()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=path, storage_writer=writer)
+        t1 = time.perf_counter()
+        fut.result()
+        t2 = time.perf_counter()
+        extra = max(0, _sys.peak() - before)
+        tag = "_first" if first else ""
+        rec.add(f"stall/dcp_async_save{tag}", rep, t1 - t0, extra)
+        rec.add(f"durable/dcp_async_save{tag}", rep, t2 - t0, extra)
+
+    dcp_async(-1, first=True)
+    copy = _floors.CopyFloor(tensors)
+    copy.run("memcpy")
+
+    def torch_save(rep: int) -> None:
+        free_previous()
+        path = os.path.join(out("torch"), "state.pt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _sys.reset_peak()
+        before = _sys.rss()
+        t0 = time.perf_counter()
+        torch.save(state, path)
+        t1 = time.perf_counter()
+        _sys.fsync_path(path)
+        _sys.fsync_path(os.path.dirname(path))
+        t2 = time.perf_counter()
+        extra = max(0, _sys.peak() - before)
+        rec.add("stall/torch_save", rep, t1 - t0, extra)
+        rec.add("durable/torch_save", rep, t2 - t0, extra)
+
+        def load() -> None:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            for name, t in state["model"].items():  # what load_state_dict does
+                t.copy_(loaded["model"][name])
+            for name, s in state["optim"]["state"].items():
+                for k, t in s.items():
+                    t.copy_(loaded["optim"]["state"][name][k])
+
+        restore("restore/torch_load", rep, load)
+
+    def dcp_save(threads: int) -> Callable[[int], None]:
+        def run(rep: int) -> None:
+            free_previous()
+            path = out(f"dcp_t{threads}")
+            timed(rec, f"durable/dcp_save_t{threads}", rep,
+                  lambda: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=threads)))
+            if threads == 1:  # DCP's default
+                restore(f"restore/dcp_{WORLD}to{WORLD}", rep, lambda: dcp.load(state, checkpoint_id=path))
+
+        return run
+
+    def write_floor(strategy: str) -> Callable[[int], None]:
+        def run(rep: int) -> None:
+            free_previous()
+            path = out(f"floor_{strategy}")
+            timed(rec, f"durable/floor_{strategy}", rep, lambda: _floors.write_floor(path, RANK, tensors, strategy))
+            files = _floors.WRITE_STRATEGIES[strategy][0]
+            if strategy == "one_file":
+                restore("restore/floor_read_1_thread", rep,
+                        lambda: _floors.read_floor(path, RANK, tensors, 1), verify=False)
+                restore("restore/floor_read_1_file_4_threads", rep,
+                        lambda: _floors.read_floor_ranges(path, RANK, tensors, 4), verify=False)
+                check(state, fp, "floor reads")
+            elif strategy == "4_files_4_threads":
+                restore("restore/floor_read_4_files_4_threads", rep,
+                        lambda: _floors.read_floor(path, RANK, tensors, files), verify=False)
+                check(state, fp, "floor reads")
+
+        return run
+
+    ops: list[Callable[[int], None]] = [
+        ckpt_save,
+        dcp_save(1),
+        dcp_async,
+        write_floor("one_file"),
+        dcp_save(2),
+        write_floor("4_files_4_threads"),
+        dcp_save(4),
+        write_floor("one_file_sync_file_range"),
+        write_floor("4_files_4_threads_sync_file_range"),
+    ]
+    if WORLD == 1:
+        ops.insert(5, torch_save)
+    for rep in range(args.reps):
+        for op in rotate(ops, rep):
+            op(rep)
+    copy.close()
+    del writer
+    gc.collect()
+    # Left on disk for the restore phases (2->1, 2->3, and the 1->1 they compare with).
+    free_previous()
+    t = time.perf_counter()
+    step[0] += 1
+    ck.save(step[0], state)
+    ck.close()
+    if WORLD == 2:
+        dcp.save(state, checkpoint_id=os.path.join(base, "dcp"))
+    log(f"kept a ckpt version{' and a DCP checkpoint' if WORLD == 2 else ''} for the restore phases "
+        f"({time.perf_counter() - t:.1f}s)")
+    if RANK == 0:
+        with open(os.path.join(args.dir, f"rss-w{WORLD}.json"), "w") as f:
+            json.dump({"arena_bytes": arena_bytes, "baseline_rss": baseline_rss, "state_bytes": total}, f)
+
+
+# -- the restore phases ------------------------------------------------------------------
+
+
+def phase_restore(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
+    """Cold restores of the version the world-2 save phase left: 2->1 (with 1->1 in the same
+    repetition, from the world-1 phase's version) or 2->3; ckpt and DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt import Checkpointer
+
+    with open(os.path.join(args.dir, "meta-w1.json")) as f:
+        fp = json.load(f)["fingerprint"]
+    state = _workload.empty_state(args.params, RANK, WORLD, mesh)
+    w1, w2 = os.path.join(args.dir, "w1"), os.path.join(args.dir, "w2")
+    ck2 = Checkpointer(os.path.join(w2, "ckpt"))
+    step2 = ck2.latest_step()
+    ops: list[tuple[str, Callable[[], Any]]] = [
+        (f"restore/ckpt_2to{WORLD}", lambda: ck2.restore(state, step=step2)),
+        (f"restore/dcp_2to{WORLD}", lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))),
+    ]
+    ck1 = None
+    if WORLD == 1:
+        ck1 = Checkpointer(os.path.join(w1, "ckpt"))
+        step1 = ck1.latest_step()
+        ops.append(("restore/ckpt_1to1_again", lambda: ck1.restore(state, step=step1)))
+    for rep in range(args.reps):
+        for op, fn in rotate(ops, rep):
+            spoil(state)
+            cold()
+            timed(rec, op, rep, fn)
+            check(state, fp, op)
+        gc.collect()
+    ck2.close()
+    if ck1 is not None:
+        ck1.close()
+
+
+# -- replication ---------------------------------------------------------------------------
+
+
+def phase_replicate(args: argparse.Namespace, rec: Recorder) -> None:
+    import s3fs
+
+    from ckpt import Checkpointer
+    from replicator.core import Replicator, ReplicatorConfig
+    from store import commit
+
+    root = os.path.join(args.dir, "replicate", "ckpt")
+    shutil.rmtree(os.path.dirname(root), ignore_errors=True)
+    state = _workload.build_state(args.replicate_bytes / 12)
+    with Checkpointer(root) as ck:
+        ck.save(1, state)
+    del state
+    gc.collect()
+    vdir = os.path.join(root, commit.version_dirname(1))
+    nbytes = _sys.du(vdir)
+    opts = {"endpoint_url": args.endpoint}
+    fs = s3fs.S3FileSystem(**opts)
+    log(f"replicating {nbytes / 1e6:.0f} MB ({sum(len(f) for _, _, f in os.walk(vdir))} files) to {args.endpoint}")
+
+    def ckpt_push(rep: int) -> None:
+        shutil.rmtree(os.path.join(root, ".replicator"), ignore_errors=True)  # no memory of earlier passes
+        url = f"s3://{args.bucket}/ckpt-r{rep}"
+        r = Replicator([root], ReplicatorConfig(remote=url, storage_options=opts))
+        timed(rec, "replicate/ckpt_replicator", rep, r.run_once, bytes=nbytes)
+        status = r.run_once()[root]["versions"]["1"]["remote"]["state"]
+        if status != "verified":
+            raise SystemExit(f"replication did not complete: {status}")
+
+    def plain_put(rep: int) -> None:
+        timed(rec, "replicate/s3fs_put", rep, lambda: fs.put(vdir, f"{args.bucket}/plain-r{rep}", recursive=True),
+              bytes=nbytes)
+
+    for rep in range(args.reps):
+        for op in rotate([ckpt_push, plain_put], rep):
+            op(rep)
+        for prefix in (f"ckpt-r{rep}", f"plain-r{rep}"):  # moto holds objects in memory
+            fs.rm(f"{args.bucket}/{prefix}", recursive=True)
+        fs.invalidate_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("phase", choices=["save", "restore", "replicate"])
+    ap.add_argument("--params", type=float, required=True)
+    ap.add_argument("--reps", type=int, required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--endpoint", default="")
+    ap.add_argument("--bucket", default="bench")
+    ap.add_argument("--replicate-bytes", type=float, default=512e6)
+    args = ap.parse_args()
+    mesh = None
+    if args.phase != "replicate":
+        dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=timedelta(minutes=30))
+        if WORLD > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (WORLD,))
+    name = {"save": f"save_w{WORLD}", "restore": f"restore_w{WORLD}", "replicate": "replicate"}[args.phase]
+    rec = Recorder(args.results, name)
+    try:
+        if args.phase == "save":
+            phase_save(args, rec, mesh)
+        elif args.phase == "restore":
+            phase_restore(args, rec, mesh)
+        else:
+            phase_replicate(args, rec)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Benchmarks against PyTorch DCP, torch.save and the machine's own limits, in one run.
+
+    python bench/run.py [--params 250e6] [--reps 3] [--dir DIR] [--skip-s3] [--quick]
+
+Workload: a GPT-like model (24 blocks, 292 float32 tensors, ~`--params` parameters) and
+its Adam state after one step (~12 bytes per parameter: 3 GB at 250e6), at world size 1
+and 2 (gloo on CPU; at 2 every tensor is a DTensor Shard(0) on a 1-D mesh, so the total
+stays the same). The same state object is given to every library.
+
+Measured side by side, `--reps` repetitions interleaved (the order rotates every
+repetition), ratios taken within a repetition, then the median:
+
+- training stall per save: ckpt save() (steady state: the staging buffer is reused),
+  torch.save, DCP save, the blocking part of DCP async_save with a reused stager, and the
+  copy floor (two threads copying the same bytes into a warm preallocated buffer);
+- time until durable: ckpt save+wait, torch.save+fsync, DCP save at thread_count 1
+  (its default), 2 and 4, and the write floor (fastest of one file per rank, 4 files by
+  4 threads, each with and without early writeback by sync_file_range);
+- cold restore (page cache dropped before each): ckpt, torch.load, DCP load and the read
+  floor (fastest of 1 thread, 4 files by 4 threads, 1 file by 4 threads) at the same
+  layout (1->1, 2->2), and resharded 2->1 and 2->3 (ckpt and DCP);
+- replication: ckpt's replicator (default config) vs a plain s3fs put of the same
+  files, to a moto server on 127.0.0.1 (`--replicate-mb`, moto manages ~0.1 GB/s);
+- extra peak RSS of each operation (VmHWM reset through /proc/self/clear_refs).
+
+Writes bench/results/latest.json (targets, each {name, value, target, pass}, and every raw
+measurement with medians and ranges), latest.md (tables) and latest.png (a plot).
+Targets print PASS/FAIL; the exit status does not depend on them. Needs root (to drop
+the page cache) and a quiet machine: check `uptime` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import _report  # noqa: E402
+import _sys  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# Fake credentials for the loopback moto server only (set in the workers' environment, never ours).
+FAKE_AWS = {
+    "AWS_ACCESS_KEY_ID": "bench-fake-key",
+    "AWS_SECRET_ACCESS_KEY": "bench-fake-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def launch(
+    phase: str, world: int, args: argparse.Namespace, results: str, extra: list[str] = (), env_extra: dict[str, str] | None = None
+) -> None:
+    """Run one phase as `world` gloo ranks; raise if any rank fails."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        )
+        env.update(env_extra or {})
+        cmd = [sys.executable, os.path.join(HERE, "_worker.py"), phase, "--params", str(args.params),
+               "--reps", str(args.reps), "--dir", args.dir, "--results", results, *extra]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True))
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"phase {phase} at world {world} failed: rank/exit {bad}")
+
+
+class Moto:
+    """`python -m moto.server` on 127.0.0.1 with a bucket, fake credentials."""
+
+    def __init__(self, workdir: str, bucket: str) -> None:
+        self.port = free_port()
+        self.bucket = bucket
+        self.log = open(os.path.join(workdir, "moto.log"), "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("moto server did not answer within 60s")
+            time.sleep(0.2)
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=FAKE_AWS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=FAKE_AWS["AWS_SECRET_ACCESS_KEY"],
+        ).create_bucket(Bucket=bucket)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, default=250e6, help="model parameters (state ~12 bytes each)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/ckpt-bench", help="scratch directory on the disk under test")
+    ap.add_argument("--skip-s3", action="store_true", help="skip the replication benchmark")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 30e6 params, 1 repetition, 64 MB to S3")
+    ap.add_argument("--replicate-mb", type=float, default=512)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where latest.{json,md,png} go")
+    args = ap.parse_args()
+    if args.quick:
+        args.params, args.reps, args.replicate_mb = 30e6, 1, 64
+    if not _sys.can_drop_caches():
+        sys.exit("bench/run.py needs root: restores are measured on a cold page cache (/proc/sys/vm/drop_caches)")
+    started = time.time()
+    print(f"load average {load_average():.2f} on {os.cpu_count()} cores; params {args.params:.3g}, "
+          f"reps {args.reps}, dir {args.dir}", flush=True)
+    if load_average() > (os.cpu_count() or 1) * 0.5:
+        print("warning: the machine is busy; results will be noisy", flush=True)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    results = os.path.join(args.dir, "results.jsonl")
+    loads = [load_average()]
+    phases: dict[str, float] = {}
+
+    def phase(name: str, fn: Any) -> None:
+        t = time.time()
+        fn()
+        phases[name] = time.time() - t
+        loads.append(load_average())
+
+    phase("save_w1", lambda: launch("save", 1, args, results))
+    phase("save_w2", lambda: launch("save", 2, args, results))
+    phase("restore_w1", lambda: launch("restore", 1, args, results))
+    phase("restore_w3", lambda: launch("restore", 3, args, results))
+    if not args.skip_s3:
+        moto = Moto(args.dir, "bench")
+        try:
+            phase("replicate", lambda: launch(
+                "replicate", 1, args, results,
+                ["--endpoint", moto.endpoint, "--bucket", moto.bucket, "--replicate-bytes", str(args.replicate_mb * 1e6)],
+                FAKE_AWS,
+            ))
+        finally:
+            moto.stop()
+    wall = time.time() - started
+    with open(results) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    meta = {}
+    for w in (1, 2):
+        with open(os.path.join(args.dir, f"meta-w{w}.json")) as f:
+            meta[f"w{w}"] = json.load(f)
+        with open(os.path.join(args.dir, f"rss-w{w}.json")) as f:
+            meta[f"w{w}"].update(json.load(f))
+    env = {
+        "params": args.params,
+        "reps": args.reps,
+        "dir": args.dir,
+        "cpus": os.cpu_count(),
+        "load_average": loads,
+        "phase_seconds": phases,
+        "wall_seconds": wall,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "replicate_mb": None if args.skip_s3 else args.replicate_mb,
+        **_report.versions(),
+    }
+    report = _report.build(records, meta, env)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "latest.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = _report.markdown(report)
+    with open(os.path.join(args.out, "latest.md"), "w") as f:
+        f.write(md)
+    _report.plot(report, os.path.join(args.out, "latest.png"))
+    print()
+    print(md)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print(f"total wall time {wall:.0f} s; wrote {args.out}/latest.json, latest.md, latest.png")
+
+
+if __name__ == "__main__":
+    main()
