@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -46,6 +47,7 @@ from store.zarr_meta import write_hierarchy
 __all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit"]
 
 log = logging.getLogger("ckpt")
+_LANES = 16  # at most this many writer lanes per save (bounded by the pool's threads)
 
 
 @dataclass
@@ -121,10 +123,36 @@ def write_tasks(job: SaveJob, tmp_dir: str, pool: ThreadPoolExecutor) -> None:
 
     t0 = time.perf_counter()
     # Largest first, so the writers finish together instead of one writing a big chunk alone.
-    futures = [pool.submit(one, t) for t in sorted(job.tasks, key=lambda t: -t.staged_bytes)]
-    wait(futures)  # on a failure, let every writer stop before the arena may be reused
-    for f in futures:
-        name, index, digest, inline, blocks = f.result()
+    ordered = sorted(job.tasks, key=lambda t: -t.staged_bytes)
+    results: list[tuple[str, list[int], str, str | None, list[str]] | None] = [None] * len(ordered)
+    failed: list[tuple[int, BaseException]] = []
+    pending = iter(enumerate(ordered))
+    lock = threading.Lock()
+
+    def lane() -> None:
+        # A few lanes pull tasks in order, rather than one future per chunk: submitting and
+        # collecting ~1000 futures competes with the writers for the GIL.
+        while True:
+            with lock:
+                nxt = next(pending, None)
+            if nxt is None:
+                return
+            i, task = nxt
+            try:
+                results[i] = one(task)
+            except Exception as e:  # noqa: BLE001 - raised below, once every lane has stopped
+                failed.append((i, e))
+
+    # More lanes than the pool has threads is harmless: a late lane finds nothing left to do.
+    lanes = [pool.submit(lane) for _ in range(min(len(ordered), _LANES))]
+    wait(lanes)  # on a failure, let every writer stop before the arena may be reused
+    for f in lanes:
+        f.result()
+    if failed:
+        raise min(failed, key=lambda x: x[0])[1]
+    for r in results:
+        assert r is not None
+        name, index, digest, inline, blocks = r
         job.records.setdefault(name, []).append((index, digest, inline, blocks))
     fsync_files(written)
     for task in job.tasks:

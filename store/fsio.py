@@ -9,7 +9,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
@@ -45,15 +46,43 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def _each(paths: list[str], fn: Callable[[str], None], threads: int) -> None:
+    """fn(path) for every path on `threads` threads that pull paths in order; raises the
+    first failure (in path order) once every thread has stopped.
+
+    A few pulling threads rather than one future per path: for the thousands of files and
+    directories of a version, creating the futures cost more than the fsyncs (~3x, measured).
+    """
+    if len(paths) <= 2:
+        for p in paths:
+            fn(p)
+        return
+    pending = iter(enumerate(paths))
+    lock = threading.Lock()
+    failed: list[tuple[int, BaseException]] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                nxt = next(pending, None)
+            if nxt is None:
+                return
+            try:
+                fn(nxt[1])
+            except Exception as e:  # noqa: BLE001 - raised below
+                failed.append((nxt[0], e))
+
+    n = min(threads, len(paths))
+    with ThreadPoolExecutor(n) as pool:
+        for f in [pool.submit(work) for _ in range(n)]:
+            f.result()
+    if failed:
+        raise min(failed, key=lambda x: x[0])[1]
+
+
 def fsync_dirs(paths: Iterable[str], threads: int = 8) -> None:
     """fsync many directories in parallel: ext4 batches concurrent fsyncs into one journal commit."""
-    unique = sorted(set(paths))
-    if len(unique) <= 2:
-        for p in unique:
-            fsync_dir(p)
-        return
-    with ThreadPoolExecutor(min(threads, len(unique))) as pool:
-        list(pool.map(fsync_dir, unique))
+    _each(sorted(set(paths)), fsync_dir, threads)
 
 
 def write_durable(path: str, data: bytes) -> None:
@@ -124,13 +153,7 @@ def fsync_files(paths: Iterable[str], threads: int = 16) -> None:
     commit (ext4), so this costs about one commit plus the writeback still in flight.
     An fd opened after a writeback error still reports it (errseq: nobody has seen it).
     """
-    unique = sorted(set(paths))
-    if len(unique) <= 2:
-        for p in unique:
-            _fsync_file(p)
-        return
-    with ThreadPoolExecutor(min(threads, len(unique))) as pool:
-        list(pool.map(_fsync_file, unique))
+    _each(sorted(set(paths)), _fsync_file, threads)
 
 
 def exchange_dirs(a: str, b: str) -> bool:
