@@ -120,7 +120,6 @@ def _fsync_dir(path: str) -> None:
 # name -> (files, early writeback)
 WRITE_STRATEGIES = {
     "one_file": (1, False),
-    "one_file_sync_file_range": (1, True),
     "4_files_4_threads": (4, False),
     "4_files_4_threads_sync_file_range": (4, True),
 }

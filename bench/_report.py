@@ -119,8 +119,8 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
                how="cold ckpt restore / fastest raw read of the same bytes into the existing tensors")
         target(f"same-layout restore vs DCP load ({w}->{w})", per_rep(p + same, p + f"restore/dcp_{w}to{w}"), 0.6,
                how="cold ckpt restore / cold DCP load, same repetition")
-    target("resharded restore 2->1 vs same-layout 1->1", per_rep("w1/restore/ckpt_2to1", "w1/restore/ckpt_1to1_again"), 1.25,
-           how="cold, same process and repetition (1->1 from the world-1 version)")
+    target("resharded restore 2->1 vs same-layout 1->1", per_rep("w1/restore/ckpt_2to1", "w1/restore/ckpt_1to1"), 1.25,
+           how="cold, same process and repetition")
     a, b = reps_of("w3/restore/ckpt_2to3"), reps_of("w2/restore/ckpt_2to2")
     if a and b:
         target("resharded restore 2->3 vs same-layout 2->2",
@@ -138,7 +138,43 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
             value = max(first, held + max(steady)) / mw["state_bytes"]
             target(f"peak extra RSS during save, x state size (world {w})", [value], 1.15,
                    how="max(first save incl. allocating the staging buffer, staging buffer + steady-state peak) / state bytes, summed over ranks")
-    return {"env": env, "meta": meta, "targets": targets, "measurements": measurements}
+    return {"env": env, "meta": meta, "targets": targets, "measurements": measurements, "rss": rss_table(measurements)}
+
+
+# figure -> {column: operation key without the world prefix}; worlds are tried 1..3.
+_RSS_ROWS: list[tuple[str, dict[str, str]]] = [
+    ("save, first call (allocates any reused buffer)", {"ckpt": "durable/ckpt_first",
+                                                        "DCP async_save": "durable/dcp_async_save_first"}),
+    ("save, steady state", {"ckpt": "durable/ckpt", "DCP async_save": "durable/dcp_async_save",
+                            "DCP save": "durable/dcp_save_t1", "torch.save": "durable/torch_save"}),
+    ("restore {w}->{w}", {"ckpt": "restore/ckpt_{w}to{w}", "DCP load": "restore/dcp_{w}to{w}",
+                          "torch.load": "restore/torch_load"}),
+    ("restore 2->{w} (resharded)", {"ckpt": "restore/ckpt_2to{w}", "DCP load": "restore/dcp_2to{w}"}),
+    ("replication to loopback S3 (x bytes replicated)", {"ckpt": "replicate/ckpt_replicator",
+                                                         "s3fs put": "replicate/s3fs_put"}),
+]
+RSS_COLUMNS = ["ckpt", "DCP async_save", "DCP save", "DCP load", "torch.save", "torch.load", "s3fs put"]
+
+
+def rss_table(measurements: dict[str, Any]) -> list[dict[str, Any]]:
+    """Peak extra RSS of each operation (highest repetition, summed over ranks) as a multiple
+    of the bytes it moves: the state for saves and restores, the version's files for
+    replication; and ckpt's over each peer's, within the same figure."""
+    rows = []
+    for label, cols in _RSS_ROWS:
+        for w in (1, 2, 3):
+            if label.startswith("restore 2->") and w == 2:
+                continue
+            vals = {}
+            for col, op in cols.items():
+                m = measurements.get(f"w{w}/" + op.format(w=w))
+                if m is not None:
+                    vals[col] = m["extra_rss_x_state"]
+            if "ckpt" not in vals or len(vals) < 2 and "replication" not in label:
+                continue
+            rows.append({"figure": label.format(w=w), "world": w, "x_bytes": vals,
+                         "ckpt_over_peer": {c: vals["ckpt"] / v for c, v in vals.items() if c != "ckpt" and v > 0}})
+    return rows
 
 
 _ORDER = ["stall", "durable", "restore", "replicate"]
@@ -193,6 +229,25 @@ def markdown(report: dict[str, Any]) -> str:
             f"{m['extra_rss_x_state']:.2f}x |"
         )
     lines += ["", "`_first`: the first call (allocates the reused buffer), excluded from the targets.", ""]
+    lines += [
+        "## Peak extra RSS",
+        "",
+        "Highest peak over the RSS before the operation (summed over ranks), as a multiple of the "
+        "bytes the operation moves: the state for saves and restores, the version's files for "
+        "replication. In brackets: ckpt's figure over that peer's.",
+        "",
+        "| figure | world | " + " | ".join(RSS_COLUMNS) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in RSS_COLUMNS) + " |",
+    ]
+    for row in report.get("rss", []):
+        cells = []
+        for col in RSS_COLUMNS:
+            v = row["x_bytes"].get(col)
+            ratio = row["ckpt_over_peer"].get(col)
+            shown = ratio is not None and row["x_bytes"][col] >= 0.05 and row["x_bytes"]["ckpt"] >= 0.05
+            cells.append("" if v is None else f"{v:.2f}x" + (f" ({ratio:.2f})" if shown else ""))
+        lines.append(f"| {row['figure']} | {row['world']} | " + " | ".join(cells) + " |")
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -5,8 +5,9 @@ Phases:
             DCP save (thread_count 1/2/4), DCP async_save with a reused stager, and the
             copy and write floors; each write that has a reader is followed by a cold restore
             of what it wrote (ckpt, torch.load, DCP load, the read floors), same layout.
-  restore   world 1 or 3: cold restores of the version the world-2 phase left, 2->1 (and
-            1->1 in the same repetition) or 2->3; ckpt and DCP.
+            At world 1 (which runs after world 2) also the resharded 2->1 restores of
+            what the world-2 phase left, ckpt and DCP, in the same repetitions.
+  restore   world 3: cold restores 2->3 of what the world-2 phase left; ckpt and DCP.
   replicate world 1: ckpt's replicator vs a plain s3fs put, to a loopback moto server.
 
 Every measurement is appended as a JSON line to the results file by rank 0: the
@@ -17,6 +18,7 @@ rank's seconds, and the sum over ranks of the extra peak RSS.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -89,8 +91,25 @@ def cold() -> None:
     barrier()
 
 
-def timed(rec: Recorder, op: str, rep: int, fn: Callable[[], Any], **extra: Any) -> Any:
+def touch(tensors: list[torch.Tensor]) -> None:
+    """Read one byte of every page of `tensors`, as the training step before a save would.
+
+    On this VM, memory left untouched for a second or more costs ~1 us per 4 KiB page on
+    its next access (2.5x slower copies), whoever touches it first. Every stall measurement
+    starts from state the training step has just touched, and from its own destination
+    buffer as it was left by its previous use.
+    """
+    for t in tensors:
+        if t.numel():
+            t.detach().reshape(-1).view(torch.uint8)[:: 4096].sum()
+
+
+def timed(
+    rec: Recorder, op: str, rep: int, fn: Callable[[], Any], prep: Callable[[], Any] | None = None, **extra: Any
+) -> Any:
     barrier()
+    if prep is not None:
+        prep()
     m = _sys.Measured(fn)
     rec.add(op, rep, m.seconds, m.extra_rss, **extra)
     return m.result
@@ -188,6 +207,9 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
 
     root = os.path.join(base, "ckpt")
     ck = Checkpointer(root)
+
+    def warm() -> None:
+        touch(tensors)
     step = [0]
 
     def free_previous() -> None:
@@ -218,9 +240,10 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         free_previous()
         if copy is not None:  # the copy floor, under the same conditions, just before
             for method in _floors.COPY_METHODS:
-                timed(rec, f"stall/floor_copy_2_threads_{method}", rep, lambda: copy.run(method))
+                timed(rec, f"stall/floor_copy_2_threads_{method}", rep, functools.partial(copy.run, method), warm)
         step[0] += 1
         barrier()
+        warm()
         _sys.reset_peak()
         before = _sys.rss()
         t0 = time.perf_counter()
@@ -248,6 +271,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         free_previous()
         path = out("dcp_async_first" if first else f"dcp_async_r{rep}")
         barrier()
+        warm()
         _sys.reset_peak()
         before = _sys.rss()
         t0 = time.perf_counter()
@@ -268,6 +292,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         free_previous()
         path = os.path.join(out("torch"), "state.pt")
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        warm()
         _sys.reset_peak()
         before = _sys.rss()
         t0 = time.perf_counter()
@@ -295,7 +320,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             free_previous()
             path = out(f"dcp_t{threads}")
             timed(rec, f"durable/dcp_save_t{threads}", rep,
-                  lambda: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=threads)))
+                  lambda: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=threads)), warm)
             if threads == 1:  # DCP's default
                 restore(f"restore/dcp_{WORLD}to{WORLD}", rep, lambda: dcp.load(state, checkpoint_id=path))
 
@@ -305,7 +330,8 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         def run(rep: int) -> None:
             free_previous()
             path = out(f"floor_{strategy}")
-            timed(rec, f"durable/floor_{strategy}", rep, lambda: _floors.write_floor(path, RANK, tensors, strategy))
+            timed(rec, f"durable/floor_{strategy}", rep, lambda: _floors.write_floor(path, RANK, tensors, strategy),
+                  warm)
             files = _floors.WRITE_STRATEGIES[strategy][0]
             if strategy == "one_file":
                 restore("restore/floor_read_1_thread", rep,
@@ -328,27 +354,34 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         dcp_save(2),
         write_floor("4_files_4_threads"),
         dcp_save(4),
-        write_floor("one_file_sync_file_range"),
         write_floor("4_files_4_threads_sync_file_range"),
     ]
+    ck2 = None
     if WORLD == 1:
         ops.insert(5, torch_save)
+        # Resharded 2->1 (what the world-2 phase left), in the same repetitions as 1->1.
+        w2 = os.path.join(args.dir, "w2")
+        ck2 = Checkpointer(os.path.join(w2, "ckpt"))
+        step2 = ck2.latest_step()
+        ops.insert(3, lambda rep: restore("restore/ckpt_2to1", rep, lambda: ck2.restore(state, step=step2)))
+        ops.insert(7, lambda rep: restore(
+            "restore/dcp_2to1", rep, lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))))
     for rep in range(args.reps):
         for op in rotate(ops, rep):
             op(rep)
     copy.close()
-    del writer
     gc.collect()
-    # Left on disk for the restore phases (2->1, 2->3, and the 1->1 they compare with).
-    free_previous()
-    t = time.perf_counter()
-    step[0] += 1
-    ck.save(step[0], state)
-    ck.close()
-    if WORLD == 2:
+    if ck2 is not None:
+        ck2.close()
+    if WORLD == 2:  # left on disk for the 2->1 and 2->3 restores
+        free_previous()
+        t = time.perf_counter()
+        step[0] += 1
+        ck.save(step[0], state)
+        ck.wait()
         dcp.save(state, checkpoint_id=os.path.join(base, "dcp"))
-    log(f"kept a ckpt version{' and a DCP checkpoint' if WORLD == 2 else ''} for the restore phases "
-        f"({time.perf_counter() - t:.1f}s)")
+        log(f"kept a ckpt version and a DCP checkpoint for the resharding restores ({time.perf_counter() - t:.1f}s)")
+    ck.close()
     if RANK == 0:
         with open(os.path.join(args.dir, f"rss-w{WORLD}.json"), "w") as f:
             json.dump({"arena_bytes": arena_bytes, "baseline_rss": baseline_rss, "state_bytes": total}, f)
@@ -358,27 +391,21 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
 
 
 def phase_restore(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
-    """Cold restores of the version the world-2 save phase left: 2->1 (with 1->1 in the same
-    repetition, from the world-1 phase's version) or 2->3; ckpt and DCP."""
+    """Cold restores of the version the world-2 phase left onto this world size (2->3): ckpt and DCP."""
     import torch.distributed.checkpoint as dcp
 
     from ckpt import Checkpointer
 
-    with open(os.path.join(args.dir, "meta-w1.json")) as f:
+    with open(os.path.join(args.dir, "meta-w2.json")) as f:
         fp = json.load(f)["fingerprint"]
     state = _workload.empty_state(args.params, RANK, WORLD, mesh)
-    w1, w2 = os.path.join(args.dir, "w1"), os.path.join(args.dir, "w2")
+    w2 = os.path.join(args.dir, "w2")
     ck2 = Checkpointer(os.path.join(w2, "ckpt"))
     step2 = ck2.latest_step()
     ops: list[tuple[str, Callable[[], Any]]] = [
         (f"restore/ckpt_2to{WORLD}", lambda: ck2.restore(state, step=step2)),
         (f"restore/dcp_2to{WORLD}", lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))),
     ]
-    ck1 = None
-    if WORLD == 1:
-        ck1 = Checkpointer(os.path.join(w1, "ckpt"))
-        step1 = ck1.latest_step()
-        ops.append(("restore/ckpt_1to1_again", lambda: ck1.restore(state, step=step1)))
     for rep in range(args.reps):
         for op, fn in rotate(ops, rep):
             spoil(state)
@@ -387,8 +414,6 @@ def phase_restore(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             check(state, fp, op)
         gc.collect()
     ck2.close()
-    if ck1 is not None:
-        ck1.close()
 
 
 # -- replication ---------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def build_state(params: float, rank: int = 0, world: int = 1, mesh: Any = None) 
     """
     names = list(shapes(params))
     local_params: list[torch.Tensor] = []
-    for i, (name, shape) in enumerate(shapes(params).items()):
+    for i, shape in enumerate(shapes(params).values()):
         lo, hi = _shard_rows(shape[0], rank, world)
         row = math.prod(shape[1:])
         p = torch.empty((hi - lo, *shape[1:]))
@@ -162,7 +162,7 @@ def empty_state(params: float, rank: int = 0, world: int = 1, mesh: Any = None) 
     """The same structure filled with zeros (memory touched): a restore target."""
     names = list(shapes(params))
     local = []
-    for name, shape in shapes(params).items():
+    for shape in shapes(params).values():
         lo, hi = _shard_rows(shape[0], rank, world)
         local.append(torch.zeros((hi - lo, *shape[1:])))
     optim_state = {

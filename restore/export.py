@@ -27,7 +27,7 @@ from store.errors import CorruptVersionError, VersionNotFoundError
 from store.fsio import DIR_MODE, fsync_dirs, write_chunk
 from store.layout import chunk_file
 from store.manifest import Manifest
-from store.zarr_meta import write_hierarchy
+from store.zarr_meta import ArrayNode, write_hierarchy
 
 __all__ = ["open_version", "copy_version", "assemble", "decode_tree"]
 
@@ -114,7 +114,7 @@ def copy_version(
                         raise CorruptVersionError(f"copy of {path} changed in memory", path=path)
                     progress(chunk.nbytes)
             fsync_dirs(sorted(d for d in _with_parents(dirs, tmp)))
-            hier = write_hierarchy(tmp, list(manifest.arrays.values()), {"ckpt": {"step": manifest.step}})
+            hier = write_hierarchy(tmp, [ArrayNode.of(a) for a in manifest.arrays.values()], {"ckpt": {"step": manifest.step}})
             commit.prepare(tmp, manifest, list(range(manifest.world_size)), hier)
             commit.publish(dest_root, tmp_name, manifest.step, overwrite=False)
         except BaseException:

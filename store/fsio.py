@@ -6,6 +6,7 @@ Everything the commit protocol relies on for durability goes through here.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -22,8 +23,10 @@ __all__ = [
     "fsync_dirs",
     "fsync_files",
     "write_durable",
+    "write_new",
     "write_chunk",
     "exchange_dirs",
+    "makedirs",
 ]
 
 FILE_MODE = 0o644  # never world-writable
@@ -36,6 +39,26 @@ _sync_file_range = getattr(_libc, "sync_file_range", None)
 _renameat2 = getattr(_libc, "renameat2", None)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+
+
+def makedirs(path: str) -> None:
+    """`os.makedirs(path, exist_ok=True)`, except that every directory it creates gets DIR_MODE.
+
+    os.makedirs gives its mode to the last directory only: the parents it creates get
+    0o777 & ~umask, world-writable under a permissive umask (0).
+    """
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise
+    except FileNotFoundError:
+        parent = os.path.dirname(path.rstrip("/"))
+        if not parent or parent == path:
+            raise
+        makedirs(parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, DIR_MODE)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -85,14 +108,21 @@ def fsync_dirs(paths: Iterable[str], threads: int = 8) -> None:
     _each(sorted(set(paths)), fsync_dir, threads)
 
 
-def write_durable(path: str, data: bytes) -> None:
-    """Create `path` (it must not exist), write `data`, fsync it. The caller fsyncs the directory."""
+def write_new(path: str, data: bytes, *, fsync: bool = False) -> None:
+    """Create `path` (it must not exist) and write `data`; the caller makes it durable
+    (`fsync_files`) unless `fsync`."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
         _write_all(fd, memoryview(data))
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_durable(path: str, data: bytes) -> None:
+    """Create `path` (it must not exist), write `data`, fsync it. The caller fsyncs the directory."""
+    write_new(path, data, fsync=True)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
