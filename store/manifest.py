@@ -9,6 +9,7 @@ dtypes, shapes and byte counts.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -45,6 +46,7 @@ _COMPONENT = re.compile(r"^[A-Za-z0-9_.~%+-]+$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # called for every key of every save
 def escape_component(key: str) -> str:
     """A state key as a safe zarr node name: percent-encoded, never '.', '..' or '__'-prefixed."""
     out = urllib.parse.quote(key, safe="")
