@@ -40,6 +40,7 @@ log = logging.getLogger("ckpt.replicator")
 T = TypeVar("T")
 _BLOCK = 8 << 20
 _MULTIPART = 16 << 20  # s3fs part size: chunks of 32 MiB and more go as multipart uploads
+_RESENDS = 2  # uploads of a chunk after the first, while its copy reads back wrong
 
 
 class Stopped(Exception):
@@ -266,9 +267,17 @@ def push_version(
             # is sent again rather than looked for until the retries run out.
             _upload(dest, os.path.join(local_dir, rel), rpath, limiter, stop)
             if readback and chunk is not None:
-                got_size, got = _digest(dest, rpath)
-                if got_size != size or got != chunk.xxh3:
-                    raise CorruptVersionError(f"{dest.url}/{name}/{rel}: copy does not match the manifest", path=rel)
+                # A mismatch may be damage on the way (up or down) that no transport checksum
+                # caught (plain HTTP, range reads): send it again before calling the copy corrupt.
+                for resend in range(_RESENDS + 1):
+                    got_size, got = _digest(dest, rpath)
+                    if got_size == size and got == chunk.xxh3:
+                        break
+                    where = f"{objstore.redact(dest.url, opts)}/{name}/{rel}"
+                    if resend == _RESENDS:
+                        raise CorruptVersionError(f"{where}: copy does not match the manifest", path=rel)
+                    log.warning("%s: the copy read back does not match the manifest; sending it again", where)
+                    _upload(dest, os.path.join(local_dir, rel), rpath, limiter, stop)
             else:
                 got_size = dest.fs.size(rpath)
                 if got_size != size:

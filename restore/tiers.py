@@ -14,21 +14,46 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import xxhash
 
 from store import commit, objstore
-from store.errors import CkptError, TierUnavailableError, VersionNotFoundError
+from store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
 from store.fsio import DIR_MODE
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
 log = logging.getLogger("ckpt")
 _VERSION = re.compile(r"^v(\d{12})$")
+# RemoteTier tries a backend call 4 times, 0.2 s apart and doubling (1.4 s of waits), on top
+# of s3fs's and botocore's own retries, which cover only some errors.
+_RETRY_ATTEMPTS = 4
+_RETRY_FIRST_S = 0.2
+_RETRY_MAX_S = 5.0
+_REFETCHES = 2  # downloads of a chunk after the first, while they fail the manifest's checksum
 
-__all__ = ["Tier", "LocalTier", "RemoteTier", "Candidate", "open_tier"]
+__all__ = ["Tier", "LocalTier", "RemoteTier", "Candidate", "Fetch", "open_tier"]
+
+
+class Fetch(Protocol):
+    """Brings one file of a version into the tier's version_dir: (relative path, size, and
+    the xxh3 the manifest gives it, if known). Raises CorruptVersionError when every download
+    fails that checksum; a missing file is left missing for the reader to report."""
+
+    def __call__(self, rel: str, nbytes: int, xxh3: str | None = None, /) -> None: ...
+
+
+def _xxh3_file(path: str) -> str:
+    hasher = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            hasher.update(block)
+    return hasher.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -56,9 +81,9 @@ class Tier(ABC):
     def version_dir(self, step: int) -> str:
         """A local directory holding the version's files (tiers that are not local fetch first)."""
 
-    def fetcher(self, step: int) -> Callable[[str, int], None] | None:
-        """For tiers that are not local: a function (relative path, size) that brings one file
-        into version_dir(step) before it is read. None for local tiers."""
+    def fetcher(self, step: int) -> Fetch | None:
+        """For tiers that are not local: a function that brings one file into version_dir(step)
+        before it is read. None for local tiers."""
         return None
 
 
@@ -101,12 +126,25 @@ class RemoteTier(Tier):
         self.cache = os.path.join(base, digest)
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except (FileNotFoundError, CkptError):
-            raise
-        except Exception as e:  # noqa: BLE001 - backend errors become one documented type
-            raise TierUnavailableError(f"{self.url}: cannot {what}: {objstore.redact(str(e), self.options)}") from None
+        """fn(), retried with backoff while it fails in a way that may pass: a dropped
+        connection, a 5xx, throttling, a timeout, a cut or corrupted body (botocore's checksum).
+        s3fs retries only some of these and gives up after a few quick tries, and one failed
+        read here would make the whole tier unavailable, so a restore would skip the remote.
+        Missing objects, refused access and ckpt errors are final at once."""
+        delay = _RETRY_FIRST_S
+        for attempt in range(_RETRY_ATTEMPTS):
+            try:
+                return fn()
+            except (FileNotFoundError, PermissionError, CkptError):
+                raise
+            except Exception as e:  # noqa: BLE001 - backend errors become one documented type
+                msg = objstore.redact(f"{type(e).__name__}: {e}", self.options)
+                if attempt == _RETRY_ATTEMPTS - 1:
+                    raise TierUnavailableError(f"{self.url}: cannot {what}: {msg}") from None
+                log.warning("%s: %s failed (%s); retrying in %.1fs", self.url, what, msg[:200], delay)
+                time.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX_S)
+        raise AssertionError("unreachable")
 
     def committed(self) -> list[Candidate]:
         # fsspec filesystems (s3fs) cache listings per instance, and instances are shared
@@ -147,24 +185,42 @@ class RemoteTier(Tier):
         os.makedirs(d, mode=DIR_MODE, exist_ok=True)
         return d
 
-    def fetcher(self, step: int) -> Callable[[str, int], None]:
+    def fetcher(self, step: int) -> Fetch:
         local_dir = self.version_dir(step)
         remote_dir = objstore.join(self.prefix, commit.version_dirname(step))
 
-        def fetch(rel: str, nbytes: int) -> None:
+        def fetch(rel: str, nbytes: int, xxh3: str | None = None, /) -> None:
             dest = os.path.join(local_dir, rel)
             if os.path.isfile(dest) and os.path.getsize(dest) == nbytes:
                 return
             os.makedirs(os.path.dirname(dest), mode=DIR_MODE, exist_ok=True)
-            tmp = f"{dest}.part-{uuid.uuid4().hex}"
-            try:
-                self._call("download", lambda: self.fs.get_file(objstore.join(remote_dir, rel), tmp))
-                os.replace(tmp, dest)
-            except FileNotFoundError:
-                pass  # the reader reports the chunk missing and tries another tier
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            got: str | None = None
+            for attempt in range(1 + _REFETCHES):
+                tmp = f"{dest}.part-{uuid.uuid4().hex}"
+                try:
+                    self._call("download", functools.partial(self.fs.get_file, objstore.join(remote_dir, rel), tmp))
+                    # A body can arrive complete yet wrong where no transport checksum covers it
+                    # (range requests, objects uploaded without one, plain-HTTP endpoints): only
+                    # a copy that matches the manifest enters the cache, whatever verify_on_restore says.
+                    got = None if xxh3 is None else _xxh3_file(tmp)
+                    if got == xxh3:
+                        os.replace(tmp, dest)
+                        return
+                except FileNotFoundError:
+                    return  # the reader reports the chunk missing and tries another tier
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+                if attempt < _REFETCHES:
+                    where = f"{self.name}/{commit.version_dirname(step)}/{rel}"
+                    log.warning("%s: a download fails its checksum (xxh3 %s, manifest %s); again", where, got, xxh3)
+            raise CorruptVersionError(
+                f"{self.name}: {1 + _REFETCHES} downloads of {commit.version_dirname(step)}/{rel} fail their "
+                f"checksum (last xxh3 {got}, manifest {xxh3})",
+                path=rel,
+                expected=xxh3 or "",
+                actual=got or "",
+            )
 
         return fetch
 
