@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from replicator.core import ReplicatorConfig, read_status
+from replicator.core import REMOTE_DONE, ReplicatorConfig, read_status
 from replicator.daemon import run_daemon
 from replicator.gc import gc_local, gc_remote
 from replicator.policy import KeepLast, KeepMilestones, Policy, Union
@@ -400,7 +400,8 @@ def _policy(keep_last: int | None, milestone_every: int | None, milestones: tupl
 
 
 def _status_redundant(root: str) -> set[int] | None:
-    """Steps whose copies the replicator has verified; None if no replicator ran here."""
+    """Steps whose copies the replicator has verified (or that expired on the remote); None
+    if no replicator ran here."""
     versions = read_status(root).get("versions")
     if versions is None:
         return None
@@ -408,7 +409,7 @@ def _status_redundant(root: str) -> set[int] | None:
     for step, entry in versions.items():
         copies_ok = all(c.get("state") == "verified" for c in entry.get("copies", {}).values())
         remote = entry.get("remote")
-        if copies_ok and (remote is None or remote.get("state") == "verified"):
+        if copies_ok and (remote is None or remote.get("state") in REMOTE_DONE):
             out.add(int(step))
     return out
 

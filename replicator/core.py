@@ -21,18 +21,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from replicator.gc import gc_local, gc_remote
-from replicator.policy import Policy
+from replicator.gc import gc_local, gc_remote, remote_versions
+from replicator.policy import Policy, VersionInfo, expired
 from replicator.push import Destination, Stopped, disk_id, push_version
 from replicator.ratelimit import RateLimiter
 from store import commit, metrics, objstore
 from store.errors import CkptError
 from store.fsio import DIR_MODE
+from store.manifest import Manifest
 
-__all__ = ["ReplicatorConfig", "Replicator", "STATE_DIR", "read_status", "source_label"]
+__all__ = ["ReplicatorConfig", "Replicator", "STATE_DIR", "REMOTE_DONE", "read_status", "source_label"]
 
 log = logging.getLogger("ckpt.replicator")
 STATE_DIR = ".replicator"
+WAITING = "waiting for other nodes"
+REMOTE_DONE = frozenset({"verified", "expired"})
+"""Remote states of a version that need nothing more: its remote copy is verified, or the
+remote's retention deleted it (or would delete it on arrival) while this node's part waited."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +96,7 @@ class Replicator:
         self._status: dict[str, dict[str, Any]] = {s: read_status(s) for s in self.sources}
         self.remote = Destination(config.remote, "shared", config.storage_options) if config.remote else None
         self.bytes_sent = 0
+        self._remote_listing: list[VersionInfo] | None = None  # the remote's versions, listed once per pass
 
     def _replica_dests(self, source: str) -> list[Destination]:
         used = {disk_id(source)}
@@ -156,6 +162,7 @@ class Replicator:
         state_dir = os.path.join(source, STATE_DIR)
         dests = self._replica_dests(source)
         steps = commit.committed_steps(source)
+        self._remote_listing = None
         for step in steps:
             if self.stop.is_set():
                 raise Stopped()
@@ -178,7 +185,12 @@ class Replicator:
                     continue
                 ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
                 entry["copies"][dest.url] = {"state": "verified" if ok else "pending", "at": time.time()}
-            if self.remote is not None and (entry["remote"] or {}).get("state") != "verified":
+            if self.remote is not None and (entry["remote"] or {}).get("state") not in REMOTE_DONE:
+                if self._expired_on_remote(entry, manifest):
+                    url = objstore.redact(self.remote.url, self.config.storage_options)
+                    entry["remote"] = {"url": url, "state": "expired", "at": time.time()}
+                    self._write_status(source)
+                    continue
                 part = manifest.ranks[writers[0]].root if writers else 0
                 ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
                 entry["remote"] = {
@@ -191,6 +203,20 @@ class Replicator:
             versions.pop(gone)
         self._gc(source, dests, versions)
         self._write_status(source)
+
+    def _expired_on_remote(self, entry: dict[str, Any], manifest: Manifest) -> bool:
+        """Whether a version whose part this node has uploaded, and which the remote does
+        not hold now, was completed by the other nodes and then deleted by the remote's
+        retention (which would delete it again at once). Uploading the part again would
+        leave a directory that never gets a manifest, and the local version would never
+        count as redundant, so local retention would keep it forever."""
+        policy = self.config.remote_policy
+        if policy is None or self.remote is None or (entry["remote"] or {}).get("state") != WAITING:
+            return False
+        if self._remote_listing is None:
+            self._remote_listing = remote_versions(self.remote.url, dict(self.config.storage_options))
+        candidate = VersionInfo(manifest.step, manifest.created, True, bool(manifest.meta.get("milestone")))
+        return expired(self._remote_listing, candidate, policy)
 
     def _push(
         self, source: str, step: int, manifest: Any, writers: list[int], dest: Destination, state_dir: str, part: int
@@ -215,12 +241,13 @@ class Replicator:
         )
 
     def redundant_steps(self, source: str) -> set[int]:
-        """Steps of `source` whose required copies (replicas and remote) are all verified."""
+        """Steps of `source` whose required copies (replicas and remote) are all verified (or
+        expired on the remote)."""
         need_copies = len(self._replica_dests(source))
         out = set()
         for step, entry in self._status.get(source, {}).get("versions", {}).items():
             copies = sum(1 for c in entry.get("copies", {}).values() if c.get("state") == "verified")
-            remote_ok = self.remote is None or (entry.get("remote") or {}).get("state") == "verified"
+            remote_ok = self.remote is None or (entry.get("remote") or {}).get("state") in REMOTE_DONE
             if copies >= need_copies and remote_ok:
                 out.add(int(step))
         return out

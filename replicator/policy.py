@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["VersionInfo", "Policy", "KeepLast", "KeepMilestones", "KeepAll", "Union", "plan_deletions"]
+__all__ = ["VersionInfo", "Policy", "KeepLast", "KeepMilestones", "KeepAll", "Union", "plan_deletions", "expired"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,12 @@ def plan_deletions(
     if require_redundant:
         keep |= {v.step for v in vs if v.intact and not v.redundant}
     return [v.step for v in vs if v.step not in keep]
+
+
+def expired(versions: Iterable[VersionInfo], candidate: VersionInfo, policy: Policy) -> bool:
+    """Whether GC would delete `candidate`, a version the tier does not hold, as soon as it
+    arrived among `versions` (what the tier holds): then there is no point in sending it."""
+    vs = list(versions)
+    if any(v.step == candidate.step for v in vs):
+        return False
+    return candidate.step in plan_deletions([*vs, candidate], policy, require_redundant=False)

@@ -1,0 +1,260 @@
+"""The crash harness's invariant checks (tests/crash_harness.py drives them).
+
+Owns: the layout of the harness's directories, listings of every tier, the model of
+what the retention policies may delete, reading the training job's journals, and the
+checks themselves (`ckpt verify`, completeness of remote versions, bitwise comparison
+of every version's tensors with what the job recorded). It starts no process.
+
+Tiers, by name: `root0`/`root1` (each rank's own root, on its node's disk0),
+`replica0`/`replica1` (the copies node k's replicator made on its disk1) and `remote`
+(a `file://` directory shared by both nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from click.testing import CliRunner
+
+from ckpt.cli import main as ckpt_cli
+from replicator.core import source_label
+from restore.discover import choose_step, reachable_steps
+from restore.export import assemble, open_version
+from restore.tiers import Candidate, LocalTier, RemoteTier, Tier
+from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
+from tests._harness_worker import ROWS, digest, flatten
+
+WORLD = 2
+Snapshot = dict[str, dict[int, str]]  # tier name -> {step: save_id}
+
+
+@dataclass(frozen=True)
+class Layout:
+    out: str
+
+    def root(self, k: int) -> str:
+        return os.path.join(self.out, f"node{k}", "disk0", "ckpt")
+
+    def disk(self, k: int, d: int) -> str:
+        return os.path.join(self.out, f"node{k}", f"disk{d}")
+
+    def replica(self, k: int) -> str:
+        return os.path.join(self.disk(k, 1), "replicas", source_label(self.root(k)))
+
+    @property
+    def remote_dir(self) -> str:
+        return os.path.join(self.out, "remote")
+
+    @property
+    def remote_url(self) -> str:
+        return "file://" + self.remote_dir
+
+    @property
+    def journal(self) -> str:
+        return os.path.join(self.out, "journal")
+
+    def tiers(self) -> dict[str, str]:
+        """Tier name -> its path or URL."""
+        out = {f"root{k}": self.root(k) for k in range(WORLD)}
+        out.update({f"replica{k}": self.replica(k) for k in range(WORLD)})
+        out["remote"] = self.remote_url
+        return out
+
+    def create(self) -> None:
+        for k in range(WORLD):
+            for d in (0, 1):
+                os.makedirs(self.disk(k, d), exist_ok=True)
+                with open(os.path.join(self.disk(k, d), ".ckpt-disk"), "w") as f:
+                    f.write(f"node{k}-disk{d}")  # two disks per node: copies must not share one
+            os.makedirs(self.root(k), exist_ok=True)
+        os.makedirs(self.journal, exist_ok=True)
+
+
+def open_tier(location: str, cache: str | None = None) -> Tier:
+    return RemoteTier(location, cache_dir=cache) if location.startswith("file://") else LocalTier(location)
+
+
+def candidates(location: str) -> list[Candidate]:
+    if not location.startswith("file://") and not os.path.isdir(location):
+        return []
+    return open_tier(location).committed()
+
+
+def snapshot(layout: Layout) -> Snapshot:
+    return {name: {c.step: c.save_id for c in candidates(loc)} for name, loc in layout.tiers().items()}
+
+
+# -- retention -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What may delete a version of a tier: keep the newest `keep_last` (by step) plus, if
+    `milestone_every` is set, every multiple of it and every tagged step."""
+
+    keep_last: int
+    milestone_every: int | None = None
+
+    def may_delete(self, step: int, known: Iterable[int], tagged: set[int]) -> bool:
+        if self.milestone_every is not None and (step % self.milestone_every == 0 or step in tagged):
+            return False
+        return sum(1 for s in set(known) if s > step) >= self.keep_last
+
+
+# -- journals --------------------------------------------------------------------------------
+
+
+@dataclass
+class Journals:
+    """What the training job recorded, read incrementally (complete lines only)."""
+
+    layout: Layout
+    expected: dict[tuple[int, int], list[dict[str, str]]] = field(default_factory=dict)  # (step, rank) -> sums
+    committed: set[int] = field(default_factory=set)
+    tagged: set[int] = field(default_factory=set)
+    restored: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (incarnation, rank) -> record
+    _offsets: dict[str, int] = field(default_factory=dict)
+
+    def _lines(self, name: str) -> list[dict[str, Any]]:
+        path = os.path.join(self.layout.journal, name)
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(name, 0))
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offsets[name] = self._offsets.get(name, 0) + end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+    def refresh(self) -> None:
+        for rank in range(WORLD):
+            for rec in self._lines(f"expected.rank{rank}.jsonl"):
+                if "committed" in rec:
+                    if rec["committed"] is not None:
+                        self.committed.add(int(rec["committed"]))
+                    continue
+                sums = self.expected.setdefault((rec["step"], rank), [])
+                if rec["sums"] not in sums:
+                    sums.append(rec["sums"])
+                if rec.get("milestone"):
+                    self.tagged.add(rec["step"])
+            for rec in self._lines(f"restored.rank{rank}.jsonl"):
+                self.restored[(rec["inc"], rank)] = rec
+                if rec["step"] is not None:
+                    self.committed.add(int(rec["step"]))
+
+    def nondeterministic(self) -> list[tuple[int, int]]:
+        """(step, rank) pairs recorded twice with different sums: the job is not reproducible."""
+        return sorted(k for k, v in self.expected.items() if len(v) > 1)
+
+
+def compare(got: dict[str, str], want: Sequence[dict[str, str]]) -> str | None:
+    """None when `got` equals one of the recorded sums; else what differs."""
+    if not want:
+        return "nothing was recorded for this step"
+    if any(got == w for w in want):
+        return None
+    w = want[-1]
+    keys = sorted(k for k in set(got) | set(w) if got.get(k) != w.get(k))
+    return "differs in " + ", ".join(f"{k} ({got.get(k)} vs {w.get(k)})" for k in keys[:4])
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+
+def verify(location: str, step: int | None = None) -> tuple[bool, str]:
+    """`ckpt verify` (in-process through click): (ok, output)."""
+    args = ["verify", location] + ([] if step is None else ["--step", str(step)])
+    result = CliRunner().invoke(ckpt_cli, args)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        return False, f"{type(result.exception).__name__}: {result.exception}"
+    return result.exit_code == 0, result.output
+
+
+def remote_problems(remote_dir: str) -> tuple[int, list[str]]:
+    """(versions listed, problems): every remote version with a manifest must hold every
+    file it names at the right size. A file found missing counts only if the manifest is
+    still there afterwards (GC removes the manifest before anything else)."""
+    problems = []
+    listed = 0
+    try:
+        names = sorted(os.listdir(remote_dir))
+    except FileNotFoundError:
+        return 0, []
+    for name in names:
+        vdir = os.path.join(remote_dir, name)
+        mpath = os.path.join(vdir, MANIFEST_NAME)
+        try:
+            with open(mpath, "rb") as f:
+                manifest = parse_manifest(f.read())
+        except FileNotFoundError:
+            continue
+        except Exception as e:  # noqa: BLE001 - a torn or invalid manifest is itself a problem
+            if os.path.exists(mpath):
+                problems.append(f"{name}: unreadable manifest: {e}")
+            continue
+        listed += 1
+        missing = []
+        wanted = [(ROOT_INFO_NAME, None)] + [
+            (a.chunk_path(c), c.nbytes) for a in manifest.arrays.values() for c in a.chunks if c.inline is None
+        ]
+        for rel, size in wanted:
+            try:
+                got = os.path.getsize(os.path.join(vdir, rel))
+            except FileNotFoundError:
+                got = -1
+            if got < 0 or (size is not None and got != size):
+                missing.append(f"{rel} ({'missing' if got < 0 else f'{got} bytes, want {size}'})")
+        if missing and os.path.exists(mpath):
+            problems.append(f"{name}: committed but incomplete: {', '.join(missing[:3])}")
+    return listed, problems
+
+
+def expected_restore(layout: Layout) -> int | None:
+    """The step a restart must restore at least: the newest one every rank can reach from
+    its tiers (its root, its node's replica copies, the remote)."""
+    views = []
+    for k in range(WORLD):
+        views.append([c for loc in (layout.root(k), layout.replica(k), layout.remote_url) for c in candidates(loc)])
+    return choose_step(views)
+
+
+def groups(layout: Layout) -> dict[str, list[str]]:
+    """Sets of tiers that together hold whole versions (each root holds one rank's part)."""
+    return {
+        "local": [layout.root(k) for k in range(WORLD)],
+        "replicas": [layout.replica(k) for k in range(WORLD)],
+        "remote": [layout.remote_url],
+    }
+
+
+def reachable(locations: Sequence[str]) -> dict[int, str]:
+    return reachable_steps([[c for loc in locations for c in candidates(loc)]])
+
+
+def version_sums(locations: Sequence[str], step: int, cache: str) -> dict[int, dict[str, str]]:
+    """Per saved rank, the sums of the version's tensors, read back (and verified) from the tiers."""
+    tiers = [open_tier(loc, cache) for loc in locations if loc.startswith("file://") or os.path.isdir(loc)]
+    _, manifest, sources = open_version(tiers, step)
+    tree = assemble(manifest, sources)
+    full = dict(flatten(tree))
+    shard = full.pop("shard")
+    common = {k: digest(v) for k, v in full.items()}
+    return {r: {**common, "shard": digest(shard[r * ROWS : (r + 1) * ROWS])} for r in range(manifest.world_size)}
+
+
+def deep_check(locations: Sequence[str], step: int, journals: Journals) -> str | None:
+    """None if every rank's tensors of `step` are bitwise what the job recorded."""
+    with tempfile.TemporaryDirectory(prefix="harness-read-") as cache:
+        per_rank = version_sums(locations, step, cache)
+    for rank, got in per_rank.items():
+        problem = compare(got, journals.expected.get((step, rank), []))
+        if problem:
+            return f"rank {rank}: {problem}"
+    return None
