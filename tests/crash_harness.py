@@ -3,27 +3,32 @@ again and again at random moments, checked after every kill.
 
     python -m tests.crash_harness --kills 200 --seed 1 --out DIR
 
-What runs (all separate processes, on this machine):
+What runs (all separate processes, on this machine; they are forked by a multiprocessing
+forkserver that has imported torch and ckpt, because a fresh interpreter takes 3 to 15 s
+to import them on a small busy machine; a SIGKILL still kills one real process):
 - the training job: 2 ranks over gloo (MASTER_ADDR/MASTER_PORT), each with its own root
   on its own simulated node (`DIR/node<k>/disk0/ckpt`; the ranks share no checkpoint
   directory), saving every step, asynchronously; each rank journals (fsynced, before
   saving) the xxh3 of every tensor it saves (tests/_harness_worker.py);
-- one replicator daemon per node (`ckpt replicate ROOT --replicas 2 --replica-root
-  DIR/node<k>/disk1 --to file://DIR/remote --keep-last 3 --remote-keep-last 4
-  --milestone-every 10`): copies to the node's second disk and to the shared remote,
-  and deletes what retention allows (the job tags every 7th step as a milestone).
+- one replicator daemon per node, the `ckpt replicate` command (`ckpt replicate ROOT
+  --replicas 2 --replica-root DIR/node<k>/disk1 --to file://DIR/remote --keep-last 3
+  --remote-keep-last 4 --milestone-every 10`): copies to the node's second disk and to
+  the shared remote, and deletes what retention allows (the job tags every 7th step as
+  a milestone).
 
 Each round waits until the job has restored, lets it run for a random time (seeded), then
 SIGKILLs one of, in a shuffled rotation:
 - `rank`: one rank (the other fails in its next collective, or is killed 5 s later);
 - `all-ranks`: both ranks at once;
 - `daemon`: one node's replicator daemon (or both);
-- `gc`: a `ckpt gc` run started during training on a local root (`--keep-last 1`) or on
-  the remote (`--keep-last 2 --milestone-every 10`). A random SIGKILL almost always lands
-  in the interpreter's start-up, so the kill comes from the fault points of store/faults.py:
-  `CKPT_FAULT=gc-mid-delete` (local: the version is unpublished, its files not yet
-  deleted) or `gc-delete` (before a deletion; on the remote after the `.deleting` marker),
-  or, for one gc kill in three, at a random moment near the end of a typical run.
+- `gc`: a `ckpt gc` command started during training on a local root (`--keep-last 1`) or
+  on the remote (`--keep-last 2 --milestone-every 10`). A run takes a few tenths of a
+  second, most of them listing, so two gc kills in three come from the fault points of
+  store/faults.py, to land inside a deletion: `CKPT_FAULT=gc-mid-delete` (local: the
+  version is unpublished, its files not yet deleted) or `gc-delete` (before a deletion;
+  on the remote after the `.deleting` marker). The third is a SIGKILL at a random moment
+  of a typical run. The figures say which, and whether the run was killed at all (a
+  fault point is not reached when there is nothing to delete).
 The job is then stopped (gracefully where it was not killed), the daemons are frozen
 (SIGSTOP) so the tiers hold still, and the invariants are checked:
 1. the restore of the round that follows returns at least the newest version every rank
@@ -39,6 +44,10 @@ The job is then stopped (gracefully where it was not killed), the daemons are fr
 5. every version reachable on each group of tiers (both roots; both replica copies; the
    remote) is read back and compared bitwise with the job's journal, once per save.
 Then the daemons resume, anything killed is restarted, and the job resumes from restore.
+At the end the job stops and the daemons must bring every root down to its keep-last
+within 60 s (every version reaches the remote, so all become redundant); garbage that
+retention leaves behind (replica copies of versions deleted from their source by `ckpt
+gc`, remote directories without a manifest) is counted under `leftovers`.
 It prints the figures as JSON (and writes DIR/figures.json); exit status 1 if any
 version was lost or corrupted or a process failed.
 """
