@@ -96,13 +96,14 @@ class RootContext:
     root_groups: tuple[tuple[int, ...], ...]
 
 
-def metadata_documents(job: SaveJob, tmp_dir: str) -> list[tuple[str, bytes]]:
+def metadata_documents(job: SaveJob, tmp_dir: str) -> tuple[list[tuple[str, bytes]], set[str]]:
     """The zarr.json files known before the data is written: groups and every array but the
-    inline ones (whose value is their fill_value and comes with the manifest)."""
+    inline ones (whose value is their fill_value and comes with the manifest); and every
+    metadata directory, the inline arrays' included."""
     nodes = [ArrayNode(f"{STATE_PREFIX}/{p.spec.name}", p.spec.data_type, p.spec.shape, p.chunk_shape) for p in job.plans]
-    docs, _ = documents(tmp_dir, nodes, {"ckpt": {"step": job.step}})
+    docs, dirs = documents(tmp_dir, nodes, {"ckpt": {"step": job.step}})
     inline = {os.path.join(tmp_dir, STATE_PREFIX, p.spec.name, "zarr.json") for p in job.plans if _is_inline(p)}
-    return [d for d in docs if d[0] not in inline]
+    return [d for d in docs if d[0] not in inline], dirs
 
 
 def _is_inline(plan: ArrayPlan) -> bool:
@@ -110,10 +111,15 @@ def _is_inline(plan: ArrayPlan) -> bool:
 
 
 def write_tasks(
-    job: SaveJob, tmp_dir: str, pool: ThreadPoolExecutor, docs: Sequence[tuple[str, bytes]] = ()
+    job: SaveJob,
+    tmp_dir: str,
+    pool: ThreadPoolExecutor,
+    metadata: tuple[Sequence[tuple[str, bytes]], set[str]] = ((), set()),
 ) -> None:
-    """Write the staged chunks of `job.tasks` and the files of `docs` (zarr.json); record
-    the chunks' checksums. Everything is fsynced together at the end."""
+    """Write the staged chunks of `job.tasks` and the files of `metadata` (zarr.json files and
+    the directories they need); record the chunks' checksums. Everything is fsynced together
+    at the end."""
+    docs, meta_dirs = metadata
     arena_np = job.arena.numpy()
     written: list[str] = []  # list.append is atomic: the writer threads share it
 
@@ -143,15 +149,15 @@ def write_tasks(
         return name, index, digest, None, blocks
 
     t0 = time.perf_counter()
-    # Every directory first, on one thread, before any data is dirty: ext4 (data=ordered)
-    # makes a mkdir next to running writeback wait for a journal commit, which flushes the
-    # data written so far. Created from the writer threads, mkdirs took most of their time.
+    # Every directory first (the inline arrays' too, which get their zarr.json at PREPARE),
+    # on one thread, before any data is dirty: ext4 (data=ordered) makes a mkdir next to
+    # running writeback wait for a journal commit, which flushes the data written so far.
+    # Created from the writer threads, mkdirs took most of their time (py-spy).
     new_dirs: set[str] = set()
     for task in job.tasks:
         if not task.chunk.inline:
             new_dirs.update(_ancestors(tmp_dir, chunk_file(f"{STATE_PREFIX}/{task.array.spec.name}", task.chunk.index)))
-    for path, _ in docs:
-        new_dirs.update(_ancestors(tmp_dir, os.path.relpath(path, tmp_dir)))
+    new_dirs.update(meta_dirs)
     for d in sorted(new_dirs):  # parents sort before their children
         if d not in job.dirs:
             with contextlib.suppress(FileExistsError):
@@ -315,7 +321,7 @@ def run_commit(
         if error is not None:
             raise error
         os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
-        write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir) if ctx.is_leader else ())
+        write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir) if ctx.is_leader else ((), set()))
         fault_point("after-write", ctx.rank)
         t0 = time.perf_counter()
         fsync_dirs(job.dirs)
@@ -371,8 +377,9 @@ def run_commit(
             try:
                 # The rest of the zarr metadata went with the data (metadata_documents).
                 inline = [ArrayNode.of(a) for a in manifest.arrays.values() if any(c.inline is not None for c in a.chunks)]
-                dirs = write_hierarchy(tmp_dir, inline, None)
-                commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs)
+                with no_cyclic_gc():  # serializes the manifest
+                    dirs = write_hierarchy(tmp_dir, inline, None)
+                    commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs)
             except BaseException as e:  # noqa: BLE001
                 error = e
         _agree(comm, error)
