@@ -29,8 +29,8 @@ SIGKILLs one of, in a shuffled rotation:
   on the remote after the `.deleting` marker). The third is a SIGKILL at a random moment
   of a typical run. The figures say which, and whether the run was killed at all (a
   fault point is not reached when there is nothing to delete).
-The job is then stopped (gracefully where it was not killed), the daemons are frozen
-(SIGSTOP) so the tiers hold still, and the invariants are checked:
+The job is then stopped (gracefully where it was not killed), the daemons too (SIGTERM:
+they must exit 0), so the tiers hold still, and the invariants are checked:
 1. the restore of the round that follows returns at least the newest version every rank
    can reach, and its tensors are bitwise what the job recorded for that step;
 2. no committed version disappeared from a tier unless the retention in force (the
@@ -43,7 +43,8 @@ The job is then stopped (gracefully where it was not killed), the daemons are fr
    monitor thread twice a second during the run);
 5. every version reachable on each group of tiers (both roots; both replica copies; the
    remote) is read back and compared bitwise with the job's journal, once per save.
-Then the daemons resume, anything killed is restarted, and the job resumes from restore.
+Then the daemons start again (resuming what was in flight) and the job resumes from
+restore. A round that takes over 8 minutes counts as a hang (its stacks are in the figures).
 At the end the job stops and the daemons must bring every root down to its keep-last
 within 60 s (every version reaches the remote, so all become redundant); garbage that
 retention leaves behind (replica copies of versions deleted from their source by `ckpt
@@ -65,6 +66,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,6 +164,14 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class Hang(Exception):
+    """A round took longer than the watchdog allows."""
+
+
+def _hang(signum: int, frame: object) -> None:
+    raise Hang()
 
 
 class Child:
@@ -298,11 +308,6 @@ class Harness:
             if p.poll() is None:
                 p.kill()
             p.wait()
-
-    def _signal_daemons(self, sig: signal.Signals) -> None:
-        for p in self.daemons.values():
-            if p is not None and p.poll() is None:
-                p.send_signal(sig)
 
     def fail(self, msg: str) -> None:
         with self._lock:
@@ -515,7 +520,9 @@ class Harness:
             out += block
         return out[: self.c.kills]
 
-    def run(self) -> Figures:
+    def run(self, *, watchdog_s: float | None = None) -> Figures:
+        """The rounds, the final checks, the figures. `watchdog_s`: a round that takes longer
+        counts as a hang (a SIGALRM interrupts it; not under pytest-timeout, which uses it)."""
         t0 = time.monotonic()
         os.makedirs(self.c.out, exist_ok=True)
         for d in ("logs", "run"):
@@ -524,67 +531,18 @@ class Harness:
         self.last = snapshot(self.layout)
         monitor = threading.Thread(target=self.monitor, name="harness-monitor", daemon=True)
         monitor.start()
+        previous = signal.signal(signal.SIGALRM, _hang) if watchdog_s else None
         try:
-            for k in range(WORLD):
-                self.start_daemon(k)
-            self.start_trainers()
-            expected: int | None = None
-            for kind in self.kinds():
-                self.fig.rounds += 1
-                t = time.monotonic()
-                if not self.wait_ready():
-                    break
-                t = self.fig.timed("start and restore", t)
-                self.check_restore(expected)
-                time.sleep(self.rng.uniform(*self.c.run_s))
-                t = self.fig.timed("run", t)
-                self.check_deletions(snapshot(self.layout), None)  # the listing before the kill
-                gc_tier, restart = None, []
-                if kind == "rank":
-                    self.kill_ranks([self.rng.randrange(WORLD)])
-                elif kind == "all-ranks":
-                    self.kill_ranks(list(range(WORLD)))
-                elif kind == "daemon":
-                    restart = self.kill_daemons()
-                    self.stop_trainers()
-                else:
-                    gc_tier = self.kill_gc()
-                    self.stop_trainers()
-                self.fig.kills[kind] += 1
-                t = self.fig.timed(f"kill and stop: {kind}", t)
-                for k, p in self.daemons.items():
-                    if p is not None and p.poll() is not None:
-                        self.fail(f"round {self.fig.rounds}: daemon {k} exited by itself (code {p.returncode})")
-                        self.daemons[k] = None
-                        restart.append(k)
-                self._signal_daemons(signal.SIGSTOP)
-                try:
-                    self.check_deletions(snapshot(self.layout), gc_tier)
-                    self.check_tiers()
-                    expected = expected_restore(self.layout)
-                finally:
-                    self._signal_daemons(signal.SIGCONT)
-                t = self.fig.timed("check", t)
-                resumed = self.journals.restored.get((self.inc, 0), {}).get("step")
-                print(
-                    f"round {self.fig.rounds}/{self.c.kills}: {kind:9s} after a resume from step {resumed}; "
-                    f"{len(self.journals.committed)} steps committed, {self.fig.versions_checked} versions checked, "
-                    f"lost {self.fig.lost}, corruptions {self.fig.corruptions}, {time.monotonic() - t0:.0f} s",
-                    flush=True,
-                )
-                for k in restart:
-                    self.start_daemon(k)
-                self.start_trainers()
-            else:
-                if self.wait_ready():
-                    self.check_restore(expected)
-                self.stop_trainers()
-            self.finish()
+            self.rounds(watchdog_s)
+        except Hang:
+            self.fail(f"round {self.fig.rounds}: hung (over {watchdog_s} s):\n{traceback.format_exc()}")
         finally:
+            if watchdog_s:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
             self._stop_monitor.set()
             monitor.join()
             self._kill_all(self.trainers)
-            self._signal_daemons(signal.SIGCONT)
             self._kill_all([p for p in self.daemons.values() if p is not None])
         self.journals.refresh()
         self.fig.steps_committed = len(self.journals.committed)
@@ -593,6 +551,80 @@ class Harness:
         with open(os.path.join(self.c.out, "figures.json"), "w") as f:
             json.dump(asdict(self.fig), f, indent=2)
         return self.fig
+
+    def rounds(self, watchdog_s: float | None) -> None:
+        t0 = time.monotonic()
+        for k in range(WORLD):
+            self.start_daemon(k)
+        self.start_trainers()
+        expected: int | None = None
+        for kind in self.kinds():
+            if watchdog_s:
+                signal.alarm(int(watchdog_s))
+            self.fig.rounds += 1
+            t = time.monotonic()
+            if not self.wait_ready():
+                break
+            t = self.fig.timed("start and restore", t)
+            self.check_restore(expected)
+            time.sleep(self.rng.uniform(*self.c.run_s))
+            t = self.fig.timed("run", t)
+            self.check_deletions(snapshot(self.layout), None)  # the listing before the kill
+            gc_tier = None
+            if kind == "rank":
+                self.kill_ranks([self.rng.randrange(WORLD)])
+            elif kind == "all-ranks":
+                self.kill_ranks(list(range(WORLD)))
+            elif kind == "daemon":
+                self.kill_daemons()
+                self.stop_trainers()
+            else:
+                gc_tier = self.kill_gc()
+                self.stop_trainers()
+            self.fig.kills[kind] += 1
+            t = self.fig.timed(f"kill and stop: {kind}", t)
+            self.stop_daemons()  # the tiers hold still while they are checked
+            self.check_deletions(snapshot(self.layout), gc_tier)
+            self.check_tiers()
+            expected = expected_restore(self.layout)
+            t = self.fig.timed("check", t)
+            resumed = self.journals.restored.get((self.inc, 0), {}).get("step")
+            print(
+                f"round {self.fig.rounds}/{self.c.kills}: {kind:9s} after a resume from step {resumed}; "
+                f"{len(self.journals.committed)} steps committed, {self.fig.versions_checked} versions checked, "
+                f"lost {self.fig.lost}, corruptions {self.fig.corruptions}, {time.monotonic() - t0:.0f} s",
+                flush=True,
+            )
+            for k in range(WORLD):
+                self.start_daemon(k)
+            self.start_trainers()
+        else:
+            if self.wait_ready():
+                self.check_restore(expected)
+            self.stop_trainers()
+        self.finish()
+
+    def stop_daemons(self) -> None:
+        """SIGTERM: each daemon finishes its pass (a copy in flight is abandoned) and exits 0.
+        (Not SIGSTOP: a daemon frozen inside GC would hold the root's pin lock, and every
+        reader, the checks included, would wait for it.)"""
+        for k, p in self.daemons.items():
+            if p is None:
+                continue
+            if p.poll() is not None:
+                self.fail(f"round {self.fig.rounds}: daemon {k} exited by itself (code {p.returncode})")
+                self.daemons[k] = None
+                continue
+            p.send_signal(signal.SIGTERM)
+            try:
+                rc = p.wait(timeout=self.c.timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+                self.fail(f"round {self.fig.rounds}: daemon {k} did not stop on SIGTERM")
+            if rc != 0:
+                self.fail(f"round {self.fig.rounds}: daemon {k} exited {rc} on SIGTERM")
+            self.daemons[k] = None
 
     def finish(self) -> None:
         """Let the daemons catch up: retention must bring every root down to its keep-last
@@ -608,19 +640,7 @@ class Harness:
                           f"(keep-last {self.c.keep_last}; see .replicator/status.json)")  # fmt: skip
                 break
             time.sleep(0.5)
-        self._signal_daemons(signal.SIGTERM)
-        for k, p in self.daemons.items():
-            if p is None:
-                continue
-            try:
-                rc = p.wait(timeout=self.c.timeout_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
-                self.fail(f"daemon {k} did not stop on SIGTERM")
-            if rc != 0:
-                self.fail(f"daemon {k} exited {rc} on SIGTERM")
-            self.daemons[k] = None
+        self.stop_daemons()
         self.check_deletions(snapshot(self.layout), None)
         self.check_tiers(full_remote=True)
         self.fig.leftovers = leftovers(self.layout, self.last, self.c.keep_last)
@@ -656,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if os.path.isdir(args.out) and os.listdir(args.out):
         ap.error(f"{args.out} is not empty")
-    fig = Harness(HarnessConfig(out=args.out, kills=args.kills, seed=args.seed)).run()
+    config = HarnessConfig(out=args.out, kills=args.kills, seed=args.seed)
+    fig = Harness(config).run(watchdog_s=4 * config.timeout_s)
     print(json.dumps(asdict(fig), indent=2))
     print(summary(fig))
     return 0 if not (fig.lost or fig.corruptions or fig.failures) else 1
