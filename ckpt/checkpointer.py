@@ -30,6 +30,7 @@ from ckpt._tree import bind, encode_state
 from ckpt.config import CheckpointerConfig
 from ckpt.rng import capture_rng, restore_rng, seed_new_rank
 from replicator.core import Replicator, ReplicatorConfig
+from replicator.daemon import lock_root
 from restore.discover import choose_step, reachable_steps
 from restore.execute import ReadRequest, Source, full_tensor, load_arrays
 from restore.tiers import Candidate, LocalTier, RemoteTier, Tier
@@ -45,9 +46,9 @@ from store.errors import (
     VersionNotFoundError,
 )
 from store.faults import fault_point
-from store.fsio import DIR_MODE
+from store.fsio import makedirs
 from store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
-from store.manifest import parse_manifest
+from store.manifest import MANIFEST_NAME, parse_manifest
 from store.objstore import is_url
 
 __all__ = ["Checkpointer", "RootSpec"]
@@ -143,6 +144,7 @@ class Checkpointer:
         self._arena = Arena()
         self._replicator: Replicator | None = None
         self._replicator_thread: threading.Thread | None = None
+        self._replicator_lock: int | None = None
         node_roots = self._node_roots(root)
         if node_roots:
             self.root = node_roots[self._local_rank() % len(node_roots)]
@@ -156,6 +158,7 @@ class Checkpointer:
         self._replica_roots = [r for r in (node_roots or [self.root]) if not is_url(r)]
         try:
             self._recover()
+            self._replicator_lock = self._lock_replicator(replication)
         except BaseException:
             if self._lock is not None:
                 self._lock.release()
@@ -214,8 +217,11 @@ class Checkpointer:
         out: list[Tier] = []
         for r in self._replica_roots:
             base = os.path.join(r, "replicas")
-            if os.path.isdir(base):
-                out += [LocalTier(os.path.join(base, d)) for d in sorted(os.listdir(base))]
+            try:
+                names = sorted(os.listdir(base))
+            except OSError:  # none there, or the disk has failed
+                continue
+            out += [LocalTier(os.path.join(base, d)) for d in names if os.path.isdir(os.path.join(base, d))]
         return out
 
     def _open_tier(self, spec: PathSpec | Tier, storage_options: Mapping[str, Any] | None) -> Tier:
@@ -229,7 +235,7 @@ class Checkpointer:
         key: str | None = None
         error = None
         try:
-            os.makedirs(self.root, mode=DIR_MODE, exist_ok=True)
+            makedirs(self.root)
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(f"{self.root} is not writable")
             key = commit.root_id(self.root)
@@ -260,6 +266,25 @@ class Checkpointer:
                 self._lock.release()
             raise RootLockedError(next(m for m in locks if m))
         return ctx
+
+    def _lock_replicator(self, replication: ReplicatorConfig | None) -> int | None:
+        """The replicator thread takes the lock `ckpt replicate` takes: two replicators on one
+        root would race on its status, journals and GC. Collective: every rank raises alike."""
+        if replication is None:
+            return None
+        fd, error = None, None
+        if self._ctx.is_leader:
+            try:
+                fd = lock_root(self.root)
+            except OSError as e:
+                error = (isinstance(e, RootLockedError), str(e))
+        errors = [e for e in self._ctl.all_gather(error) if e]
+        if errors:
+            if fd is not None:
+                os.close(fd)
+            locked = [msg for is_locked, msg in errors if is_locked]
+            raise RootLockedError(locked[0]) if locked else TierUnavailableError(errors[0][1])
+        return fd
 
     def _recover(self) -> None:
         """Leftovers of a crash: roll prepared saves forward if another root published them, else remove."""
@@ -356,7 +381,7 @@ class Checkpointer:
                 job.tasks = placed
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
-                    os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
+                    makedirs(tmp_dir)
                     write_tasks(job, tmp_dir, self._writer_pool)
         except OSError as e:  # reported through the commit so every rank aborts together
             job.error = TierUnavailableError(e.errno, f"cannot write step {step} to {self.root}: {e.strerror or e}")
@@ -406,6 +431,7 @@ class Checkpointer:
         self._check_open()
         self._wait_pending()
         excluded: set[int] = set()
+        vanished: set[int] = set()  # deleted by GC since they were listed
         while True:
             mine: list[tuple[int, Candidate]] = []
             error: BaseException | None = None
@@ -416,11 +442,12 @@ class Checkpointer:
                 except CkptError as e:
                     if i == 0:
                         error = e
-                    else:
-                        log.warning("rank %d: tier %s is unavailable: %s", self.rank, tier.name, e)
+                    log.warning("rank %d: tier %s is unavailable: %s", self.rank, tier.name, e)
+            if mine:  # a failed root (disk error) is no reason to ignore the copies elsewhere
+                error = None
             self._agree(error, TierUnavailableError)
             views: list[list[Candidate]] = self._ctl.all_gather([c for _, c in mine])
-            chosen = choose_step(views, step, frozenset(excluded))
+            chosen = choose_step(views, step, frozenset(excluded | vanished))
             if chosen is None:
                 if step is not None:
                     raise VersionNotFoundError(
@@ -433,14 +460,28 @@ class Checkpointer:
                     )
                 return None
             save_id = reachable_steps(views)[chosen]
-            sources = [
-                (tiers[i], _source(tiers[i], chosen, c)) for i, c in mine if c.step == chosen and c.save_id == save_id
-            ]
+            sources: list[tuple[Tier, Source]] = []
+            for i, c in mine:
+                if c.step == chosen and c.save_id == save_id:
+                    try:
+                        sources.append((tiers[i], _source(tiers[i], chosen, c)))
+                    except OSError as e:  # e.g. a remote tier whose cache is on the failed root
+                        log.warning("rank %d: tier %s is unavailable: %s", self.rank, tiers[i].name, e)
             try:
                 with contextlib.ExitStack() as pins:
+                    held = True
                     for tier, _ in sources:
                         if isinstance(tier, LocalTier):
-                            pins.enter_context(commit.pin_version(tier.root, chosen))
+                            held = pins.enter_context(commit.pin_version(tier.root, chosen)) and held
+                    # GC deleted it between the listing and the pin, or is deleting it: it is
+                    # gone, not corrupt; choose again. Pinned and still there, it stays.
+                    gone = not held or any(
+                        isinstance(t, LocalTier) and not os.path.isfile(os.path.join(s.version_dir, MANIFEST_NAME))
+                        for t, s in sources
+                    )
+                    if any(self._ctl.all_gather(gone)):
+                        vanished.add(chosen)
+                        continue
                     self._load(chosen, sources, state)
                 return chosen
             except CorruptVersionError as e:
@@ -548,6 +589,9 @@ class Checkpointer:
                 self._replicator.stop.set()
                 self._replicator_thread.join()
                 self._drain_replicator(self._replicator)
+            if self._replicator_lock is not None:
+                os.close(self._replicator_lock)
+                self._replicator_lock = None
             for pool in (self._committer, self._writer_pool, self._copy_pool):
                 pool.shutdown(wait=True)
             self._arena.release()

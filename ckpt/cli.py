@@ -6,13 +6,14 @@ Exit codes: 0 success, 1 verification found bad chunks, 2 usage error (click),
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -29,7 +30,8 @@ from restore.export import assemble, copy_version, open_version
 from restore.tiers import LocalTier, RemoteTier, Tier, open_tier
 from store import commit
 from store.chunk_read import verify_chunks
-from store.errors import CkptError, CorruptVersionError
+from store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from store.fsio import FILE_MODE
 from store.objstore import is_url, parse_storage_options, redact
 
 __all__ = ["main"]
@@ -74,6 +76,10 @@ def _version_rows(root: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     for step in commit.committed_steps(root):
         try:
             m = commit.read_manifest(root, step)
+        except VersionNotFoundError:
+            continue  # deleted (GC) since the listing
+        except TierUnavailableError:
+            raise  # the disk fails (I/O error): one error line, not a table of them
         except CkptError as e:
             rows.append({"step": step, "status": f"unreadable: {e}"})
             continue
@@ -95,7 +101,9 @@ def _version_rows(root: str, options: dict[str, Any]) -> list[dict[str, Any]]:
             done = float(remote.get("at") or 0.0) if remote.get("state") == "verified" else time.time()
             row["lag_s"] = round(max(0.0, done - m.created), 3) if remote else None
         rows.append(row)
-    for p in commit.prepared_versions(root):
+    # A live writer's tmp directories are saves in flight, not versions: only the leftovers of
+    # a writer that died are shown (the next writer to open the root removes them).
+    for p in [] if commit.writer_active(root) else commit.prepared_versions(root):
         rows.append({"step": p.step, "status": "incomplete (not committed)", "dir": p.dirname})
     return sorted(rows, key=lambda r: r["step"])
 
@@ -157,10 +165,25 @@ def main() -> None:
 
 
 def _tiers(root: str, extra: tuple[str, ...], options: dict[str, Any] | None = None) -> list[Tier]:
+    usable = [p for p in (root, *extra) if is_url(p) or os.path.isdir(p)]
     for path in (root, *extra):
-        if not is_url(path) and not os.path.isdir(path):
-            raise CkptError(f"{path} is not a directory")
-    return [open_tier(p, options) for p in (root, *extra)]
+        if path not in usable:
+            if not extra or not usable:
+                raise CkptError(f"{path} is not a directory")
+            click.echo(f"ckpt: warning: {path} is not a directory; reading the other tiers", err=True)
+    return [open_tier(p, options) for p in usable]
+
+
+@contextlib.contextmanager
+def _pinned(tiers: list[Tier], step: int) -> Iterator[bool]:
+    """Hold `step` against GC on every local tier while it is read (commit.pin_version);
+    yields False if a GC is deleting it."""
+    with contextlib.ExitStack() as stack:
+        held = True
+        for t in tiers:
+            if isinstance(t, LocalTier):
+                held = stack.enter_context(commit.pin_version(t.root, step)) and held
+        yield held
 
 
 def _progress(description: str, total: int) -> Progress:
@@ -222,26 +245,40 @@ def verify_cmd(root: str, step: int | None, storage_options: tuple[str, ...]) ->
         raise CkptError(f"no committed versions in {root}")
     bad = 0
     for s in steps:
-        version_dir = tier.version_dir(s)
-        try:
-            manifest = tier.manifest(s)
-        except CkptError as e:
-            click.echo(f"step {s}: BAD manifest: {e}")
-            bad += 1
-            continue
-        info = commit.read_root_info(version_dir)
-        writers = info.get("writers")
-        held = set(writers) if isinstance(writers, list) else None
-        problems = list(verify_chunks(version_dir, manifest, held))
-        for p in problems:
-            click.echo(f"step {s}: BAD {p.path}: {p.reason}")
-        bad += len(problems)
-        n = sum(1 for a in manifest.arrays.values() for c in a.chunks if held is None or c.writer in held)
-        if not problems:
-            click.echo(f"step {s}: ok ({n} chunks, {_human(manifest.total_bytes)})")
+        with commit.pin_version(root, s) as held:  # GC leaves it alone while it is checked
+            if held:
+                bad += _verify_local(tier, s, asked=step is not None)
+            elif step is not None:
+                raise VersionNotFoundError(f"step {s} is being deleted")
     if bad:
         click.echo(f"{bad} bad chunk(s)", err=True)
         sys.exit(EXIT_BAD_CHUNKS)
+
+
+def _verify_local(tier: LocalTier, s: int, *, asked: bool) -> int:
+    """Check one version of a local root, printing a line per problem; the number of problems."""
+    version_dir = tier.version_dir(s)
+    try:
+        manifest = tier.manifest(s)
+    except VersionNotFoundError:
+        if asked:
+            raise
+        return 0  # deleted (GC) since the listing
+    except TierUnavailableError:
+        raise  # the disk fails (I/O error): one error line and exit 3, not a bad chunk
+    except CkptError as e:
+        click.echo(f"step {s}: BAD manifest: {e}")
+        return 1
+    info = commit.read_root_info(version_dir)
+    writers = info.get("writers")
+    held = set(writers) if isinstance(writers, list) else None
+    problems = list(verify_chunks(version_dir, manifest, held))
+    for p in problems:
+        click.echo(f"step {s}: BAD {p.path}: {p.reason}")
+    n = sum(1 for a in manifest.arrays.values() for c in a.chunks if held is None or c.writer in held)
+    if not problems:
+        click.echo(f"step {s}: ok ({n} chunks, {_human(manifest.total_bytes)})")
+    return len(problems)
 
 
 def _verify_remote(tier: RemoteTier, step: int | None) -> None:
@@ -290,31 +327,44 @@ def restore_cmd(
     sources_tiers = _tiers(root, tiers, _options(storage_options))
     excluded: set[int] = set()
     while True:
-        chosen, manifest, sources = open_version(sources_tiers, step, frozenset(excluded))
-        total = manifest.total_bytes if to_dir else sum(a.nbytes for a in manifest.arrays.values())
-        try:
-            with _progress(f"step {chosen}", total) as bar:
-                task = bar.task_ids[0]
+        chosen, _, _ = open_version(sources_tiers, step, frozenset(excluded))
+        with _pinned(sources_tiers, chosen) as held:
+            try:  # GC may have deleted it since the listing; pinned now, it stays if still there
+                if not held:
+                    raise VersionNotFoundError(f"step {chosen} is being deleted")
+                chosen, manifest, sources = open_version(sources_tiers, chosen)
+            except VersionNotFoundError:
+                if step is not None:
+                    raise
+                excluded.add(chosen)  # gone: choose again
+                continue
+            total = manifest.total_bytes if to_dir else sum(a.nbytes for a in manifest.arrays.values())
+            try:
+                with _progress(f"step {chosen}", total) as bar:
+                    task = bar.task_ids[0]
 
-                def advance(n: int, bar: Progress = bar, task: Any = task) -> None:
-                    bar.advance(task, n)
+                    def advance(n: int, bar: Progress = bar, task: Any = task) -> None:
+                        bar.advance(task, n)
 
-                if to_dir is not None:
-                    where = copy_version(manifest, sources, to_dir, advance)
-                else:
-                    import torch
+                    if to_dir is not None:
+                        where = copy_version(manifest, sources, to_dir, advance)
+                    else:
+                        import torch
 
-                    state = assemble(manifest, sources, advance)
-                    tmp = f"{to_torch}.tmp-{os.getpid()}"
-                    torch.save(state, tmp)
-                    os.replace(tmp, str(to_torch))
-                    where = str(to_torch)
-        except CkptError as e:
-            if step is not None or not isinstance(e, CorruptVersionError):
-                raise
-            click.echo(f"step {chosen} is not intact ({e}); trying an older version", err=True)
-            excluded.add(chosen)
-            continue
+                        state = assemble(manifest, sources, advance)
+                        tmp = f"{to_torch}.tmp-{os.getpid()}"
+                        # an explicit mode: torch.save(path) would create it 0o666 & ~umask
+                        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                        with os.fdopen(os.open(tmp, flags, FILE_MODE), "wb") as f:
+                            torch.save(state, f)
+                        os.replace(tmp, str(to_torch))
+                        where = str(to_torch)
+            except CkptError as e:
+                if step is not None or not isinstance(e, CorruptVersionError):
+                    raise
+                click.echo(f"step {chosen} is not intact ({e}); trying an older version", err=True)
+                excluded.add(chosen)
+                continue
         click.echo(f"restored step {chosen} ({_human(total)}) to {where}")
         return
 

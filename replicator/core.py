@@ -27,7 +27,7 @@ from replicator.push import Destination, Stopped, disk_id, push_version
 from replicator.ratelimit import RateLimiter
 from store import commit, metrics, objstore
 from store.errors import CkptError
-from store.fsio import DIR_MODE
+from store.fsio import FILE_MODE, makedirs
 from store.manifest import Manifest
 
 __all__ = ["ReplicatorConfig", "Replicator", "STATE_DIR", "REMOTE_DONE", "read_status", "source_label"]
@@ -97,6 +97,9 @@ class Replicator:
         self.remote = Destination(config.remote, "shared", config.storage_options) if config.remote else None
         self.bytes_sent = 0
         self._remote_listing: list[VersionInfo] | None = None  # the remote's versions, listed once per pass
+        self.errors: list[str] = []  # copies that failed in the last pass
+        self._last_error: dict[str, str] = {}
+        self._disks: dict[str, str] = {}  # replica root -> the disk it was on when first seen
 
     def _replica_dests(self, source: str) -> list[Destination]:
         used = {disk_id(source)}
@@ -104,7 +107,9 @@ class Replicator:
         for r in self.config.replica_roots:
             if len(out) == self.config.replicas - 1:
                 break
-            d = disk_id(r)
+            # The disk first seen there: if it is unmounted, the path falls through to the disk
+            # below the mount point, and copies must not land there and count as replicas.
+            d = self._disks.setdefault(r, disk_id(r))
             if d in used:
                 continue
             used.add(d)
@@ -113,7 +118,7 @@ class Replicator:
                 if objstore.is_url(r)
                 else os.path.join(r, "replicas", source_label(source))
             )
-            out.append(Destination(url, "replica", self.config.storage_options))
+            out.append(Destination(url, "replica", self.config.storage_options, disk=d))
         if len(out) < self.config.replicas - 1:
             log.warning("only %d distinct disks for %d copies of %s", len(out) + 1, self.config.replicas, source)
         return out
@@ -121,6 +126,7 @@ class Replicator:
     def run_once(self) -> dict[str, Any]:
         """One pass over every committed version of every source; returns the status."""
         started, sent = time.monotonic(), self.bytes_sent
+        self.errors = []
         for source in self.sources:
             self._pass(source)
         if self.bytes_sent > sent:
@@ -163,6 +169,7 @@ class Replicator:
         dests = self._replica_dests(source)
         steps = commit.committed_steps(source)
         self._remote_listing = None
+        failed: set[str] = set()  # destinations that failed in this pass: tried again in the next
         for step in steps:
             if self.stop.is_set():
                 raise Stopped()
@@ -181,20 +188,38 @@ class Replicator:
                 versions[str(step)] = entry
             for dest in dests:
                 copy = entry["copies"].get(dest.url)
-                if copy and copy["state"] == "verified":
+                if (copy and copy["state"] == "verified") or dest.url in failed:
                     continue
-                ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
+                try:
+                    ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
+                except Exception as e:  # noqa: BLE001 - a lost disk must not stop the other copies
+                    if isinstance(e, Stopped):
+                        raise
+                    failed.add(dest.url)
+                    entry["copies"][dest.url] = {"state": "failed", "error": self._failed(step, dest, e)}
+                    continue
                 entry["copies"][dest.url] = {"state": "verified" if ok else "pending", "at": time.time()}
-            if self.remote is not None and (entry["remote"] or {}).get("state") not in REMOTE_DONE:
+            remote_url = objstore.redact(self.remote.url, self.config.storage_options) if self.remote else ""
+            done = entry["remote"] or {}
+            # verified for *this* remote: a status left by a run with another --to does not count
+            if self.remote is not None and not (done.get("state") in REMOTE_DONE and done.get("url") == remote_url):
+                if self.remote.url in failed:
+                    continue
                 if self._expired_on_remote(entry, manifest):
-                    url = objstore.redact(self.remote.url, self.config.storage_options)
-                    entry["remote"] = {"url": url, "state": "expired", "at": time.time()}
+                    entry["remote"] = {"url": remote_url, "state": "expired", "at": time.time()}
                     self._write_status(source)
                     continue
                 part = manifest.ranks[writers[0]].root if writers else 0
-                ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
+                try:
+                    ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
+                except Exception as e:  # noqa: BLE001 - as above
+                    if isinstance(e, Stopped):
+                        raise
+                    failed.add(self.remote.url)
+                    entry["remote"] = {"url": remote_url, "state": "failed", "error": self._failed(step, self.remote, e)}
+                    continue
                 entry["remote"] = {
-                    "url": objstore.redact(self.remote.url, self.config.storage_options),
+                    "url": remote_url,
                     "state": "verified" if ok else "waiting for other nodes",
                     "at": time.time(),
                 }
@@ -240,6 +265,17 @@ class Replicator:
             progress=count,
         )
 
+    def _failed(self, step: int, dest: Destination, error: Exception) -> str:
+        """Count and log a failed copy (once per destination until its error changes); the message."""
+        metrics.REPLICATION_FAILURES.inc()
+        msg = objstore.redact(f"{type(error).__name__}: {error}", self.config.storage_options)
+        self.errors.append(f"{dest.url}: {msg}")
+        if self._last_error.get(dest.url) != msg:
+            self._last_error[dest.url] = msg
+            where = objstore.redact(dest.url, self.config.storage_options)
+            log.error("copy of step %d to %s failed (the other copies go on): %s", step, where, msg)
+        return msg
+
     def redundant_steps(self, source: str) -> set[int]:
         """Steps of `source` whose required copies (replicas and remote) are all verified (or
         expired on the remote)."""
@@ -270,8 +306,9 @@ class Replicator:
         status = self._status[source]
         status["updated"] = time.time()
         path = os.path.join(source, STATE_DIR, "status.json")
-        os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+        makedirs(os.path.dirname(path))
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "w") as f:
+        # os.open with an explicit mode: open() would create it 0o666 & ~umask
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "w") as f:
             json.dump(status, f)
         os.replace(tmp, path)

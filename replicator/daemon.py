@@ -17,17 +17,19 @@ from types import FrameType
 
 from replicator.core import STATE_DIR, Replicator, ReplicatorConfig
 from replicator.push import Stopped
-from store.errors import RootLockedError
-from store.fsio import DIR_MODE
+from store.errors import RootLockedError, TierUnavailableError
+from store.fsio import makedirs
 
-__all__ = ["run_daemon"]
+__all__ = ["run_daemon", "lock_root"]
 
 log = logging.getLogger("ckpt.replicator")
 
 
-def _lock(root: str) -> int:
+def lock_root(root: str) -> int:
+    """Take the root's replicator lock (held by this daemon or a Checkpointer's replicator
+    thread); the fd holds it until closed. RootLockedError if another replicator has it."""
     d = os.path.join(root, STATE_DIR)
-    os.makedirs(d, mode=DIR_MODE, exist_ok=True)
+    makedirs(d)
     fd = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -38,7 +40,7 @@ def _lock(root: str) -> int:
 
 
 def run_daemon(sources: list[str], config: ReplicatorConfig, *, once: bool = False) -> Replicator:
-    fds = [_lock(s) for s in sources]
+    fds = [lock_root(s) for s in sources]
     replicator = Replicator(sources, config)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -52,6 +54,8 @@ def run_daemon(sources: list[str], config: ReplicatorConfig, *, once: bool = Fal
                 replicator.run_once()
             except Stopped:
                 pass
+            if replicator.errors:
+                raise TierUnavailableError(f"{len(replicator.errors)} cop(ies) failed: {replicator.errors[0]}")
         else:
             replicator.run()
     finally:

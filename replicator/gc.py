@@ -66,11 +66,17 @@ def gc_local(
     versions = local_versions(root, redundant)
     pins = set(pinned) | commit.pinned_steps(root)  # versions a restore is reading right now
     doomed = plan_deletions(versions, policy, pinned=pins, require_redundant=redundant is not None)
+    deleted = list(doomed) if dry_run else []
     for step in [] if dry_run else doomed:
-        fault_point("gc-delete")
-        commit.delete_version(root, step)
+        with commit.deleting(root, step) as free:  # a reader may have pinned it since
+            if not free:
+                log.info("gc %s: step %d is being read; kept", root, step)
+                continue
+            fault_point("gc-delete")
+            commit.delete_version(root, step)
+        deleted.append(step)
         log.info("gc %s: deleted step %d", root, step)
-    return GcResult([v.step for v in versions if v.step not in doomed], doomed)
+    return GcResult([v.step for v in versions if v.step not in deleted], deleted)
 
 
 def gc_remote(

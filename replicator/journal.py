@@ -7,7 +7,7 @@ import json
 import os
 import threading
 
-from store.fsio import DIR_MODE
+from store.fsio import FILE_MODE, makedirs
 
 __all__ = ["Journal"]
 
@@ -36,9 +36,10 @@ class Journal:
     def save(self) -> None:
         with self._lock:
             data = json.dumps({"verified": sorted(self.done)}).encode()
-        os.makedirs(os.path.dirname(self.path), mode=DIR_MODE, exist_ok=True)
+        makedirs(os.path.dirname(self.path))
         tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
+        # an explicit mode: open() would create it 0o666 & ~umask
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

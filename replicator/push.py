@@ -12,10 +12,12 @@ remote version is complete or invisible.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -31,7 +33,7 @@ from replicator.journal import Journal
 from replicator.ratelimit import RateLimiter
 from store import commit, objstore
 from store.errors import CorruptVersionError, TierUnavailableError
-from store.fsio import DIR_MODE, FILE_MODE, fsync_dirs
+from store.fsio import FILE_MODE, fsync_dirs, makedirs
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, ChunkEntry, Manifest, parse_manifest
 
 __all__ = ["Destination", "Stopped", "push_version", "remote_committed", "with_retries", "disk_id"]
@@ -40,6 +42,7 @@ log = logging.getLogger("ckpt.replicator")
 T = TypeVar("T")
 _BLOCK = 8 << 20
 _MULTIPART = 16 << 20  # s3fs part size: chunks of 32 MiB and more go as multipart uploads
+_COPY_TMP = re.compile(r"\.tmp-[0-9a-f]{32}$")  # _copy_local's temp files
 _RESENDS = 2  # uploads of a chunk after the first, while its copy reads back wrong
 
 
@@ -78,6 +81,7 @@ class Destination:
     url: str  # a local path or an fsspec URL
     kind: Literal["replica", "shared"]
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    disk: str | None = None  # disk_id the copies must stay on (None: not checked)
     fs: fsspec.AbstractFileSystem = field(init=False)
     prefix: str = field(init=False)
 
@@ -92,6 +96,12 @@ class Destination:
     def local(self) -> bool:
         return objstore.is_local(self.fs)
 
+    def check_disk(self) -> None:
+        """Raise TierUnavailableError if the destination is no longer on its disk: a disk
+        unmounted mid-copy leaves its mount point, on another disk, in its place."""
+        if self.disk is not None and self.local and (now := disk_id(self.url)) != self.disk:
+            raise TierUnavailableError(errno.ENODEV, f"{self.url}: its disk ({self.disk}) is gone, found {now}")
+
 
 def with_retries(
     fn: Callable[[], T], what: str, options: Mapping[str, Any], stop: threading.Event, attempts: int = 7
@@ -103,8 +113,8 @@ def with_retries(
             raise Stopped()
         try:
             return fn()
-        except (FileExistsError, PermissionError, CorruptVersionError, Stopped):
-            raise
+        except (FileExistsError, PermissionError, CorruptVersionError, TierUnavailableError, Stopped):
+            raise  # TierUnavailableError: a final verdict (retries done, or the disk is gone)
         except Exception as e:  # noqa: BLE001 - backend errors are many and untyped
             if attempt == attempts - 1:
                 raise TierUnavailableError(f"{what}: {objstore.redact(str(e), options)}") from None
@@ -115,7 +125,7 @@ def with_retries(
 
 
 def _copy_local(lpath: str, rpath: str, limiter: RateLimiter, stop: threading.Event) -> None:
-    os.makedirs(os.path.dirname(rpath), mode=DIR_MODE, exist_ok=True)
+    makedirs(os.path.dirname(rpath))
     tmp = f"{rpath}.tmp-{uuid.uuid4().hex}"
     with open(lpath, "rb") as src:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
@@ -134,6 +144,16 @@ def _copy_local(lpath: str, rpath: str, limiter: RateLimiter, stop: threading.Ev
             raise
         os.close(fd)
     os.replace(tmp, rpath)
+
+
+def _remove_stray_copies(local_dir: str) -> None:
+    """Delete the temp files (`<file>.tmp-<uuid>`) of copies that never finished: a disk
+    unmounted mid-copy takes them along and brings them back; they are not the version's."""
+    for top, _, names in os.walk(local_dir):
+        for n in names:
+            if _COPY_TMP.search(n):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(top, n))
 
 
 def _upload(dest: Destination, lpath: str, rpath: str, limiter: RateLimiter, stop: threading.Event) -> None:
@@ -230,6 +250,7 @@ def push_version(
     stop = stop or threading.Event()
     limiter = limiter or RateLimiter(None)
     opts = dest.storage_options
+    dest.check_disk()
     info = remote_committed(dest, step, stop)
     if info is not None and info.get("save_id") == manifest.save_id:
         if dest.kind == "shared" or set(writers) <= set(info.get("writers", [])):
@@ -265,6 +286,7 @@ def push_version(
         def send() -> None:
             # Upload and check as one unit: a copy that vanished before it was read back
             # is sent again rather than looked for until the retries run out.
+            dest.check_disk()
             _upload(dest, os.path.join(local_dir, rel), rpath, limiter, stop)
             if readback and chunk is not None:
                 # A mismatch may be damage on the way (up or down) that no transport checksum
@@ -282,6 +304,7 @@ def push_version(
                 got_size = dest.fs.size(rpath)
                 if got_size != size:
                     raise CorruptVersionError(f"{dest.url}/{name}/{rel}: copy has {got_size} bytes, want {size}")
+            dest.check_disk()  # verified where it should be, not below an unmounted disk's mount point
 
         with_retries(send, f"upload {rel}", opts, stop)
         journal.add(rel)
@@ -313,6 +336,7 @@ def push_version(
     else:
         raise TierUnavailableError(f"{objstore.redact(dest.url, opts)}/{name}: files keep vanishing after upload")
     if dest.local:
+        _remove_stray_copies(remote_dir)
         fsync_dirs({os.path.dirname(objstore.join(remote_dir, r)) for r in files} | {remote_dir})
     return _commit(dest, step, manifest, writers, part_index, journal, stop)
 
@@ -355,6 +379,7 @@ def _commit(
     else:
         holders = sorted(writers)
     root_info = {"save_id": manifest.save_id, "step": step, "world_size": manifest.world_size, "writers": holders}
+    dest.check_disk()
     with_retries(
         lambda: objstore.put_durable(
             dest.fs, objstore.join(remote_dir, ROOT_INFO_NAME), json.dumps(root_info).encode()

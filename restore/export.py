@@ -23,8 +23,8 @@ from restore.execute import ReadRequest, Source, full_tensor, load_arrays
 from restore.tiers import Tier
 from store import commit
 from store.chunk_read import read_chunk
-from store.errors import CorruptVersionError, VersionNotFoundError
-from store.fsio import DIR_MODE, fsync_dirs, write_chunk
+from store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from store.fsio import DIR_MODE, fsync_dirs, makedirs, write_chunk
 from store.layout import chunk_file
 from store.manifest import Manifest
 from store.zarr_meta import ArrayNode, write_hierarchy
@@ -53,10 +53,18 @@ def open_version(
     """The newest (or the given) step whose chunks the tiers together hold; its manifest and sources."""
     cands = []
     by_tier = []
+    failed: list[TierUnavailableError] = []
     for tier in tiers:
-        mine = tier.committed()
+        try:
+            mine = tier.committed()
+        except TierUnavailableError as e:  # a failed disk: the other tiers may hold copies
+            log.warning("%s is unavailable, reading the other tiers: %s", tier.name, e)
+            failed.append(e)
+            mine = []
         cands += mine
         by_tier.append(mine)
+    if failed and len(failed) == len(tiers):
+        raise failed[0]
     chosen = choose_step([cands], step, exclude)
     if chosen is None:
         where = ", ".join(t.name for t in tiers)
@@ -88,7 +96,7 @@ def copy_version(
     manifest: Manifest, sources: Sequence[Source], dest_root: str, progress: Progress = lambda n: None
 ) -> str:
     """Copy every chunk, verified, into dest_root/v<step>/ with the commit protocol; returns its path."""
-    os.makedirs(dest_root, mode=DIR_MODE, exist_ok=True)
+    makedirs(dest_root)
     lock = commit.RootLock(dest_root)
     lock.acquire()
     try:
@@ -107,7 +115,7 @@ def copy_version(
                     buf = np.empty(chunk.nbytes, dtype=np.uint8)
                     _read_whole(sources, array, chunk, buf)
                     path = os.path.join(tmp, chunk_file(array.path, chunk.index))
-                    os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+                    makedirs(os.path.dirname(path))
                     dirs.add(os.path.dirname(path))
                     digest, _ = write_chunk(path, memoryview(buf))  # type: ignore[arg-type]
                     if digest != chunk.xxh3:  # the copy must be what the manifest promises
@@ -145,7 +153,7 @@ def _read_whole(sources: Sequence[Source], array: Any, chunk: Any, buf: np.ndarr
             src.prepare(array, chunk)
             read_chunk(src.version_dir, array, chunk, memoryview(buf))  # type: ignore[arg-type]
             return
-        except CorruptVersionError as e:
+        except (CorruptVersionError, OSError) as e:  # an I/O error (failing disk): try the next copy
             src.discard(array, chunk)
             errors.append(str(e))
     raise CorruptVersionError("; ".join(errors) or f"{array.name} chunk {list(chunk.index)} is on no tier")

@@ -25,7 +25,7 @@ import xxhash
 
 from store import commit, objstore
 from store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
-from store.fsio import DIR_MODE
+from store.fsio import FILE_MODE, makedirs
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
 log = logging.getLogger("ckpt")
@@ -182,7 +182,7 @@ class RemoteTier(Tier):
 
     def version_dir(self, step: int) -> str:
         d = os.path.join(self.cache, commit.version_dirname(step))
-        os.makedirs(d, mode=DIR_MODE, exist_ok=True)
+        makedirs(d)
         return d
 
     def fetcher(self, step: int) -> Fetch:
@@ -193,7 +193,7 @@ class RemoteTier(Tier):
             dest = os.path.join(local_dir, rel)
             if os.path.isfile(dest) and os.path.getsize(dest) == nbytes:
                 return
-            os.makedirs(os.path.dirname(dest), mode=DIR_MODE, exist_ok=True)
+            makedirs(os.path.dirname(dest))
             got: str | None = None
             for attempt in range(1 + _REFETCHES):
                 tmp = f"{dest}.part-{uuid.uuid4().hex}"
@@ -204,6 +204,7 @@ class RemoteTier(Tier):
                     # a copy that matches the manifest enters the cache, whatever verify_on_restore says.
                     got = None if xxh3 is None else _xxh3_file(tmp)
                     if got == xxh3:
+                        os.chmod(tmp, FILE_MODE)  # fsspec creates it with 0o666 & ~umask
                         os.replace(tmp, dest)
                         return
                 except FileNotFoundError:

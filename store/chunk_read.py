@@ -132,6 +132,9 @@ def verify_chunks(version_dir: str, manifest: Manifest, writers: set[int] | None
             try:
                 while n := os.readv(fd, [view]):
                     hasher.update(view[:n])
+            except OSError as e:  # a bad sector: this chunk is bad, the next ones may be fine
+                yield ChunkProblem(array.name, path, f"cannot be read: {e.strerror or e}")
+                continue
             finally:
                 os.close(fd)
             if hasher.hexdigest() != chunk.xxh3:

@@ -18,8 +18,10 @@ old version stays committed until the new one is.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 from store.errors import ManifestError, RootLockedError, TierUnavailableError, VersionNotFoundError
 from store.faults import fault_point
-from store.fsio import DIR_MODE, exchange_dirs, fsync_dir, fsync_dirs, write_durable
+from store.fsio import DIR_MODE, FILE_MODE, exchange_dirs, fsync_dir, fsync_dirs, makedirs, write_durable
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
 __all__ = [
@@ -53,11 +55,15 @@ __all__ = [
     "root_id",
     "pin_version",
     "pinned_steps",
+    "deleting",
+    "writer_active",
 ]
 
+log = logging.getLogger("ckpt")
 LOCK_NAME = ".ckpt.lock"
 ROOT_ID_NAME = ".ckpt-root-id"
 PINS_NAME = ".pins"
+_DELETING = "gc-"  # in PINS_NAME: gc-<step>.<pid>.<id>, held by a GC while it deletes step
 TRASH_NAME = ".trash"
 _VERSION = re.compile(r"^v(\d{12})$")
 _TMP = re.compile(r"^v(\d{12})\.tmp-([0-9a-f]{32})$")
@@ -124,6 +130,8 @@ def read_manifest(root: str, step: int) -> Manifest:
     except FileNotFoundError:
         raise VersionNotFoundError(f"step {step} is not committed in {root}") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW: a planted symlink, not a failing disk
+            raise ManifestError(f"{path} is a symbolic link", path=path) from None
         raise TierUnavailableError(e.errno, f"cannot read {path}: {e.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -152,6 +160,18 @@ def read_root_info(version_dir: str) -> dict[str, object]:
     finally:
         os.close(fd)
     return doc if isinstance(doc, dict) else {}
+
+
+def writer_active(root: str) -> bool:
+    """Whether a live process holds the root's lock, read from /proc/locks: trying the
+    flock ourselves could refuse a writer starting at that moment. False where unknown."""
+    try:
+        st = os.stat(os.path.join(root, LOCK_NAME))
+        with open("/proc/locks") as f:
+            held = f.read().split()
+    except OSError:
+        return False
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}" in held
 
 
 class RootLock:
@@ -221,7 +241,12 @@ def publish(root: str, tmp_name: str, step: int, *, overwrite: bool) -> None:
 
 
 def remove_tmp(root: str, tmp_name: str) -> None:
-    _discard(root, os.path.join(root, tmp_name))
+    """Best effort: it runs while a failed save unwinds, where an error of its own (the disk
+    is gone) would replace the save's error; what it cannot remove, the next open does."""
+    try:
+        _discard(root, os.path.join(root, tmp_name))
+    except OSError as e:
+        log.warning("cannot remove the unfinished save %s in %s: %s", tmp_name, root, e.strerror or e)
 
 
 def _discard(root: str, path: str) -> None:
@@ -271,10 +296,7 @@ def root_id(root: str) -> str:
     except FileNotFoundError:
         pass
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "w") as f:
-        f.write(uuid.uuid4().hex)
-        f.flush()
-        os.fsync(f.fileno())
+    write_durable(tmp, uuid.uuid4().hex.encode())  # its mode is FILE_MODE, whatever the umask
     try:
         os.link(tmp, path)  # create-only: concurrent creators agree on the first id
     except FileExistsError:
@@ -286,21 +308,77 @@ def root_id(root: str) -> str:
         return f.read().strip()
 
 
+def _new_locked(d: str, name: str, op: int) -> tuple[int, str]:
+    """Create d/<name> already flocked (`op`): made under a temp name, locked, then renamed,
+    because an unlocked pin or marker is taken for the leftover of a dead process."""
+    tmp = os.path.join(d, f".new-{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    try:
+        fcntl.flock(fd, op)
+        path = os.path.join(d, name)
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd, path
+
+
+def _held(path: str, op: int) -> bool:
+    """Whether a live process holds a lock on `path` that conflicts with `op`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def pin_version(root: str, step: int) -> Iterator[None]:
+def pin_version(root: str, step: int) -> Iterator[bool]:
     """Hold a version against GC while it is read: a pin file under an flock, so a pin
-    left by a killed reader is recognised as stale (its lock is gone) and ignored."""
+    left by a killed reader is recognised as stale (its lock is gone) and ignored.
+
+    Yields False when a GC is deleting the version right now: treat it as gone. A reader
+    pins, then looks for GC's marker; GC marks, then looks for pins (`deleting`): one of
+    them sees the other, so a version is never read and deleted at once, and neither ever
+    waits for the other (a GC frozen mid-deletion blocks no reader). A version deleted
+    before the pin stays deleted: readers check that it is still there once pinned."""
     d = os.path.join(root, PINS_NAME)
     try:
-        os.makedirs(d, mode=DIR_MODE, exist_ok=True)
-        path = os.path.join(d, f"{step}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        makedirs(d)
+        fd, path = _new_locked(d, f"{step}.{os.getpid()}.{uuid.uuid4().hex[:8]}", fcntl.LOCK_SH)
     except OSError:  # a read-only root cannot be garbage-collected either
-        yield
+        yield True
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
+        prefix = f"{_DELETING}{step}."
+        yield not any(e.name.startswith(prefix) and _held(e.path, fcntl.LOCK_SH) for e in _entries(d))
+    finally:
+        os.close(fd)
+        with suppress(OSError):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def deleting(root: str, step: int) -> Iterator[bool]:
+    """GC's side of pin_version: a marker held while `step` is deleted. Yields whether it
+    may be deleted, False if a reader has pinned it."""
+    d = os.path.join(root, PINS_NAME)
+    try:
+        makedirs(d)
+        fd, path = _new_locked(d, f"{_DELETING}{step}.{os.getpid()}.{uuid.uuid4().hex[:8]}", fcntl.LOCK_EX)
+    except OSError:  # cannot mark (read-only): the deletion fails anyway
+        yield step not in pinned_steps(root)
+        return
+    try:
+        yield step not in pinned_steps(root)
     finally:
         os.close(fd)
         with suppress(OSError):
@@ -311,6 +389,8 @@ def pinned_steps(root: str) -> set[int]:
     """Steps some live reader holds; stale pins are removed."""
     out: set[int] = set()
     for e in _entries(os.path.join(root, PINS_NAME)):
+        if e.name.startswith("."):
+            continue  # a pin or marker being made (_new_locked)
         try:
             fd = os.open(e.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -318,9 +398,9 @@ def pinned_steps(root: str) -> set[int]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with suppress(OSError):
-                os.unlink(e.path)  # nobody holds it: a reader died
+                os.unlink(e.path)  # nobody holds it: a reader (or a GC) died
         except BlockingIOError:
-            with suppress(ValueError):
+            with suppress(ValueError):  # a live GC's marker is no pin
                 out.add(int(e.name.split(".")[0]))
         finally:
             os.close(fd)

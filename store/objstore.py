@@ -21,7 +21,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from store.errors import TierUnavailableError
-from store.fsio import fsync_dir, write_durable
+from store.fsio import fsync_dir, makedirs, write_durable
 
 __all__ = [
     "is_url",
@@ -123,7 +123,7 @@ def create_only(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
 def put_durable(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write (replacing) `path`; on a local filesystem through temp file, fsync and rename."""
     if is_local(fs):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        makedirs(os.path.dirname(path))
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         write_durable(tmp, data)
         os.replace(tmp, path)
