@@ -24,6 +24,7 @@ import numpy as np
 
 from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_tasks
 from ckpt._dist import destroy_comms, make_comms
+from ckpt._gc import no_cyclic_gc
 from ckpt._staging import Arena, StageTask, assign_offsets, stage
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import bind, encode_state
@@ -48,7 +49,7 @@ from store.errors import (
 from store.faults import fault_point
 from store.fsio import makedirs
 from store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
-from store.manifest import MANIFEST_NAME, parse_manifest
+from store.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from store.objstore import is_url
 
 __all__ = ["Checkpointer", "RootSpec"]
@@ -332,11 +333,12 @@ class Checkpointer:
         rng = None
         error: BaseException | None = None
         try:
-            tree, leaves = encode_state(state)
-            for leaf in leaves:
-                p = describe(leaf.value, leaf.key)
-                pieces[leaf.name] = p
-                local.append((leaf.name, p.data_type, p.global_shape, p.offsets, tuple(p.data.shape)))
+            with no_cyclic_gc():
+                tree, leaves = encode_state(state)
+                for leaf in leaves:
+                    p = describe(leaf.value, leaf.key)
+                    pieces[leaf.name] = p
+                    local.append((leaf.name, p.data_type, p.global_shape, p.offsets, tuple(p.data.shape)))
             rng = capture_rng() if self.config.capture_rng else None
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
             error = e
@@ -482,7 +484,8 @@ class Checkpointer:
                     if any(self._ctl.all_gather(gone)):
                         vanished.add(chosen)
                         continue
-                    self._load(chosen, sources, state)
+                    with no_cyclic_gc():  # thousands of manifest objects: see ckpt/_gc.py
+                        self._load(chosen, sources, state)
                 return chosen
             except CorruptVersionError as e:
                 metrics.VERIFY_ERRORS.inc()
@@ -492,25 +495,28 @@ class Checkpointer:
                 excluded.add(chosen)
 
     def _load(self, step: int, sources: list[tuple[Tier, Source]], state: Mapping[str, Any]) -> None:
-        raw: bytes | None = None
+        found: Manifest | None = None
         error: BaseException | None = None
         for tier, _ in sources:
             try:
-                raw = tier.manifest(step).to_json()
+                found = tier.manifest(step)
                 break
             except CkptError as e:
                 error = e
                 log.warning("rank %d: manifest of step %d on %s: %s", self.rank, step, tier.name, e)
-        if raw is not None:
+        if found is not None:
             error = None
         elif sources and not isinstance(error, CorruptVersionError):
             error = CorruptVersionError(f"no readable manifest of step {step}: {error}")
         self._agree(error, CorruptVersionError)
-        haves = self._ctl.all_gather(raw is not None)
-        if not all(haves):
-            raw = self._ctl.broadcast(raw, src=haves.index(True))
-        assert raw is not None
-        manifest = parse_manifest(raw)
+        haves = self._ctl.all_gather(found is not None)
+        if not all(haves):  # ranks without a copy get it from one that has it
+            src = haves.index(True)
+            raw = self._ctl.broadcast(found.to_json() if found is not None and self.rank == src else None, src=src)
+            if found is None:
+                found = parse_manifest(raw)
+        assert found is not None
+        manifest = found
         saved_world = manifest.world_size
         entry = manifest.ranks[self.rank % saved_world]
         bound = None
