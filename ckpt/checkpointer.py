@@ -8,6 +8,7 @@ live in `store`, reading in `restore`; this module only sequences them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import platform
@@ -437,6 +438,7 @@ class Checkpointer:
         while True:
             mine: list[tuple[int, Candidate]] = []
             error: BaseException | None = None
+            unreachable: list[str] = []
             tiers = self._tiers[:1] + self._replica_tiers() + self._tiers[1:]
             for i, tier in enumerate(tiers):
                 try:
@@ -444,6 +446,7 @@ class Checkpointer:
                 except CkptError as e:
                     if i == 0:
                         error = e
+                    unreachable.append(f"{tier.name}: {e}")
                     log.warning("rank %d: tier %s is unavailable: %s", self.rank, tier.name, e)
             if mine:  # a failed root (disk error) is no reason to ignore the copies elsewhere
                 error = None
@@ -459,6 +462,14 @@ class Checkpointer:
                     raise CorruptVersionError(
                         f"no committed version is intact (steps {sorted(excluded)} failed their checks); "
                         "the state may be partly overwritten"
+                    )
+                # Nothing found, but a tier could not be listed (the remote is down): the
+                # versions may be there, so starting from scratch would be a silent loss.
+                if any(self._ctl.all_gather(bool(unreachable))):
+                    raise TierUnavailableError(
+                        errno.EIO,
+                        "no committed version on the reachable tiers, and some could not be read "
+                        f"({'; '.join(unreachable) or 'on another rank'}); not starting from scratch",
                     )
                 return None
             save_id = reachable_steps(views)[chosen]

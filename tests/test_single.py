@@ -239,3 +239,16 @@ def test_restore_of_empty_root_returns_none_and_unknown_step_raises(tmp_path):
         assert ck.restore(_state()) is None
         with pytest.raises(ckpt.VersionNotFoundError):
             ck.restore(_state(), step=3)
+
+
+def test_restore_refuses_to_start_from_scratch_when_a_tier_cannot_be_read(tmp_path) -> None:
+    """An empty local root and a second tier that cannot be listed (here a path that is a
+    file, as a dead mount can be): the versions may be there, so no silent None."""
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("x")
+    model = torch.nn.Linear(3, 2)
+    with Checkpointer(str(tmp_path / "empty"), tiers=[str(blocked)]) as ck:
+        with pytest.raises(ckpt.TierUnavailableError, match="not starting from scratch"):
+            ck.restore({"model": model})
+    with Checkpointer(str(tmp_path / "empty2")) as ck:  # nothing anywhere: a fresh start
+        assert ck.restore({"model": model}) is None
