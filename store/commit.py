@@ -266,7 +266,10 @@ def delete_version(root: str, step: int) -> None:
     trash = os.path.join(root, TRASH_NAME)
     os.makedirs(trash, mode=DIR_MODE, exist_ok=True)
     target = os.path.join(trash, f"{version_dirname(step)}.del-{os.getpid()}-{id(final):x}")
-    os.rename(final, target)
+    try:
+        os.rename(final, target)
+    except FileNotFoundError:
+        return  # another GC (a daemon's, a `ckpt gc`) deleted it first: it is gone either way
     fsync_dir(root)
     fault_point("gc-mid-delete")  # unpublished, files not yet deleted
     shutil.rmtree(target, ignore_errors=True)

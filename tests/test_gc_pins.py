@@ -47,3 +47,12 @@ def test_gc_killed_mid_delete_leaves_no_half_deleted_version(tmp_path: Path) -> 
             assert ck.restore(state, step=step) == step
         assert torch.equal(state["w"], torch.full((1000,), float(step)))
     assert not any((tmp_path / ".trash").iterdir())
+
+
+def test_two_gcs_deleting_the_same_version_both_succeed(tmp_path: Path) -> None:
+    """A daemon's GC and a `ckpt gc` may pick the same version (found by the crash harness:
+    the second rename failed with FileNotFoundError and `ckpt gc` exited 1)."""
+    _versions(tmp_path, 2)
+    commit.delete_version(str(tmp_path), 1)
+    commit.delete_version(str(tmp_path), 1)  # already gone: not an error
+    assert commit.committed_steps(str(tmp_path)) == [2]
