@@ -417,7 +417,14 @@ def test_replica_directory_deleted_mid_copy(tmp_path: Path, caplog: pytest.LogCa
         assert time.time() < deadline and thread.is_alive(), "the copy did not start"
         time.sleep(0.01)
     with caplog.at_level(logging.WARNING, logger="ckpt.replicator"):
-        shutil.rmtree(tmp_path / "disk1" / "replicas")  # mid-copy
+        # mid-copy; the replicator keeps writing into it, so an rmtree can meet a file created
+        # meanwhile (ENOTEMPTY): delete until the directory is gone, as an operator's rm -rf would
+        for _ in range(50):
+            try:
+                shutil.rmtree(tmp_path / "disk1" / "replicas")
+                break
+            except OSError:
+                continue
         thread.join(timeout=120)
     assert done, "run_once did not return"
     assert any("are gone; sending them again" in r.getMessage() for r in caplog.records), caplog.text
