@@ -246,6 +246,7 @@ def verify_cmd(root: str, step: int | None, storage_options: tuple[str, ...]) ->
     bad = 0
     for s in steps:
         with commit.pin_version(root, s) as held:  # GC leaves it alone while it is checked
+            held = held and os.path.isdir(tier.version_dir(s))  # or a GC deleted it meanwhile
             if held:
                 bad += _verify_local(tier, s, asked=step is not None)
             elif step is not None:

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import stat
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import suppress
@@ -63,6 +64,7 @@ log = logging.getLogger("ckpt")
 LOCK_NAME = ".ckpt.lock"
 ROOT_ID_NAME = ".ckpt-root-id"
 PINS_NAME = ".pins"
+_GC_WAIT_S = 2.0  # how long a reader waits for a GC's marker on the version it pinned
 _DELETING = "gc-"  # in PINS_NAME: gc-<step>.<pid>.<id>, held by a GC while it deletes step
 TRASH_NAME = ".trash"
 _VERSION = re.compile(r"^v(\d{12})$")
@@ -350,9 +352,11 @@ def pin_version(root: str, step: int) -> Iterator[bool]:
 
     Yields False when a GC is deleting the version right now: treat it as gone. A reader
     pins, then looks for GC's marker; GC marks, then looks for pins (`deleting`): one of
-    them sees the other, so a version is never read and deleted at once, and neither ever
-    waits for the other (a GC frozen mid-deletion blocks no reader). A version deleted
-    before the pin stays deleted: readers check that it is still there once pinned."""
+    them sees the other, so a version is never read and deleted at once. A GC never waits;
+    a reader that finds a marker waits up to _GC_WAIT_S for it to go (the GC may have seen
+    the pin and backed off), so a GC frozen mid-deletion blocks no reader for long. A
+    version deleted before the pin stays deleted: readers check that it is still there
+    once pinned."""
     d = os.path.join(root, PINS_NAME)
     try:
         makedirs(d)
@@ -361,12 +365,28 @@ def pin_version(root: str, step: int) -> Iterator[bool]:
         yield True
         return
     try:
-        prefix = f"{_DELETING}{step}."
-        yield not any(e.name.startswith(prefix) and _held(e.path, fcntl.LOCK_SH) for e in _entries(d))
+        yield _gc_gone(d, step)
     finally:
         os.close(fd)
         with suppress(OSError):
             os.unlink(path)
+
+
+def _gc_gone(pins_dir: str, step: int) -> bool:
+    """Whether no GC is deleting `step`, once this reader's pin is in place.
+
+    A GC that marked the step before our pin may or may not have seen the pin: if it
+    did, it backs off at once and the version stays. So a marker is waited out briefly
+    (the caller then checks that the version is still there) instead of taking the
+    version for gone; a GC that holds its marker longer (frozen) blocks no reader for long.
+    """
+    prefix = f"{_DELETING}{step}."
+    deadline = time.monotonic() + _GC_WAIT_S
+    while any(e.name.startswith(prefix) and _held(e.path, fcntl.LOCK_SH) for e in _entries(pins_dir)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @contextlib.contextmanager
