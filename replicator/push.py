@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import fsspec
-import xxhash
 
 from replicator.journal import Journal
 from replicator.ratelimit import RateLimiter
 from store import commit, objstore
+from store.digest import ChunkHasher
 from store.errors import CorruptVersionError, TierUnavailableError
 from store.fsio import FILE_MODE, fsync_dirs, makedirs
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, ChunkEntry, Manifest, parse_manifest
@@ -179,8 +179,8 @@ def _upload(dest: Destination, lpath: str, rpath: str, limiter: RateLimiter, sto
             out.close()
 
 
-def _digest(dest: Destination, rpath: str) -> tuple[int, str]:
-    hasher = xxhash.xxh3_64()
+def _digest(dest: Destination, rpath: str, block_bytes: int) -> tuple[int, str]:
+    hasher = ChunkHasher(block_bytes)
     size = 0
     with dest.fs.open(rpath, "rb", block_size=_BLOCK) as f:
         while block := f.read(_BLOCK):
@@ -262,6 +262,7 @@ def push_version(
     chunks: dict[str, ChunkEntry] = {
         a.chunk_path(c): c for a in manifest.arrays.values() for c in a.chunks if c.inline is None
     }
+    block_bytes = {a.chunk_path(c): a.digest_block_bytes(c) for a in manifest.arrays.values() for c in a.chunks if c.blocks}
     files = []
     for top, _, names in os.walk(local_dir):
         for n in names:
@@ -292,7 +293,7 @@ def push_version(
                 # A mismatch may be damage on the way (up or down) that no transport checksum
                 # caught (plain HTTP, range reads): send it again before calling the copy corrupt.
                 for resend in range(_RESENDS + 1):
-                    got_size, got = _digest(dest, rpath)
+                    got_size, got = _digest(dest, rpath, block_bytes.get(rel, 0))
                     if got_size == size and got == chunk.xxh3:
                         break
                     where = f"{objstore.redact(dest.url, opts)}/{name}/{rel}"

@@ -63,12 +63,12 @@ class Source:
     version_dir: str
     writers: frozenset[int]  # ranks whose chunks it holds
     name: str = ""
-    # brings a file (relative path, size, xxh3) into version_dir first, verified (remote tiers)
-    fetch: Callable[[str, int, str], None] | None = None
+    # brings a file (relative path, size, xxh3, its block size) into version_dir first, verified (remote tiers)
+    fetch: Callable[[str, int, str, int], None] | None = None
 
     def prepare(self, array: ArrayEntry, chunk: ChunkEntry) -> None:
         if self.fetch is not None and chunk.inline is None:
-            self.fetch(array.chunk_path(chunk), chunk.nbytes, chunk.xxh3)
+            self.fetch(array.chunk_path(chunk), chunk.nbytes, chunk.xxh3, array.digest_block_bytes(chunk))
 
     def discard(self, array: ArrayEntry, chunk: ChunkEntry) -> None:
         """Drop a fetched copy that failed its checks, so the next attempt downloads it again."""

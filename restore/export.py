@@ -25,7 +25,6 @@ from store import commit
 from store.chunk_read import read_chunk
 from store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
 from store.fsio import DIR_MODE, fsync_dirs, makedirs, write_chunk
-from store.layout import chunk_file
 from store.manifest import Manifest
 from store.zarr_meta import ArrayNode, write_hierarchy
 
@@ -114,10 +113,10 @@ def copy_version(
                         continue
                     buf = np.empty(chunk.nbytes, dtype=np.uint8)
                     _read_whole(sources, array, chunk, buf)
-                    path = os.path.join(tmp, chunk_file(array.path, chunk.index))
+                    path = os.path.join(tmp, array.chunk_path(chunk))
                     makedirs(os.path.dirname(path))
                     dirs.add(os.path.dirname(path))
-                    digest, _ = write_chunk(path, memoryview(buf))  # type: ignore[arg-type]
+                    digest, _ = write_chunk(path, memoryview(buf), block_bytes=array.digest_block_bytes(chunk))  # type: ignore[arg-type]
                     if digest != chunk.xxh3:  # the copy must be what the manifest promises
                         raise CorruptVersionError(f"copy of {path} changed in memory", path=path)
                     progress(chunk.nbytes)

@@ -21,9 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import xxhash
-
 from store import commit, objstore
+from store.digest import ChunkHasher
 from store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
 from store.fsio import FILE_MODE, makedirs
 from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
@@ -42,14 +41,15 @@ __all__ = ["Tier", "LocalTier", "RemoteTier", "Candidate", "Fetch", "open_tier"]
 
 class Fetch(Protocol):
     """Brings one file of a version into the tier's version_dir: (relative path, size, and
-    the xxh3 the manifest gives it, if known). Raises CorruptVersionError when every download
-    fails that checksum; a missing file is left missing for the reader to report."""
+    the xxh3 the manifest gives it, if known, with its block size: ArrayEntry.digest_block_bytes).
+    Raises CorruptVersionError when every download fails that checksum; a missing file is
+    left missing for the reader to report."""
 
-    def __call__(self, rel: str, nbytes: int, xxh3: str | None = None, /) -> None: ...
+    def __call__(self, rel: str, nbytes: int, xxh3: str | None = None, block_bytes: int = 0, /) -> None: ...
 
 
-def _xxh3_file(path: str) -> str:
-    hasher = xxhash.xxh3_64()
+def _xxh3_file(path: str, block_bytes: int) -> str:
+    hasher = ChunkHasher(block_bytes)
     with open(path, "rb") as f:
         while block := f.read(8 << 20):
             hasher.update(block)
@@ -189,7 +189,7 @@ class RemoteTier(Tier):
         local_dir = self.version_dir(step)
         remote_dir = objstore.join(self.prefix, commit.version_dirname(step))
 
-        def fetch(rel: str, nbytes: int, xxh3: str | None = None, /) -> None:
+        def fetch(rel: str, nbytes: int, xxh3: str | None = None, block_bytes: int = 0, /) -> None:
             dest = os.path.join(local_dir, rel)
             if os.path.isfile(dest) and os.path.getsize(dest) == nbytes:
                 return
@@ -202,7 +202,7 @@ class RemoteTier(Tier):
                     # A body can arrive complete yet wrong where no transport checksum covers it
                     # (range requests, objects uploaded without one, plain-HTTP endpoints): only
                     # a copy that matches the manifest enters the cache, whatever verify_on_restore says.
-                    got = None if xxh3 is None else _xxh3_file(tmp)
+                    got = None if xxh3 is None else _xxh3_file(tmp, block_bytes)
                     if got == xxh3:
                         os.chmod(tmp, FILE_MODE)  # fsspec creates it with 0o666 & ~umask
                         os.replace(tmp, dest)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from store.digest import ChunkHasher, chunk_digest
 from store.errors import CorruptVersionError
 from store.manifest import ArrayEntry, ChunkEntry, Manifest
 
@@ -91,7 +92,7 @@ def read_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry, out: memo
             pread_into(fd, view[: chunk.nbytes], 0, path)
         finally:
             os.close(fd)
-        got = xxhash.xxh3_64_hexdigest(view[: chunk.nbytes])
+        got = chunk_digest(view[: chunk.nbytes], array.digest_block_bytes(chunk)) if verify else ""
     if verify and got != chunk.xxh3:
         raise CorruptVersionError(
             f"chunk {path} fails its checksum (xxh3 {got}, manifest {chunk.xxh3})",
@@ -128,7 +129,7 @@ def verify_chunks(version_dir: str, manifest: Manifest, writers: set[int] | None
             except CorruptVersionError as e:
                 yield ChunkProblem(array.name, path, str(e))
                 continue
-            hasher = xxhash.xxh3_64()
+            hasher = ChunkHasher(array.digest_block_bytes(chunk))
             try:
                 while n := os.readv(fd, [view]):
                     hasher.update(view[:n])
@@ -137,5 +138,6 @@ def verify_chunks(version_dir: str, manifest: Manifest, writers: set[int] | None
                 continue
             finally:
                 os.close(fd)
-            if hasher.hexdigest() != chunk.xxh3:
-                yield ChunkProblem(array.name, path, f"xxh3 {hasher.hexdigest()} != manifest {chunk.xxh3}")
+            got = hasher.hexdigest()
+            if got != chunk.xxh3:
+                yield ChunkProblem(array.name, path, f"xxh3 {got} != manifest {chunk.xxh3}")

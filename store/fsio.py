@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-import xxhash
+from store.digest import ChunkHasher
 
 __all__ = [
     "FILE_MODE",
@@ -132,28 +132,26 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 def write_chunk(path: str, data: memoryview, *, block_bytes: int = 0, fsync: bool = True) -> tuple[str, list[str]]:
-    """Write one chunk file from a staged buffer; return its xxh3_64 and per-block xxh3_64s.
+    """Write one chunk file from a staged buffer; return its digest and block digests
+    (store.digest: each byte is hashed once).
 
     Checksums are computed from the staged buffer, not by reading the file back. With
-    `block_bytes` > 0 and a chunk larger than one block, every block also gets its own
-    digest, so a partial (resharded) read can be verified. Large files start their
-    writeback every 64 MiB (sync_file_range) so the final fsync has little left to wait for.
+    `block_bytes` > 0 and a chunk larger than one block, every block gets its own digest,
+    so a partial (resharded) read can be verified. Large files start their writeback
+    every 64 MiB (sync_file_range) so the final fsync has little left to wait for.
     With `fsync=False` the writeback of the rest is started too, and the caller makes the
     file durable later (`fsync_files`): a writer thread then never waits for the disk.
     """
     view = data.cast("B")
-    step = block_bytes if 0 < block_bytes < len(view) else _WRITE_BLOCK
     with_blocks = 0 < block_bytes < len(view)
-    hasher = xxhash.xxh3_64()
-    blocks: list[str] = []
+    step = block_bytes if with_blocks else _WRITE_BLOCK  # whole blocks: one hash call each
+    hasher = ChunkHasher(block_bytes if with_blocks else 0)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
         done = flushed = 0
         while done < len(view):
             piece = view[done : done + step]
             hasher.update(piece)
-            if with_blocks:
-                blocks.append(xxhash.xxh3_64_hexdigest(piece))
             _write_all(fd, piece)
             done += len(piece)
             if _sync_file_range is not None and done - flushed >= _WRITE_BLOCK:
@@ -165,7 +163,7 @@ def write_chunk(path: str, data: memoryview, *, block_bytes: int = 0, fsync: boo
             _sync_file_range(fd, ctypes.c_int64(flushed), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)  # 0: to EOF
     finally:
         os.close(fd)
-    return hasher.hexdigest(), blocks
+    return hasher.hexdigest(), hasher.blocks
 
 
 def _fsync_file(path: str) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "block_rows",
     "INLINE_TYPES",
     "BLOCK_BYTES",
+    "CHUNK_SEPARATOR",
 ]
 
 # Element types whose single value is stored inline as the array's fill_value.
@@ -86,6 +87,9 @@ class ArrayPlan:
 # Target size of a checksummed block: a partial read verifies whole blocks, so this bounds
 # both the over-read and the bounce buffer of a resharded restore.
 BLOCK_BYTES = 4 << 20
+# zarr's "." chunk-key separator keeps every chunk file in its array's directory: a third
+# of the directories of "/" keys, each one a mkdir and an fsync per save.
+CHUNK_SEPARATOR = "."
 
 
 def block_rows(chunk_shape: Sequence[int], item: int, target: int = BLOCK_BYTES) -> int:
@@ -96,11 +100,11 @@ def block_rows(chunk_shape: Sequence[int], item: int, target: int = BLOCK_BYTES)
     return max(1, target // row)
 
 
-def chunk_file(array_path: str, index: Sequence[int]) -> str:
-    """The zarr v3 default chunk key ('/' separator) relative to the version directory."""
+def chunk_file(array_path: str, index: Sequence[int], separator: str = CHUNK_SEPARATOR) -> str:
+    """The zarr v3 default chunk key relative to the version directory: "<array>/c.0.0"."""
     if not index:
         return f"{array_path}/c"
-    return f"{array_path}/c/" + "/".join(str(i) for i in index)
+    return f"{array_path}/c{separator}" + separator.join(str(i) for i in index)
 
 
 def _grid(spec: ArraySpec, regions: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...]:

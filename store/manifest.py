@@ -17,10 +17,11 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+from store.digest import combine_blocks
 from store.dtypes import ITEMSIZE
 from store.errors import ManifestError
+from store.layout import CHUNK_SEPARATOR, chunk_file
 from store.layout import block_rows as expected_block_rows
-from store.layout import chunk_file
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -35,7 +36,9 @@ __all__ = [
     "parse_manifest",
 ]
 
-SCHEMA_VERSION = 1
+# 2: "." chunk keys; a blocked chunk's xxh3 is the digest of its block digests (store/digest.py)
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 ROOT_INFO_NAME = "root.json"
 STATE_PREFIX = "state"
@@ -90,13 +93,25 @@ class ArrayEntry:
     regions: tuple[dict[str, Any], ...]  # {"offsets", "shape", "ranks"}: how ranks held it at save
     chunks: tuple[ChunkEntry, ...]
     block_rows: int = 0  # rows of dim 0 per checksummed block (0: the chunk is one block)
+    schema: int = SCHEMA_VERSION  # of the manifest it came from: chunk keys and digests changed in 2
 
     @property
     def path(self) -> str:
         return f"{STATE_PREFIX}/{self.name}"
 
+    @property
+    def separator(self) -> str:
+        """Of its zarr chunk keys: "c.0.0" since schema 2 (one directory per array), "c/0/0" before."""
+        return "/" if self.schema < 2 else CHUNK_SEPARATOR
+
     def chunk_path(self, chunk: ChunkEntry) -> str:
-        return chunk_file(self.path, chunk.index)
+        return chunk_file(self.path, chunk.index, self.separator)
+
+    def digest_block_bytes(self, chunk: ChunkEntry) -> int:
+        """The block size that store.digest.ChunkHasher needs for `chunk`'s xxh3 (0: one block)."""
+        if not chunk.blocks or self.schema < 2:
+            return 0
+        return self.block_rows * math.prod(self.chunk_shape[1:]) * ITEMSIZE[self.data_type]
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +138,7 @@ class Manifest:
     ranks: tuple[RankEntry, ...]
     roots: tuple[tuple[int, ...], ...]  # per root group: the ranks whose chunks it holds
     meta: dict[str, Any] = field(default_factory=dict)  # provenance, timings
+    schema_version: int = SCHEMA_VERSION  # kept when an older version is copied
 
     @property
     def total_bytes(self) -> int:
@@ -131,7 +147,7 @@ class Manifest:
     def to_json(self) -> bytes:
         doc = {
             "format": "ckpt",
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self.schema_version,
             "step": self.step,
             "save_id": self.save_id,
             "created": self.created,
@@ -186,7 +202,7 @@ def _ints(v: Any, what: str, lo: int = 0) -> tuple[int, ...]:
     return tuple(_int(x, what, lo) for x in v)
 
 
-def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
+def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
     if not isinstance(doc, dict):
         raise ManifestError(f"array {name!r} is not an object")
     _check_name(name)
@@ -252,6 +268,8 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
                 or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks)
             ):
                 raise ManifestError(f"array {name!r}: chunk {index} has malformed block checksums", path=name)
+            if schema >= 2 and combine_blocks(blocks) != digest:
+                raise ManifestError(f"array {name!r}: chunk {index}'s xxh3 does not match its blocks", path=name)
         writer = _int(c.get("writer"), "writer", 0, world - 1)
         chunks.append(ChunkEntry(index, writer, offsets, cshape, nbytes, digest, inline, tuple(blocks)))
     seen = {c.index for c in chunks}
@@ -264,7 +282,9 @@ def _parse_array(name: str, doc: Any, world: int) -> ArrayEntry:
     ):
         raise ManifestError(f"array {name!r}: regions must be a list of region objects", path=name)
     replicated = bool(doc.get("replicated"))
-    return ArrayEntry(name, dtype, shape, chunk_shape, replicated, tuple(regions), tuple(chunks), block_rows)
+    return ArrayEntry(
+        name, dtype, shape, chunk_shape, replicated, tuple(regions), tuple(chunks), block_rows, schema
+    )
 
 
 def _rng_ok(rng: Any) -> bool:
@@ -290,8 +310,9 @@ def parse_manifest(raw: bytes) -> Manifest:
         raise ManifestError(f"manifest is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict) or doc.get("format") != "ckpt":
         raise ManifestError("not a ckpt manifest")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise ManifestError(f"manifest schema_version {doc.get('schema_version')!r} is not supported (want 1)")
+    schema = doc.get("schema_version")
+    if type(schema) is not int or schema not in READABLE_SCHEMAS:
+        raise ManifestError(f"manifest schema_version {schema!r} is not supported (this ckpt reads {READABLE_SCHEMAS})")
     world = _int(doc.get("world_size"), "world_size", 1, 1 << 24)
     arrays_doc = doc.get("arrays")
     trees = doc.get("trees")
@@ -299,7 +320,7 @@ def parse_manifest(raw: bytes) -> Manifest:
     roots_doc = doc.get("roots")
     if not isinstance(arrays_doc, dict) or not isinstance(trees, dict) or not isinstance(ranks_doc, list):
         raise ManifestError("manifest lacks arrays, trees or ranks")
-    arrays = {name: _parse_array(name, a, world) for name, a in arrays_doc.items()}
+    arrays = {name: _parse_array(name, a, world, schema) for name, a in arrays_doc.items()}
     ranks = []
     for r in ranks_doc:
         if not isinstance(r, dict) or r.get("tree") not in trees:
@@ -332,4 +353,5 @@ def parse_manifest(raw: bytes) -> Manifest:
         ranks=tuple(ranks),
         roots=roots,
         meta=doc["meta"] if isinstance(doc.get("meta"), dict) else {},
+        schema_version=schema,
     )

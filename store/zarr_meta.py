@@ -1,7 +1,7 @@
 """Zarr v3 metadata documents (`zarr.json`) for the arrays and groups of a version.
 
 Chunk bytes are written directly (store.fsio) as the uncompressed `bytes` codec,
-little-endian, C order, default '/' chunk keys: exactly what zarr-python and
+little-endian, C order, default chunk keys with the "." separator: exactly what zarr-python and
 tensorstore read. Single-element arrays carry their value as `fill_value` and have
 no chunk file.
 """
@@ -17,6 +17,7 @@ from typing import Any
 
 from store.dtypes import ITEMSIZE
 from store.fsio import DIR_MODE, fsync_files, write_new
+from store.layout import CHUNK_SEPARATOR
 from store.manifest import ArrayEntry
 
 __all__ = ["ArrayNode", "array_document", "documents", "write_documents", "write_hierarchy"]
@@ -49,11 +50,14 @@ class ArrayNode:
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     inline: str | None = None  # hex of a single-element array's value (its fill_value)
+    separator: str = CHUNK_SEPARATOR  # of the chunk keys
 
     @staticmethod
     def of(entry: ArrayEntry) -> ArrayNode:
         inline = entry.chunks[0].inline if len(entry.chunks) == 1 else None
-        return ArrayNode(entry.path, entry.data_type, tuple(entry.shape), tuple(entry.chunk_shape), inline)
+        return ArrayNode(
+            entry.path, entry.data_type, tuple(entry.shape), tuple(entry.chunk_shape), inline, entry.separator
+        )
 
 
 def array_document(node: ArrayNode, attributes: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +70,7 @@ def array_document(node: ArrayNode, attributes: dict[str, Any]) -> dict[str, Any
         "shape": list(node.shape),
         "data_type": node.data_type,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(node.chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": node.separator}},
         "fill_value": _fill_value(node.data_type, node.inline),
         "codecs": [codec],
         "attributes": attributes,

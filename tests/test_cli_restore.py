@@ -70,7 +70,7 @@ def test_restore_skips_a_corrupt_version_and_uses_a_tier(tmp_path: Path) -> None
         src["meta"]["epoch"] = 5
         ck.save(2, src)
     shutil.copytree(root / "v000000000002", tier / "v000000000002")
-    chunk = next((root / "v000000000002" / "state" / "model").rglob("c/0/0"))
+    chunk = next((root / "v000000000002" / "state" / "model").rglob("c.0.0"))
     raw = bytearray(chunk.read_bytes())
     raw[-1] ^= 1
     chunk.write_bytes(bytes(raw))

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-import xxhash
 from click.testing import CliRunner
 from flaky_proxy import KINDS, FaultPlan, FlakyProxy, ProxyProcess
 
@@ -36,6 +35,7 @@ from ckpt import Checkpointer, CorruptVersionError
 from ckpt.cli import main as cli_main
 from replicator.core import Replicator, ReplicatorConfig
 from store import commit
+from store.digest import chunk_digest
 from store.manifest import parse_manifest
 
 if TYPE_CHECKING:
@@ -111,8 +111,8 @@ def options(proxy_endpoint: str, **config: Any) -> dict[str, Any]:
 NO_TRANSPORT_CHECKSUM = {"response_checksum_validation": "when_required"}
 # ckpt's checksums cover chunk data; listings, root.json and the manifest rely on the
 # transport (TLS, botocore's CRC32), so flipped bits are aimed at chunk downloads only.
-CHUNK_GET = r"^GET /[^?]*/c/[0-9/]+(\?|$)"
-BIG_CHUNK_GET = r"^GET /[^?]*/state/big/c/0(\?|$)"
+CHUNK_GET = r"^GET /[^?]*/c\.[0-9.]+(\?|$)"
+BIG_CHUNK_GET = r"^GET /[^?]*/state/big/c\.0(\?|$)"
 
 
 def cli_options(proxy_endpoint: str) -> list[str]:
@@ -219,7 +219,7 @@ class ManifestWatch:
                         self.problems.append(f"{vdir}: manifest listed before {key}")
                     elif listing[key]["size"] != chunk.nbytes:
                         self.problems.append(f"{vdir}: {key} has {listing[key]['size']} bytes, want {chunk.nbytes}")
-                    elif xxhash.xxh3_64_hexdigest(get(self.place.server, self.client, key)) != chunk.xxh3:
+                    elif chunk_digest(get(self.place.server, self.client, key), array.digest_block_bytes(chunk)) != chunk.xxh3:
                         self.problems.append(f"{vdir}: {key} does not match its xxh3")
             if f"{base}{vdir}/root.json" not in listing:
                 self.problems.append(f"{vdir}: manifest listed before root.json")
@@ -317,7 +317,7 @@ def test_replication_through_faults(s3: S3Place, proxy: FlakyProxy, tmp_path: Pa
             for chunk in array.chunks:
                 if chunk.inline is None:
                     data = get(s3.server, client, f"{s3.prefix}/{vdir}/{array.chunk_path(chunk)}")
-                    assert xxhash.xxh3_64_hexdigest(data) == chunk.xxh3
+                    assert chunk_digest(data, array.digest_block_bytes(chunk)) == chunk.xxh3
 
     # (b) no manifest was ever listed before all of its chunks
     assert watch.errors == [], watch.errors[:3]
@@ -342,8 +342,8 @@ def test_copy_read_back_wrong_is_sent_again(s3: S3Place, proxy: FlakyProxy, tmp_
     assert status["versions"]["1"]["remote"]["state"] == "verified"
     assert proxy.faults() == {"corrupt": 2}
     vdir = commit.version_dirname(1)
-    local = (root / vdir / "state" / "big" / "c" / "0").read_bytes()
-    assert get(s3.server, s3.server.client(), f"{s3.prefix}/{vdir}/state/big/c/0") == local
+    local = (root / vdir / "state" / "big" / "c.0").read_bytes()
+    assert get(s3.server, s3.server.client(), f"{s3.prefix}/{vdir}/state/big/c.0") == local
 
 
 def test_copy_that_never_reads_back_right_is_never_committed(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
@@ -360,7 +360,7 @@ def test_copy_that_never_reads_back_right_is_never_committed(s3: S3Place, proxy:
     assert state != "verified"
     assert proxy.faults()["corrupt"] >= 3
     objects = s3.objects()
-    assert f"{s3.prefix}/{commit.version_dirname(1)}/state/model/w0/c/0/0" in objects  # it did upload
+    assert f"{s3.prefix}/{commit.version_dirname(1)}/state/model/w0/c.0.0" in objects  # it did upload
     assert not [k for k in objects if k.endswith("manifest.json")], "an unverified version was committed"
 
 

@@ -516,7 +516,7 @@ def _chunk_files(version_dir: Path) -> set[str]:
     for dirpath, _, files in os.walk(version_dir / STATE_PREFIX):
         for f in files:
             rel = os.path.relpath(os.path.join(dirpath, f), version_dir)
-            if "/c/" in rel or rel.endswith("/c"):
+            if "/c." in rel or rel.endswith("/c"):
                 out.add(rel)
     return out
 

@@ -194,7 +194,7 @@ def remote_steps(place: S3Place) -> list[int]:
 def chunk_objects(place: S3Place, step: int) -> dict[str, dict[str, Any]]:
     """The chunk objects (not metadata) of a step on the remote."""
     base = f"{place.prefix}/{vname(step)}/"
-    return {k[len(base) :]: v for k, v in place.objects().items() if k.startswith(base) and "/c/" in k[len(base) :]}
+    return {k[len(base) :]: v for k, v in place.objects().items() if k.startswith(base) and "/c." in k[len(base) :]}
 
 
 def local_chunks(root: Path, step: int) -> dict[str, int]:

@@ -221,7 +221,7 @@ def test_cli_ls_and_verify(tmp_path):
     table = runner.invoke(cli, ["ls", str(tmp_path)])
     assert table.exit_code == 0 and "committed" in table.output
     assert runner.invoke(cli, ["verify", str(tmp_path)]).exit_code == 0
-    chunk = next((tmp_path / commit.version_dirname(2) / "state" / "model").rglob("c/0/0"))
+    chunk = next((tmp_path / commit.version_dirname(2) / "state" / "model").rglob("c.0.0"))
     raw = bytearray(chunk.read_bytes())
     raw[0] ^= 0xFF
     chunk.write_bytes(bytes(raw))

@@ -42,9 +42,9 @@ from ckpt import Checkpointer
 from ckpt.cli import main as cli
 from store.manifest import parse_manifest
 
-BIG = "state/big/c/0/0"  # 2048 x 1024 float32 = 8 MiB: two checksummed 4 MiB blocks
+BIG = "state/big/c.0.0"  # 2048 x 1024 float32 = 8 MiB: two checksummed 4 MiB blocks
 BIG_BYTES = 2048 * 1024 * 4
-W = "state/w/c/0/0"  # 40 x 30 float32 = 4800 bytes
+W = "state/w/c.0.0"  # 40 x 30 float32 = 4800 bytes
 
 
 def vdir(root: Path, step: int) -> Path:
@@ -144,7 +144,7 @@ CHUNK_DAMAGE: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "flipped-byte": (lambda v: flip_byte(v / W, 2400), W, "checksum"),
     "flipped-byte-last-block": (flip_last_block, BIG, "rows (1024, 2048) fail their checksum"),
     "truncated": (lambda v: truncate(v / BIG), BIG, f"has {BIG_BYTES // 2} bytes"),
-    "missing": (lambda v: (v / "state/i/c/0/0").unlink(), "state/i/c/0/0", "missing"),
+    "missing": (lambda v: (v / "state/i/c.0.0").unlink(), "state/i/c.0.0", "missing"),
 }
 
 
@@ -299,8 +299,8 @@ def test_array_name_leaving_the_version_is_refused(tmp_path: Path, name: str) ->
     if name == "ABSOLUTE":
         name = str(tmp_path / "planted")
     else:  # it resolves to the planted file
-        assert os.path.normpath(f"{vdir(root, 2)}/state/{name}/c/0/0") == str(tmp_path / "planted/c/0/0")
-    planted = tmp_path / "planted/c/0/0"
+        assert os.path.normpath(f"{vdir(root, 2)}/state/{name}/c.0.0") == str(tmp_path / "planted/c.0.0")
+    planted = tmp_path / "planted/c.0.0"
     planted.parent.mkdir(parents=True)
     evil = torch.full((40, 30), 1234.5)
     planted.write_bytes(evil.numpy().tobytes())
@@ -354,8 +354,8 @@ def _symlink_manifest(v: Path, outside: Path) -> None:
 
 SYMLINKS = {  # how, and what `ckpt verify` must name
     "chunk-file": (_symlink_chunk, [W]),
-    "chunk-dir": (_symlink_dir("state/model"), ["state/model/weight/c/0/0", "state/model/bias/c/0"]),
-    "state-dir": (_symlink_dir("state"), [W, BIG, "state/i/c/0/0", "state/model/bias/c/0"]),
+    "chunk-dir": (_symlink_dir("state/model"), ["state/model/weight/c.0.0", "state/model/bias/c.0"]),
+    "state-dir": (_symlink_dir("state"), [W, BIG, "state/i/c.0.0", "state/model/bias/c.0"]),
     "manifest": (_symlink_manifest, ["manifest"]),
 }
 
@@ -558,7 +558,7 @@ def test_crafted_files_run_no_code(tmp_path: Path, caplog: pytest.LogCaptureFixt
         assert any("step 2 is not intact" in m and W in m and "checksum" in m for m in msgs), msgs
         with pytest.raises(ckpt.ManifestError, match="not valid JSON"):
             ck.restore(blank(states[3]), step=3)
-        with pytest.raises(ckpt.CorruptVersionError, match="state/w/c/0/0.*checksum"):
+        with pytest.raises(ckpt.CorruptVersionError, match="state/w/c.0.0.*checksum"):
             ck.restore(blank(states[2]), step=2)
     verify = cli_run("verify", str(root))
     assert verify.exit_code == 1

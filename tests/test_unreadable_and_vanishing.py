@@ -413,7 +413,7 @@ def test_replica_directory_deleted_mid_copy(tmp_path: Path, caplog: pytest.LogCa
     thread = threading.Thread(target=lambda: done.append(rep.run_once()))
     thread.start()
     deadline = time.time() + 60
-    while len(list((replica / "v000000000001").rglob("c/0"))) < 4:
+    while len(list((replica / "v000000000001").rglob("c.0"))) < 4:
         assert time.time() < deadline and thread.is_alive(), "the copy did not start"
         time.sleep(0.01)
     with caplog.at_level(logging.WARNING, logger="ckpt.replicator"):

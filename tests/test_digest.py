@@ -1,0 +1,137 @@
+"""The chunk checksum as docs/FORMAT.md defines it, recomputed here from the file bytes
+without ckpt's code; streaming in any piece sizes; and versions written under schema 1
+(whole-file digests) still restore and verify."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+import zarr
+from click.testing import CliRunner
+
+from ckpt import Checkpointer, CorruptVersionError
+from ckpt.cli import main as cli
+from store.digest import ChunkHasher, chunk_digest
+from store.errors import ManifestError
+from store.manifest import parse_manifest
+
+BIG = "state/big/c.0.0"  # 3000 x 1000 float32: 12 MB, three 4 MiB blocks (the last one shorter)
+BIG_V1 = "state/big/c/0/0"  # the same chunk's key in schema 1
+
+
+def vdir(root: Path, step: int) -> Path:
+    return root / f"v{step:012d}"
+
+
+def make_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {"big": torch.randn(3000, 1000, generator=g), "w": torch.randn(40, 30, generator=g)}
+
+
+def documented_digests(data: bytes, block_bytes: int) -> tuple[str, list[str]]:
+    """FORMAT.md: blocks[i] = xxh3_64 of each block; the chunk's xxh3 = xxh3_64 of the
+    blocks' 8-byte big-endian digests, concatenated."""
+    blocks = [xxhash.xxh3_64(data[i : i + block_bytes]) for i in range(0, len(data), block_bytes)]
+    combined = xxhash.xxh3_64_hexdigest(b"".join(b.digest() for b in blocks))
+    return combined, [b.hexdigest() for b in blocks]
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    root = tmp_path / "root"
+    state = make_state()
+    with Checkpointer(root) as ck:
+        ck.save(1, state)
+        ck.wait()
+    return root, state
+
+
+def test_manifest_digests_follow_the_documented_rule(saved: tuple[Path, dict[str, Any]]) -> None:
+    root, _ = saved
+    doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
+    assert doc["schema_version"] == 2
+    big = doc["arrays"]["big"]
+    row_bytes = big["chunk_shape"][1] * 4
+    block_bytes = big["block_rows"] * row_bytes
+    assert block_bytes == (4 << 20) // row_bytes * row_bytes
+    (chunk,) = big["chunks"]
+    combined, blocks = documented_digests((vdir(root, 1) / BIG).read_bytes(), block_bytes)
+    assert len(blocks) == 3 and chunk["blocks"] == blocks
+    assert chunk["xxh3"] == combined
+    small = doc["arrays"]["w"]["chunks"][0]
+    assert "blocks" not in small
+    assert small["xxh3"] == xxhash.xxh3_64_hexdigest((vdir(root, 1) / "state/w/c.0.0").read_bytes())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_streaming_in_any_pieces(seed: int) -> None:
+    rng = random.Random(seed)
+    data = rng.randbytes(rng.randrange(1, 50_000))
+    block = rng.choice([0, 1, 7, 4096, 10_000, 60_000])
+    hasher = ChunkHasher(block)
+    at = 0
+    while at < len(data):
+        n = rng.choice([1, 3, 4096, 10_000, 30_000])
+        hasher.update(memoryview(data)[at : at + n])
+        at += n
+    want = xxhash.xxh3_64_hexdigest(data) if block == 0 else documented_digests(data, block)[0]
+    assert hasher.hexdigest() == want == chunk_digest(data, block)
+
+
+def test_inconsistent_block_digests_are_rejected(saved: tuple[Path, dict[str, Any]]) -> None:
+    root, _ = saved
+    doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
+    doc["arrays"]["big"]["chunks"][0]["blocks"][1] = "0" * 16
+    with pytest.raises(ManifestError, match="does not match its blocks"):
+        parse_manifest(json.dumps(doc).encode())
+
+
+def _as_schema_1(root: Path) -> None:
+    """Rewrite version 1 as an older ckpt wrote it: "/" chunk keys, every xxh3 over the whole file."""
+    path = vdir(root, 1) / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    doc["schema_version"] = 1
+    for name, array in doc["arrays"].items():
+        meta = vdir(root, 1) / "state" / name / "zarr.json"
+        zdoc = json.loads(meta.read_bytes())
+        zdoc["chunk_key_encoding"]["configuration"]["separator"] = "/"
+        meta.write_text(json.dumps(zdoc))
+        for chunk in array["chunks"]:
+            if "inline" not in chunk:
+                index = [str(i) for i in chunk["index"]]
+                old = vdir(root, 1) / "state" / name / ("c." + ".".join(index))
+                new = vdir(root, 1) / "state" / name / "c" / "/".join(index)
+                os.renames(old, new)
+                chunk["xxh3"] = xxhash.xxh3_64_hexdigest(new.read_bytes())
+    path.write_text(json.dumps(doc))
+
+
+def test_schema_1_versions_still_restore_and_verify(saved: tuple[Path, dict[str, Any]]) -> None:
+    root, state = saved
+    _as_schema_1(root)
+    with Checkpointer(root) as ck:
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(got) == 1
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    # zarr-python reads it as well, through its "/" chunk keys.
+    big = zarr.open_array(str(vdir(root, 1) / "state" / "big"), mode="r")
+    assert torch.equal(torch.from_numpy(big[...]), state["big"])
+    # ... and their checksums still catch a flipped byte.
+    with open(vdir(root, 1) / BIG_V1, "r+b") as f:
+        f.seek(5 << 20)
+        b = f.read(1)[0]
+        f.seek(5 << 20)
+        f.write(bytes([b ^ 1]))
+    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
+    assert result.exit_code == 1 and f"BAD {BIG_V1}" in result.output, result.output
+    with Checkpointer(root) as ck, pytest.raises(CorruptVersionError):
+        ck.restore({k: torch.zeros_like(v) for k, v in state.items()})
