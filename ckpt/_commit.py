@@ -44,7 +44,7 @@ from store.faults import fault_delay, fault_point
 from store.fsio import DIR_MODE, fsync_dirs, fsync_files, write_chunk, write_new
 from store.layout import ArrayPlan, block_rows, chunk_file
 from store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
-from store.zarr_meta import ArrayNode, documents, write_hierarchy
+from store.zarr_meta import ArrayNode, array_document, documents, write_hierarchy
 
 __all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit"]
 
@@ -79,6 +79,7 @@ class SaveJob:
     milestone: bool = False  # tagged for milestone retention
     check_finite: bool = False  # refuse NaN/Inf in floating tensors
     records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
+    inline_docs: set[str] = field(default_factory=set)  # inline arrays whose zarr.json is written
     dirs: set[str] = field(default_factory=set)
     stats: SaveStats = field(default_factory=lambda: SaveStats(0))
     started: float = field(default_factory=time.perf_counter)
@@ -115,10 +116,12 @@ def write_tasks(
     tmp_dir: str,
     pool: ThreadPoolExecutor,
     metadata: tuple[Sequence[tuple[str, bytes]], set[str]] = ((), set()),
+    inline_docs: bool = False,
 ) -> None:
     """Write the staged chunks of `job.tasks` and the files of `metadata` (zarr.json files and
     the directories they need); record the chunks' checksums. Everything is fsynced together
-    at the end."""
+    at the end. With `inline_docs`, the zarr.json of each inline array among the tasks is
+    written too (its fill_value is the staged value), instead of at PREPARE."""
     docs, meta_dirs = metadata
     arena_np = job.arena.numpy()
     written: list[str] = []  # list.append is atomic: the writer threads share it
@@ -134,6 +137,11 @@ def write_tasks(
             if job.check_finite:
                 _check_finite(job, task)
             raw = bytes(view)
+            if inline_docs:
+                spec = task.array.spec
+                node = ArrayNode(f"{STATE_PREFIX}/{name}", spec.data_type, spec.shape, task.array.chunk_shape, raw.hex())
+                doc((os.path.join(tmp_dir, node.path, "zarr.json"), json.dumps(array_document(node, {})).encode()))
+                job.inline_docs.add(name)
             return name, index, xxhash.xxh3_64_hexdigest(raw), raw.hex(), []
         if job.check_finite:
             _check_finite(job, task)
@@ -149,7 +157,7 @@ def write_tasks(
         return name, index, digest, None, blocks
 
     t0 = time.perf_counter()
-    # Every directory first (the inline arrays' too, which get their zarr.json at PREPARE),
+    # Every directory first (the inline arrays' too, whose zarr.json holds their value),
     # on one thread, before any data is dirty: ext4 (data=ordered) makes a mkdir next to
     # running writeback wait for a journal commit, which flushes the data written so far.
     # Created from the writer threads, mkdirs took most of their time (py-spy).
@@ -321,7 +329,10 @@ def run_commit(
         if error is not None:
             raise error
         os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
-        write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir) if ctx.is_leader else ((), set()))
+        if ctx.is_leader:
+            write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir), inline_docs=True)
+        else:
+            write_tasks(job, tmp_dir, pool)
         fault_point("after-write", ctx.rank)
         t0 = time.perf_counter()
         fsync_dirs(job.dirs)
@@ -375,8 +386,13 @@ def run_commit(
         error = None
         if ctx.is_leader:  # PREPARE
             try:
-                # The rest of the zarr metadata went with the data (metadata_documents).
-                inline = [ArrayNode.of(a) for a in manifest.arrays.values() if any(c.inline is not None for c in a.chunks)]
+                # The rest of the zarr metadata went with the data (metadata_documents, and
+                # the inline arrays this rank wrote): what is left are other ranks' inline values.
+                inline = [
+                    ArrayNode.of(a)
+                    for a in manifest.arrays.values()
+                    if a.name not in job.inline_docs and any(c.inline is not None for c in a.chunks)
+                ]
                 with no_cyclic_gc():  # serializes the manifest
                     dirs = write_hierarchy(tmp_dir, inline, None)
                     commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zarr
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import launch
@@ -521,6 +522,21 @@ def _chunk_files(version_dir: Path) -> set[str]:
     return out
 
 
+def check_inline_metadata(vdir: Path, m: Any) -> set[int]:
+    """Every inline array's zarr.json (whoever wrote the value) gives zarr-python the value
+    the manifest holds; returns the ranks that wrote inline values."""
+    writers = set()
+    for a in m.arrays.values():
+        (chunk, *_) = a.chunks
+        if chunk.inline is None:
+            continue
+        writers.add(chunk.writer)
+        got = zarr.open_array(str(vdir / STATE_PREFIX / a.name), mode="r")[...]
+        little = np.dtype(a.data_type).newbyteorder("<")
+        assert np.ascontiguousarray(got, dtype=little).tobytes() == bytes.fromhex(chunk.inline), a.name
+    return writers
+
+
 def check_written_once(run: dict[str, Any], section: str) -> list[Any]:
     """Every chunk of every array has one writer; replicated data is spread over the ranks."""
     world = run["world"]
@@ -571,6 +587,7 @@ def test_replicated_written_once_world2(world2: dict[str, Any]) -> None:
     want = {a.chunk_path(c) for a in m.arrays.values() for c in a.chunks if c.inline is None}
     assert _chunk_files(vdir) == want
     assert commit.read_root_info(str(vdir))["writers"] == [0, 1]
+    assert check_inline_metadata(vdir, m), "no inline values"
 
 
 def test_roundtrip_world4(world4: dict[str, Any]) -> None:
@@ -606,6 +623,8 @@ def test_two_nodes_world4(world4: dict[str, Any]) -> None:
         }
         assert own, f"node{node} wrote nothing"
         assert _chunk_files(vdir) == own, f"node{node} holds chunk files of other nodes' ranks"
+        # node1's leader writes the zarr.json of values that node0's ranks staged (at PREPARE)
+        assert check_inline_metadata(vdir, m) - set(info["writers"]), f"node{node}: only its own inline values"
     # Replicated tensors whose only copy is on node0: node1's ranks restored them bitwise
     # (the "nodes" section compares every tensor on every rank), so they came across.
     on_node0_only = [
