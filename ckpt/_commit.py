@@ -22,10 +22,9 @@ import math
 import os
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +41,7 @@ from store.dtypes import itemsize
 from store.errors import NonFiniteError, RankFailures, TierUnavailableError
 from store.faults import fault_delay, fault_point
 from store.fsio import DIR_MODE, fsync_dirs, fsync_files, write_chunk, write_new
+from store.lanes import run_lanes
 from store.layout import ArrayPlan, block_rows, chunk_file
 from store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
 from store.zarr_meta import ArrayNode, array_document, documents, write_hierarchy
@@ -50,6 +50,7 @@ __all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit"]
 
 log = logging.getLogger("ckpt")
 _LANES = 16  # at most this many writer lanes per save (bounded by the pool's threads)
+_Record = tuple[str, list[int], str, str | None, list[str]]  # array, chunk index, xxh3, inline value, blocks
 
 
 @dataclass
@@ -130,7 +131,7 @@ def write_tasks(
         write_new(*item)
         written.append(item[0])
 
-    def one(task: StageTask) -> tuple[str, list[int], str, str | None, list[str]]:
+    def one(task: StageTask) -> _Record:
         view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])  # type: ignore[arg-type]
         name, index = task.array.spec.name, list(task.chunk.index)
         if task.chunk.inline:
@@ -173,35 +174,18 @@ def write_tasks(
     job.dirs.update(new_dirs)
     # Largest first, so the writers finish together instead of one writing a big chunk alone.
     ordered: list[StageTask | tuple[str, bytes]] = [*sorted(job.tasks, key=lambda t: -t.staged_bytes), *docs]
-    results: list[tuple[str, list[int], str, str | None, list[str]] | None] = [None] * len(job.tasks)
-    failed: list[tuple[int, BaseException]] = []
-    pending = iter(enumerate(ordered))
-    lock = threading.Lock()
 
-    def lane() -> None:
-        # A few lanes pull tasks in order, rather than one future per chunk: submitting and
-        # collecting ~1000 futures competes with the writers for the GIL.
-        while True:
-            with lock:
-                nxt = next(pending, None)
-            if nxt is None:
-                return
-            i, task = nxt
-            try:
-                if isinstance(task, StageTask):
-                    results[i] = one(task)
-                else:  # the small metadata files go last, filling in as the chunk writers finish
-                    doc(task)
-            except Exception as e:  # noqa: BLE001 - raised below, once every lane has stopped
-                failed.append((i, e))
+    def work(task: StageTask | tuple[str, bytes]) -> _Record | None:
+        if isinstance(task, StageTask):
+            return one(task)
+        doc(task)  # the small metadata files go last, filling in as the chunk writers finish
+        return None
 
-    # More lanes than the pool has threads is harmless: a late lane finds nothing left to do.
-    lanes = [pool.submit(lane) for _ in range(min(len(ordered), _LANES))]
-    wait(lanes)  # on a failure, let every writer stop before the arena may be reused
-    for f in lanes:
-        f.result()
+    # On a failure every lane has stopped before the arena may be reused.
+    outcomes, failed = run_lanes(ordered, work, _LANES, pool=pool)
     if failed:
-        raise min(failed, key=lambda x: x[0])[1]
+        raise failed[0][1]
+    results = outcomes[: len(job.tasks)]
     for r in results:
         assert r is not None
         name, index, digest, inline, blocks = r

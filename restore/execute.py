@@ -21,7 +21,6 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +31,7 @@ from restore.torch_dtypes import ZARR_TO_TORCH
 from store.chunk_read import open_chunk, pread_into
 from store.dtypes import itemsize
 from store.errors import CorruptVersionError, RankFailures
+from store.lanes import run_lanes
 from store.manifest import ArrayEntry, ChunkEntry, Manifest
 
 __all__ = ["ReadRequest", "Source", "load_arrays", "full_tensor"]
@@ -449,36 +449,9 @@ def _warm_metadata(
 
 
 def _for_each(items: Sequence[Any], fn: Callable[[Any], None], threads: int, name: str) -> list[Exception]:
-    """fn(item) for every item, on `threads` threads that take the items in order; returns the
-    exceptions raised, in item order (every item is attempted).
-
-    One task per thread rather than one future per item: with ~1000 chunks per version,
-    creating and collecting the futures cost a third of a warm restore's time (py-spy),
-    the submitting thread competing for the GIL with the readers.
-    """
-    if not items:
-        return []
-    pending = iter(enumerate(items))
-    lock = threading.Lock()
-    failed: list[tuple[int, Exception]] = []
-
-    def work() -> None:
-        while True:
-            with lock:
-                nxt = next(pending, None)
-            if nxt is None:
-                return
-            i, item = nxt
-            try:
-                fn(item)
-            except Exception as e:  # noqa: BLE001 - returned to the caller
-                failed.append((i, e))
-
-    n = max(1, min(threads, len(items)))
-    with ThreadPoolExecutor(n, thread_name_prefix=name) as pool:
-        for f in [pool.submit(work) for _ in range(n)]:
-            f.result()
-    return [e for _, e in sorted(failed, key=lambda x: x[0])]
+    """fn(item) for every item on `threads` lanes; the exceptions raised, in item order."""
+    _, failed = run_lanes(items, fn, max(1, threads), name=name)
+    return [e for _, e in failed]
 
 
 def _read_block_any(

@@ -10,11 +10,10 @@ import contextlib
 import ctypes
 import errno
 import os
-import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 from store.digest import ChunkHasher
+from store.lanes import run_lanes
 
 __all__ = [
     "FILE_MODE",
@@ -70,37 +69,10 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def _each(paths: list[str], fn: Callable[[str], None], threads: int) -> None:
-    """fn(path) for every path on `threads` threads that pull paths in order; raises the
-    first failure (in path order) once every thread has stopped.
-
-    A few pulling threads rather than one future per path: for the thousands of files and
-    directories of a version, creating the futures cost more than the fsyncs (~3x, measured).
-    """
-    if len(paths) <= 2:
-        for p in paths:
-            fn(p)
-        return
-    pending = iter(enumerate(paths))
-    lock = threading.Lock()
-    failed: list[tuple[int, BaseException]] = []
-
-    def work() -> None:
-        while True:
-            with lock:
-                nxt = next(pending, None)
-            if nxt is None:
-                return
-            try:
-                fn(nxt[1])
-            except Exception as e:  # noqa: BLE001 - raised below
-                failed.append((nxt[0], e))
-
-    n = min(threads, len(paths))
-    with ThreadPoolExecutor(n) as pool:
-        for f in [pool.submit(work) for _ in range(n)]:
-            f.result()
+    """fn(path) for every path on `threads` lanes; raises the first failure (in path order)."""
+    _, failed = run_lanes(paths, fn, threads, name="ckpt-fsync")
     if failed:
-        raise min(failed, key=lambda x: x[0])[1]
+        raise failed[0][1]
 
 
 def fsync_dirs(paths: Iterable[str], threads: int = 8) -> None:
