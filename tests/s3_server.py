@@ -43,6 +43,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The server runs in its own session (a signal to the tests' process group must not reach
+# it), so it would outlive a test run that is killed: it asks for SIGKILL when its parent
+# dies (prctl PR_SET_PDEATHSIG, kept across exec), then becomes moto.server.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)  # the parent died before prctl
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
 class MotoServer:
     """`python -m moto.server` on 127.0.0.1:<port>, with the test bucket created."""
 
@@ -67,8 +79,9 @@ class MotoServer:
         assert not self.alive, "moto server already running"
         self.starts += 1
         self._log = open(self.log_dir / f"moto-{self.starts}.log", "wb")
+        server = ["-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *server],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
