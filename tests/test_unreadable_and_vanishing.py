@@ -178,7 +178,10 @@ ROOT_DIES = COMMON + textwrap.dedent(
     # the disk dies while step 4 is being written (each chunk write waits 1 s first)
     os.environ["CKPT_DELAY"] = "write:0:1.0"
     ck.save(4, state_for(4))
-    time.sleep(0.3)
+    deadline = time.time() + 30  # until the writers are in (its directories exist before any data)
+    while not any(n.startswith("v000000000004.tmp-") for n in os.listdir(d0)):
+        assert time.time() < deadline, "step 4 never started writing"
+        time.sleep(0.01)
     shutdown(base + "/disk0")
     report("WAIT4", ck.wait)
     del os.environ["CKPT_DELAY"]
@@ -329,7 +332,9 @@ DISK_VANISHES = COMMON + textwrap.dedent(
         print("COMMITTED_BELOW_MOUNT", commit.committed_steps(replica), flush=True)
         listing = CliRunner().invoke(cli, ["ls", hidden, "--json"])
         print("LS_LOST_DISK", listing.exit_code, [r["step"] for r in json.loads(listing.stdout)], flush=True)
-        time.sleep(1.0)  # a few more passes while the disk is away
+        # a few more passes while the disk is away (each pass ends by writing the status)
+        seen = {read_status(src).get("updated")}
+        wait_for("3 more replicator passes", lambda: seen.add(read_status(src).get("updated")) or len(seen) > 3)
         subprocess.run(["mount", "--bind", base + "/hidden", disk1], check=True)  # it comes back
         wait_for("the copy of step 2 after the disk came back", lambda: copy_state(2) == ["verified"])
         print("STATUS_BACK", copy_state(1), copy_state(2), flush=True)
