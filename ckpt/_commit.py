@@ -44,7 +44,7 @@ from store.fsio import DIR_MODE, fsync_dirs, fsync_files, write_chunk, write_new
 from store.lanes import run_lanes
 from store.layout import ArrayPlan, block_rows, chunk_file
 from store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
-from store.zarr_meta import ArrayNode, array_document, documents, write_hierarchy
+from store.zarr_meta import ArrayNode, documents, write_hierarchy
 
 __all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit"]
 
@@ -141,7 +141,8 @@ def write_tasks(
             if inline_docs:
                 spec = task.array.spec
                 node = ArrayNode(f"{STATE_PREFIX}/{name}", spec.data_type, spec.shape, task.array.chunk_shape, raw.hex())
-                doc((os.path.join(tmp_dir, node.path, "zarr.json"), json.dumps(array_document(node, {})).encode()))
+                (zarr_json,), _ = documents(tmp_dir, [node], None)
+                doc(zarr_json)
                 job.inline_docs.add(name)
             return name, index, xxhash.xxh3_64_hexdigest(raw), raw.hex(), []
         if job.check_finite:

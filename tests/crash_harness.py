@@ -309,6 +309,15 @@ class Harness:
                 p.kill()
             p.wait()
 
+    def reap(self, proc: Child, hung: str) -> int:
+        """proc's exit code; SIGKILL and a failure (`hung`) if it runs past the timeout."""
+        try:
+            return proc.wait(timeout=self.c.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            self.fail(f"round {self.fig.rounds}: {hung}")
+            return proc.wait()
+
     def fail(self, msg: str) -> None:
         with self._lock:
             self.fig.failures.append(msg)
@@ -366,12 +375,7 @@ class Harness:
                 proc.wait(timeout=self.rng.uniform(0.0, 1.0) * typical)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGKILL)
-        try:
-            rc = proc.wait(timeout=self.c.timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-            self.fail(f"round {self.fig.rounds}: ckpt gc hung")
+        rc = self.reap(proc, "ckpt gc hung")
         if rc == 0:
             self.gc_durations.append(time.monotonic() - t0)
         where = "remote" if target == "remote" else "local"
@@ -616,12 +620,7 @@ class Harness:
                 self.daemons[k] = None
                 continue
             p.send_signal(signal.SIGTERM)
-            try:
-                rc = p.wait(timeout=self.c.timeout_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
-                self.fail(f"round {self.fig.rounds}: daemon {k} did not stop on SIGTERM")
+            rc = self.reap(p, f"daemon {k} did not stop on SIGTERM")
             if rc != 0:
                 self.fail(f"round {self.fig.rounds}: daemon {k} exited {rc} on SIGTERM")
             self.daemons[k] = None
