@@ -83,10 +83,13 @@ def _version_rows(root: str, options: dict[str, Any]) -> list[dict[str, Any]]:
         except CkptError as e:
             rows.append({"step": step, "status": f"unreadable: {e}"})
             continue
-        info = commit.read_root_info(os.path.join(root, commit.version_dirname(step)))
+        version_dir = os.path.join(root, commit.version_dirname(step))
+        info = commit.read_root_info(version_dir)
         writers = info.get("writers", [])
         writers = writers if isinstance(writers, list) else []
         local = all(w in writers for w in range(m.world_size))
+        if not local and not os.path.isdir(version_dir):
+            continue  # GC unpublished it between the manifest and the root info: gone, not partial
         row = _row(step, m, "committed" if local else "committed (part: other ranks' chunks on other roots)", writers)
         entry = status.get(str(step))
         if entry and entry.get("save_id") == m.save_id:

@@ -234,6 +234,27 @@ def test_cli_ls_and_verify(tmp_path):
     assert missing.exit_code == 3 and "error" in missing.output
 
 
+def test_cli_ls_skips_a_version_gc_deletes_while_listing(tmp_path, monkeypatch):
+    """GC unpublishes a version between ls reading its manifest and its root info: the
+    version is gone, not "committed in part" (a race the concurrent-readers test hit)."""
+    src = _state(0)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, src)
+        ck.save(2, src)
+    read_manifest = commit.read_manifest
+
+    def read_then_gc(root, step):
+        manifest = read_manifest(root, step)
+        if step == 1:
+            commit.delete_version(root, step)  # the real unpublish (rename) and delete
+        return manifest
+
+    monkeypatch.setattr(commit, "read_manifest", read_then_gc)
+    out = CliRunner().invoke(cli, ["ls", str(tmp_path), "--json"])
+    assert out.exit_code == 0, out.output
+    assert [(r["step"], r["status"]) for r in json.loads(out.output)] == [(2, "committed")]
+
+
 def test_restore_of_empty_root_returns_none_and_unknown_step_raises(tmp_path):
     with Checkpointer(tmp_path) as ck:
         assert ck.restore(_state()) is None
