@@ -358,6 +358,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         write_floor("4_files_4_threads"),
         dcp_save(4),
         write_floor("4_files_4_threads_sync_file_range"),
+        write_floor("4_files_4_threads_o_direct"),
     ]
     ck2 = None
     if WORLD == 1:

@@ -15,7 +15,8 @@ repetition), ratios taken within a repetition, then the median:
   copy floor (two threads copying the same bytes into a warm preallocated buffer);
 - time until durable: ckpt save+wait, torch.save+fsync, DCP save at thread_count 1
   (its default), 2 and 4, and the write floor (fastest of one file per rank, 4 files by
-  4 threads, and 4 files by 4 threads with early writeback by sync_file_range);
+  4 threads, 4 files by 4 threads with early writeback by sync_file_range, and 4 files
+  by 4 threads with O_DIRECT straight from the tensors);
 - cold restore (page cache dropped before each): ckpt, torch.load, DCP load and the read
   floor (fastest of 1 thread, 4 files by 4 threads, 1 file by 4 threads) at the same
   layout (1->1, 2->2), and resharded 2->1 and 2->3 (ckpt and DCP);

@@ -50,7 +50,8 @@ __all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit"]
 
 log = logging.getLogger("ckpt")
 _LANES = 16  # at most this many writer lanes per save (bounded by the pool's threads)
-_Record = tuple[str, list[int], str, str | None, list[str]]  # array, chunk index, xxh3, inline value, blocks
+# array, chunk index, xxh3, inline value, block digests, bytes written with O_DIRECT
+_Record = tuple[str, list[int], str, str | None, list[str], int]
 
 
 @dataclass
@@ -64,6 +65,7 @@ class SaveStats:
     commit_s: float = 0.0  # gather, prepare and publish
     total_s: float = 0.0  # save() call to committed
     bytes_written: int = 0
+    direct_bytes: int = 0  # of bytes_written, written with O_DIRECT (CheckpointerConfig.direct_io)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class SaveJob:
     error: BaseException | None = None  # a failure while staging or writing in the foreground
     milestone: bool = False  # tagged for milestone retention
     check_finite: bool = False  # refuse NaN/Inf in floating tensors
+    direct_io: bool = True  # large chunks with O_DIRECT (store.fsio.write_chunk)
     records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
     inline_docs: set[str] = field(default_factory=set)  # inline arrays whose zarr.json is written
     dirs: set[str] = field(default_factory=set)
@@ -144,7 +147,7 @@ def write_tasks(
                 (zarr_json,), _ = documents(tmp_dir, [node], None)
                 doc(zarr_json)
                 job.inline_docs.add(name)
-            return name, index, xxhash.xxh3_64_hexdigest(raw), raw.hex(), []
+            return name, index, xxhash.xxh3_64_hexdigest(raw), raw.hex(), [], 0
         if job.check_finite:
             _check_finite(job, task)
         fault_delay("write", task.chunk.writer)
@@ -154,9 +157,9 @@ def write_tasks(
         row_bytes = math.prod(task.array.chunk_shape[1:]) * item
         # No fsync here: the writer moves on to the next chunk while this one's writeback
         # runs; every file is fsynced below, together (one journal commit for all).
-        digest, blocks = write_chunk(path, view, block_bytes=rows * row_bytes, fsync=False)
+        chunk = write_chunk(path, view, block_bytes=rows * row_bytes, fsync=False, direct=job.direct_io)
         written.append(path)
-        return name, index, digest, None, blocks
+        return name, index, chunk.xxh3, None, chunk.blocks, chunk.direct_bytes
 
     t0 = time.perf_counter()
     # Every directory first (the inline arrays' too, whose zarr.json holds their value),
@@ -189,8 +192,9 @@ def write_tasks(
     results = outcomes[: len(job.tasks)]
     for r in results:
         assert r is not None
-        name, index, digest, inline, blocks = r
+        name, index, digest, inline, blocks, direct_bytes = r
         job.records.setdefault(name, []).append((index, digest, inline, blocks))
+        job.stats.direct_bytes += direct_bytes
     fsync_files(written)
     job.stats.bytes_written += sum(task.chunk.nbytes for task in job.tasks)
     job.stats.write_s += time.perf_counter() - t0

@@ -26,7 +26,7 @@ import numpy as np
 from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_tasks
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._gc import no_cyclic_gc
-from ckpt._staging import Arena, StageTask, assign_offsets, stage
+from ckpt._staging import Arena, StageTask, assign_offsets, slot_bytes, stage
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import bind, encode_state
 from ckpt.config import CheckpointerConfig
@@ -109,7 +109,7 @@ def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]
             out.append([])
             size = 0
         out[-1].append(t)
-        size += t.staged_bytes + 64
+        size += slot_bytes(t)
     return out
 
 
@@ -372,6 +372,7 @@ class Checkpointer:
         job = SaveJob(step, save_id, overwrite, self._plans, tree, rng, self._arena.get(0, False), [])
         job.milestone = milestone
         job.check_finite = self.config.check_finite
+        job.direct_io = self.config.direct_io
         job.started = started
         job.stats.step = step
         pin = any(t.piece.data.is_cuda for t in tasks)

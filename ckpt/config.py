@@ -24,6 +24,12 @@ class CheckpointerConfig:
     writer_threads: int = 4
     """Threads writing chunk files in parallel."""
 
+    direct_io: bool = True
+    """Write chunks of 1 MiB and more with O_DIRECT, straight from the staging buffer: no
+    copy into the page cache, and no gigabytes of dirty pages competing with training for
+    memory. Filesystems that refuse O_DIRECT get buffered writes (SaveStats.direct_bytes
+    says which were direct)."""
+
     copy_threads: int = 2
     """Threads copying tensors into the staging buffer (the training stall)."""
 

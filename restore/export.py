@@ -116,8 +116,8 @@ def copy_version(
                     path = os.path.join(tmp, array.chunk_path(chunk))
                     makedirs(os.path.dirname(path))
                     dirs.add(os.path.dirname(path))
-                    digest, _ = write_chunk(path, memoryview(buf), block_bytes=array.digest_block_bytes(chunk))  # type: ignore[arg-type]
-                    if digest != chunk.xxh3:  # the copy must be what the manifest promises
+                    written = write_chunk(path, memoryview(buf), block_bytes=array.digest_block_bytes(chunk))  # type: ignore[arg-type]
+                    if written.xxh3 != chunk.xxh3:  # the copy must be what the manifest promises
                         raise CorruptVersionError(f"copy of {path} changed in memory", path=path)
                     progress(chunk.nbytes)
             fsync_dirs(sorted(d for d in _with_parents(dirs, tmp)))

@@ -1,5 +1,5 @@
-"""Durable file primitives: exclusive creates, fsync of files and directories,
-early writeback, and an atomic directory swap.
+"""Durable file primitives: exclusive creates, chunk writes (O_DIRECT or early
+writeback), fsync of files and directories, and an atomic directory swap.
 
 Everything the commit protocol relies on for durability goes through here.
 """
@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from store.digest import ChunkHasher
 from store.lanes import run_lanes
@@ -24,6 +26,9 @@ __all__ = [
     "write_durable",
     "write_new",
     "write_chunk",
+    "WrittenChunk",
+    "DIRECT_ALIGN",
+    "DIRECT_MIN_BYTES",
     "exchange_dirs",
     "makedirs",
 ]
@@ -31,6 +36,8 @@ __all__ = [
 FILE_MODE = 0o644  # never world-writable
 DIR_MODE = 0o755
 _WRITE_BLOCK = 64 << 20
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in whole blocks of this
+DIRECT_MIN_BYTES = 1 << 20  # smaller chunks go through the page cache
 _SYNC_FILE_RANGE_WRITE = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -103,16 +110,32 @@ def _write_all(fd: int, view: memoryview) -> None:
         done += os.write(fd, view[done : done + _WRITE_BLOCK])
 
 
-def write_chunk(path: str, data: memoryview, *, block_bytes: int = 0, fsync: bool = True) -> tuple[str, list[str]]:
-    """Write one chunk file from a staged buffer; return its digest and block digests
-    (store.digest: each byte is hashed once).
+@dataclass(frozen=True)
+class WrittenChunk:
+    xxh3: str  # the chunk digest (store.digest)
+    blocks: list[str]  # block digests; empty for a chunk checksummed as one block
+    direct_bytes: int  # bytes written with O_DIRECT (the rest went through the page cache)
 
-    Checksums are computed from the staged buffer, not by reading the file back. With
-    `block_bytes` > 0 and a chunk larger than one block, every block gets its own digest,
-    so a partial (resharded) read can be verified. Large files start their writeback
-    every 64 MiB (sync_file_range) so the final fsync has little left to wait for.
-    With `fsync=False` the writeback of the rest is started too, and the caller makes the
-    file durable later (`fsync_files`): a writer thread then never waits for the disk.
+
+def write_chunk(
+    path: str, data: memoryview, *, block_bytes: int = 0, fsync: bool = True, direct: bool = False
+) -> WrittenChunk:
+    """Write one chunk file from a staged buffer; return its digests (store.digest: each
+    byte is hashed once, from the buffer, not by reading the file back).
+
+    With `block_bytes` > 0 and a chunk larger than one block, every block gets its own
+    digest, so a partial (resharded) read can be verified.
+
+    With `direct`, a chunk of at least DIRECT_MIN_BYTES whose buffer starts on a
+    DIRECT_ALIGN boundary is written with O_DIRECT, straight from the buffer to the device
+    (all but its last partial block): no copy into the page cache, no dirty pages for the
+    kernel to flush under memory pressure, and the same speed whatever else the page cache
+    holds. Elsewhere (a filesystem that refuses O_DIRECT, a small or unaligned chunk) the
+    file is written through the page cache, its writeback started every 64 MiB
+    (sync_file_range) so that the final fsync has little left to wait for.
+
+    With `fsync=False` the caller makes the file durable later (`fsync_files`; the
+    O_DIRECT part needs it too: it created extents and may sit in the device's cache).
     """
     view = data.cast("B")
     with_blocks = 0 < block_bytes < len(view)
@@ -120,22 +143,59 @@ def write_chunk(path: str, data: memoryview, *, block_bytes: int = 0, fsync: boo
     hasher = ChunkHasher(block_bytes if with_blocks else 0)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
-        done = flushed = 0
-        while done < len(view):
-            piece = view[done : done + step]
-            hasher.update(piece)
-            _write_all(fd, piece)
-            done += len(piece)
-            if _sync_file_range is not None and done - flushed >= _WRITE_BLOCK:
-                _sync_file_range(fd, ctypes.c_int64(flushed), ctypes.c_int64(done - flushed), _SYNC_FILE_RANGE_WRITE)
-                flushed = done
+        direct_end = _direct_prefix(view) if direct else 0
+        if direct_end and not _set_direct(fd, True):
+            direct_end = 0
+        written = flushed = 0  # written: bytes in the file; flushed: its writeback started
+        for start in range(0, len(view), step):
+            hashed = min(len(view), start + step)
+            hasher.update(view[start:hashed])
+            if written < direct_end:  # O_DIRECT: whole aligned blocks, as far as hashed
+                upto = min(direct_end, hashed - hashed % DIRECT_ALIGN)
+                _write_all(fd, view[written:upto])
+                written = flushed = upto
+                if written == direct_end:
+                    _set_direct(fd, False)  # the tail goes through the page cache
+            if written >= direct_end:
+                _write_all(fd, view[written:hashed])
+                written = hashed
+                if _sync_file_range is not None and written - flushed >= _WRITE_BLOCK:
+                    _start_writeback(fd, flushed, written - flushed)
+                    flushed = written
         if fsync:
             os.fsync(fd)
-        elif _sync_file_range is not None and done > flushed:
-            _sync_file_range(fd, ctypes.c_int64(flushed), ctypes.c_int64(0), _SYNC_FILE_RANGE_WRITE)  # 0: to EOF
+        elif _sync_file_range is not None and written > flushed:
+            _start_writeback(fd, flushed, 0)  # 0: to EOF
     finally:
         os.close(fd)
-    return hasher.hexdigest(), hasher.blocks
+    return WrittenChunk(hasher.hexdigest(), hasher.blocks, direct_end)
+
+
+def _direct_prefix(view: memoryview) -> int:
+    """How many leading bytes of `view` O_DIRECT can write: whole DIRECT_ALIGN blocks from
+    an aligned address; 0 for a small chunk (a synchronous write per file costs more than
+    the page-cache copy) or an unaligned or read-only buffer."""
+    if len(view) < DIRECT_MIN_BYTES or view.readonly:
+        return 0
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return 0 if address % DIRECT_ALIGN else len(view) - len(view) % DIRECT_ALIGN
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for an open file; False where the filesystem refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    return True
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    assert _sync_file_range is not None
+    _sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), _SYNC_FILE_RANGE_WRITE)
 
 
 def _fsync_file(path: str) -> None:
