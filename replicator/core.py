@@ -292,13 +292,15 @@ class Replicator:
         policy = self.config.local_policy
         if policy is not None:
             result = gc_local(source, policy, redundant=self.redundant_steps(source))
-            for dest in dests:
-                if dest.local:
-                    for step in result.deleted:
-                        if step in commit.committed_steps(dest.prefix):
-                            commit.delete_version(dest.prefix, step)
             for step in result.deleted:
                 versions.pop(str(step), None)
+            # A replica copy of a version the source still holds is one of its required
+            # copies, and stays. The others (deleted here, by `ckpt gc`, or by hand) are
+            # collected under the same policy, respecting readers' pins on the replica.
+            on_source = commit.committed_steps(source)
+            for dest in dests:
+                if dest.local and os.path.isdir(dest.prefix):
+                    gc_local(dest.prefix, policy, pinned=on_source)
         if self.remote is not None and self.config.remote_policy is not None:
             gc_remote(self.remote.url, self.config.remote_policy, storage_options=dict(self.config.storage_options))
 

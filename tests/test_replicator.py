@@ -495,6 +495,41 @@ def test_retention_over_50_saves(s3: S3Place, tmp_path: Path) -> None:
     _check_retention(d0, d1, s3, [48, 49, 50], [10, 20, 30, tagged, 40, 50])
 
 
+def test_replica_copies_of_versions_gc_deleted_elsewhere_are_collected(tmp_path: Path) -> None:
+    """`ckpt gc ROOT` deletes versions behind the replicator's back: their replica copies
+    go under the local policy in later passes (not only those the replicator deleted),
+    never a copy the source still holds, nor one a reader has pinned."""
+    from replicator.core import source_label
+
+    d0, d1 = two_disks(tmp_path)
+    replica = str(d1 / "replicas" / source_label(str(d0)))
+    rep = Replicator([str(d0)], ReplicatorConfig(replicas=2, replica_roots=(str(d1),), local_policy=KeepLast(3)))
+    with Checkpointer(d0) as ck:
+        for step in range(1, 6):
+            ck.save(step, tiny_state(step))
+        ck.wait()
+        rep.run_once()
+        assert commit.committed_steps(str(d0)) == commit.committed_steps(replica) == [3, 4, 5]
+        gc = CliRunner().invoke(cli_main, ["gc", str(d0), "--keep-last", "1"])
+        assert gc.exit_code == 0, gc.output
+        assert commit.committed_steps(str(d0)) == [5]
+        for step in range(6, 9):
+            ck.save(step, tiny_state(step))
+        ck.wait()
+        with commit.pin_version(replica, 3) as present:  # a restore reading the replica's copy of 3
+            assert present
+            rep.run_once()
+            assert commit.committed_steps(str(d0)) == [6, 7, 8]
+            assert commit.committed_steps(replica) == [3, 6, 7, 8]  # 4 and 5 collected, 3 pinned
+        rep.run_once()
+    assert commit.committed_steps(replica) == [6, 7, 8]
+    for step in (6, 8):
+        target = blank(tiny_state(step))
+        with Checkpointer(tmp_path / "reader", tiers=[replica]) as reader:
+            assert reader.restore(target, step=step) == step
+        assert_same(target, tiny_state(step))
+
+
 def test_retention_by_the_checkpointer_thread(s3: S3Place, tmp_path: Path) -> None:
     """The same with the Checkpointer's own replicator thread: passes race the saves (and
     delete versions while new ones commit); close() drains."""
