@@ -17,6 +17,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from store.digest import combine_blocks
 from store.dtypes import ITEMSIZE
 from store.errors import ManifestError
@@ -34,6 +36,7 @@ __all__ = [
     "escape_component",
     "unescape_component",
     "parse_manifest",
+    "with_checksum",
 ]
 
 # 2: "." chunk keys; a blocked chunk's xxh3 is the digest of its block digests (store/digest.py)
@@ -171,7 +174,7 @@ class Manifest:
                 for name, a in self.arrays.items()
             },
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return with_checksum(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
 
 def _chunk_doc(c: ChunkEntry) -> dict[str, Any]:
@@ -302,8 +305,34 @@ def _rng_ok(rng: Any) -> bool:
     )
 
 
+_CHECKSUM_TAIL = re.compile(rb',"manifest_xxh3":"([0-9a-f]{16})"\}$')
+
+
+def with_checksum(body: bytes) -> bytes:
+    """A JSON object with its own checksum as the last member: `manifest_xxh3` is the
+    xxh3_64 of the document as it reads without that member (`body`)."""
+    if not body.endswith(b"}") or body == b"{}":
+        raise ValueError("with_checksum needs a non-empty JSON object")
+    return body[:-1] + b',"manifest_xxh3":"' + xxhash.xxh3_64_hexdigest(body).encode() + b'"}'
+
+
+def _check_checksum(raw: bytes) -> None:
+    """Refuse a manifest whose bytes changed since it was written. Manifests written before
+    ckpt recorded `manifest_xxh3` have none and are read as they are."""
+    m = _CHECKSUM_TAIL.search(raw)
+    if m is None:
+        if b'"manifest_xxh3"' in raw[-64:]:  # there, but damaged
+            raise ManifestError("manifest's manifest_xxh3 is not its last member, or is malformed")
+        return
+    body = raw[: m.start()] + b"}"
+    got = xxhash.xxh3_64_hexdigest(body)
+    if got != m.group(1).decode():
+        raise ManifestError(f"manifest fails its checksum (xxh3 {got}, recorded {m.group(1).decode()})")
+
+
 def parse_manifest(raw: bytes) -> Manifest:
     """Parse and validate; raises ManifestError on anything a reader should not act on."""
+    _check_checksum(raw)
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import xxhash
 import zarr
+from _manifests import crafted, legacy
 from click.testing import CliRunner
 
 from ckpt import Checkpointer, CorruptVersionError
@@ -90,7 +91,7 @@ def test_inconsistent_block_digests_are_rejected(saved: tuple[Path, dict[str, An
     doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
     doc["arrays"]["big"]["chunks"][0]["blocks"][1] = "0" * 16
     with pytest.raises(ManifestError, match="does not match its blocks"):
-        parse_manifest(json.dumps(doc).encode())
+        parse_manifest(crafted(doc))
 
 
 def _as_schema_1(root: Path) -> None:
@@ -110,7 +111,7 @@ def _as_schema_1(root: Path) -> None:
                 new = vdir(root, 1) / "state" / name / "c" / "/".join(index)
                 os.renames(old, new)
                 chunk["xxh3"] = xxhash.xxh3_64_hexdigest(new.read_bytes())
-    path.write_text(json.dumps(doc))
+    path.write_bytes(legacy(doc))  # schema 1 manifests had no manifest_xxh3
 
 
 def test_schema_1_versions_still_restore_and_verify(saved: tuple[Path, dict[str, Any]]) -> None:
@@ -135,3 +136,37 @@ def test_schema_1_versions_still_restore_and_verify(saved: tuple[Path, dict[str,
     assert result.exit_code == 1 and f"BAD {BIG_V1}" in result.output, result.output
     with Checkpointer(root) as ck, pytest.raises(CorruptVersionError):
         ck.restore({k: torch.zeros_like(v) for k, v in state.items()})
+
+
+def test_manifest_checksum_follows_the_documented_rule(saved: tuple[Path, dict[str, Any]]) -> None:
+    """FORMAT.md: the manifest's last member is manifest_xxh3, the xxh3_64 of the document
+    as it reads without that member."""
+    root, _ = saved
+    raw = (vdir(root, 1) / "manifest.json").read_bytes()
+    body, sep, tail = raw.rpartition(b',"manifest_xxh3":"')
+    assert sep and len(tail) == 18 and tail.endswith(b'"}')
+    assert xxhash.xxh3_64_hexdigest(body + b"}") == tail[:16].decode()
+
+
+def test_a_manifest_edited_in_place_is_refused(tmp_path: Path) -> None:
+    """One changed digit that still parses (an epoch counter) would otherwise be restored
+    silently: verify reports the manifest, restore falls back to the older version."""
+    root = tmp_path / "root"
+    with Checkpointer(root) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.full((4, 3), float(step)), "epoch": step + 40})
+        ck.wait()
+    path = vdir(root, 2) / "manifest.json"
+    raw = path.read_bytes()
+    assert raw.count(b'"epoch":42') == 1
+    path.write_bytes(raw.replace(b'"epoch":42', b'"epoch":43'))
+    json.loads(path.read_bytes())  # still a valid document
+    verify = CliRunner().invoke(cli, ["verify", str(root)])
+    assert verify.exit_code == 1 and "step 2: BAD manifest" in verify.output and "checksum" in verify.output
+    assert "step 1: ok" in verify.output
+    got = {"w": torch.zeros(4, 3), "epoch": 0}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got) == 1
+        with pytest.raises(ManifestError, match="checksum"):
+            ck.restore(got, step=2)
+    assert got["epoch"] == 41 and torch.equal(got["w"], torch.full((4, 3), 1.0))

@@ -24,6 +24,7 @@ import pytest
 import tensorstore as ts
 import torch
 import zarr
+from _manifests import crafted
 
 import ckpt
 import ckpt.checkpointer as checkpointer_mod
@@ -437,7 +438,7 @@ MANIFEST_EDITS = {
 def test_parse_manifest_rejects(manifest_doc: dict[str, Any], edit: str) -> None:
     doc = MANIFEST_EDITS[edit](manifest_doc)
     with pytest.raises(ckpt.ManifestError):
-        parse_manifest(json.dumps(doc).encode())
+        parse_manifest(crafted(doc))
 
 
 def test_manifest_of_another_step_is_rejected(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _manifests import crafted
 
 import ckpt
 from ckpt import Checkpointer
@@ -100,7 +101,7 @@ def test_manifest_without_all_chunks_is_rejected(tmp_path: Path) -> None:
     doc = _manifest(tmp_path)
     doc["arrays"]["w"]["chunks"] = []
     with pytest.raises(ckpt.ManifestError, match="cover"):
-        parse_manifest(json.dumps(doc).encode())
+        parse_manifest(crafted(doc))
 
 
 def test_deeply_nested_manifest_is_a_manifest_error() -> None:
@@ -112,7 +113,7 @@ def test_malformed_rng_is_rejected(tmp_path: Path) -> None:
     doc = _manifest(tmp_path)
     doc["ranks"][0]["rng"] = {"python": {"state": "x"}}
     with pytest.raises(ckpt.ManifestError, match="RNG"):
-        parse_manifest(json.dumps(doc).encode())
+        parse_manifest(crafted(doc))
 
 
 def test_numpy_object_array_is_refused_cleanly(tmp_path: Path) -> None:

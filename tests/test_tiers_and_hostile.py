@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 import xxhash
+from _manifests import crafted
 from click.testing import CliRunner
 
 import ckpt
@@ -113,7 +114,7 @@ def edit_manifest(version: Path, fn: Callable[[dict[str, Any]], None]) -> None:
     path = version / "manifest.json"
     doc = json.loads(path.read_bytes())
     fn(doc)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(crafted(doc))
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
