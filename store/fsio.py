@@ -38,6 +38,7 @@ DIR_MODE = 0o755
 _WRITE_BLOCK = 64 << 20
 DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in whole blocks of this
 DIRECT_MIN_BYTES = 1 << 20  # smaller chunks go through the page cache
+_DIRECT_WRITE = 64 << 20  # bytes per O_DIRECT write (or the rest of the chunk)
 _SYNC_FILE_RANGE_WRITE = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -150,7 +151,9 @@ def write_chunk(
         for start in range(0, len(view), step):
             hashed = min(len(view), start + step)
             hasher.update(view[start:hashed])
-            if written < direct_end:  # O_DIRECT: whole aligned blocks, as far as hashed
+            # O_DIRECT: whole aligned blocks, as far as hashed, in large writes (each is
+            # synchronous: a large one keeps many requests queued on the device)
+            if written < direct_end and (hashed - written >= _DIRECT_WRITE or hashed >= direct_end):
                 upto = min(direct_end, hashed - hashed % DIRECT_ALIGN)
                 _write_all(fd, view[written:upto])
                 written = flushed = upto
