@@ -73,9 +73,15 @@ class Arena:
             self.buffer = None  # free before allocating the replacement
             # Not in transparent huge pages: O_DIRECT writes from them were 10% faster here,
             # but the staging copy (the stall) 7% slower and the first save's faults 70%.
-            raw = torch.empty(max(nbytes, 1) + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
-            skip = -raw.data_ptr() % DIRECT_ALIGN  # start on a DIRECT_ALIGN boundary (O_DIRECT)
-            buf = raw[skip : skip + max(nbytes, 1)]
+            size = max(nbytes, 1)
+            # Pinned blocks are page-aligned already, and the pinned allocator rounds sizes up
+            # to a power of two: slack there could double the pinned memory.
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True) if pin else None
+            if buf is None or buf.data_ptr() % DIRECT_ALIGN:
+                buf = None
+                raw = torch.empty(size + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+                skip = -raw.data_ptr() % DIRECT_ALIGN  # start on a DIRECT_ALIGN boundary (O_DIRECT)
+                buf = raw[skip : skip + size]
             self.buffer = buf
         return buf
 

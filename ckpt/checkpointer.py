@@ -105,7 +105,7 @@ def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]
     out: list[list[StageTask]] = [[]]
     size = 0
     for t in tasks:
-        if out[-1] and size + t.staged_bytes > limit:
+        if out[-1] and size + slot_bytes(t) > limit:
             out.append([])
             size = 0
         out[-1].append(t)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from replicator.gc import gc_local, gc_remote, remote_versions
+from replicator.gc import gc_local, gc_remote, local_versions, remote_versions
 from replicator.policy import Policy, VersionInfo, expired
 from replicator.push import Destination, Stopped, disk_id, push_version
 from replicator.ratelimit import RateLimiter
@@ -238,10 +238,15 @@ class Replicator:
         policy = self.config.remote_policy
         if policy is None or self.remote is None or (entry["remote"] or {}).get("state") != WAITING:
             return False
+        candidate = VersionInfo(manifest.step, manifest.created, True, bool(manifest.meta.get("milestone")))
+        return expired(self._remote_now(), candidate, policy)
+
+    def _remote_now(self) -> list[VersionInfo]:
+        """The remote's versions, listed once per pass."""
+        assert self.remote is not None
         if self._remote_listing is None:
             self._remote_listing = remote_versions(self.remote.url, dict(self.config.storage_options))
-        candidate = VersionInfo(manifest.step, manifest.created, True, bool(manifest.meta.get("milestone")))
-        return expired(self._remote_listing, candidate, policy)
+        return self._remote_listing
 
     def _push(
         self, source: str, step: int, manifest: Any, writers: list[int], dest: Destination, state_dir: str, part: int
@@ -294,15 +299,39 @@ class Replicator:
             result = gc_local(source, policy, redundant=self.redundant_steps(source))
             for step in result.deleted:
                 versions.pop(str(step), None)
-            # A replica copy of a version the source still holds is one of its required
-            # copies, and stays. The others (deleted here, by `ckpt gc`, or by hand) are
-            # collected under the same policy, respecting readers' pins on the replica.
-            on_source = commit.committed_steps(source)
-            for dest in dests:
-                if dest.local and os.path.isdir(dest.prefix):
-                    gc_local(dest.prefix, policy, pinned=on_source)
+            self._gc_replicas(source, dests, policy)
         if self.remote is not None and self.config.remote_policy is not None:
             gc_remote(self.remote.url, self.config.remote_policy, storage_options=dict(self.config.storage_options))
+
+    def _gc_replicas(self, source: str, dests: list[Destination], policy: Policy) -> None:
+        """Collect replica copies of versions the source no longer holds (deleted by this GC,
+        by `ckpt gc`, or by hand), under the local policy and readers' pins.
+
+        Kept: every version the source still holds (its required copies), and every version
+        the remote is not done with (not there yet, nor expired there): the source would not
+        have deleted those either. Nothing at all is collected from a source that lists no
+        version: a lost or unmounted disk leaves its replicas as the only local copies.
+        """
+        on_source = set(commit.committed_steps(source))
+        if not on_source:
+            return
+        for dest in dests:
+            if not dest.local or not os.path.isdir(dest.prefix):
+                continue
+            try:
+                keep = on_source | self._remote_pending(local_versions(dest.prefix))
+                gc_local(dest.prefix, policy, pinned=keep)
+            except Exception as e:  # noqa: BLE001 - one failing replica disk must not stop the rest
+                log.warning("gc of replica %s failed: %s", dest.url, e)
+
+    def _remote_pending(self, versions: list[VersionInfo]) -> set[int]:
+        """Of `versions`, the steps the remote is not done with: neither there nor expired."""
+        if self.remote is None:
+            return set()
+        listing = self._remote_now()
+        there = {v.step for v in listing}
+        policy = self.config.remote_policy
+        return {v.step for v in versions if v.step not in there and (policy is None or not expired(listing, v, policy))}
 
     def _write_status(self, source: str) -> None:
         status = self._status[source]

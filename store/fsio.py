@@ -155,10 +155,20 @@ def write_chunk(
             # synchronous: a large one keeps many requests queued on the device)
             if written < direct_end and (hashed - written >= _DIRECT_WRITE or hashed >= direct_end):
                 upto = min(direct_end, hashed - hashed % DIRECT_ALIGN)
-                _write_all(fd, view[written:upto])
-                written = flushed = upto
-                if written == direct_end:
-                    _set_direct(fd, False)  # the tail goes through the page cache
+                try:
+                    _write_all(fd, view[written:upto])
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    # The device wants more alignment than DIRECT_ALIGN (nothing was written
+                    # by the refused call): the rest of the file goes through the page cache.
+                    _set_direct(fd, False)
+                    os.lseek(fd, written, os.SEEK_SET)
+                    direct_end = written
+                else:
+                    written = flushed = upto
+                    if written == direct_end:
+                        _set_direct(fd, False)  # the tail goes through the page cache
             if written >= direct_end:
                 _write_all(fd, view[written:hashed])
                 written = hashed

@@ -305,7 +305,7 @@ def _rng_ok(rng: Any) -> bool:
     )
 
 
-_CHECKSUM_TAIL = re.compile(rb',"manifest_xxh3":"([0-9a-f]{16})"\}$')
+_CHECKSUM_TAIL = re.compile(rb',"manifest_xxh3":"([0-9a-f]{16})"\}\Z')
 
 
 def with_checksum(body: bytes) -> bytes:
@@ -316,14 +316,14 @@ def with_checksum(body: bytes) -> bytes:
     return body[:-1] + b',"manifest_xxh3":"' + xxhash.xxh3_64_hexdigest(body).encode() + b'"}'
 
 
-def _check_checksum(raw: bytes) -> None:
+def _check_checksum(raw: bytes, doc: dict[str, Any]) -> None:
     """Refuse a manifest whose bytes changed since it was written. Manifests written before
     ckpt recorded `manifest_xxh3` have none and are read as they are."""
+    if "manifest_xxh3" not in doc:
+        return
     m = _CHECKSUM_TAIL.search(raw)
     if m is None:
-        if b'"manifest_xxh3"' in raw[-64:]:  # there, but damaged
-            raise ManifestError("manifest's manifest_xxh3 is not its last member, or is malformed")
-        return
+        raise ManifestError("manifest's manifest_xxh3 is not its last member as written, or is malformed")
     body = raw[: m.start()] + b"}"
     got = xxhash.xxh3_64_hexdigest(body)
     if got != m.group(1).decode():
@@ -332,13 +332,13 @@ def _check_checksum(raw: bytes) -> None:
 
 def parse_manifest(raw: bytes) -> Manifest:
     """Parse and validate; raises ManifestError on anything a reader should not act on."""
-    _check_checksum(raw)
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ManifestError(f"manifest is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict) or doc.get("format") != "ckpt":
         raise ManifestError("not a ckpt manifest")
+    _check_checksum(raw, doc)
     schema = doc.get("schema_version")
     if type(schema) is not int or schema not in READABLE_SCHEMAS:
         raise ManifestError(f"manifest schema_version {schema!r} is not supported (this ckpt reads {READABLE_SCHEMAS})")

@@ -170,3 +170,16 @@ def test_a_manifest_edited_in_place_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ManifestError, match="checksum"):
             ck.restore(got, step=2)
     assert got["epoch"] == 41 and torch.equal(got["w"], torch.full((4, 3), 1.0))
+
+
+def test_a_checksummed_manifest_must_end_as_written(saved: tuple[Path, dict[str, Any]]) -> None:
+    """Trailing bytes after the checksum member (still valid JSON) are refused; a manifest
+    without the member at all reads as one written before ckpt recorded it."""
+    root, _ = saved
+    raw = (vdir(root, 1) / "manifest.json").read_bytes()
+    parse_manifest(raw)
+    with pytest.raises(ManifestError, match="manifest_xxh3"):
+        parse_manifest(raw + b"  \n")
+    legacy = json.loads(raw)
+    del legacy["manifest_xxh3"]
+    assert parse_manifest(json.dumps(legacy).encode()).step == 1

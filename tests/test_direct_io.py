@@ -5,6 +5,7 @@ restore bitwise either way."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import mmap
@@ -79,6 +80,34 @@ def test_unaligned_or_read_only_buffers_are_written_through_the_page_cache(tmp_p
     read_only = memoryview(data.tobytes())  # bytes: no writable buffer to take the address of
     written = write_chunk(str(tmp_path / "b"), read_only, direct=True)
     assert written.direct_bytes == 0 and (tmp_path / "b").read_bytes() == data.tobytes()
+
+
+def test_a_device_refusing_the_alignment_gets_the_rest_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that needs more than 4 KiB alignment answers EINVAL to O_DIRECT writes (the
+    fault is injected at os.write after 2 MiB have gone direct): the chunk is still written
+    whole and right, through the page cache from there on."""
+    if not accepts_o_direct(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT outright (the ramfs test covers that)")
+    nbytes = 3 * (1 << 20) + 4096 + 123
+    data = aligned_bytes(nbytes, seed=5)
+    view = memoryview(data)[:nbytes]
+    write = os.write
+    direct_writes = []
+
+    def refuse_after_2_mib(fd: int, buf: bytes) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if sum(direct_writes) >= 2 << 20:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            direct_writes.append(len(buf))
+        return write(fd, buf)
+
+    monkeypatch.setattr("store.fsio._DIRECT_WRITE", 1 << 20)  # several direct writes per chunk
+    monkeypatch.setattr("store.fsio.os.write", refuse_after_2_mib)
+    written = write_chunk(str(tmp_path / "c"), view, block_bytes=1 << 20, fsync=True, direct=True)
+    monkeypatch.undo()
+    assert (tmp_path / "c").read_bytes() == view.tobytes()
+    assert written.xxh3 == chunk_digest(view, 1 << 20)
+    assert written.direct_bytes == 2 << 20 == sum(direct_writes)
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -530,6 +530,50 @@ def test_replica_copies_of_versions_gc_deleted_elsewhere_are_collected(tmp_path:
         assert_same(target, tiny_state(step))
 
 
+def test_replicas_of_a_lost_source_disk_are_kept(tmp_path: Path) -> None:
+    """The source disk is replaced by an empty one: its replicas are now the only local
+    copies, and replica GC leaves them all (a source that lists nothing is not evidence
+    that its versions were deleted)."""
+    from replicator.core import source_label
+
+    d0, d1 = two_disks(tmp_path)
+    replica = str(d1 / "replicas" / source_label(str(d0)))
+    with Checkpointer(d0) as ck:
+        for step in range(1, 5):
+            ck.save(step, tiny_state(step))
+    Replicator([str(d0)], ReplicatorConfig(replicas=2, replica_roots=(str(d1),))).run_once()
+    assert commit.committed_steps(replica) == [1, 2, 3, 4]
+    d0.rename(tmp_path / "dead-disk")
+    d0.mkdir()  # an empty mount point where the disk was
+    Replicator([str(d0)], ReplicatorConfig(replicas=2, replica_roots=(str(d1),), local_policy=KeepLast(2))).run_once()
+    assert commit.committed_steps(replica) == [1, 2, 3, 4]
+
+
+def test_replica_copies_the_remote_lacks_are_kept(tmp_path: Path) -> None:
+    """A version deleted from the source by hand before it reached the remote: the
+    replica's copy is its last one, and replica GC keeps it until the remote has it."""
+    from replicator.core import source_label
+
+    d0, d1 = two_disks(tmp_path)
+    replica = str(d1 / "replicas" / source_label(str(d0)))
+    broken = tmp_path / "remote"
+    broken.write_text("a file where the remote directory should be: every upload fails")
+    config = ReplicatorConfig(replicas=2, replica_roots=(str(d1),), remote=f"file://{broken}", local_policy=KeepLast(2))
+    with Checkpointer(d0) as ck:
+        for step in range(1, 6):
+            ck.save(step, tiny_state(step))
+    rep = Replicator([str(d0)], config)
+    rep.run_once()
+    assert commit.committed_steps(str(d0)) == commit.committed_steps(replica) == [1, 2, 3, 4, 5]  # none redundant
+    commit.delete_version(str(d0), 1)  # by hand
+    rep.run_once()
+    assert commit.committed_steps(replica) == [1, 2, 3, 4, 5]
+    target = blank(tiny_state(1))
+    with Checkpointer(tmp_path / "reader", tiers=[replica]) as reader:
+        assert reader.restore(target, step=1) == 1
+    assert_same(target, tiny_state(1))
+
+
 def test_retention_by_the_checkpointer_thread(s3: S3Place, tmp_path: Path) -> None:
     """The same with the Checkpointer's own replicator thread: passes race the saves (and
     delete versions while new ones commit); close() drains."""
