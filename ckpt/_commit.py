@@ -141,13 +141,14 @@ def write_tasks(
             if job.check_finite:
                 _check_finite(job, task)
             raw = bytes(view)
+            value = raw.hex()
             if inline_docs:
                 spec = task.array.spec
-                node = ArrayNode(f"{STATE_PREFIX}/{name}", spec.data_type, spec.shape, task.array.chunk_shape, raw.hex())
+                node = ArrayNode(f"{STATE_PREFIX}/{name}", spec.data_type, spec.shape, task.array.chunk_shape, value)
                 (zarr_json,), _ = documents(tmp_dir, [node], None)
                 doc(zarr_json)
                 job.inline_docs.add(name)
-            return name, index, xxhash.xxh3_64_hexdigest(raw), raw.hex(), [], 0
+            return name, index, xxhash.xxh3_64_hexdigest(raw), value, [], 0
         if job.check_finite:
             _check_finite(job, task)
         fault_delay("write", task.chunk.writer)
@@ -155,8 +156,9 @@ def write_tasks(
         item = itemsize(task.array.spec.data_type)
         rows = block_rows(task.array.chunk_shape, item)
         row_bytes = math.prod(task.array.chunk_shape[1:]) * item
-        # No fsync here: the writer moves on to the next chunk while this one's writeback
-        # runs; every file is fsynced below, together (one journal commit for all).
+        # No fsync here: the writer moves on to the next chunk (an O_DIRECT part is on the
+        # device already; a buffered part's writeback runs meanwhile); every file is fsynced
+        # below, together (one journal commit for all).
         chunk = write_chunk(path, view, block_bytes=rows * row_bytes, fsync=False, direct=job.direct_io)
         written.append(path)
         return name, index, chunk.xxh3, None, chunk.blocks, chunk.direct_bytes

@@ -1,7 +1,8 @@
 """Staging: copy the chunks a rank writes into one reused host buffer.
 
 `save()` blocks only for this copy. The buffer (pinned when any source is on CUDA) is
-page-aligned, so the writers can hand its large chunks to O_DIRECT, and is kept across saves and reallocated only when it must grow: copies into fresh memory run
+page-aligned, so the writers can hand its large chunks to O_DIRECT, and is kept across
+saves and reallocated only when it must grow: copies into fresh memory run
 ~9x slower here because of page faults. CUDA sources are copied with non_blocking on a
 side stream that is synchronised before `save()` returns, so the optimizer may modify
 the parameters at once.
@@ -71,17 +72,16 @@ class Arena:
         buf = self.buffer
         if buf is None or buf.numel() < nbytes or (pin and not buf.is_pinned()):
             self.buffer = None  # free before allocating the replacement
-            # Not in transparent huge pages: O_DIRECT writes from them were 10% faster here,
-            # but the staging copy (the stall) 7% slower and the first save's faults 70%.
+            # Ordinary pages, not transparent huge pages: O_DIRECT from huge pages was 10%
+            # faster here, but the staging copy (the stall) 7% slower.
             size = max(nbytes, 1)
-            # Pinned blocks are page-aligned already, and the pinned allocator rounds sizes up
-            # to a power of two: slack there could double the pinned memory.
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True) if pin else None
-            if buf is None or buf.data_ptr() % DIRECT_ALIGN:
-                buf = None
-                raw = torch.empty(size + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
-                skip = -raw.data_ptr() % DIRECT_ALIGN  # start on a DIRECT_ALIGN boundary (O_DIRECT)
-                buf = raw[skip : skip + size]
+            # Slack to start on a DIRECT_ALIGN boundary, except for pinned memory: its blocks
+            # come page-aligned, and rounded up to a power of two (slack could double them).
+            # An unaligned buffer still works: its chunks are written through the page cache.
+            slack = 0 if pin else DIRECT_ALIGN
+            raw = torch.empty(size + slack, dtype=torch.uint8, pin_memory=pin)
+            skip = -raw.data_ptr() % DIRECT_ALIGN
+            buf = raw[skip : skip + size] if skip <= slack else raw
             self.buffer = buf
         return buf
 

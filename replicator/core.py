@@ -319,8 +319,8 @@ class Replicator:
             if not dest.local or not os.path.isdir(dest.prefix):
                 continue
             try:
-                keep = on_source | self._remote_pending(local_versions(dest.prefix))
-                gc_local(dest.prefix, policy, pinned=keep)
+                versions = local_versions(dest.prefix)
+                gc_local(dest.prefix, policy, pinned=on_source | self._remote_pending(versions), versions=versions)
             except Exception as e:  # noqa: BLE001 - one failing replica disk must not stop the rest
                 log.warning("gc of replica %s failed: %s", dest.url, e)
 

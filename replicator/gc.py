@@ -62,8 +62,11 @@ def gc_local(
     redundant: Iterable[int] | None = None,
     pinned: Iterable[int] = (),
     dry_run: bool = False,
+    versions: list[VersionInfo] | None = None,
 ) -> GcResult:
-    versions = local_versions(root, redundant)
+    """Delete what `policy` does not keep (see policy.plan_deletions for what is never
+    deleted). `versions`: local_versions(root, redundant), if the caller has them already."""
+    versions = local_versions(root, redundant) if versions is None else versions
     pins = set(pinned) | commit.pinned_steps(root)  # versions a restore is reading right now
     doomed = plan_deletions(versions, policy, pinned=pins, require_redundant=redundant is not None)
     deleted = list(doomed) if dry_run else []

@@ -36,12 +36,16 @@ def run_lanes(
     """
     results: list[R | None] = [None] * len(items)
     failed: list[tuple[int, Exception]] = []
+
+    def attempt(i: int, item: T) -> None:
+        try:
+            results[i] = fn(item)
+        except Exception as e:  # noqa: BLE001 - returned to the caller
+            failed.append((i, e))
+
     if len(items) <= 1 or threads <= 1:
         for i, item in enumerate(items):
-            try:
-                results[i] = fn(item)
-            except Exception as e:  # noqa: BLE001 - returned to the caller
-                failed.append((i, e))
+            attempt(i, item)
         return results, failed
     pending = iter(enumerate(items))
     lock = threading.Lock()
@@ -52,11 +56,7 @@ def run_lanes(
                 nxt = next(pending, None)
             if nxt is None:
                 return
-            i, item = nxt
-            try:
-                results[i] = fn(item)
-            except Exception as e:  # noqa: BLE001 - returned to the caller
-                failed.append((i, e))
+            attempt(*nxt)
 
     n = min(threads, len(items))
     if pool is not None:

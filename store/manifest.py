@@ -305,7 +305,8 @@ def _rng_ok(rng: Any) -> bool:
     )
 
 
-_CHECKSUM_TAIL = re.compile(rb',"manifest_xxh3":"([0-9a-f]{16})"\}\Z')
+_CHECKSUM_TAIL = re.compile(rb',"manifest_xxh3":"([0-9a-f]{16})"\}')
+_CHECKSUM_TAIL_BYTES = 36  # the member as with_checksum writes it, and the closing brace
 
 
 def with_checksum(body: bytes) -> bytes:
@@ -321,11 +322,12 @@ def _check_checksum(raw: bytes, doc: dict[str, Any]) -> None:
     ckpt recorded `manifest_xxh3` have none and are read as they are."""
     if "manifest_xxh3" not in doc:
         return
-    m = _CHECKSUM_TAIL.search(raw)
+    m = _CHECKSUM_TAIL.fullmatch(raw[-_CHECKSUM_TAIL_BYTES:])
     if m is None:
         raise ManifestError("manifest's manifest_xxh3 is not its last member as written, or is malformed")
-    body = raw[: m.start()] + b"}"
-    got = xxhash.xxh3_64_hexdigest(body)
+    hasher = xxhash.xxh3_64(memoryview(raw)[:-_CHECKSUM_TAIL_BYTES])  # the document without it,
+    hasher.update(b"}")  # closed where the member began
+    got = hasher.hexdigest()
     if got != m.group(1).decode():
         raise ManifestError(f"manifest fails its checksum (xxh3 {got}, recorded {m.group(1).decode()})")
 
