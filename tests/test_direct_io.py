@@ -5,7 +5,6 @@ restore bitwise either way."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import mmap
@@ -82,34 +81,6 @@ def test_unaligned_or_read_only_buffers_are_written_through_the_page_cache(tmp_p
     assert written.direct_bytes == 0 and (tmp_path / "b").read_bytes() == data.tobytes()
 
 
-def test_a_device_refusing_the_alignment_gets_the_rest_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A device that needs more than 4 KiB alignment answers EINVAL to O_DIRECT writes (the
-    fault is injected at os.write after 2 MiB have gone direct): the chunk is still written
-    whole and right, through the page cache from there on."""
-    if not accepts_o_direct(tmp_path):
-        pytest.skip("this filesystem refuses O_DIRECT outright (the ramfs test covers that)")
-    nbytes = 3 * (1 << 20) + 4096 + 123
-    data = aligned_bytes(nbytes, seed=5)
-    view = memoryview(data)[:nbytes]
-    write = os.write
-    direct_writes = []
-
-    def refuse_after_2_mib(fd: int, buf: bytes) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            if sum(direct_writes) >= 2 << 20:
-                raise OSError(errno.EINVAL, "Invalid argument")
-            direct_writes.append(len(buf))
-        return write(fd, buf)
-
-    monkeypatch.setattr("store.fsio._DIRECT_WRITE", 1 << 20)  # several direct writes per chunk
-    monkeypatch.setattr("store.fsio.os.write", refuse_after_2_mib)
-    written = write_chunk(str(tmp_path / "c"), view, block_bytes=1 << 20, fsync=True, direct=True)
-    monkeypatch.undo()
-    assert (tmp_path / "c").read_bytes() == view.tobytes()
-    assert written.xxh3 == chunk_digest(view, 1 << 20)
-    assert written.direct_bytes == 2 << 20 == sum(direct_writes)
-
-
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     # 12 MB and 5.2 MB chunks (O_DIRECT), and small ones (page cache)
@@ -174,3 +145,46 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path: Path)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"direct_bytes": 0, "step": 1, "equal": True}
+
+
+def _can_loop_mount() -> bool:
+    needs = ("losetup", "mkfs.ext4")
+    return _can_mount() and all(shutil.which(t) for t in needs) and os.path.exists("/dev/loop-control")
+
+
+_ON_4K_SECTORS = """
+import json, sys
+from store.digest import chunk_digest
+import store.fsio as fsio
+from tests.test_direct_io import aligned_bytes
+fsio.DIRECT_ALIGN = 512  # finer than the device's 4096-byte sectors: it refuses the last direct write
+fsio._DIRECT_WRITE = 1 << 20  # 1 MiB direct writes: three go through before the refused one
+n = 3 * (1 << 20) + 512 + 123
+view = memoryview(aligned_bytes(n, seed=5))[:n]
+written = fsio.write_chunk(sys.argv[1], view, block_bytes=1 << 20, fsync=True, direct=True)
+with open(sys.argv[1], "rb") as f:
+    same = f.read() == view.tobytes()
+print(json.dumps({"direct_bytes": written.direct_bytes, "same": same, "digest": written.xxh3 == chunk_digest(view, 1 << 20)}))
+"""
+
+
+@pytest.mark.skipif(not _can_loop_mount(), reason="needs root, unshare -m, losetup and mkfs.ext4 for a 4K-sector disk")
+def test_a_device_refusing_the_alignment_gets_the_rest_buffered(tmp_path: Path) -> None:
+    """A disk with 4096-byte sectors (a loop device, for real) refuses an O_DIRECT write
+    aligned to 512 bytes only (EINVAL): the chunk is still written whole and right, the
+    rest of it through the page cache."""
+    image, mnt = tmp_path / "disk.img", tmp_path / "mnt"
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    mnt.mkdir()
+    probe = tmp_path / "probe.py"
+    probe.write_text(_ON_4K_SECTORS)
+    shell = (
+        f"dev=$(losetup -f --show -b 4096 {image}) && mkfs.ext4 -q $dev && mount $dev {mnt} && "
+        f"(cd {REPO} && PYTHONPATH={REPO} {sys.executable} {probe} {mnt}/chunk); rc=$?; "
+        f"umount {mnt}; losetup -d $dev; exit $rc"
+    )
+    out = subprocess.run(["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"direct_bytes": 3 << 20, "same": True, "digest": True}  # 3 MiB direct, the rest buffered
