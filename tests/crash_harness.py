@@ -355,16 +355,12 @@ class Harness:
 
     def kill_gc(self) -> str:
         """Start `ckpt gc` on a tier, let it be killed; returns the tier it ran on."""
-        target = self.rng.choice(["root0", "root1", "remote"])
+        tiers = ["root0", "root1", "remote"]
+        # A kill lands only in a run that deletes something: prefer the tiers where one would.
+        target = self.rng.choice([t for t in tiers if self._would_delete(self._gc_command(t))] or tiers)
         mode = self.rng.choice(["fault", "fault", "random"])
-        lo = self.layout
-        if target == "remote":
-            fault = "gc-delete"
-            cmd = ["gc", lo.remote_url, "--keep-last", str(self.c.gc_remote_keep_last)]
-            cmd += ["--milestone-every", str(self.c.milestone_every)]
-        else:
-            fault = self.rng.choice(["gc-mid-delete", "gc-delete"])
-            cmd = ["gc", lo.root(int(target[-1])), "--keep-last", str(self.c.gc_keep_last)]
+        cmd = self._gc_command(target)
+        fault = "gc-delete" if target == "remote" else self.rng.choice(["gc-mid-delete", "gc-delete"])
         env = {"CKPT_FAULT": fault} if mode == "fault" else {}
         header = f"round {self.fig.rounds}: ckpt {' '.join(cmd)} ({mode} {fault if mode == 'fault' else ''})"
         t0 = time.monotonic()
@@ -390,6 +386,23 @@ class Harness:
         if rc not in (0, -signal.SIGKILL):
             self.fail(f"round {self.fig.rounds}: ckpt gc {' '.join(cmd)} exited {rc} (see logs/gc.log)")
         return target
+
+    def _gc_command(self, target: str) -> list[str]:
+        lo = self.layout
+        if target == "remote":
+            keep = ["--keep-last", str(self.c.gc_remote_keep_last), "--milestone-every", str(self.c.milestone_every)]
+            return ["gc", lo.remote_url, *keep]
+        return ["gc", lo.root(int(target[-1])), "--keep-last", str(self.c.gc_keep_last)]
+
+    def _would_delete(self, cmd: list[str]) -> bool:
+        """Whether `ckpt gc` deletes anything if run now (its dry run says so)."""
+        log = os.path.join(self.c.out, "logs", "gc-dry-run.log")
+        start = os.path.getsize(log) if os.path.exists(log) else 0
+        self.reap(self.spawn("cli", [*cmd, "--dry-run"], "gc-dry-run.log", " ".join(cmd)), "ckpt gc --dry-run hung")
+        with open(log) as f:
+            f.seek(start)
+            said = f.read()
+        return "would delete" in said and "would delete 0 " not in said
 
     # -- checks ------------------------------------------------------------------------------
 
