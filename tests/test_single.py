@@ -77,6 +77,31 @@ def test_round_trip_is_bitwise_and_fills_in_place(tmp_path):
     assert list(iter(dst_sampler)) == reference[11:]
 
 
+def test_a_saved_state_dict_restores_into_the_object_and_an_object_into_its_state_dict(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})  # DCP-style state dicts
+        ck.save(2, {"model": model, "optim": opt})
+        ck.wait()
+        fresh = torch.nn.Linear(16, 8)
+        fresh_opt = torch.optim.Adam(fresh.parameters())  # no state yet: restore creates it
+        state = {"model": fresh, "optim": fresh_opt}
+        assert ck.restore(state, step=1) == 1
+        assert state["model"] is fresh and state["optim"] is fresh_opt
+        assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.state[p][k], fresh_opt.state[q][k]), k
+        into = {"weight": torch.zeros(8, 16), "bias": torch.zeros(8)}
+        target = {"model": into, "optim": torch.optim.Adam(torch.nn.Linear(16, 8).parameters())}
+        ck.restore(target, step=2)
+        assert target["model"] is into and torch.equal(into["weight"], model.weight)
+
+
 def test_sampler_resumes_mid_epoch_and_reshuffles():
     data = list(range(37))
     full = DistributedSampler(data, num_replicas=3, rank=1, seed=5)
