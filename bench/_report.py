@@ -105,6 +105,10 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
         target(f"stall vs DCP async_save blocking, reused stager (world {w})",
                per_rep(p + "stall/ckpt", p + "stall/dcp_async_save"), 0.8,
                how="ckpt save() / async_save() return, FileSystemWriter(cache_staged_state_dict=True) reused")
+        target(f"stall with deferred staging vs DCP async_save blocking, reused stager (world {w})",
+               per_rep(p + "stall/ckpt_deferred", p + "stall/dcp_async_save"), 0.8,
+               how="ckpt save() with deferred_staging=True / async_save() return; what this moves into the "
+                   "training step is in the training-step table")
         target(f"durable commit vs write floor (world {w})",
                per_rep(p + "durable/ckpt", fastest(p + "durable/floor_")), 1.1,
                how="ckpt save()+wait() / fastest raw durable write of the same bytes in that repetition")
@@ -138,7 +142,17 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
             value = max(first, held + max(steady)) / mw["state_bytes"]
             target(f"peak extra RSS during save, x state size (world {w})", [value], 1.15,
                    how="max(first save incl. allocating the staging buffer, staging buffer + steady-state peak) / state bytes, summed over ranks")
-    return {"env": env, "meta": meta, "targets": targets, "measurements": measurements, "rss": rss_table(measurements)}
+    steps = []
+    for w in (1, 2):
+        base = reps_of(f"w{w}/train_step/none")
+        for mode in ("ckpt", "ckpt_deferred", "dcp_async_save"):
+            with_save = reps_of(f"w{w}/train_step/{mode}")
+            cost = [with_save[r] - base[r] for r in sorted(with_save) if r in base]
+            if cost:
+                steps.append({"world": w, "mode": mode, "step_s": statistics.median(with_save.values()),
+                              "without_save_s": statistics.median(base.values()), "cost_s": _stats(cost)})
+    return {"env": env, "meta": meta, "targets": targets, "measurements": measurements, "rss": rss_table(measurements),
+            "train_step": steps}
 
 
 # figure -> {column: operation key without the world prefix}; worlds are tried 1..3.
@@ -177,7 +191,7 @@ def rss_table(measurements: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-_ORDER = ["stall", "durable", "restore", "replicate"]
+_ORDER = ["stall", "staged", "train_step", "durable", "restore", "replicate"]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -229,6 +243,24 @@ def markdown(report: dict[str, Any]) -> str:
             f"{m['extra_rss_x_state']:.2f}x |"
         )
     lines += ["", "`_first`: the first call (allocates the reused buffer), excluded from the targets.", ""]
+    if report.get("train_step"):
+        lines += [
+            "## Training step with a save",
+            "",
+            "A step of fixed compute (matmuls standing in for forward and backward) after save() returns, "
+            "then what the next optimizer step must wait for. Cost: the step's time minus the same step "
+            "without a save, in the same repetition. It holds save()'s blocking time and the slowdown "
+            "of the compute by the save's background work (on this CPU-only machine, a deferred copy "
+            "runs on the cores the compute needs).",
+            "",
+            "| world | save | step s | step without save s | cost s (median) | range s |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in report["train_step"]:
+            c = row["cost_s"]
+            lines.append(f"| {row['world']} | {row['mode']} | {row['step_s']:.3f} | {row['without_save_s']:.3f} | "
+                         f"{c['median']:.3f} | {c['min']:.3f}-{c['max']:.3f} |")
+        lines.append("")
     lines += [
         "## Peak extra RSS",
         "",

@@ -5,6 +5,8 @@ Phases:
             DCP save (thread_count 1/2/4), DCP async_save with a reused stager, and the
             copy and write floors; each write that has a reader is followed by a cold restore
             of what it wrote (ckpt, torch.load, DCP load, the read floors), same layout.
+            Also a training step (fixed compute) without a save and with one from ckpt,
+            ckpt with deferred staging, and DCP async_save.
             At world 1 (which runs after world 2) also the resharded 2->1 restores of
             what the world-2 phase left, ckpt and DCP, in the same repetitions.
   restore   world 3: cold restores 2->3 of what the world-2 phase left; ckpt and DCP.
@@ -18,6 +20,7 @@ rank's seconds, and the sum over ranks of the extra peak RSS.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -143,6 +146,25 @@ def spoil(state: dict[str, Any]) -> None:
     ts = _workload.local_tensors(state)
     for t in (ts[0], ts[len(ts) // 3], ts[-2], ts[-1]):
         t.zero_()
+
+
+class Compute:
+    """The forward and backward passes of a training step, as fixed CPU work (matmuls), about
+    `seconds` long when alone: what runs between a save() and the next optimizer step."""
+
+    def __init__(self, rec: Recorder, seconds: float = 1.0) -> None:
+        self.a, self.b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        self.c = torch.empty(1024, 1024)
+        barrier()
+        t = time.perf_counter()
+        for _ in range(10):
+            torch.mm(self.a, self.b, out=self.c)
+        per = (time.perf_counter() - t) / 10
+        self.n = max(rec.gather(max(1, round(seconds / per))))  # the same work on every rank
+
+    def run(self) -> None:
+        for _ in range(self.n):
+            torch.mm(self.a, self.b, out=self.c)
 
 
 def rotate(ops: list[Any], rep: int) -> list[Any]:
@@ -349,8 +371,50 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
 
         return run
 
+    # A training step that saves: save(), then the step's forward and backward (Compute), then
+    # what its optimizer step must wait for (deferred staging: the copy). Its time minus the
+    # same step without a save is what the save cost training, whatever save() blocked for;
+    # background work (writes, a deferred copy) that slows the compute counts too.
+    compute = Compute(rec)
+    sync_config = ck.config
+    deferred_config = dataclasses.replace(sync_config, deferred_staging=True)
+
+    def train_step(mode: str) -> Callable[[int], None]:
+        def run(rep: int) -> None:
+            free_previous()
+            step[0] += 1
+            barrier()
+            warm()
+            fut = None
+            ck.config = deferred_config if mode == "ckpt_deferred" else sync_config
+            try:
+                t0 = time.perf_counter()
+                if mode.startswith("ckpt"):
+                    ck.save(step[0], state)
+                elif mode == "dcp_async_save":
+                    fut = dcp.async_save(state, checkpoint_id=out(f"step_dcp_r{rep}"), storage_writer=writer)
+                t1 = time.perf_counter()
+                compute.run()
+                ck.wait_staged()
+                t2 = time.perf_counter()
+                ck.wait()
+                if fut is not None:
+                    fut.result()
+            finally:
+                ck.config = sync_config
+            rec.add(f"train_step/{mode}", rep, t2 - t0)
+            if mode == "ckpt_deferred":
+                rec.add("stall/ckpt_deferred", rep, t1 - t0)
+                rec.add("staged/ckpt_deferred", rep, ck.stats()[-1].staged_s)
+
+        return run
+
     ops: list[Callable[[int], None]] = [
         ckpt_save,
+        train_step("none"),
+        train_step("ckpt"),
+        train_step("ckpt_deferred"),
+        train_step("dcp_async_save"),
         dcp_save(1),
         dcp_async,
         write_floor("one_file"),

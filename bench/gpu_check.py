@@ -4,6 +4,8 @@
 
 Measures, on one GPU, with the state on the device:
 - ckpt save() stall (the device-to-pinned-host copy on a side stream) and time to a durable commit;
+- the same with deferred staging: save() blocking, and the time until the copy has ended while
+  the GPU runs other work (checked bitwise against the values of the save() call);
 - DCP async_save blocking time with a reused stager, and DCP save;
 - the floor: a non-blocking copy of the same bytes into preallocated pinned host memory.
 Prints a table and writes bench/results/gpu_check.json. Runs in well under 5 minutes.
@@ -80,6 +82,31 @@ def main() -> None:
             results["ckpt_commit"].append(time.perf_counter() - t)
             assert ck._arena.buffer is not None and ck._arena.buffer.is_pinned()
             direct = ck.stats()[-1].direct_bytes  # O_DIRECT straight from the pinned buffer
+    results.update({"ckpt_deferred_stall": [], "ckpt_deferred_staged": [], "ckpt_deferred_commit": []})
+    x = torch.randn(4096, 4096, device="cuda")
+    with Checkpointer(os.path.join(work, "ckpt-deferred"), deferred_staging=True) as ck:
+        ck.save(0, state)
+        ck.wait()
+        for rep in range(1, args.reps + 1):
+            first = next(iter(state.values()))
+            expected = first[:1 << 20].cpu()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            ck.save(rep, state)
+            results["ckpt_deferred_stall"].append(time.perf_counter() - t)
+            for _ in range(20):  # the forward and backward the copy overlaps
+                torch.mm(x, x)
+            ck.wait_staged()
+            for v in state.values():
+                v.add_(1.0)
+            ck.wait()
+            results["ckpt_deferred_commit"].append(time.perf_counter() - t)
+            results["ckpt_deferred_staged"].append(ck.stats()[-1].staged_s)
+        out = {k: torch.empty_like(v) for k, v in state.items()}
+        ck.restore(out, step=args.reps)
+        name = next(iter(state))
+        if not torch.equal(out[name][:1 << 20].cpu(), expected):
+            raise SystemExit("deferred staging: the restored tensor differs from its value at save()")
     try:
         import torch.distributed.checkpoint as dcp
 
@@ -106,6 +133,8 @@ def main() -> None:
         print(f"  stall / floor copy: {med['ckpt_stall'] / med['floor_copy']:.2f}x")
     if "dcp_async_blocking" in med:
         print(f"  stall / DCP async_save blocking: {med['ckpt_stall'] / med['dcp_async_blocking']:.2f}x")
+        print(f"  deferred stall / DCP async_save blocking: "
+              f"{med['ckpt_deferred_stall'] / med['dcp_async_blocking']:.2f}x")
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

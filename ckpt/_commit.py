@@ -23,7 +23,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +64,7 @@ class SaveStats:
     fsync_s: float = 0.0  # directories fsynced
     commit_s: float = 0.0  # gather, prepare and publish
     total_s: float = 0.0  # save() call to committed
+    staged_s: float = 0.0  # save() call to every tensor copied (later than stage_s with deferred staging)
     bytes_written: int = 0
     direct_bytes: int = 0  # of bytes_written, written with O_DIRECT (CheckpointerConfig.direct_io)
 
@@ -82,6 +83,7 @@ class SaveJob:
     milestone: bool = False  # tagged for milestone retention
     check_finite: bool = False  # refuse NaN/Inf in floating tensors
     direct_io: bool = True  # large chunks with O_DIRECT (store.fsio.write_chunk)
+    deferred: Callable[[SaveJob], None] | None = None  # the copy left to the commit thread (deferred staging)
     records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
     inline_docs: set[str] = field(default_factory=set)  # inline arrays whose zarr.json is written
     dirs: set[str] = field(default_factory=set)
@@ -319,6 +321,8 @@ def run_commit(
     try:  # WRITE
         if error is not None:
             raise error
+        if job.deferred is not None:
+            job.deferred(job)
         os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
         if ctx.is_leader:
             write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir), inline_docs=True)

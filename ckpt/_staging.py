@@ -1,10 +1,11 @@
 """Staging: copy the chunks a rank writes into one reused host buffer.
 
-`save()` blocks only for this copy. The buffer (pinned when any source is on CUDA) is
+`save()` blocks only for this copy (with deferred staging, not even for that: see
+ckpt/_deferred.py; the commit thread makes it). The buffer (pinned when any source is on CUDA) is
 page-aligned, so the writers can hand its large chunks to O_DIRECT, and is kept across
 saves and reallocated only when it must grow: copies into fresh memory run
 ~9x slower here because of page faults. CUDA sources are copied with non_blocking on a
-side stream that is synchronised before `save()` returns, so the optimizer may modify
+side stream that is synchronised before `stage()` returns, so the optimizer may modify
 the parameters at once.
 """
 
@@ -128,13 +129,26 @@ def _copy_one(arena: torch.Tensor, task: StageTask, non_blocking: bool) -> None:
     dst[tuple(slice(0, s) for s in chunk.shape)].copy_(src, non_blocking=non_blocking)
 
 
-def stage(arena: torch.Tensor, tasks: list[StageTask], pool: ThreadPoolExecutor | None) -> None:
-    """Copy every task into the arena; returns when all bytes are in host memory."""
+def stage(
+    arena: torch.Tensor,
+    tasks: list[StageTask],
+    pool: ThreadPoolExecutor | None,
+    after: torch.cuda.Event | None = None,
+) -> None:
+    """Copy every task into the arena; returns when all bytes are in host memory.
+
+    CUDA sources are read once the work queued before `after` (an event recorded by the
+    caller) is done, or, without it, the work queued so far on the current stream."""
     cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
     cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda]
     if cuda_tasks:
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
+        # on the sources' device: another thread (deferred staging) starts on device 0
+        with torch.cuda.device(cuda_tasks[0].piece.data.device):
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(cuda_tasks[0].piece.data.device))
         with torch.cuda.stream(stream):
             for t in cuda_tasks:
                 _copy_one(arena, t, non_blocking=True)

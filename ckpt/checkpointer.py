@@ -22,8 +22,10 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+import torch
 
 from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_tasks
+from ckpt._deferred import StagingGate, Versions, buffer_storages, can_defer, find_objects
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._gc import no_cyclic_gc
 from ckpt._staging import Arena, StageTask, assign_offsets, slot_bytes, stage
@@ -144,6 +146,7 @@ class Checkpointer:
         self._plans: list[ArrayPlan] = []
         self._plan_sigs: list[int] | None = None
         self._arena = Arena()
+        self._gate = StagingGate()
         self._replicator: Replicator | None = None
         self._replicator_thread: threading.Thread | None = None
         self._replicator_lock: int | None = None
@@ -330,16 +333,24 @@ class Checkpointer:
         self._wait_pending()
         pieces: dict[str, LocalPiece] = {}
         local: list[LocalSpec] = []
+        deferrable: dict[str, str] = {}  # array name -> key, of the leaves copied after save() returns
         tree: Any = None
         rng = None
         error: BaseException | None = None
         try:
             with no_cyclic_gc():
                 tree, leaves = encode_state(state)
+                buffers: set[tuple[str, int]] = set()
+                if self.config.deferred_staging:
+                    optimizers, modules = find_objects(state)
+                    self._gate.guard(optimizers)
+                    buffers = buffer_storages(modules)
                 for leaf in leaves:
                     p = describe(leaf.value, leaf.key)
                     pieces[leaf.name] = p
                     local.append((leaf.name, p.data_type, p.global_shape, p.offsets, tuple(p.data.shape)))
+                    if self.config.deferred_staging and can_defer(leaf.value, p.data, buffers):
+                        deferrable[leaf.name] = leaf.key
             rng = capture_rng() if self.config.capture_rng else None
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
             error = e
@@ -381,7 +392,10 @@ class Checkpointer:
             for i, batch in enumerate(batches):
                 placed, size = assign_offsets(batch)
                 job.arena = self._arena.get(size, pin)
-                stage(job.arena, placed, self._copy_pool)
+                later = [t for t in placed if t.array.spec.name in deferrable]
+                stage(job.arena, [t for t in placed if t.array.spec.name not in deferrable], self._copy_pool)
+                if later:
+                    job.deferred = self._defer(job.arena, later, deferrable, pin)
                 job.tasks = placed
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
@@ -393,13 +407,51 @@ class Checkpointer:
         except Exception as e:
             job.error = e
             job.tasks = []
+        if job.error is not None and job.deferred is not None:  # nothing to copy: release the optimizers
+            job.deferred = None
+            self._gate.open()
         job.stats.stage_s = time.perf_counter() - started
+        if job.deferred is None:
+            job.stats.staged_s = job.stats.stage_s
         fault_point("after-stage", self.rank)
         metrics.SAVE_STALL.observe(job.stats.stage_s)
         self._pending = self._committer.submit(
             run_commit, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
         )
         return True
+
+    def _defer(
+        self, arena: torch.Tensor, tasks: list[StageTask], keys: Mapping[str, str], cuda: bool
+    ) -> Callable[[SaveJob], None]:
+        """The copy of `tasks` that the commit thread makes before writing (deferred staging)."""
+        after = None
+        if cuda:  # the values as of this save(): the work queued so far on the current stream
+            after = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            after.record(torch.cuda.current_stream(next(t.piece.data.device for t in tasks if t.piece.data.is_cuda)))
+        seen = {id(t.piece.data): (keys[t.array.spec.name], t.piece.data) for t in tasks}
+        versions = Versions(seen.values())
+        self._gate.close()
+
+        def copy(job: SaveJob) -> None:
+            try:
+                stage(arena, tasks, self._copy_pool, after=after)
+                versions.check()
+            finally:
+                job.stats.staged_s = time.perf_counter() - job.started
+                self._gate.open()
+
+        return copy
+
+    def wait_staged(self) -> float:
+        """Block until the last save's tensors are copied (deferred staging), after which
+        the state may change; returns the seconds waited. Optimizers in the state do this
+        themselves at the start of step()."""
+        return self._gate.wait()
+
+    def guard(self, *optimizers: Any) -> None:
+        """Make these optimizers' step() wait for a deferred copy, as the ones found in the
+        state do (for an optimizer the state reaches only through a wrapper's state_dict())."""
+        self._gate.guard(optimizers)
 
     def wait(self) -> None:
         """Block until every pending save is committed; raise its error if it failed."""
@@ -612,6 +664,8 @@ class Checkpointer:
                 self._replicator_lock = None
             for pool in (self._committer, self._writer_pool, self._copy_pool):
                 pool.shutdown(wait=True)
+            self._gate.open()  # a failed save may have left it closed
+            self._gate.remove_hooks()
             self._arena.release()
             if self._lock is not None:
                 self._lock.release()

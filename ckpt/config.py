@@ -30,6 +30,13 @@ class CheckpointerConfig:
     memory. Filesystems that refuse O_DIRECT get buffered writes (SaveStats.direct_bytes
     says which were direct)."""
 
+    deferred_staging: bool = False
+    """save() returns before the tensors are copied; the copy runs in the background while
+    forward and backward go on (they only read the state). Every optimizer in the state
+    waits for it in step(); call Checkpointer.wait_staged() before any other in-place
+    change. A tensor changed during the copy fails the save (StagingRaceError) instead of
+    committing a torn version. Module buffers are still copied before save() returns."""
+
     copy_threads: int = 2
     """Threads copying tensors into the staging buffer (the training stall)."""
 
@@ -63,6 +70,8 @@ class CheckpointerConfig:
             raise ValueError("max_staging_bytes must be positive or None")
         if self.writer_threads < 1 or self.copy_threads < 1 or self.reader_threads < 1:
             raise ValueError("writer_threads, copy_threads and reader_threads must be at least 1")
+        if self.deferred_staging and self.max_staging_bytes is not None:
+            raise ValueError("deferred_staging needs the whole state staged at once (max_staging_bytes=None)")
         if self.split_bytes < 1:
             raise ValueError("split_bytes must be positive")
         if self.straggler_threshold <= 0:

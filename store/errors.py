@@ -21,6 +21,7 @@ __all__ = [
     "StateMismatchError",
     "ManifestError",
     "NonFiniteError",
+    "StagingRaceError",
 ]
 
 
@@ -81,3 +82,8 @@ class RankFailures(CkptError):
 
 class NonFiniteError(CkptError, ValueError):
     """check_finite found NaN or Inf in a tensor; the version was not committed."""
+
+
+class StagingRaceError(CkptError, RuntimeError):
+    """With deferred staging, a saved tensor changed in place before its copy ended; the
+    version was not committed (see Checkpointer.wait_staged)."""

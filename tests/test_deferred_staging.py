@@ -1,0 +1,177 @@
+"""Deferred staging: save() returns before the copy, and the checkpoint still holds the
+values of the save() call, bitwise, or the save fails and nothing is committed."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import Checkpointer, Shard
+from tests._dist import Ctx, launch
+
+
+def _trained(width: int = 1024, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, width)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_step(model, opt)
+    return model, opt
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, grads: bool = True) -> None:
+    model(torch.randn(32, model[0].in_features)).square().mean().backward()
+    opt.step()
+    if grads:
+        model(torch.randn(32, model[0].in_features)).square().mean().backward()  # grads for the next step()
+
+
+def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()["state"]})
+
+
+def _assert_bitwise(expected: dict, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    got = _snapshot(model, opt)
+    for k, v in expected["model"].items():
+        assert torch.equal(v, got["model"][k]), k
+    for i, s in expected["optim"].items():
+        for k, v in s.items():
+            assert torch.equal(v, got["optim"][i][k]), (i, k)
+
+
+def test_optimizer_step_right_after_save_waits_and_the_checkpoint_is_exact(tmp_path: Path) -> None:
+    model, opt = _trained(width=2048)  # ~50 MB of parameters and moments: the copy takes a while
+    expected = _snapshot(model, opt)
+    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+        opt.step()  # at once: the step pre-hook must hold it until the copy has ended
+        _train_step(model, opt)  # forward changes the BatchNorm buffers: they were copied in save()
+        ck.wait()
+        stats = ck.stats()[-1]
+        assert stats.stage_s <= stats.staged_s <= stats.total_s
+        after = _snapshot(model, opt)
+        fresh, fresh_opt = _trained(width=2048, seed=1)
+        assert ck.restore({"model": fresh, "optim": fresh_opt}) == 1
+    _assert_bitwise(expected, fresh, fresh_opt)
+    assert not torch.equal(after["model"]["0.weight"], expected["model"]["0.weight"])  # training moved on
+
+
+def test_in_place_change_before_the_copy_ends_fails_the_save(tmp_path: Path) -> None:
+    big = torch.randn(8192, 4096)  # 128 MiB: the copy is still running when save() has returned
+    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+        ck.save(1, {"w": big})
+        ck.wait()
+        saved = big.clone()
+        ck.save(2, {"w": big})
+        big[0, 0] += 1  # no wait_staged(): a torn copy is possible, so the save must fail
+        with pytest.raises(ckpt.StagingRaceError, match=r"state\['w'\] changed in place"):
+            ck.wait()
+        assert ck.steps() == [1]
+        ck.save(3, {"w": big})
+        assert ck.wait_staged() >= 0.0
+        big[0, 0] += 1  # after wait_staged() the state is free to change
+        ck.wait()
+        assert ck.steps() == [1, 3]
+        out = {"w": torch.zeros_like(big)}
+        ck.restore(out, step=1)
+        assert torch.equal(out["w"], saved)
+        ck.restore(out, step=3)
+        assert torch.equal(out["w"][1:], saved[1:]) and out["w"][0, 0] == saved[0, 0] + 1
+
+
+def test_guard_covers_an_optimizer_the_state_holds_only_as_a_dict(tmp_path: Path) -> None:
+    model, opt = _trained(width=2048)
+    expected = _snapshot(model, opt)
+    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+        ck.guard(opt)
+        ck.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
+        opt.step()
+        ck.wait()
+        fresh, fresh_opt = _trained(width=2048, seed=1)
+        ck.restore({"model": fresh, "optim": fresh_opt})
+    _assert_bitwise(expected, fresh, fresh_opt)
+
+
+def test_numpy_arrays_and_buffers_are_copied_before_save_returns(tmp_path: Path) -> None:
+    import numpy as np
+
+    arr = np.arange(1 << 20, dtype=np.float32)
+    model, opt = _trained(width=2048)
+    buffers = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+        ck.save(1, {"arr": arr, "model": model, "optim": opt})
+        model(torch.randn(32, 2048))  # forward updates running_mean / running_var in place
+        arr += 1  # NumPy keeps no version counter: it must already be copied
+        ck.wait()
+        out_model, out_opt = _trained(width=2048, seed=2)
+        out = {"arr": np.zeros_like(arr), "model": out_model, "optim": out_opt}
+        ck.restore(out)
+    assert (out["arr"] == arr - 1).all()
+    for k, v in buffers.items():
+        assert torch.equal(out["model"].state_dict()[k], v), k
+
+
+def test_deferred_staging_and_bounded_staging_are_refused_together() -> None:
+    with pytest.raises(ValueError, match="deferred_staging"):
+        ckpt.CheckpointerConfig(deferred_staging=True, max_staging_bytes=1 << 20)
+
+
+def race_on_one_rank(ctx: Ctx, root: str) -> dict:
+    model, opt = _trained(width=1024)  # replicated: the same values on every rank
+    with Checkpointer(root, deferred_staging=True) as ck:
+        expected = _snapshot(model, opt)
+        ck.save(1, {"model": model, "optim": opt, "rank": ctx.rank})
+        opt.step()  # guarded on every rank
+        ck.wait()
+        ctx.check(ck.steps() == [1], f"step 1 committed: {ck.steps()}")
+        piece = torch.randn(4096, 4096)
+        ck.save(2, {"w": Shard(piece, (8192, 4096), (4096 * ctx.rank, 0))})
+        if ctx.rank == 1:
+            piece[7, 7] = 0.0
+        try:
+            ck.wait()
+            ctx.check(False, "a change on rank 1 during the copy must fail the save everywhere")
+        except ckpt.CkptError as e:
+            ctx.check("state['w'] changed in place" in str(e), f"the error says what: {e}")
+            ctx.check(ctx.rank == 1 or "rank 1" in str(e), f"rank 0's error names rank 1: {e}")
+        ctx.check(ck.steps() == [1], f"step 1 stays the newest: {ck.steps()}")
+        fresh, fresh_opt = _trained(width=1024, seed=9)
+        ck.restore({"model": fresh, "optim": fresh_opt, "rank": None}, step=1)
+        got = _snapshot(fresh, fresh_opt)
+        same = all(torch.equal(v, got["model"][k]) for k, v in expected["model"].items())
+        ctx.check(same, "the restored model is the one saved")
+    return {}
+
+
+def test_a_race_on_one_rank_fails_the_save_on_all(tmp_path: Path) -> None:
+    _, failures = launch(__file__, "race_on_one_rank", 2, tmp_path / "job", root=str(tmp_path / "root"))
+    assert not failures, failures
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_deferred_copy_reads_the_values_of_the_save_call(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(256, 4096, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    expected = _snapshot(model, opt)
+    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+        for _ in range(3):  # kernels queued behind save() on the main stream overlap the copy
+            model(x).square().mean().backward()
+        opt.step()
+        ck.wait()
+        assert ck._arena.buffer is not None and ck._arena.buffer.is_pinned()
+        fresh = copy.deepcopy(model)
+        fresh_opt = torch.optim.Adam(fresh.parameters())
+        fresh(x).sum().backward()
+        fresh_opt.step()
+        ck.restore({"model": fresh, "optim": fresh_opt})
+    _assert_bitwise(expected, fresh, fresh_opt)
