@@ -84,7 +84,9 @@ def main() -> None:
             direct = ck.stats()[-1].direct_bytes  # O_DIRECT straight from the pinned buffer
     results.update({"ckpt_deferred_stall": [], "ckpt_deferred_staged": [], "ckpt_deferred_commit": []})
     x = torch.randn(4096, 4096, device="cuda")
+    owner = torch.optim.SGD(list(state.values()), lr=0.0)  # the optimizer owning the state: its step() waits
     with Checkpointer(os.path.join(work, "ckpt-deferred"), deferred_staging=True) as ck:
+        ck.guard(owner)
         ck.save(0, state)
         ck.wait()
         for rep in range(1, args.reps + 1):
@@ -96,7 +98,7 @@ def main() -> None:
             results["ckpt_deferred_stall"].append(time.perf_counter() - t)
             for _ in range(20):  # the forward and backward the copy overlaps
                 torch.mm(x, x)
-            ck.wait_staged()
+            owner.step()  # waits for the copy (changes nothing: lr 0, no gradients)
             for v in state.values():
                 v.add_(1.0)
             ck.wait()

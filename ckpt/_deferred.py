@@ -1,18 +1,17 @@
 """Deferred staging (CheckpointerConfig.deferred_staging): save() returns before the copy.
 
-The commit thread copies the tensors into the staging buffer ahead of the writes, while
-the training loop goes on with its forward and backward passes, which only read them.
-Until the copy ends the saved tensors must not change in place, and three things hold
-that line:
+Only tensors that a guarded optimizer owns are deferred: the parameters and the state
+(moments, step counts) of every torch.optim.Optimizer in the state or passed to
+Checkpointer.guard. Between two steps nothing else changes them, and each such optimizer
+gets a step pre-hook that waits for the copy. The commit thread makes that copy ahead of
+the writes while the training loop runs its forward and backward passes. Everything else
+(buffers, which forward changes; NumPy arrays; tensors of unguarded optimizers, whose
+fused kernels bump no version counter) is copied before save() returns.
 
-- every torch.optim.Optimizer in the state (or passed to Checkpointer.guard) gets a step
-  pre-hook that waits for the copy, so optimizer.step() cannot update under it;
-- Checkpointer.wait_staged(), for any other in-place change (an EMA, a manual update);
-- each tensor's version counter, read in save() and again after the copy: a tensor changed
-  in place in between fails the save with StagingRaceError, so a torn copy never commits.
-
-Module buffers (forward changes them: BatchNorm statistics) are still copied before save()
-returns, as are NumPy arrays and inference tensors, whose changes no counter records.
+As a backstop, the version counters of the deferred tensors (and of their DTensor
+wrappers, which in-place DTensor ops bump instead) are read in save() and again after the
+copy: a change in between that did not wait, e.g. in place by hand, fails the save with
+StagingRaceError rather than commit a torn copy. Checkpointer.wait_staged() is the wait.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from store.errors import StagingRaceError
 
-__all__ = ["StagingGate", "find_objects", "buffer_storages", "can_defer", "Versions"]
+__all__ = ["StagingGate", "find_optimizers", "can_defer", "Versions"]
 
 
 class StagingGate:
@@ -66,60 +65,57 @@ class StagingGate:
             if opt not in self._hooks:
                 self._hooks[opt] = opt.register_step_pre_hook(before_step)
 
+    def owned_storages(self) -> set[tuple[str, int]]:
+        """Storages of every guarded optimizer's parameters and state tensors."""
+        out: set[tuple[str, int]] = set()
+        for opt in list(self._hooks.keys()):
+            tensors = [p for group in opt.param_groups for p in group["params"]]
+            tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            out.update(_storage_key(t) for t in tensors)
+        return out
+
     def remove_hooks(self) -> None:
         for handle in list(self._hooks.values()):
             handle.remove()
         self._hooks.clear()
 
 
-def find_objects(state: Mapping[str, Any]) -> tuple[list[torch.optim.Optimizer], list[torch.nn.Module]]:
-    """The optimizers and modules held anywhere in the state's dicts, lists and tuples."""
-    optimizers: list[torch.optim.Optimizer] = []
-    modules: list[torch.nn.Module] = []
+def find_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers held anywhere in the state's dicts, lists and tuples."""
+    found: list[torch.optim.Optimizer] = []
     stack: list[Any] = [state]
     while stack:
         v = stack.pop()
         if isinstance(v, torch.optim.Optimizer):
-            optimizers.append(v)
-        elif isinstance(v, torch.nn.Module):
-            modules.append(v)
+            found.append(v)
         elif isinstance(v, Mapping):
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
-    return optimizers, modules
+    return found
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
+    local = getattr(t, "_local_tensor", t)  # a DTensor: its local piece's storage
+    return str(local.device), local.untyped_storage().data_ptr()
 
 
-def buffer_storages(modules: Sequence[torch.nn.Module]) -> set[tuple[str, int]]:
-    """Storages of the modules' buffers: tensors forward may change in place."""
-    out = set()
-    for m in modules:
-        for b in m.buffers():
-            local = getattr(b, "_local_tensor", b)  # a DTensor buffer: its local storage
-            out.add(_storage_key(local))
-    return out
-
-
-def can_defer(value: Any, data: torch.Tensor, buffers: set[tuple[str, int]]) -> bool:
-    """Whether a leaf may be copied after save() returns: a change to it is detectable and
-    not made by forward."""
+def can_defer(value: Any, data: torch.Tensor, owned: set[tuple[str, int]]) -> bool:
+    """Whether a leaf may be copied after save() returns: a guarded optimizer owns it."""
     if isinstance(value, np.ndarray) or data.is_inference():
         return False
-    return _storage_key(data) not in buffers
+    return _storage_key(data) in owned
 
 
 class Versions:
-    """The version counters of the deferred tensors as save() saw them."""
+    """The version counters of the deferred tensors (and of the objects they were taken
+    from: a DTensor's in-place ops bump its own counter, not its local tensor's)."""
 
-    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._seen = [(key, t, t._version) for key, t in named]
+    def __init__(self, named: Iterable[tuple[str, Sequence[torch.Tensor]]]) -> None:
+        self._seen = [(key, t, t._version) for key, ts in named for t in ts]
 
     def check(self) -> None:
-        changed = [key for key, t, v in self._seen if t._version != v]
+        changed = list(dict.fromkeys(key for key, t, v in self._seen if t._version != v))
         if changed:
             shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
             raise StagingRaceError(

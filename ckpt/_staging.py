@@ -11,6 +11,7 @@ the parameters at once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -141,36 +142,44 @@ def stage(
     caller) is done, or, without it, the work queued so far on the current stream."""
     cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
     cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda]
-    if cuda_tasks:
-        # on the sources' device: another thread (deferred staging) starts on device 0
-        with torch.cuda.device(cuda_tasks[0].piece.data.device):
+    with contextlib.ExitStack() as scope:
+        stream = None
+        if cuda_tasks:
+            # All CUDA calls on the sources' device: a thread of its own (deferred staging)
+            # would otherwise make device 0 current, and create a context there on every rank.
+            device = cuda_tasks[0].piece.data.device
+            scope.enter_context(torch.cuda.device(device))
             stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        if after is not None:
-            stream.wait_event(after)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(cuda_tasks[0].piece.data.device))
-        with torch.cuda.stream(stream):
-            for t in cuda_tasks:
-                _copy_one(arena, t, non_blocking=True)
-    if pool is not None and len(cpu_tasks) > 1:
-        # Two lanes balanced by bytes; torch releases the GIL inside copy_.
-        lanes: list[list[StageTask]] = [[], []]
-        loads = [0, 0]
-        for t in sorted(cpu_tasks, key=lambda t: -t.staged_bytes):
-            i = 0 if loads[0] <= loads[1] else 1
-            lanes[i].append(t)
-            loads[i] += t.staged_bytes
+            if after is not None:
+                stream.wait_event(after)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for t in cuda_tasks:
+                    _copy_one(arena, t, non_blocking=True)
+        _copy_cpu(arena, cpu_tasks, pool)
+        if stream is not None:
+            stream.synchronize()
 
-        def other_lane() -> None:
-            for t in lanes[1]:
-                _copy_one(arena, t, False)
 
-        fut = pool.submit(other_lane)
-        for t in lanes[0]:
+def _copy_cpu(arena: torch.Tensor, tasks: list[StageTask], pool: ThreadPoolExecutor | None) -> None:
+    if pool is None or len(tasks) < 2:
+        for t in tasks:
             _copy_one(arena, t, False)
-        fut.result()
-    else:
-        for t in cpu_tasks:
+        return
+    # Two lanes balanced by bytes; numpy and torch release the GIL while copying.
+    lanes: list[list[StageTask]] = [[], []]
+    loads = [0, 0]
+    for t in sorted(tasks, key=lambda t: -t.staged_bytes):
+        i = 0 if loads[0] <= loads[1] else 1
+        lanes[i].append(t)
+        loads[i] += t.staged_bytes
+
+    def other_lane() -> None:
+        for t in lanes[1]:
             _copy_one(arena, t, False)
-    if cuda_tasks:
-        stream.synchronize()
+
+    fut = pool.submit(other_lane)
+    for t in lanes[0]:
+        _copy_one(arena, t, False)
+    fut.result()

@@ -155,10 +155,11 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
             if is_array:
                 return lambda: _to_ndarray(out.results[name], t)
             return lambda: out.results[name]
-        if isinstance(s, dict) and OBJECT not in s and _has_state_dict(t) and (DICT in s or not (_MARKERS & s.keys())):
+        plain = isinstance(s, dict) and (DICT in s or not (_MARKERS & s.keys()))
+        if plain and _has_state_dict(t) and not isinstance(t, Mapping):
             s = {OBJECT: s}  # a saved state_dict() restores into the live object, through load_state_dict
-        if isinstance(s, dict) and OBJECT in s and isinstance(t, Mapping):
-            return b(s[OBJECT], t, path)  # a saved object restores into its state_dict() as well
+        if isinstance(s, dict) and OBJECT in s and isinstance(t, Mapping) and not _has_state_dict(t):
+            return b(s[OBJECT], t, path)  # a saved object restores into a plain state dict, in place
         if isinstance(s, dict) and OBJECT in s:
             if not _has_state_dict(t):
                 raise StateMismatchError(

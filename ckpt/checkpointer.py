@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_tasks
-from ckpt._deferred import StagingGate, Versions, buffer_storages, can_defer, find_objects
+from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._gc import no_cyclic_gc
 from ckpt._staging import Arena, StageTask, assign_offsets, slot_bytes, stage
@@ -333,24 +333,23 @@ class Checkpointer:
         self._wait_pending()
         pieces: dict[str, LocalPiece] = {}
         local: list[LocalSpec] = []
-        deferrable: dict[str, str] = {}  # array name -> key, of the leaves copied after save() returns
+        deferrable: dict[str, tuple[str, Any]] = {}  # array name -> (key, leaf), copied after save() returns
         tree: Any = None
         rng = None
         error: BaseException | None = None
         try:
             with no_cyclic_gc():
                 tree, leaves = encode_state(state)
-                buffers: set[tuple[str, int]] = set()
+                owned: set[tuple[str, int]] = set()
                 if self.config.deferred_staging:
-                    optimizers, modules = find_objects(state)
-                    self._gate.guard(optimizers)
-                    buffers = buffer_storages(modules)
+                    self._gate.guard(find_optimizers(state))
+                    owned = self._gate.owned_storages()
                 for leaf in leaves:
                     p = describe(leaf.value, leaf.key)
                     pieces[leaf.name] = p
                     local.append((leaf.name, p.data_type, p.global_shape, p.offsets, tuple(p.data.shape)))
-                    if self.config.deferred_staging and can_defer(leaf.value, p.data, buffers):
-                        deferrable[leaf.name] = leaf.key
+                    if owned and can_defer(leaf.value, p.data, owned):
+                        deferrable[leaf.name] = (leaf.key, leaf.value)
             rng = capture_rng() if self.config.capture_rng else None
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below
             error = e
@@ -395,7 +394,7 @@ class Checkpointer:
                 later = [t for t in placed if t.array.spec.name in deferrable]
                 stage(job.arena, [t for t in placed if t.array.spec.name not in deferrable], self._copy_pool)
                 if later:
-                    job.deferred = self._defer(job.arena, later, deferrable, pin)
+                    job.deferred = self._defer(job.arena, later, deferrable)
                 job.tasks = placed
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
@@ -407,30 +406,39 @@ class Checkpointer:
         except Exception as e:
             job.error = e
             job.tasks = []
-        if job.error is not None and job.deferred is not None:  # nothing to copy: release the optimizers
+        if job.error is not None:
             job.deferred = None
-            self._gate.open()
         job.stats.stage_s = time.perf_counter() - started
         if job.deferred is None:
             job.stats.staged_s = job.stats.stage_s
         fault_point("after-stage", self.rank)
         metrics.SAVE_STALL.observe(job.stats.stage_s)
-        self._pending = self._committer.submit(
-            run_commit, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
-        )
+        if job.deferred is not None:
+            self._gate.close()  # optimizer steps wait from here until the commit thread has copied
+        try:
+            self._pending = self._committer.submit(
+                run_commit, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
+            )
+        except BaseException:
+            self._gate.open()
+            raise
         return True
 
     def _defer(
-        self, arena: torch.Tensor, tasks: list[StageTask], keys: Mapping[str, str], cuda: bool
+        self, arena: torch.Tensor, tasks: list[StageTask], leaves: Mapping[str, tuple[str, Any]]
     ) -> Callable[[SaveJob], None]:
         """The copy of `tasks` that the commit thread makes before writing (deferred staging)."""
         after = None
-        if cuda:  # the values as of this save(): the work queued so far on the current stream
+        device = next((t.piece.data.device for t in tasks if t.piece.data.is_cuda), None)
+        if device is not None:  # the values as of this save(): the work queued so far on its stream
             after = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            after.record(torch.cuda.current_stream(next(t.piece.data.device for t in tasks if t.piece.data.is_cuda)))
-        seen = {id(t.piece.data): (keys[t.array.spec.name], t.piece.data) for t in tasks}
-        versions = Versions(seen.values())
-        self._gate.close()
+            after.record(torch.cuda.current_stream(device))
+        watched: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        for t in tasks:
+            key, value = leaves[t.array.spec.name]
+            wrapper = [value] if isinstance(value, torch.Tensor) and value is not t.piece.data else []
+            watched[t.array.spec.name] = (key, [t.piece.data, *wrapper])
+        versions = Versions(watched.values())
 
         def copy(job: SaveJob) -> None:
             try:

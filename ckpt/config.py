@@ -31,11 +31,11 @@ class CheckpointerConfig:
     says which were direct)."""
 
     deferred_staging: bool = False
-    """save() returns before the tensors are copied; the copy runs in the background while
-    forward and backward go on (they only read the state). Every optimizer in the state
-    waits for it in step(); call Checkpointer.wait_staged() before any other in-place
-    change. A tensor changed during the copy fails the save (StagingRaceError) instead of
-    committing a torn version. Module buffers are still copied before save() returns."""
+    """save() returns before copying the tensors an optimizer owns (parameters, moments);
+    the commit thread copies them while forward and backward go on. The optimizer (in the
+    state, or passed to Checkpointer.guard) waits for the copy in step(). Everything else is
+    copied before save() returns. A deferred tensor changed in place during the copy fails
+    the save (StagingRaceError) instead of committing a torn version."""
 
     copy_threads: int = 2
     """Threads copying tensors into the staging buffer (the training stall)."""

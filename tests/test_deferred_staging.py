@@ -3,9 +3,13 @@ values of the save() call, bitwise, or the save fails and nothing is committed."
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,27 +65,72 @@ def test_optimizer_step_right_after_save_waits_and_the_checkpoint_is_exact(tmp_p
     assert not torch.equal(after["model"]["0.weight"], expected["model"]["0.weight"])  # training moved on
 
 
+@contextlib.contextmanager
+def _copy_held_back(ck: Checkpointer) -> Iterator[None]:
+    """Keep the commit thread busy, so the deferred copy of the save() in the block has
+    surely not started when the block changes the state (no timing luck involved)."""
+    hold = threading.Event()
+    ck._committer.submit(hold.wait)
+    try:
+        yield
+    finally:
+        hold.set()
+
+
 def test_in_place_change_before_the_copy_ends_fails_the_save(tmp_path: Path) -> None:
-    big = torch.randn(8192, 4096)  # 128 MiB: the copy is still running when save() has returned
+    w = torch.nn.Parameter(torch.randn(1024, 1024))
+    opt = torch.optim.SGD([w], lr=0.1)
+    state = {"w": w, "optim": opt}  # the optimizer owns w: w is deferred
     with Checkpointer(tmp_path, deferred_staging=True) as ck:
-        ck.save(1, {"w": big})
+        ck.save(1, state)
         ck.wait()
-        saved = big.clone()
-        ck.save(2, {"w": big})
-        big[0, 0] += 1  # no wait_staged(): a torn copy is possible, so the save must fail
+        saved = w.detach().clone()
+        with _copy_held_back(ck):
+            ck.save(2, state)
+            with torch.no_grad():
+                w[0, 0] += 1  # by hand, without wait_staged(): the copy could be torn
         with pytest.raises(ckpt.StagingRaceError, match=r"state\['w'\] changed in place"):
             ck.wait()
         assert ck.steps() == [1]
-        ck.save(3, {"w": big})
+        with _copy_held_back(ck):
+            ck.save(3, state)
         assert ck.wait_staged() >= 0.0
-        big[0, 0] += 1  # after wait_staged() the state is free to change
+        with torch.no_grad():
+            w[0, 0] += 1  # after wait_staged() the state is free to change
         ck.wait()
         assert ck.steps() == [1, 3]
-        out = {"w": torch.zeros_like(big)}
-        ck.restore(out, step=1)
-        assert torch.equal(out["w"], saved)
-        ck.restore(out, step=3)
-        assert torch.equal(out["w"][1:], saved[1:]) and out["w"][0, 0] == saved[0, 0] + 1
+        out = torch.nn.Parameter(torch.zeros_like(w))
+        ck.restore({"w": out, "optim": torch.optim.SGD([out], lr=0.1)}, step=1)
+        assert torch.equal(out.detach(), saved)
+        ck.restore({"w": out, "optim": torch.optim.SGD([out], lr=0.1)}, step=3)
+        assert torch.equal(out.detach()[1:], saved[1:]) and out[0, 0] == saved[0, 0] + 1
+
+
+def test_what_no_guarded_optimizer_owns_is_copied_before_save_returns(tmp_path: Path) -> None:
+    """Buffers, NumPy arrays, and the tensors of an optimizer the checkpointer does not
+    know (here fused: its kernels bump no version counter) are copied eagerly."""
+    arr = np.arange(1 << 20, dtype=np.float32)
+    model, _ = _trained(width=2048)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    _train_step(model, opt)
+    expected = _snapshot(model, opt)
+    head = torch.nn.Linear(8, 8)  # a second optimizer, in the state: its tensors are deferred
+    head_opt = torch.optim.Adam(head.parameters())
+    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+        with _copy_held_back(ck):
+            ck.save(1, {"arr": arr, "model": model.state_dict(), "optim": opt.state_dict(), "head": head,
+                        "head_optim": head_opt})
+            arr += 1  # NumPy keeps no version counter
+            _train_step(model, opt)  # forward changes the BatchNorm statistics; a fused step the rest
+        ck.wait()
+        out_model, _ = _trained(width=2048, seed=2)
+        out_opt = torch.optim.SGD(out_model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        out = {"arr": np.zeros_like(arr), "model": out_model, "optim": out_opt, "head": torch.nn.Linear(8, 8),
+               "head_optim": None}
+        out["head_optim"] = torch.optim.Adam(out["head"].parameters())
+        ck.restore(out)
+    assert (out["arr"] == arr - 1).all()
+    _assert_bitwise(expected, out_model, out_opt)
 
 
 def test_guard_covers_an_optimizer_the_state_holds_only_as_a_dict(tmp_path: Path) -> None:
@@ -97,48 +146,43 @@ def test_guard_covers_an_optimizer_the_state_holds_only_as_a_dict(tmp_path: Path
     _assert_bitwise(expected, fresh, fresh_opt)
 
 
-def test_numpy_arrays_and_buffers_are_copied_before_save_returns(tmp_path: Path) -> None:
-    import numpy as np
-
-    arr = np.arange(1 << 20, dtype=np.float32)
-    model, opt = _trained(width=2048)
-    buffers = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
-    with Checkpointer(tmp_path, deferred_staging=True) as ck:
-        ck.save(1, {"arr": arr, "model": model, "optim": opt})
-        model(torch.randn(32, 2048))  # forward updates running_mean / running_var in place
-        arr += 1  # NumPy keeps no version counter: it must already be copied
-        ck.wait()
-        out_model, out_opt = _trained(width=2048, seed=2)
-        out = {"arr": np.zeros_like(arr), "model": out_model, "optim": out_opt}
-        ck.restore(out)
-    assert (out["arr"] == arr - 1).all()
-    for k, v in buffers.items():
-        assert torch.equal(out["model"].state_dict()[k], v), k
-
-
 def test_deferred_staging_and_bounded_staging_are_refused_together() -> None:
     with pytest.raises(ValueError, match="deferred_staging"):
         ckpt.CheckpointerConfig(deferred_staging=True, max_staging_bytes=1 << 20)
 
 
 def race_on_one_rank(ctx: Ctx, root: str) -> dict:
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor import distribute_tensor, init_device_mesh
+
     model, opt = _trained(width=1024)  # replicated: the same values on every rank
+    mesh = init_device_mesh("cpu", (ctx.world,))
     with Checkpointer(root, deferred_staging=True) as ck:
         expected = _snapshot(model, opt)
         ck.save(1, {"model": model, "optim": opt, "rank": ctx.rank})
         opt.step()  # guarded on every rank
         ck.wait()
         ctx.check(ck.steps() == [1], f"step 1 committed: {ck.steps()}")
-        piece = torch.randn(4096, 4096)
-        ck.save(2, {"w": Shard(piece, (8192, 4096), (4096 * ctx.rank, 0))})
-        if ctx.rank == 1:
-            piece[7, 7] = 0.0
-        try:
-            ck.wait()
-            ctx.check(False, "a change on rank 1 during the copy must fail the save everywhere")
-        except ckpt.CkptError as e:
-            ctx.check("state['w'] changed in place" in str(e), f"the error says what: {e}")
-            ctx.check(ctx.rank == 1 or "rank 1" in str(e), f"rank 0's error names rank 1: {e}")
+        piece = torch.nn.Parameter(torch.randn(1024, 1024))
+        dt = torch.nn.Parameter(distribute_tensor(torch.zeros(2048, 64), mesh, [DShard(0)]))
+        sgd = torch.optim.SGD([piece, dt], lr=0.1)
+        ck.guard(sgd)  # held weakly, as long as the training loop holds the optimizer
+        for what in ("shard", "dtensor"):
+            with _copy_held_back(ck):
+                ck.save(2, {"w": Shard(piece, (2048, 1024), (1024 * ctx.rank, 0)), "dt": dt})
+                if ctx.rank == 1:
+                    with torch.no_grad():
+                        if what == "shard":
+                            piece[7, 7] = 0.0
+                        else:
+                            dt.add_(1.0)  # bumps the DTensor's counter, not its local tensor's
+            try:
+                ck.wait()
+                ctx.check(False, f"{what}: a change on rank 1 during the copy must fail the save everywhere")
+            except ckpt.CkptError as e:
+                key = "state['w']" if what == "shard" else "state['dt']"
+                ctx.check(f"{key} changed in place" in str(e), f"{what}: the error says what: {e}")
+                ctx.check(ctx.rank == 1 or "rank 1" in str(e), f"{what}: rank 0's error names rank 1: {e}")
         ctx.check(ck.steps() == [1], f"step 1 stays the newest: {ck.steps()}")
         fresh, fresh_opt = _trained(width=1024, seed=9)
         ck.restore({"model": fresh, "optim": fresh_opt, "rank": None}, step=1)

@@ -102,6 +102,32 @@ def test_a_saved_state_dict_restores_into_the_object_and_an_object_into_its_stat
         assert target["model"] is into and torch.equal(into["weight"], model.weight)
 
 
+class _StatefulDict(dict):
+    """A dict that is also Stateful (as some containers are): restored through load_state_dict."""
+
+    loads = 0
+
+    def state_dict(self) -> dict:
+        return dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        type(self).loads += 1
+        self.update(sd)
+
+
+def test_a_dict_that_has_state_dict_restores_through_it(tmp_path):
+    saved = _StatefulDict(w=torch.arange(6.0))
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"box": saved})
+        ck.save(2, {"box": {"w": torch.arange(6.0) + 1}})  # a plain dict, restored into the same object
+        ck.wait()
+        target = _StatefulDict(w=torch.zeros(6))
+        ck.restore({"box": target}, step=1)
+        assert torch.equal(target["w"], torch.arange(6.0)) and _StatefulDict.loads == 1
+        ck.restore({"box": target}, step=2)
+        assert torch.equal(target["w"], torch.arange(6.0) + 1)
+
+
 def test_sampler_resumes_mid_epoch_and_reshuffles():
     data = list(range(37))
     full = DistributedSampler(data, num_replicas=3, rank=1, seed=5)
