@@ -10,9 +10,13 @@ stays the same). The same state object is given to every library.
 Measured side by side, `--reps` repetitions interleaved (the order rotates every
 repetition), ratios taken within a repetition, then the median:
 
-- training stall per save: ckpt save() (steady state: the staging buffer is reused),
-  torch.save, DCP save, the blocking part of DCP async_save with a reused stager, and the
-  copy floor (two threads copying the same bytes into a warm preallocated buffer);
+- training stall per save: ckpt save() (steady state: the staging buffer is reused), and
+  with deferred staging, torch.save, DCP save, the blocking part of DCP async_save with a
+  reused stager, and the copy floor (two threads copying the same bytes into a warm
+  preallocated buffer);
+- a training step with a save in it (fixed compute after save() returns, then the
+  optimizer step) from ckpt, ckpt with deferred staging and DCP async_save, against the
+  same step without a save: what each costs training, background work included;
 - time until durable: ckpt save+wait, torch.save+fsync, DCP save at thread_count 1
   (its default), 2 and 4, and the write floor (fastest of one file per rank, 4 files by
   4 threads, 4 files by 4 threads with early writeback by sync_file_range, and 4 files
