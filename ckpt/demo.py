@@ -88,7 +88,9 @@ def _worker(args: argparse.Namespace) -> None:
     if args.ckpt:
         roots = [os.path.join(args.work, "disk0", "ckpt"), os.path.join(args.work, "disk1", "ckpt")]
         opts = json.loads(args.storage_options) if args.storage_options else None
-        ck = Checkpointer(roots, replicate_to=args.remote, storage_options=opts)
+        # Deferred staging: the optimizer is in the state, so save() returns before copying
+        # the parameters and moments, and opt.step() waits for that copy.
+        ck = Checkpointer(roots, replicate_to=args.remote, storage_options=opts, deferred_staging=True)
         t0 = time.perf_counter()
         resumed = ck.restore(state)
         report["restore_s"] = time.perf_counter() - t0

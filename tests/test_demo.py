@@ -25,6 +25,8 @@ def test_demo_resumes_bit_exactly_on_another_world_size(tmp_path: Path) -> None:
     assert resumed["world"] == 3 and resumed["resumed_from"] in (3, 6)  # a version before the kill
     ref = json.loads((tmp_path / "ref" / "rank0.json").read_text())["losses"]
     assert all(ref[k] == v for k, v in resumed["losses"].items())
+    # the resumed run saved with deferred staging: each copy ended after its save() returned
+    assert resumed["stats"] and all(s["staged_s"] > s["stage_s"] for s in resumed["stats"])
     # the replicator copied to the other disk and the remote
     assert any((tmp_path / "disk1" / "ckpt" / "replicas").iterdir())
     assert any(p.name.startswith("v") for p in (tmp_path / "remote").iterdir())
