@@ -6,7 +6,8 @@ A small MLP with Adam, data-parallel over gloo, plus a hand-sharded tensor (`ckp
 whose rows differ per rank. Every step is deterministic (the data of step s comes from
 a generator seeded with s and the rank; gradients are summed by all_reduce), so a step
 re-done after a restore produces the same bits. The rank saves every step to its own
-root; the harness's replicator daemons copy the versions elsewhere.
+root (every other incarnation with deferred staging); the harness's replicator daemons
+copy the versions elsewhere.
 
 Journals (append-only JSON lines, fsynced), under SPEC["journal"]:
 - `expected.rank<r>.jsonl`: before save(s): {"step": s, "sums": {key: digest}, "milestone": b};
@@ -114,8 +115,14 @@ def main(spec: dict[str, Any]) -> int:
     stop_file, ready_file = spec["stop_file"], f"{spec['ready_prefix']}.rank{rank}"
     root = spec["roots"][rank]
     marks.append(("process group", time.monotonic()))
+    # Every other incarnation saves with deferred staging: the optimizer is in the state, so
+    # its parameters and moments are copied after save() returns, while the next step runs.
     with Checkpointer(
-        root, tiers=spec["tiers"][rank], capture_rng=False, timeout=timedelta(seconds=spec["timeout_s"])
+        root,
+        tiers=spec["tiers"][rank],
+        capture_rng=False,
+        timeout=timedelta(seconds=spec["timeout_s"]),
+        deferred_staging=spec["inc"] % 2 == 1,
     ) as ck:
         marks.append(("open", time.monotonic()))
         start = ck.restore(state)
