@@ -12,6 +12,8 @@ As a backstop, the version counters of the deferred tensors (and of their DTenso
 wrappers, which in-place DTensor ops bump instead) are read in save() and again after the
 copy: a change in between that did not wait, e.g. in place by hand, fails the save with
 StagingRaceError rather than commit a torn copy. Checkpointer.wait_staged() is the wait.
+Writes that bump no counter (through `.data`, NumPy views, collectives) are not caught:
+the README says so.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class StagingGate:
         self._idle = threading.Event()
         self._idle.set()
         self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = weakref.WeakKeyDictionary()
+        self._guarded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # by Checkpointer.guard
         self.waited_s = 0.0  # total time training spent waiting here
 
     def close(self) -> None:
@@ -56,28 +59,55 @@ class StagingGate:
         self.waited_s += waited
         return waited
 
-    def guard(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Make each optimizer's step() wait for the copy (one hook per optimizer)."""
+    def hook(self, optimizers: Iterable[Any]) -> list[torch.optim.Optimizer]:
+        """Make each optimizer's step() wait for the copy (one hook per optimizer); the ones
+        hooked. A wrapper is unwrapped to the optimizer that steps (`.optimizer`, `.optim`);
+        one with no hookable optimizer inside is left alone, so its tensors are not deferred."""
+
         def before_step(*_: Any) -> None:
             self.wait()
 
-        for opt in optimizers:
+        out = []
+        for opt in filter(None, map(_hookable, optimizers)):
             if opt not in self._hooks:
                 self._hooks[opt] = opt.register_step_pre_hook(before_step)
+            out.append(opt)
+        return out
 
-    def owned_storages(self) -> set[tuple[str, int]]:
-        """Storages of every guarded optimizer's parameters and state tensors."""
+    def guard(self, optimizers: Iterable[Any]) -> None:
+        """Checkpointer.guard: hooked now, and owners of what they hold at every later save."""
+        self._guarded.update(self.hook(optimizers))
+
+    def owned_storages(self, in_state: Iterable[Any]) -> set[tuple[str, int]]:
+        """Storages of the parameters and state tensors of the optimizers in this save's state
+        and of those passed to guard(): what may be deferred. Not of an optimizer merely
+        hooked by an earlier save: the training loop may have replaced it since."""
         out: set[tuple[str, int]] = set()
-        for opt in list(self._hooks.keys()):
+        for opt in [*self.hook(in_state), *self._guarded]:
             tensors = [p for group in opt.param_groups for p in group["params"]]
             tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            out.update(_storage_key(t) for t in tensors)
+            out.update(_storage_key(t) for t in tensors if t.numel())
         return out
 
     def remove_hooks(self) -> None:
         for handle in list(self._hooks.values()):
             handle.remove()
         self._hooks.clear()
+        self._guarded.clear()
+
+
+def _hookable(opt: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose step() runs the step pre-hooks: `opt`, or the one it wraps.
+
+    Wrappers that subclass Optimizer without calling its __init__ (accelerate's
+    AcceleratedOptimizer, torch's PostLocalSGDOptimizer) have no hooks of their own."""
+    for _ in range(8):  # wrappers of wrappers, not a cycle
+        if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
+            return opt
+        opt = getattr(opt, "optimizer", None) or getattr(opt, "optim", None)
+        if opt is None:
+            return None
+    return None
 
 
 def find_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:

@@ -342,8 +342,7 @@ class Checkpointer:
                 tree, leaves = encode_state(state)
                 owned: set[tuple[str, int]] = set()
                 if self.config.deferred_staging:
-                    self._gate.guard(find_optimizers(state))
-                    owned = self._gate.owned_storages()
+                    owned = self._gate.owned_storages(find_optimizers(state))
                 for leaf in leaves:
                     p = describe(leaf.value, leaf.key)
                     pieces[leaf.name] = p

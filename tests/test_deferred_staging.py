@@ -146,6 +146,65 @@ def test_guard_covers_an_optimizer_the_state_holds_only_as_a_dict(tmp_path: Path
     _assert_bitwise(expected, fresh, fresh_opt)
 
 
+class _Wrapper(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer: an Optimizer subclass that skips its __init__
+    and steps the optimizer it wraps."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:  # noqa: D107 - no super().__init__
+        self.optimizer = inner
+
+    @property
+    def param_groups(self) -> list:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return self.optimizer.state
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:  # type: ignore[override]
+        self.optimizer.load_state_dict(sd)
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+        return self.optimizer.step(closure)
+
+
+def test_a_wrapped_optimizer_is_guarded_through_the_one_it_wraps(tmp_path: Path) -> None:
+    model, inner = _trained(width=2048)
+    opt = _Wrapper(inner)
+    expected = _snapshot(model, inner)
+    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+        with _copy_held_back(ck):
+            ck.save(1, {"model": model, "optim": opt})
+        opt.step()  # the inner optimizer's hook holds it until the copy has ended
+        ck.wait()
+        assert ck.stats()[-1].staged_s > ck.stats()[-1].stage_s  # its tensors were deferred
+        fresh, fresh_inner = _trained(width=2048, seed=1)
+        ck.restore({"model": fresh, "optim": _Wrapper(fresh_inner)})
+    _assert_bitwise(expected, fresh, fresh_inner)
+
+
+def test_an_optimizer_of_an_earlier_save_does_not_defer_this_saves_tensors(tmp_path: Path) -> None:
+    model, adam = _trained(width=2048)
+    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+        ck.save(1, {"model": model, "optim": adam})  # hooks adam, which owns the parameters
+        ck.wait()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)  # adam replaced
+        _train_step(model, sgd)
+        expected = _snapshot(model, sgd)
+        with _copy_held_back(ck):
+            ck.save(2, {"model": model.state_dict(), "optim": sgd.state_dict()})  # sgd unknown: all eager
+            sgd.step()  # neither waits nor bumps a counter
+        ck.wait()
+        fresh, _ = _trained(width=2048, seed=1)
+        fresh_sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9, fused=True)
+        ck.restore({"model": fresh, "optim": fresh_sgd}, step=2)
+    _assert_bitwise(expected, fresh, fresh_sgd)
+    del adam
+
+
 def test_deferred_staging_and_bounded_staging_are_refused_together() -> None:
     with pytest.raises(ValueError, match="deferred_staging"):
         ckpt.CheckpointerConfig(deferred_staging=True, max_staging_bytes=1 << 20)
