@@ -465,9 +465,18 @@ class Checkpointer:
         self._wait_pending()
 
     def _wait_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._stats.append(pending.result())
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            stats = pending.result()
+        finally:
+            # Forgotten only once it has ended: a wait interrupted by a signal (a SIGTERM
+            # handler's SystemExit, then an emergency save) must not let the next save
+            # reuse the staging buffer while this one still reads or writes it.
+            if pending.done():
+                self._pending = None
+        self._stats.append(stats)
 
     # -- reading ---------------------------------------------------------------------
 

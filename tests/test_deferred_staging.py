@@ -205,6 +205,35 @@ def test_an_optimizer_of_an_earlier_save_does_not_defer_this_saves_tensors(tmp_p
     del adam
 
 
+def test_a_wait_interrupted_by_a_signal_still_waits_at_the_next_save(tmp_path: Path) -> None:
+    import signal
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    w = torch.randn(1024, 1024)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with Checkpointer(tmp_path) as ck:
+            with _copy_held_back(ck):
+                ck.save(1, {"w": w})
+                signal.setitimer(signal.ITIMER_REAL, 0.2)
+                with pytest.raises(Interrupted):
+                    ck.wait()  # a SIGTERM handler would raise SystemExit here
+            ck.save(2, {"w": w + 1})  # must wait for step 1 before reusing the staging buffer
+            ck.wait()
+            assert ck.steps() == [1, 2] and [s.step for s in ck.stats()] == [1, 2]
+            out = {"w": torch.zeros_like(w)}
+            ck.restore(out, step=1)
+            assert torch.equal(out["w"], w)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_deferred_staging_and_bounded_staging_are_refused_together() -> None:
     with pytest.raises(ValueError, match="deferred_staging"):
         ckpt.CheckpointerConfig(deferred_staging=True, max_staging_bytes=1 << 20)
