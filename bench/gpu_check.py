@@ -89,8 +89,8 @@ def main() -> None:
         ck.guard(owner)
         ck.save(0, state)
         ck.wait()
+        name, first = next(iter(state.items()))
         for rep in range(1, args.reps + 1):
-            first = next(iter(state.values()))
             expected = first[:1 << 20].cpu()
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -106,7 +106,6 @@ def main() -> None:
             results["ckpt_deferred_staged"].append(ck.stats()[-1].staged_s)
         out = {k: torch.empty_like(v) for k, v in state.items()}
         ck.restore(out, step=args.reps)
-        name = next(iter(state))
         if not torch.equal(out[name][:1 << 20].cpu(), expected):
             raise SystemExit("deferred staging: the restored tensor differs from its value at save()")
     try:

@@ -41,7 +41,6 @@ class StagingGate:
         self._idle.set()
         self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = weakref.WeakKeyDictionary()
         self._guarded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # by Checkpointer.guard
-        self.waited_s = 0.0  # total time training spent waiting here
 
     def close(self) -> None:
         self._idle.clear()
@@ -55,9 +54,7 @@ class StagingGate:
             return 0.0
         t = time.perf_counter()
         self._idle.wait()
-        waited = time.perf_counter() - t
-        self.waited_s += waited
-        return waited
+        return time.perf_counter() - t
 
     def hook(self, optimizers: Iterable[Any]) -> list[torch.optim.Optimizer]:
         """Make each optimizer's step() wait for the copy (one hook per optimizer); the ones

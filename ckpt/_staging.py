@@ -142,13 +142,12 @@ def stage(
     caller) is done, or, without it, the work queued so far on the current stream."""
     cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
     cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda]
-    with contextlib.ExitStack() as scope:
+    device = cuda_tasks[0].piece.data.device if cuda_tasks else None
+    # All CUDA calls on the sources' device: a thread of its own (deferred staging) would
+    # otherwise make device 0 current, and create a context there on every rank.
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         stream = None
-        if cuda_tasks:
-            # All CUDA calls on the sources' device: a thread of its own (deferred staging)
-            # would otherwise make device 0 current, and create a context there on every rank.
-            device = cuda_tasks[0].piece.data.device
-            scope.enter_context(torch.cuda.device(device))
+        if device is not None:
             stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             if after is not None:
                 stream.wait_event(after)
