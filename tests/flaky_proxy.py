@@ -569,12 +569,17 @@ def _main(argv: list[str] | None = None) -> int:
     proxy = FlakyProxy(int(m.group(2)), plan, upstream_host=m.group(1), port=a.port)
     done = threading.Event()
 
+    counts_lock = threading.Lock()
+
     def write_counts() -> None:
+        # Called from the proxy's thread on every change and from the loop below: one at a
+        # time, or one rename finds the shared tmp file already renamed by the other.
         if a.counts_file:
-            tmp = f"{a.counts_file}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"faults": proxy.faults(), "requests": proxy.requests}, f)
-            os.replace(tmp, a.counts_file)
+            with counts_lock:
+                tmp = f"{a.counts_file}.tmp-{os.getpid()}"
+                with open(tmp, "w") as f:
+                    json.dump({"faults": proxy.faults(), "requests": proxy.requests}, f)
+                os.replace(tmp, a.counts_file)
 
     proxy.on_change = write_counts
     signal.signal(signal.SIGTERM, lambda *_: done.set())
