@@ -117,6 +117,16 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
             target(f"durable commit vs DCP save at best thread_count (world {w}: {best.rsplit('_', 1)[1]})",
                    per_rep(p + "durable/ckpt", best), 0.9,
                    how="ckpt save()+wait() / DCP save with the thread_count of lowest median")
+        target(f"durable commit with overlap_writes vs write floor (world {w})",
+               per_rep(p + "durable/ckpt_overlap", fastest(p + "durable/floor_")), 1.1,
+               how="ckpt save()+wait() with the writers starting during the copy / fastest raw durable write")
+        if best:
+            target(f"durable commit with overlap_writes vs DCP save at best thread_count (world {w})",
+                   per_rep(p + "durable/ckpt_overlap", best), 0.9,
+                   how="ckpt save()+wait() with overlap_writes=True / DCP save with the thread_count of lowest median")
+        target(f"stall with overlap_writes vs copy floor (world {w})",
+               per_rep(p + "stall/ckpt_overlap", fastest(p + "stall/floor_copy_")), 1.2,
+               how="save() with the writers taking CPU and memory bandwidth from the copy (off by default on 2 cores)")
         same = f"restore/ckpt_{w}to{w}"
         target(f"same-layout restore vs read floor ({w}->{w})",
                per_rep(p + same, fastest(p + "restore/floor_read")), 1.2,
@@ -145,7 +155,7 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
     steps = []
     for w in (1, 2):
         base = reps_of(f"w{w}/train_step/none")
-        for mode in ("ckpt", "ckpt_deferred", "dcp_async_save"):
+        for mode in ("ckpt", "ckpt_deferred", "ckpt_overlap", "dcp_async_save"):
             with_save = reps_of(f"w{w}/train_step/{mode}")
             cost = [with_save[r] - base[r] for r in sorted(with_save) if r in base]
             if cost:

@@ -5,8 +5,8 @@ Phases:
             DCP save (thread_count 1/2/4), DCP async_save with a reused stager, and the
             copy and write floors; each write that has a reader is followed by a cold restore
             of what it wrote (ckpt, torch.load, DCP load, the read floors), same layout.
-            Also a training step (fixed compute) without a save and with one from ckpt,
-            ckpt with deferred staging, and DCP async_save.
+            Also ckpt with overlap_writes=True (stall and durable, no restore), and a training step (fixed compute) without a save and with one from ckpt,
+            ckpt with deferred staging, ckpt with overlap_writes, and DCP async_save.
             At world 1 (which runs after world 2) also the resharded 2->1 restores of
             what the world-2 phase left, ckpt and DCP, in the same repetitions.
   restore   world 3: cold restores 2->3 of what the world-2 phase left; ckpt and DCP.
@@ -284,6 +284,28 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             restore(f"restore/ckpt_{WORLD}to{WORLD}", rep, lambda: ck.restore(state, step=step[0]))
 
     ckpt_save(-1, first=True)
+
+    # The same save with overlap_writes=True: the writers start while save() copies. This
+    # machine leaves it off by default (CheckpointerConfig.overlap_writes: too few cores).
+    default_config = ck.config
+    overlap_config = dataclasses.replace(default_config, overlap_writes=True)
+
+    def ckpt_save_overlap(rep: int) -> None:
+        free_previous()
+        step[0] += 1
+        barrier()
+        warm()
+        ck.config = overlap_config
+        try:
+            t0 = time.perf_counter()
+            ck.save(step[0], state)
+            t1 = time.perf_counter()
+            ck.wait()
+            t2 = time.perf_counter()
+        finally:
+            ck.config = default_config
+        rec.add("stall/ckpt_overlap", rep, t1 - t0)
+        rec.add("durable/ckpt_overlap", rep, t2 - t0)
     buf = getattr(getattr(ck, "_arena", None), "buffer", None)  # the staging buffer ckpt keeps between saves
     arena_bytes = sum(rec.gather(buf.numel() if buf is not None else 0))
     del buf
@@ -381,7 +403,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     optimizer = torch.optim.SGD(tensors, lr=0.0)
     ck.guard(optimizer)
     sync_config = ck.config
-    deferred_config = dataclasses.replace(sync_config, deferred_staging=True)
+    modes = {"ckpt_deferred": dataclasses.replace(sync_config, deferred_staging=True), "ckpt_overlap": overlap_config}
 
     def train_step(mode: str) -> Callable[[int], None]:
         def run(rep: int) -> None:
@@ -390,7 +412,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             barrier()
             warm()
             fut = None
-            ck.config = deferred_config if mode == "ckpt_deferred" else sync_config
+            ck.config = modes.get(mode, sync_config)
             try:
                 t0 = time.perf_counter()
                 if mode.startswith("ckpt"):
@@ -418,6 +440,8 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         train_step("none"),
         train_step("ckpt"),
         train_step("ckpt_deferred"),
+        ckpt_save_overlap,
+        train_step("ckpt_overlap"),
         train_step("dcp_async_save"),
         dcp_save(1),
         dcp_async,

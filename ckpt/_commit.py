@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ import xxhash
 
 from ckpt._dist import Comm
 from ckpt._gc import no_cyclic_gc
-from ckpt._staging import StageTask
+from ckpt._staging import Readiness, StageTask
 from ckpt.provenance import job_provenance, rank_provenance
 from store import commit as commit_mod
 from store import metrics
@@ -84,6 +85,8 @@ class SaveJob:
     check_finite: bool = False  # refuse NaN/Inf in floating tensors
     direct_io: bool = True  # large chunks with O_DIRECT (store.fsio.write_chunk)
     deferred: Callable[[SaveJob], None] | None = None  # the copy left to the commit thread (deferred staging)
+    ready: Readiness | None = None  # which of `tasks` are staged yet; None: all of them
+    overlap: bool = False  # the writers start while the copy goes on (CheckpointerConfig.overlap_writes)
     records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
     inline_docs: set[str] = field(default_factory=set)  # inline arrays whose zarr.json is written
     dirs: set[str] = field(default_factory=set)
@@ -137,6 +140,8 @@ def write_tasks(
         written.append(item[0])
 
     def one(task: StageTask) -> _Record:
+        if job.ready is not None:
+            job.ready.wait(task)
         view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])  # type: ignore[arg-type]
         name, index = task.array.spec.name, list(task.chunk.index)
         if task.chunk.inline:
@@ -191,6 +196,8 @@ def write_tasks(
 
     # On a failure every lane has stopped before the arena may be reused.
     outcomes, failed = run_lanes(ordered, work, _LANES, pool=pool)
+    if job.ready is not None:
+        job.ready.result()  # a failed copy says more than the writers it stopped
     if failed:
         raise failed[0][1]
     results = outcomes[: len(job.tasks)]
@@ -315,14 +322,26 @@ def run_commit(
     job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float = 0.3
 ) -> SaveStats:
     """Runs on the background thread; returns the stats or raises (every rank raises alike)."""
+    copier = None
+    if job.deferred is not None and job.overlap:  # its chunks are written as it copies them (job.ready)
+        copier = threading.Thread(target=job.deferred, args=(job,), name="ckpt-deferred-copy", daemon=True)
+        copier.start()
+    elif job.deferred is not None:
+        job.deferred(job)  # it reports a failure through job.ready
+    try:
+        return _commit(job, ctx, comm, pool, straggler_threshold)
+    finally:
+        if copier is not None:
+            copier.join()  # the arena is free for the next save only once the copy has stopped
+
+
+def _commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float) -> SaveStats:
     tmp_name = commit_mod.tmp_dirname(job.step, job.save_id)
     tmp_dir = os.path.join(ctx.root, tmp_name)
     error: BaseException | None = job.error
     try:  # WRITE
         if error is not None:
             raise error
-        if job.deferred is not None:
-            job.deferred(job)
         os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
         if ctx.is_leader:
             write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir), inline_docs=True)

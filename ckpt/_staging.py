@@ -1,7 +1,9 @@
 """Staging: copy the chunks a rank writes into one reused host buffer.
 
 `save()` blocks only for this copy (with deferred staging, not even for that: see
-ckpt/_deferred.py; the commit thread makes it). The buffer (pinned when any source is on CUDA) is
+ckpt/_deferred.py; the commit thread makes it). The writers do not wait for the whole
+copy: each chunk is written as soon as its bytes are staged (`Readiness`), so the commit
+runs alongside the stall instead of after it. The buffer (pinned when any source is on CUDA) is
 page-aligned, so the writers can hand its large chunks to O_DIRECT, and is kept across
 saves and reallocated only when it must grow: copies into fresh memory run
 ~9x slower here because of page faults. CUDA sources are copied with non_blocking on a
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,10 +25,11 @@ import torch
 
 from ckpt._tensors import LocalPiece
 from store.dtypes import itemsize
+from store.faults import fault_delay
 from store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from store.layout import ArrayPlan, ChunkPlan
 
-__all__ = ["StageTask", "Arena", "assign_offsets", "slot_bytes", "stage"]
+__all__ = ["StageTask", "Arena", "Readiness", "StagingAborted", "assign_offsets", "slot_bytes", "stage"]
 
 _ALIGN = 64
 _MEMCPY_MIN = 1024  # elements; smaller copies stay with torch (no numpy round trip)
@@ -62,6 +67,59 @@ def assign_offsets(tasks: list[StageTask]) -> tuple[list[StageTask], int]:
         out.append(StageTask(t.array, t.chunk, t.piece, pos))
         pos += t.staged_bytes
     return out, -(-pos // _ALIGN) * _ALIGN
+
+
+class StagingAborted(Exception):
+    """A writer's chunk will never be staged: the copy failed (Readiness.result() says why)."""
+
+
+class Readiness:
+    """Which staged chunks the writers may take, so that writing overlaps the copy.
+
+    The copy (save()'s; with deferred staging, the commit thread's) marks each task as its
+    bytes land in the arena, and calls done() at the end. A writer waits only for its own
+    task; the commit waits for result(). So a copy that fails after marking its tasks
+    (StagingRaceError: that check runs after the copy) still stops the commit: chunks
+    written meanwhile lie in the tmp directory, uncommitted.
+    """
+
+    def __init__(self, tasks: Sequence[StageTask]) -> None:
+        self._marks = {id(t): threading.Event() for t in tasks}
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def mark(self, task: StageTask) -> None:
+        self._marks[id(task)].set()
+
+    def done(self) -> None:
+        self._finish()
+
+    def fail(self, error: BaseException) -> None:
+        """The copy will not complete: wake every waiter; result() raises `error` (the first)."""
+        if self._error is None:
+            self._error = error
+        self._finish()
+
+    def _finish(self) -> None:
+        for e in self._marks.values():
+            e.set()
+        self._finished.set()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, task: StageTask) -> None:
+        """Block until the task is staged; raise StagingAborted if it never will be."""
+        self._marks[id(task)].wait()
+        if self._error is not None:
+            raise StagingAborted(str(self._error))
+
+    def result(self) -> None:
+        """Block until the copy is done; raise its error, if any."""
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
 
 
 class Arena:
@@ -135,16 +193,20 @@ def stage(
     tasks: list[StageTask],
     pool: ThreadPoolExecutor | None,
     after: torch.cuda.Event | None = None,
+    copied: Callable[[StageTask], None] | None = None,
 ) -> None:
     """Copy every task into the arena; returns when all bytes are in host memory.
 
     CUDA sources are read once the work queued before `after` (an event recorded by the
-    caller) is done, or, without it, the work queued so far on the current stream."""
+    caller) is done, or, without it, the work queued so far on the current stream.
+    `copied(task)` is called as each task's bytes are in the arena (CUDA ones: all at
+    the end, once the side stream is synchronised)."""
     cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
     cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda]
     device = cuda_tasks[0].piece.data.device if cuda_tasks else None
     # All CUDA calls on the sources' device: a thread of its own (deferred staging) would
     # otherwise make device 0 current, and create a context there on every rank.
+    landed: list[torch.cuda.Event] = []
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         stream = None
         if device is not None:
@@ -156,15 +218,33 @@ def stage(
             with torch.cuda.stream(stream):
                 for t in cuda_tasks:
                     _copy_one(arena, t, non_blocking=True)
-        _copy_cpu(arena, cpu_tasks, pool)
+                    if copied is not None:  # one event per chunk: its writer may start once it is here
+                        landed.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
+                        landed[-1].record(stream)
+        _copy_cpu(arena, cpu_tasks, pool, copied)
         if stream is not None:
+            for t, event in zip(cuda_tasks, landed):
+                event.synchronize()
+                assert copied is not None
+                copied(t)
             stream.synchronize()
 
 
-def _copy_cpu(arena: torch.Tensor, tasks: list[StageTask], pool: ThreadPoolExecutor | None) -> None:
+def _copy_cpu(
+    arena: torch.Tensor,
+    tasks: list[StageTask],
+    pool: ThreadPoolExecutor | None,
+    copied: Callable[[StageTask], None] | None,
+) -> None:
+    def copy(t: StageTask) -> None:
+        fault_delay("stage", t.chunk.writer)  # a slow copy, for tests of writes overlapping it
+        _copy_one(arena, t, False)
+        if copied is not None:
+            copied(t)
+
     if pool is None or len(tasks) < 2:
         for t in tasks:
-            _copy_one(arena, t, False)
+            copy(t)
         return
     # Two lanes balanced by bytes; numpy and torch release the GIL while copying.
     lanes: list[list[StageTask]] = [[], []]
@@ -176,9 +256,11 @@ def _copy_cpu(arena: torch.Tensor, tasks: list[StageTask], pool: ThreadPoolExecu
 
     def other_lane() -> None:
         for t in lanes[1]:
-            _copy_one(arena, t, False)
+            copy(t)
 
     fut = pool.submit(other_lane)
-    for t in lanes[0]:
-        _copy_one(arena, t, False)
-    fut.result()
+    try:
+        for t in lanes[0]:
+            copy(t)
+    finally:
+        fut.result()  # the other lane has stopped writing into the arena before we return

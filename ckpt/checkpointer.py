@@ -28,7 +28,7 @@ from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_task
 from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._gc import no_cyclic_gc
-from ckpt._staging import Arena, StageTask, assign_offsets, slot_bytes, stage
+from ckpt._staging import Arena, Readiness, StageTask, assign_offsets, slot_bytes, stage
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import bind, encode_state
 from ckpt.config import CheckpointerConfig
@@ -99,6 +99,30 @@ def _merge_specs(per_rank: list[list[LocalSpec]]) -> list[ArraySpec]:
 
 def _source(tier: Tier, step: int, cand: Candidate) -> Source:
     return Source(tier.version_dir(step), frozenset(cand.writers), tier.name, tier.fetcher(step))
+
+
+def _staging_error(e: BaseException, step: int, root: str) -> BaseException:
+    """What a failed copy reports through the commit: OSError as the documented type, an
+    interruption (KeyboardInterrupt in save()) as an error rather than re-raised on a thread."""
+    if isinstance(e, OSError) and not isinstance(e, CkptError):
+        return TierUnavailableError(e.errno, f"cannot write step {step} to {root}: {e.strerror or e}")
+    if not isinstance(e, Exception):
+        return CkptError(f"staging of step {step} was interrupted by {type(e).__name__}")
+    return e
+
+
+def _copy_now(
+    job: SaveJob, tasks: list[StageTask], ready: Readiness, pool: ThreadPoolExecutor, root: str
+) -> BaseException | None:
+    """save()'s copy into the arena, each chunk marked ready as it lands. A failure fails the
+    commit (on every rank); an interruption (KeyboardInterrupt, SystemExit) is returned for
+    save() to re-raise once the job is queued, so no rank is left waiting for this one."""
+    try:
+        stage(job.arena, tasks, pool, copied=ready.mark)
+    except BaseException as e:  # noqa: BLE001
+        ready.fail(_staging_error(e, job.step, root))
+        return None if isinstance(e, Exception) else e
+    return None
 
 
 def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]:
@@ -386,32 +410,34 @@ class Checkpointer:
         job.stats.step = step
         pin = any(t.piece.data.is_cuda for t in tasks)
         batches = _batches(tasks, self.config.max_staging_bytes)
+        now: list[StageTask] = []  # copied below: before the commit thread starts, or while it writes
         try:
             for i, batch in enumerate(batches):
                 placed, size = assign_offsets(batch)
                 job.arena = self._arena.get(size, pin)
-                later = [t for t in placed if t.array.spec.name in deferrable]
-                stage(job.arena, [t for t in placed if t.array.spec.name not in deferrable], self._copy_pool)
-                if later:
-                    job.deferred = self._defer(job.arena, later, deferrable)
                 job.tasks = placed
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
+                    stage(job.arena, placed, self._copy_pool)
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
                     makedirs(tmp_dir)
                     write_tasks(job, tmp_dir, self._writer_pool)
-        except OSError as e:  # reported through the commit so every rank aborts together
-            job.error = TierUnavailableError(e.errno, f"cannot write step {step} to {self.root}: {e.strerror or e}")
-            job.tasks = []
-        except Exception as e:
-            job.error = e
-            job.tasks = []
+                    continue
+                job.ready = Readiness(placed)
+                now = [t for t in placed if t.array.spec.name not in deferrable]
+                later = [t for t in placed if t.array.spec.name in deferrable]
+                if later:  # the rest now; the deferred part is the commit thread's to copy
+                    stage(job.arena, now, self._copy_pool, copied=job.ready.mark)
+                    now = []
+                    job.deferred = self._defer(job.arena, later, deferrable)
+        except Exception as e:  # reported through the commit so every rank aborts together
+            job.error = _staging_error(e, step, self.root)
         if job.error is not None:
-            job.deferred = None
-        job.stats.stage_s = time.perf_counter() - started
-        if job.deferred is None:
-            job.stats.staged_s = job.stats.stage_s
-        fault_point("after-stage", self.rank)
-        metrics.SAVE_STALL.observe(job.stats.stage_s)
+            job.tasks, job.ready, job.deferred, now = [], None, None, []
+        ready = job.ready if job.deferred is None else None  # save()'s own copy, still to make
+        overlap = job.overlap = job.ready is not None and self._overlap_writes(pin)
+        interrupted = None
+        if ready is not None and not overlap:
+            interrupted = _copy_now(job, now, ready, self._copy_pool, self.root)
         if job.deferred is not None:
             self._gate.close()  # optimizer steps wait from here until the commit thread has copied
         try:
@@ -421,7 +447,27 @@ class Checkpointer:
         except BaseException:
             self._gate.open()
             raise
+        if ready is not None and overlap:  # the writers take each chunk as soon as it is copied
+            interrupted = _copy_now(job, now, ready, self._copy_pool, self.root)
+        job.stats.stage_s = time.perf_counter() - started
+        if job.deferred is None:
+            job.stats.staged_s = job.stats.stage_s
+        fault_point("after-stage", self.rank)
+        metrics.SAVE_STALL.observe(job.stats.stage_s)
+        if ready is not None:
+            ready.done()  # after the stats: the commit reports them
+        if interrupted is not None:  # the commit fails on every rank; this rank's caller sees why
+            raise interrupted
         return True
+
+    def _overlap_writes(self, cuda: bool) -> bool:
+        if self.config.overlap_writes is not None:
+            return self.config.overlap_writes
+        if cuda:  # the copy is DMA: the host's cores are free for the writers
+            return True
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        cores = len(os.sched_getaffinity(0)) // max(1, ranks_here)
+        return cores >= self.config.copy_threads + self.config.writer_threads
 
     def _defer(
         self, arena: torch.Tensor, tasks: list[StageTask], leaves: Mapping[str, tuple[str, Any]]
@@ -440,9 +486,14 @@ class Checkpointer:
         versions = Versions(watched.values())
 
         def copy(job: SaveJob) -> None:
+            assert job.ready is not None
             try:
-                stage(arena, tasks, self._copy_pool, after=after)
+                stage(arena, tasks, self._copy_pool, after=after, copied=job.ready.mark)
                 versions.check()
+            except BaseException as e:  # noqa: BLE001 - the commit raises it, on every rank
+                job.ready.fail(_staging_error(e, job.step, self.root))
+            else:
+                job.ready.done()
             finally:
                 job.stats.staged_s = time.perf_counter() - job.started
                 self._gate.open()

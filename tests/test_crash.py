@@ -108,11 +108,11 @@ FAULT_CHILD = """
 fault = os.environ.pop("CKPT_FAULT")  # armed for step 2 only
 from ckpt import Checkpointer
 
-root, expected = sys.argv[1], sys.argv[2]
+root, expected, overlap = sys.argv[1], sys.argv[2], sys.argv[3] == "overlap"
 model, opt = build(0)
 train(model, opt, 3)
 state = {"model": model, "optim": opt, "extra": {"step": 1, "note": "one"}}
-with Checkpointer(root) as ck:
+with Checkpointer(root, overlap_writes=overlap) as ck:
     ck.save(1, state)
     ck.wait()
     torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "extra": dict(state["extra"])}, expected + ".1")
@@ -120,19 +120,25 @@ with Checkpointer(root) as ck:
     state["extra"] = {"step": 2, "note": "two"}
     torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "extra": dict(state["extra"])}, expected + ".2")
     os.environ["CKPT_FAULT"] = fault
+    if overlap:  # a slow copy: the writers are at work on the first chunks when it ends
+        os.environ["CKPT_DELAY"] = "stage:0:0.05"
     ck.save(2, state)
     ck.wait()
 sys.exit(17)  # the fault point should have killed us before this
 """
 
 
-@pytest.mark.parametrize("point", FAULT_POINTS)
-def test_sigkill_at_fault_point(tmp_path: Path, point: str) -> None:
+@pytest.mark.parametrize(
+    ("point", "overlap"), [(p, False) for p in FAULT_POINTS] + [("after-stage", True)], ids=lambda x: str(x)
+)
+def test_sigkill_at_fault_point(tmp_path: Path, point: str, overlap: bool) -> None:
+    """With overlap_writes, the kill at the end of save()'s copy lands while the writers
+    already write the version's chunks."""
     root = tmp_path / "root"
     expected = tmp_path / "expected"
     script = _script(tmp_path, "child.py", FAULT_CHILD)
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(root), str(expected)],
+        [sys.executable, str(script), str(root), str(expected), "overlap" if overlap else "sequential"],
         env=_child_env(CKPT_FAULT=point),
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -147,6 +153,9 @@ def test_sigkill_at_fault_point(tmp_path: Path, point: str) -> None:
     want_step = 2 if point == "after-publish" else 1
     if point in ("after-write", "after-prepare"):
         assert tmp_dirs(root), "the crash should have left the unfinished save behind"
+    if overlap:
+        chunks = [f for d in tmp_dirs(root) for f in glob.glob(os.path.join(d, "**", "c.*"), recursive=True)]
+        assert chunks, "the writers should have started before save() returned"
     assert committed_before == ([1, 2] if point == "after-publish" else [1])
 
     with Checkpointer(root) as ck:

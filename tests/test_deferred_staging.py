@@ -48,10 +48,11 @@ def _assert_bitwise(expected: dict, model: torch.nn.Module, opt: torch.optim.Opt
             assert torch.equal(v, got["optim"][i][k]), (i, k)
 
 
-def test_optimizer_step_right_after_save_waits_and_the_checkpoint_is_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy-then-write", "overlap_writes"])
+def test_optimizer_step_right_after_save_waits_and_the_checkpoint_is_exact(tmp_path: Path, overlap: bool) -> None:
     model, opt = _trained(width=2048)  # ~50 MB of parameters and moments: the copy takes a while
     expected = _snapshot(model, opt)
-    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+    with Checkpointer(tmp_path, deferred_staging=True, overlap_writes=overlap) as ck:
         ck.save(1, {"model": model, "optim": opt})
         opt.step()  # at once: the step pre-hook must hold it until the copy has ended
         _train_step(model, opt)  # forward changes the BatchNorm buffers: they were copied in save()
@@ -77,11 +78,14 @@ def _copy_held_back(ck: Checkpointer) -> Iterator[None]:
         hold.set()
 
 
-def test_in_place_change_before_the_copy_ends_fails_the_save(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy-then-write", "overlap_writes"])
+def test_in_place_change_before_the_copy_ends_fails_the_save(tmp_path: Path, overlap: bool) -> None:
+    """With overlap_writes the torn chunk is written to the tmp directory before the check
+    fails: the commit must still not happen."""
     w = torch.nn.Parameter(torch.randn(1024, 1024))
     opt = torch.optim.SGD([w], lr=0.1)
     state = {"w": w, "optim": opt}  # the optimizer owns w: w is deferred
-    with Checkpointer(tmp_path, deferred_staging=True) as ck:
+    with Checkpointer(tmp_path, deferred_staging=True, overlap_writes=overlap) as ck:
         ck.save(1, state)
         ck.wait()
         saved = w.detach().clone()
