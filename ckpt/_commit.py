@@ -61,7 +61,8 @@ class SaveStats:
 
     step: int
     stage_s: float = 0.0  # the training stall: staging copy (and any bounded-memory writes)
-    write_s: float = 0.0  # chunk files written and fsynced
+    write_s: float = 0.0  # chunk files written and fsynced, after the copy ended (overlap_writes: the tail)
+    first_write_s: float | None = None  # save() call to the first chunk written (< stage_s with overlap_writes)
     fsync_s: float = 0.0  # directories fsynced
     commit_s: float = 0.0  # gather, prepare and publish
     total_s: float = 0.0  # save() call to committed
@@ -142,6 +143,8 @@ def write_tasks(
     def one(task: StageTask) -> _Record:
         if job.ready is not None:
             job.ready.wait(task)
+        if job.stats.first_write_s is None:  # racy between lanes, harmlessly: about the same instant
+            job.stats.first_write_s = time.perf_counter() - job.started
         view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])  # type: ignore[arg-type]
         name, index = task.array.spec.name, list(task.chunk.index)
         if task.chunk.inline:
@@ -208,7 +211,10 @@ def write_tasks(
         job.stats.direct_bytes += direct_bytes
     fsync_files(written)
     job.stats.bytes_written += sum(task.chunk.nbytes for task in job.tasks)
-    job.stats.write_s += time.perf_counter() - t0
+    # From the end of the copy when the writers overlapped it: the time they waited for it
+    # is the copy's, and would make a rank with a slow copy look like one with a slow disk.
+    copied = job.ready.finished_at if job.ready is not None else None
+    job.stats.write_s += time.perf_counter() - max(t0, copied or t0)
 
 
 _FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}

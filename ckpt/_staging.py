@@ -1,9 +1,9 @@
 """Staging: copy the chunks a rank writes into one reused host buffer.
 
 `save()` blocks only for this copy (with deferred staging, not even for that: see
-ckpt/_deferred.py; the commit thread makes it). The writers do not wait for the whole
-copy: each chunk is written as soon as its bytes are staged (`Readiness`), so the commit
-runs alongside the stall instead of after it. The buffer (pinned when any source is on CUDA) is
+ckpt/_deferred.py; the commit thread makes it). With overlap_writes the writers do not
+wait for the whole copy: each chunk is written as soon as its bytes are staged
+(`Readiness`), so the commit runs alongside the stall instead of after it. The buffer (pinned when any source is on CUDA) is
 page-aligned, so the writers can hand its large chunks to O_DIRECT, and is kept across
 saves and reallocated only when it must grow: copies into fresh memory run
 ~9x slower here because of page faults. CUDA sources are copied with non_blocking on a
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ckpt._tensors import LocalPiece
 from store.dtypes import itemsize
 from store.faults import fault_delay
 from store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
+from store.lanes import wait_through_interrupts
 from store.layout import ArrayPlan, ChunkPlan
 
 __all__ = ["StageTask", "Arena", "Readiness", "StagingAborted", "assign_offsets", "slot_bytes", "stage"]
@@ -87,6 +89,7 @@ class Readiness:
         self._marks = {id(t): threading.Event() for t in tasks}
         self._finished = threading.Event()
         self._error: BaseException | None = None
+        self.finished_at: float | None = None  # perf_counter() when the copy ended (or failed)
 
     def mark(self, task: StageTask) -> None:
         self._marks[id(task)].set()
@@ -101,6 +104,8 @@ class Readiness:
         self._finish()
 
     def _finish(self) -> None:
+        if self.finished_at is None:
+            self.finished_at = time.perf_counter()
         for e in self._marks.values():
             e.set()
         self._finished.set()
@@ -199,8 +204,9 @@ def stage(
 
     CUDA sources are read once the work queued before `after` (an event recorded by the
     caller) is done, or, without it, the work queued so far on the current stream.
-    `copied(task)` is called as each task's bytes are in the arena (CUDA ones: all at
-    the end, once the side stream is synchronised)."""
+    `copied(task)` is called as each task's bytes are in the arena (CUDA ones: after the
+    CPU ones, each once its own event on the side stream has fired). Even when interrupted,
+    no copy into the arena is still running when this returns or raises."""
     cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
     cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda]
     device = cuda_tasks[0].piece.data.device if cuda_tasks else None
@@ -221,13 +227,15 @@ def stage(
                     if copied is not None:  # one event per chunk: its writer may start once it is here
                         landed.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
                         landed[-1].record(stream)
-        _copy_cpu(arena, cpu_tasks, pool, copied)
-        if stream is not None:
+        try:
+            _copy_cpu(arena, cpu_tasks, pool, copied)
             for t, event in zip(cuda_tasks, landed):
                 event.synchronize()
                 assert copied is not None
                 copied(t)
-            stream.synchronize()
+        finally:
+            if stream is not None:  # no DMA into the arena may outlive this call, even on an error
+                stream.synchronize()
 
 
 def _copy_cpu(
@@ -254,13 +262,23 @@ def _copy_cpu(
         lanes[i].append(t)
         loads[i] += t.staged_bytes
 
+    stop = threading.Event()  # this lane failed or was interrupted: the other one stops early
+
     def other_lane() -> None:
         for t in lanes[1]:
+            if stop.is_set():
+                return
             copy(t)
 
     fut = pool.submit(other_lane)
     try:
         for t in lanes[0]:
             copy(t)
+    except BaseException:
+        stop.set()
+        raise
     finally:
-        fut.result()  # the other lane has stopped writing into the arena before we return
+        # Even through Ctrl-C: the other lane must have stopped writing into the arena
+        # before the next save may reuse it.
+        wait_through_interrupts([fut], stop.set)
+    fut.result()

@@ -49,7 +49,7 @@ from store.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from store.faults import fault_point
+from store.faults import fault_delay, fault_point
 from store.fsio import makedirs
 from store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
 from store.manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -410,7 +410,8 @@ class Checkpointer:
         job.stats.step = step
         pin = any(t.piece.data.is_cuda for t in tasks)
         batches = _batches(tasks, self.config.max_staging_bytes)
-        now: list[StageTask] = []  # copied below: before the commit thread starts, or while it writes
+        now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
+        interrupted: BaseException | None = None  # re-raised once the job is queued, so no rank waits for this one
         try:
             for i, batch in enumerate(batches):
                 placed, size = assign_offsets(batch)
@@ -429,44 +430,65 @@ class Checkpointer:
                     stage(job.arena, now, self._copy_pool, copied=job.ready.mark)
                     now = []
                     job.deferred = self._defer(job.arena, later, deferrable)
-        except Exception as e:  # reported through the commit so every rank aborts together
+        except BaseException as e:  # noqa: BLE001 - reported through the commit so every rank aborts together
             job.error = _staging_error(e, step, self.root)
+            interrupted = None if isinstance(e, Exception) else e
         if job.error is not None:
             job.tasks, job.ready, job.deferred, now = [], None, None, []
         ready = job.ready if job.deferred is None else None  # save()'s own copy, still to make
-        overlap = job.overlap = job.ready is not None and self._overlap_writes(pin)
-        interrupted = None
-        if ready is not None and not overlap:
-            interrupted = _copy_now(job, now, ready, self._copy_pool, self.root)
-        if job.deferred is not None:
-            self._gate.close()  # optimizer steps wait from here until the commit thread has copied
+        job.overlap = job.ready is not None and self._overlap_writes(pin)
+        copy_while_queued = ready is not None and job.overlap
+        queued = False
         try:
+            if ready is not None and not copy_while_queued:
+                interrupted = _copy_now(job, now, ready, self._copy_pool, self.root)
+            if not copy_while_queued:
+                self._stalled(job, started, ready)
+            if job.deferred is not None:
+                self._gate.close()  # optimizer steps wait from here until the commit thread has copied
             self._pending = self._committer.submit(
                 run_commit, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
             )
-        except BaseException:
-            self._gate.open()
+            queued = True
+            if ready is not None and copy_while_queued:  # the writers take each chunk as soon as it is copied
+                interrupted = _copy_now(job, now, ready, self._copy_pool, self.root)
+                self._stalled(job, started, ready)
+        except BaseException as e:
+            # Interrupted outside the copy: the commit must not wait for a copy that will not
+            # be reported, and, if not queued yet, is queued to fail, so no rank waits for this one.
+            if ready is not None:
+                ready.fail(_staging_error(e, step, self.root))
+            if not queued:
+                self._gate.open()
+                job.error, job.deferred = job.error or _staging_error(e, step, self.root), None
+                self._pending = self._committer.submit(
+                    run_commit, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
+                )
             raise
-        if ready is not None and overlap:  # the writers take each chunk as soon as it is copied
-            interrupted = _copy_now(job, now, ready, self._copy_pool, self.root)
+        if interrupted is not None:
+            raise interrupted
+        return True
+
+    def _stalled(self, job: SaveJob, started: float, ready: Readiness | None) -> None:
+        """save()'s part is over: record the stall, then let the commit use what was copied
+        (it reports the stats, so they are set first)."""
         job.stats.stage_s = time.perf_counter() - started
         if job.deferred is None:
             job.stats.staged_s = job.stats.stage_s
+        fault_delay("after-stage", self.rank)
         fault_point("after-stage", self.rank)
         metrics.SAVE_STALL.observe(job.stats.stage_s)
         if ready is not None:
-            ready.done()  # after the stats: the commit reports them
-        if interrupted is not None:  # the commit fails on every rank; this rank's caller sees why
-            raise interrupted
-        return True
+            ready.done()  # a no-op after a failed copy: result() raises its error
 
     def _overlap_writes(self, cuda: bool) -> bool:
         if self.config.overlap_writes is not None:
             return self.config.overlap_writes
         if cuda:  # the copy is DMA: the host's cores are free for the writers
             return True
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        cores = len(os.sched_getaffinity(0)) // max(1, ranks_here)
+        cores = len(os.sched_getaffinity(0))
+        if cores == os.cpu_count():  # not pinned to its own cores: shared with this node's other ranks
+            cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return cores >= self.config.copy_threads + self.config.writer_threads
 
     def _defer(

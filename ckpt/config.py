@@ -41,9 +41,10 @@ class CheckpointerConfig:
     """Let the writers start on each chunk as soon as save() has copied it, so the commit
     runs alongside the stall instead of after it. It shortens the time to a durable commit
     by up to the copy's time, but the writers' hashing and I/O take CPU and memory bandwidth
-    from the copy, so save() blocks longer where cores are few (2 cores: +30-45%).
-    None: on when each local rank has at least copy_threads + writer_threads cores (and
-    with CUDA sources, whose copy is DMA), off otherwise."""
+    from the copy, so save() blocks longer where cores are few (2 cores: +30-55%).
+    None: on with CUDA sources (the copy is DMA), or when this rank has at least
+    copy_threads + writer_threads cores (its affinity, or the machine's cores over
+    LOCAL_WORLD_SIZE if it is not pinned); off otherwise."""
 
     copy_threads: int = 2
     """Threads copying tensors into the staging buffer (the training stall)."""

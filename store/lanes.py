@@ -9,14 +9,36 @@ competing with the workers for the GIL.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor, wait
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
 
-__all__ = ["run_lanes"]
+__all__ = ["run_lanes", "wait_through_interrupts"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def wait_through_interrupts(futures: Iterable[Future[Any]], on_interrupt: Callable[[], None] | None = None) -> None:
+    """Wait until every future is done, even when a signal handler raises meanwhile
+    (KeyboardInterrupt, a SIGTERM handler's SystemExit); then re-raise the interruption.
+
+    The threads behind them read or write a buffer (the staging arena) that the caller
+    reuses once this returns: giving up on them early would let the next save copy into
+    memory an abandoned thread still writes, and commit its bytes. `on_interrupt` may tell
+    them to stop early. Their own errors are left in the futures."""
+    futures = list(futures)
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once the threads have stopped
+            if interrupted is None and on_interrupt is not None:
+                on_interrupt()
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
 
 
 def run_lanes(
@@ -29,7 +51,9 @@ def run_lanes(
 ) -> tuple[list[R | None], list[tuple[int, Exception]]]:
     """Call fn(item) for every item; return the results (None where fn raised) and the
     (index, exception) failures in item order. Every item is attempted, and every lane has
-    stopped when this returns (so buffers the items point into may be reused).
+    stopped when this returns (so buffers the items point into may be reused). Interrupted
+    (KeyboardInterrupt, SystemExit), the lanes take no further items, and the interruption
+    is raised once they have stopped.
 
     With `pool`, the lanes run on it (more lanes than it has threads is harmless: a late
     lane finds nothing left); otherwise on a pool of their own, named `name`.
@@ -49,9 +73,10 @@ def run_lanes(
         return results, failed
     pending = iter(enumerate(items))
     lock = threading.Lock()
+    stop = threading.Event()  # the caller was interrupted: take no further items
 
     def lane() -> None:
-        while True:
+        while not stop.is_set():
             with lock:
                 nxt = next(pending, None)
             if nxt is None:
@@ -59,13 +84,17 @@ def run_lanes(
             attempt(*nxt)
 
     n = min(threads, len(items))
-    if pool is not None:
-        futures = [pool.submit(lane) for _ in range(n)]
-        wait(futures)
-        for f in futures:
-            f.result()
-    else:
-        with ThreadPoolExecutor(n, thread_name_prefix=name) as own:
-            for f in [own.submit(lane) for _ in range(n)]:
-                f.result()
+    own = None if pool is not None else ThreadPoolExecutor(n, thread_name_prefix=name)
+    runner = pool if pool is not None else own
+    assert runner is not None
+    futures: list[Future[None]] = []
+    try:
+        for _ in range(n):
+            futures.append(runner.submit(lane))
+    finally:
+        wait_through_interrupts(futures, stop.set)
+        if own is not None:
+            own.shutdown(wait=False)
+    for f in futures:
+        f.result()
     return results, sorted(failed, key=lambda x: x[0])

@@ -71,8 +71,7 @@ def test_writes_overlap_the_copy_and_the_version_is_exact(tmp_path: Path, monkey
         ck.save(1, state)
         ck.wait()
         s = ck.stats()[-1]
-        # The write phase began before save() returned: it outlasts what followed the copy.
-        assert s.write_s > s.total_s - s.stage_s, s
+        assert s.first_write_s is not None and s.first_write_s < s.stage_s, s  # written while copying
         target = _state(2)
         assert ck.restore(target) == 1
     _assert_bitwise(expected, _flat(target))
@@ -84,7 +83,7 @@ def test_copy_then_write_when_overlap_is_off(tmp_path: Path, monkeypatch: pytest
         ck.save(1, _state(1))
         ck.wait()
         s = ck.stats()[-1]
-        assert s.write_s < s.total_s - s.stage_s, s
+        assert s.first_write_s is not None and s.first_write_s > s.stage_s, s
 
 
 def test_an_interrupted_copy_fails_the_commit_and_keeps_the_previous_version(
@@ -118,6 +117,122 @@ def test_an_interrupted_copy_fails_the_commit_and_keeps_the_previous_version(
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy-then-write", "overlap_writes"])
+def test_an_interrupt_after_the_copy_still_ends_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """Ctrl-C between the end of the copy and save()'s return: the commit must not wait
+    forever for a copy that save() will never report as done."""
+    state = _state(1)
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        with Checkpointer(tmp_path, overlap_writes=overlap) as ck:
+            ck.save(1, state)
+            ck.wait()
+            monkeypatch.setenv("CKPT_DELAY", "after-stage:0:5")  # save() lingers after its copy
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            with pytest.raises(KeyboardInterrupt):
+                ck.save(2, _state(2))
+            monkeypatch.delenv("CKPT_DELAY")
+            with pytest.raises(ckpt.CkptError, match="interrupted by KeyboardInterrupt"):
+                ck.wait()
+            ck.save(3, _state(3))
+            ck.wait()
+            assert ck.steps() == [1, 3]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_interrupted_copy_leaves_no_lane_writing_into_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy's two lanes balanced by bytes: one large chunk on save()'s thread, many small
+    ones on the pool's. Ctrl-C while save() waits for the pool's lane must not leave that lane
+    copying step 2's bytes into the buffer the next save (another layout) stages into."""
+    small = 16384
+    state2 = {"a": torch.full((1 << 20,), 2.0), **{f"b{i}": torch.full((small,), 2.0) for i in range(10)}}
+    state3 = {"a": torch.full(((1 << 20) + 10 * small,), 3.0)}
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        with Checkpointer(tmp_path, overlap_writes=True, capture_rng=False) as ck:
+            ck.save(1, state2)
+            ck.wait()
+            monkeypatch.setenv("CKPT_DELAY", "stage:0:0.1")  # the pool's lane: ten chunks, 1 s
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(KeyboardInterrupt):
+                ck.save(2, state2)
+            with pytest.raises(ckpt.CkptError, match="interrupted"):
+                ck.wait()
+            monkeypatch.setenv("CKPT_DELAY", "write:0:0.6")  # a slow disk: a stray lane has time
+            ck.save(3, state3)
+            ck.wait()
+            out = {"a": torch.zeros_like(state3["a"])}
+            assert ck.restore(out, step=3) == 3
+        assert torch.equal(out["a"], state3["a"]), f"values seen: {out['a'].unique().tolist()}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def interrupted_on_one_rank(ctx: Ctx, root: str, deferred: bool) -> dict:
+    """Ctrl-C on rank 1 during save()'s own copy (with deferred staging: of the tensors it
+    copies before returning): every rank's save fails promptly, and the next one commits."""
+    import os
+    import time
+    from datetime import timedelta
+
+    ws = [torch.nn.Parameter(torch.randn(4096)) for _ in range(4)]
+    opt = torch.optim.SGD(ws, lr=0.1)
+    own = ckpt.Shard(torch.randn(4096), (4096 * ctx.world,), (4096 * ctx.rank,))  # no optimizer's: copied in save()
+    state = {"w": ws, "optim": opt, "own": own}
+    out: dict[str, Any] = {}
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        with Checkpointer(root, deferred_staging=deferred, timeout=timedelta(seconds=30)) as ck:
+            ck.save(1, state)
+            ck.wait()
+            if ctx.rank == 1:
+                os.environ["CKPT_DELAY"] = "stage:1:1"
+                signal.setitimer(signal.ITIMER_REAL, 0.3)
+            t = time.perf_counter()
+            try:
+                ck.save(2, state)
+                out["save"] = "returned"
+            except KeyboardInterrupt:
+                out["save"] = "KeyboardInterrupt"
+            os.environ.pop("CKPT_DELAY", None)
+            try:
+                ck.wait()
+                out["wait"] = "ok"
+            except ckpt.CkptError as e:
+                out["wait"] = type(e).__name__
+            ctx.check(time.perf_counter() - t < 15, f"the failure took {time.perf_counter() - t:.1f}s to reach every rank")
+            ck.save(3, state)
+            ck.wait()
+            out["steps"] = ck.steps()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return out
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["save-copies-all", "deferred_staging"])
+def test_an_interrupt_on_one_rank_fails_the_save_on_all(tmp_path: Path, deferred: bool) -> None:
+    results, failures = launch(
+        __file__, "interrupted_on_one_rank", 2, tmp_path, root=str(tmp_path / "root"), deferred=deferred
+    )
+    assert failures == []
+    assert [r["save"] for r in results] == ["returned", "KeyboardInterrupt"]
+    assert all(r["wait"] in ("RankFailures", "CkptError") for r in results), results
+    assert all(r["steps"] == [1, 3] for r in results), results
 
 
 def overlapped_on_ranks(ctx: Ctx, root: str) -> dict:
