@@ -25,7 +25,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,7 @@ from store.layout import ArrayPlan, block_rows, chunk_file
 from store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
 from store.zarr_meta import ArrayNode, documents, write_hierarchy
 
-__all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit"]
+__all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit", "run_once"]
 
 log = logging.getLogger("ckpt")
 _LANES = 16  # at most this many writer lanes per save (bounded by the pool's threads)
@@ -88,6 +88,9 @@ class SaveJob:
     deferred: Callable[[SaveJob], None] | None = None  # the copy left to the commit thread (deferred staging)
     ready: Readiness | None = None  # which of `tasks` are staged yet; None: all of them
     overlap: bool = False  # the writers start while the copy goes on (CheckpointerConfig.overlap_writes)
+    outcome: Future[SaveStats] = field(default_factory=Future)  # what wait() waits for
+    claim: threading.Lock = field(default_factory=threading.Lock)
+    claimed: bool = False  # the commit has started (run_once); under `claim`
     records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
     inline_docs: set[str] = field(default_factory=set)  # inline arrays whose zarr.json is written
     dirs: set[str] = field(default_factory=set)
@@ -324,6 +327,23 @@ def _report_stragglers(payloads: list[dict[str, Any]], step: int, threshold: flo
             metrics.STRAGGLERS.labels(rank=str(rank)).inc()
 
 
+def run_once(
+    job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float = 0.3
+) -> None:
+    """run_commit into job.outcome, at most once per job: save() may queue a job a second
+    time when an interruption struck while it was being queued (inside submit itself)."""
+    with job.claim:
+        if job.claimed:
+            return
+        job.claimed = True
+    try:
+        stats = run_commit(job, ctx, comm, pool, straggler_threshold)
+    except BaseException as e:  # noqa: BLE001 - raised by wait()
+        job.outcome.set_exception(e)
+    else:
+        job.outcome.set_result(stats)
+
+
 def run_commit(
     job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float = 0.3
 ) -> SaveStats:
@@ -375,6 +395,7 @@ def _commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor
             "root_index": ctx.root_index,
             "stats": {
                 "stage_s": job.stats.stage_s,
+                "staged_s": job.stats.staged_s,
                 "write_s": job.stats.write_s,
                 "fsync_s": job.stats.fsync_s,
                 "bytes": job.stats.bytes_written,

@@ -28,7 +28,7 @@ from ckpt._tensors import LocalPiece
 from store.dtypes import itemsize
 from store.faults import fault_delay
 from store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
-from store.lanes import wait_through_interrupts
+from store.lanes import LaneGroup
 from store.layout import ArrayPlan, ChunkPlan
 
 __all__ = ["StageTask", "Arena", "Readiness", "StagingAborted", "assign_offsets", "slot_bytes", "stage"]
@@ -221,13 +221,14 @@ def stage(
                 stream.wait_event(after)
             else:
                 stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for t in cuda_tasks:
-                    _copy_one(arena, t, non_blocking=True)
-                    if copied is not None:  # one event per chunk: its writer may start once it is here
-                        landed.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
-                        landed[-1].record(stream)
         try:
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    for t in cuda_tasks:
+                        _copy_one(arena, t, non_blocking=True)
+                        if copied is not None:  # one event per chunk: its writer may start once it is here
+                            landed.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
+                            landed[-1].record(stream)
             _copy_cpu(arena, cpu_tasks, pool, copied)
             for t, event in zip(cuda_tasks, landed):
                 event.synchronize()
@@ -262,23 +263,22 @@ def _copy_cpu(
         lanes[i].append(t)
         loads[i] += t.staged_bytes
 
-    stop = threading.Event()  # this lane failed or was interrupted: the other one stops early
+    group = LaneGroup(pool)
 
     def other_lane() -> None:
         for t in lanes[1]:
-            if stop.is_set():
+            if group.stop.is_set():  # this thread failed or was interrupted
                 return
             copy(t)
 
-    fut = pool.submit(other_lane)
     try:
+        group.start(other_lane)
+        fault_delay("lane-started", lanes[0][0].chunk.writer)
         for t in lanes[0]:
             copy(t)
     except BaseException:
-        stop.set()
+        group.join(cancel=True)  # even through Ctrl-C: no lane may write into the arena after we return
         raise
-    finally:
-        # Even through Ctrl-C: the other lane must have stopped writing into the arena
-        # before the next save may reuse it.
-        wait_through_interrupts([fut], stop.set)
-    fut.result()
+    group.join()
+    if group.errors:
+        raise group.errors[0]

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt._commit import RootContext, SaveJob, SaveStats, run_commit, write_tasks
+from ckpt._commit import RootContext, SaveJob, SaveStats, run_once, write_tasks
 from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._gc import no_cyclic_gc
@@ -111,18 +111,13 @@ def _staging_error(e: BaseException, step: int, root: str) -> BaseException:
     return e
 
 
-def _copy_now(
-    job: SaveJob, tasks: list[StageTask], ready: Readiness, pool: ThreadPoolExecutor, root: str
-) -> BaseException | None:
+def _copy_now(job: SaveJob, tasks: list[StageTask], ready: Readiness, pool: ThreadPoolExecutor, root: str) -> None:
     """save()'s copy into the arena, each chunk marked ready as it lands. A failure fails the
-    commit (on every rank); an interruption (KeyboardInterrupt, SystemExit) is returned for
-    save() to re-raise once the job is queued, so no rank is left waiting for this one."""
+    commit (on every rank); an interruption propagates (to Checkpointer._fail_save)."""
     try:
         stage(job.arena, tasks, pool, copied=ready.mark)
-    except BaseException as e:  # noqa: BLE001
+    except Exception as e:
         ready.fail(_staging_error(e, job.step, root))
-        return None if isinstance(e, Exception) else e
-    return None
 
 
 def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]:
@@ -396,22 +391,40 @@ class Checkpointer:
         if sigs != self._plan_sigs:
             self._plans = plan_arrays(_merge_specs(self._ctl.all_gather(local)), split_bytes=self.config.split_bytes)
             self._plan_sigs = sigs
+        job = SaveJob(step, save_id, overwrite, self._plans, tree, rng, self._arena.get(0, False), [])
+        # From here on no rank waits for another in save(): whatever interrupts this one
+        # (Ctrl-C, a SIGTERM handler's SystemExit) must still queue its commit, to fail on
+        # every rank, and leave no copy running into the staging buffer.
+        try:
+            self._stage_and_queue(job, started, pieces, deferrable, milestone)
+        except BaseException as e:
+            self._fail_save(job, e)
+            raise
+        return True
+
+    def _stage_and_queue(
+        self,
+        job: SaveJob,
+        started: float,
+        pieces: Mapping[str, LocalPiece],
+        deferrable: Mapping[str, tuple[str, Any]],
+        milestone: bool,
+    ) -> None:
+        step, save_id = job.step, job.save_id
+        job.milestone = milestone
+        job.check_finite = self.config.check_finite
+        job.direct_io = self.config.direct_io
+        job.started = started
+        job.stats.step = step
         tasks = [
             StageTask(plan, chunk, pieces[plan.spec.name])
             for plan in self._plans
             for chunk in plan.chunks
             if chunk.writer == self.rank
         ]
-        job = SaveJob(step, save_id, overwrite, self._plans, tree, rng, self._arena.get(0, False), [])
-        job.milestone = milestone
-        job.check_finite = self.config.check_finite
-        job.direct_io = self.config.direct_io
-        job.started = started
-        job.stats.step = step
         pin = any(t.piece.data.is_cuda for t in tasks)
         batches = _batches(tasks, self.config.max_staging_bytes)
         now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
-        interrupted: BaseException | None = None  # re-raised once the job is queued, so no rank waits for this one
         try:
             for i, batch in enumerate(batches):
                 placed, size = assign_offsets(batch)
@@ -430,44 +443,44 @@ class Checkpointer:
                     stage(job.arena, now, self._copy_pool, copied=job.ready.mark)
                     now = []
                     job.deferred = self._defer(job.arena, later, deferrable)
-        except BaseException as e:  # noqa: BLE001 - reported through the commit so every rank aborts together
+        except Exception as e:  # reported through the commit so every rank aborts together
             job.error = _staging_error(e, step, self.root)
-            interrupted = None if isinstance(e, Exception) else e
         if job.error is not None:
             job.tasks, job.ready, job.deferred, now = [], None, None, []
         ready = job.ready if job.deferred is None else None  # save()'s own copy, still to make
         job.overlap = job.ready is not None and self._overlap_writes(pin)
-        copy_while_queued = ready is not None and job.overlap
-        queued = False
-        try:
-            if ready is not None and not copy_while_queued:
-                interrupted = _copy_now(job, now, ready, self._copy_pool, self.root)
-            if not copy_while_queued:
-                self._stalled(job, started, ready)
-            if job.deferred is not None:
-                self._gate.close()  # optimizer steps wait from here until the commit thread has copied
-            self._pending = self._committer.submit(
-                run_commit, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
-            )
-            queued = True
-            if ready is not None and copy_while_queued:  # the writers take each chunk as soon as it is copied
-                interrupted = _copy_now(job, now, ready, self._copy_pool, self.root)
-                self._stalled(job, started, ready)
-        except BaseException as e:
-            # Interrupted outside the copy: the commit must not wait for a copy that will not
-            # be reported, and, if not queued yet, is queued to fail, so no rank waits for this one.
-            if ready is not None:
-                ready.fail(_staging_error(e, step, self.root))
-            if not queued:
+        if ready is not None and not job.overlap:
+            _copy_now(job, now, ready, self._copy_pool, self.root)
+        if ready is None or not job.overlap:
+            self._stalled(job, started, ready)
+        if job.deferred is not None:
+            self._gate.close()  # optimizer steps wait from here until the commit thread has copied
+        self._queue(job)
+        if ready is not None and job.overlap:  # the writers take each chunk as soon as it is copied
+            _copy_now(job, now, ready, self._copy_pool, self.root)
+            self._stalled(job, started, ready)
+
+    def _queue(self, job: SaveJob) -> None:
+        """Queue the job's commit; again is harmless (run_once)."""
+        self._committer.submit(
+            run_once, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
+        )
+        fault_delay("queued", self.rank)
+        self._pending = job.outcome
+
+    def _fail_save(self, job: SaveJob, e: BaseException) -> None:
+        """save() was interrupted after the ranks' last collective: make the commit fail on
+        every rank instead of waiting for a copy that will not be reported, and queue it if
+        it may not be queued yet (no rank must wait for this one until the timeout)."""
+        error = _staging_error(e, job.step, self.root)
+        if job.ready is not None:
+            job.ready.fail(error)  # wakes writers and the commit waiting for save()'s copy
+        with job.claim:
+            if not job.claimed:  # not started: it fails at once, and runs no deferred copy
+                job.error = job.error or error
+                job.deferred = None
                 self._gate.open()
-                job.error, job.deferred = job.error or _staging_error(e, step, self.root), None
-                self._pending = self._committer.submit(
-                    run_commit, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
-                )
-            raise
-        if interrupted is not None:
-            raise interrupted
-        return True
+        self._queue(job)
 
     def _stalled(self, job: SaveJob, started: float, ready: Readiness | None) -> None:
         """save()'s part is over: record the stall, then let the commit use what was copied

@@ -115,7 +115,8 @@ def _row(step: int, m: Any, status: str, writers: list[Any]) -> dict[str, Any]:
     timings = [dict(t) for t in m.meta.get("timings", []) if isinstance(t, dict)]
     for t in timings:  # per rank: from save() to the manifest being built, minus the measured phases
         if isinstance(t.get("started"), (int, float)):
-            t["commit_s"] = round(max(0.0, m.created - t["started"] - t.get("stage_s", 0) - t.get("write_s", 0)), 4)
+            copied = max(t.get("stage_s", 0), t.get("staged_s", 0))  # deferred staging: its copy ends later
+            t["commit_s"] = round(max(0.0, m.created - t["started"] - copied - t.get("write_s", 0)), 4)
     return {
         "step": step,
         "time": m.created,

@@ -4,41 +4,81 @@ One task per thread rather than one future per item: for the ~1000-2500 chunks, 
 directories of a version, creating and collecting a future each cost more than the work
 itself (py-spy: ~3x the fsyncs; a third of a warm restore), the submitting thread
 competing with the workers for the GIL.
+
+Lanes often read or write a buffer the caller reuses once they are joined (the staging
+arena, the tensors of a restore). So a `LaneGroup` is joined even through interrupts
+(KeyboardInterrupt, a SIGTERM handler's SystemExit, raised at any bytecode of the main
+thread): a lane not started yet is cancelled and never starts, a running one is told to
+stop and waited for, and only then is the interruption re-raised. Giving up on them early
+would let the next save copy into memory an abandoned lane still writes, and commit it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TypeVar
 
-__all__ = ["run_lanes", "wait_through_interrupts"]
+__all__ = ["LaneGroup", "run_lanes"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
+_QUEUED, _RUNNING, _OVER = 0, 1, 2
 
-def wait_through_interrupts(futures: Iterable[Future[Any]], on_interrupt: Callable[[], None] | None = None) -> None:
-    """Wait until every future is done, even when a signal handler raises meanwhile
-    (KeyboardInterrupt, a SIGTERM handler's SystemExit); then re-raise the interruption.
 
-    The threads behind them read or write a buffer (the staging arena) that the caller
-    reuses once this returns: giving up on them early would let the next save copy into
-    memory an abandoned thread still writes, and commit its bytes. `on_interrupt` may tell
-    them to stop early. Their own errors are left in the futures."""
-    futures = list(futures)
-    interrupted: BaseException | None = None
-    while True:
-        try:
-            wait(futures)
-            break
-        except BaseException as e:  # noqa: BLE001 - re-raised below, once the threads have stopped
-            if interrupted is None and on_interrupt is not None:
-                on_interrupt()
-            interrupted = interrupted or e
-    if interrupted is not None:
-        raise interrupted
+class LaneGroup:
+    """Functions run on an executor, each either run to its end or never started."""
+
+    def __init__(self, pool: Executor) -> None:
+        self._pool = pool
+        self._cond = threading.Condition()
+        self._states: list[int] = []
+        self.stop = threading.Event()  # lanes check it between items: the caller gave up
+        self.errors: list[BaseException] = []
+
+    def start(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            i = len(self._states)
+            self._states.append(_QUEUED)  # before submit: an interrupt inside it leaves it known
+
+        def run() -> None:
+            with self._cond:
+                if self._states[i] != _QUEUED:  # cancelled by join()
+                    return
+                self._states[i] = _RUNNING
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - the caller reads .errors after join()
+                self.errors.append(e)
+            finally:
+                with self._cond:
+                    self._states[i] = _OVER
+                    self._cond.notify_all()
+
+        self._pool.submit(run)
+
+    def _cancel(self) -> None:
+        self.stop.set()
+        with self._cond:
+            self._states[:] = [_OVER if s == _QUEUED else s for s in self._states]
+
+    def join(self, cancel: bool = False) -> None:
+        """Block until no lane runs. With `cancel`, or once interrupted, lanes not started
+        yet never start and running ones see `stop`; an interruption is re-raised at the end."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                if cancel or interrupted is not None:
+                    self._cancel()
+                with self._cond:
+                    self._cond.wait_for(lambda: all(s == _OVER for s in self._states))
+                break
+            except BaseException as e:  # noqa: BLE001 - re-raised once no lane runs
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
 
 def run_lanes(
@@ -50,10 +90,10 @@ def run_lanes(
     name: str = "ckpt-lane",
 ) -> tuple[list[R | None], list[tuple[int, Exception]]]:
     """Call fn(item) for every item; return the results (None where fn raised) and the
-    (index, exception) failures in item order. Every item is attempted, and every lane has
-    stopped when this returns (so buffers the items point into may be reused). Interrupted
-    (KeyboardInterrupt, SystemExit), the lanes take no further items, and the interruption
-    is raised once they have stopped.
+    (index, exception) failures in item order. Every item is attempted, and no lane runs
+    any more when this returns or raises (so buffers the items point into may be reused).
+    Interrupted, the lanes take no further items, and the interruption is raised once
+    they have stopped.
 
     With `pool`, the lanes run on it (more lanes than it has threads is harmless: a late
     lane finds nothing left); otherwise on a pool of their own, named `name`.
@@ -73,28 +113,29 @@ def run_lanes(
         return results, failed
     pending = iter(enumerate(items))
     lock = threading.Lock()
-    stop = threading.Event()  # the caller was interrupted: take no further items
+    n = min(threads, len(items))
+    runner: Executor = pool if pool is not None else ThreadPoolExecutor(n, thread_name_prefix=name)
+    group = LaneGroup(runner)
 
     def lane() -> None:
-        while not stop.is_set():
+        while not group.stop.is_set():
             with lock:
                 nxt = next(pending, None)
             if nxt is None:
                 return
             attempt(*nxt)
 
-    n = min(threads, len(items))
-    own = None if pool is not None else ThreadPoolExecutor(n, thread_name_prefix=name)
-    runner = pool if pool is not None else own
-    assert runner is not None
-    futures: list[Future[None]] = []
     try:
-        for _ in range(n):
-            futures.append(runner.submit(lane))
+        try:
+            for _ in range(n):
+                group.start(lane)
+        except BaseException:
+            group.join(cancel=True)
+            raise
+        group.join()
     finally:
-        wait_through_interrupts(futures, stop.set)
-        if own is not None:
-            own.shutdown(wait=False)
-    for f in futures:
-        f.result()
+        if runner is not pool:
+            runner.shutdown(wait=False)  # its threads have nothing left to run
+    if group.errors:
+        raise group.errors[0]
     return results, sorted(failed, key=lambda x: x[0])
