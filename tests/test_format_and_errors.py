@@ -490,13 +490,13 @@ def test_bounded_staging_round_trips(tmp_path: Path) -> None:
 
 def test_if_busy_skip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = checkpointer_mod.run_commit
+    real = checkpointer_mod.run_once
 
     def held_commit(*args: Any, **kwargs: Any) -> Any:
         assert gate.wait(10), "test gate never opened"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer_mod, "run_commit", held_commit)
+    monkeypatch.setattr(checkpointer_mod, "run_once", held_commit)
     root = tmp_path / "root"
     with Checkpointer(root, if_busy="skip") as ck:
         first = plain_state(1)
