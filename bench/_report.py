@@ -109,21 +109,17 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
                per_rep(p + "stall/ckpt_deferred", p + "stall/dcp_async_save"), 0.8,
                how="ckpt save() with deferred_staging=True / async_save() return; what this moves into the "
                    "training step is in the training-step table")
-        target(f"durable commit vs write floor (world {w})",
-               per_rep(p + "durable/ckpt", fastest(p + "durable/floor_")), 1.1,
-               how="ckpt save()+wait() / fastest raw durable write of the same bytes in that repetition")
         best = best_by_median(p + "durable/dcp_save_t")
-        if best:
-            target(f"durable commit vs DCP save at best thread_count (world {w}: {best.rsplit('_', 1)[1]})",
-                   per_rep(p + "durable/ckpt", best), 0.9,
-                   how="ckpt save()+wait() / DCP save with the thread_count of lowest median")
-        target(f"durable commit with overlap_writes vs write floor (world {w})",
-               per_rep(p + "durable/ckpt_overlap", fastest(p + "durable/floor_")), 1.1,
-               how="ckpt save()+wait() with the writers starting during the copy / fastest raw durable write")
-        if best:
-            target(f"durable commit with overlap_writes vs DCP save at best thread_count (world {w})",
-                   per_rep(p + "durable/ckpt_overlap", best), 0.9,
-                   how="ckpt save()+wait() with overlap_writes=True / DCP save with the thread_count of lowest median")
+        for op, label, how in (("ckpt", "", "ckpt save()+wait()"),
+                               ("ckpt_overlap", " with overlap_writes", "ckpt save()+wait() with overlap_writes=True")):
+            target(f"durable commit{label} vs write floor (world {w})",
+                   per_rep(p + f"durable/{op}", fastest(p + "durable/floor_")), 1.1,
+                   how=f"{how} / fastest raw durable write of the same bytes in that repetition")
+            if best:
+                threads = "" if label else f": {best.rsplit('_', 1)[1]}"
+                target(f"durable commit{label} vs DCP save at best thread_count (world {w}{threads})",
+                       per_rep(p + f"durable/{op}", best), 0.9,
+                       how=f"{how} / DCP save with the thread_count of lowest median")
         target(f"stall with overlap_writes vs copy floor (world {w})",
                per_rep(p + "stall/ckpt_overlap", fastest(p + "stall/floor_copy_")), 1.2,
                how="save() with the writers taking CPU and memory bandwidth from the copy (off by default on 2 cores)")
