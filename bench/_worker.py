@@ -5,8 +5,9 @@ Phases:
             DCP save (thread_count 1/2/4), DCP async_save with a reused stager, and the
             copy and write floors; each write that has a reader is followed by a cold restore
             of what it wrote (ckpt, torch.load, DCP load, the read floors), same layout.
-            Also ckpt with overlap_writes=True (stall and durable, no restore), and a training step (fixed compute) without a save and with one from ckpt,
-            ckpt with deferred staging, ckpt with overlap_writes, and DCP async_save.
+            Also ckpt with overlap_writes=True (stall and durable, no restore), and a
+            training step (fixed compute) without a save and with one from ckpt, ckpt
+            with deferred staging, ckpt with overlap_writes, and DCP async_save.
             At world 1 (which runs after world 2) also the resharded 2->1 restores of
             what the world-2 phase left, ckpt and DCP, in the same repetitions.
   restore   world 3: cold restores 2->3 of what the world-2 phase left; ckpt and DCP.
@@ -260,6 +261,23 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     # faster than one left alone since the last save on this VM.
     copies: dict[str, _floors.CopyFloor] = {}
 
+    default_config = ck.config
+    # With overlap_writes=True the writers start while save() copies. This machine leaves
+    # it off by default (CheckpointerConfig.overlap_writes: too few cores).
+    overlap_config = dataclasses.replace(default_config, overlap_writes=True)
+
+    def save_and_wait(config: Any) -> tuple[float, float]:
+        """One ckpt save with `config`: (seconds save() blocked, seconds until committed)."""
+        ck.config = config
+        try:
+            t0 = time.perf_counter()
+            ck.save(step[0], state)
+            t1 = time.perf_counter()
+            ck.wait()
+            return t1 - t0, time.perf_counter() - t0
+        finally:
+            ck.config = default_config
+
     # ckpt: the first save allocates the staging buffer; later ones reuse it.
     def ckpt_save(rep: int, first: bool = False) -> None:
         free_previous()
@@ -270,42 +288,26 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         warm()
         _sys.reset_peak()
         before = _sys.rss()
-        t0 = time.perf_counter()
-        ck.save(step[0], state)
-        t1 = time.perf_counter()
-        ck.wait()
-        t2 = time.perf_counter()
+        stall, durable = save_and_wait(default_config)
         extra = max(0, _sys.peak() - before)
         s = ck.stats()[-1]
         tag = "_first" if first else ""
-        rec.add(f"stall/ckpt{tag}", rep, t1 - t0, extra)
-        rec.add(f"durable/ckpt{tag}", rep, t2 - t0, extra, write_s=s.write_s, fsync_s=s.fsync_s, commit_s=s.commit_s)
+        rec.add(f"stall/ckpt{tag}", rep, stall, extra)
+        rec.add(f"durable/ckpt{tag}", rep, durable, extra, write_s=s.write_s, fsync_s=s.fsync_s, commit_s=s.commit_s)
         if not first:
             restore(f"restore/ckpt_{WORLD}to{WORLD}", rep, lambda: ck.restore(state, step=step[0]))
 
     ckpt_save(-1, first=True)
-
-    # The same save with overlap_writes=True: the writers start while save() copies. This
-    # machine leaves it off by default (CheckpointerConfig.overlap_writes: too few cores).
-    default_config = ck.config
-    overlap_config = dataclasses.replace(default_config, overlap_writes=True)
 
     def ckpt_save_overlap(rep: int) -> None:
         free_previous()
         step[0] += 1
         barrier()
         warm()
-        ck.config = overlap_config
-        try:
-            t0 = time.perf_counter()
-            ck.save(step[0], state)
-            t1 = time.perf_counter()
-            ck.wait()
-            t2 = time.perf_counter()
-        finally:
-            ck.config = default_config
-        rec.add("stall/ckpt_overlap", rep, t1 - t0)
-        rec.add("durable/ckpt_overlap", rep, t2 - t0)
+        stall, durable = save_and_wait(overlap_config)
+        rec.add("stall/ckpt_overlap", rep, stall)
+        rec.add("durable/ckpt_overlap", rep, durable)
+
     buf = getattr(getattr(ck, "_arena", None), "buffer", None)  # the staging buffer ckpt keeps between saves
     arena_bytes = sum(rec.gather(buf.numel() if buf is not None else 0))
     del buf
@@ -402,8 +404,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     # them late) and its step() waits for that copy. lr=0 and no gradients: step() changes nothing.
     optimizer = torch.optim.SGD(tensors, lr=0.0)
     ck.guard(optimizer)
-    sync_config = ck.config
-    modes = {"ckpt_deferred": dataclasses.replace(sync_config, deferred_staging=True), "ckpt_overlap": overlap_config}
+    modes = {"ckpt_deferred": dataclasses.replace(default_config, deferred_staging=True), "ckpt_overlap": overlap_config}
 
     def train_step(mode: str) -> Callable[[int], None]:
         def run(rep: int) -> None:
@@ -412,7 +413,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             barrier()
             warm()
             fut = None
-            ck.config = modes.get(mode, sync_config)
+            ck.config = modes.get(mode, default_config)
             try:
                 t0 = time.perf_counter()
                 if mode.startswith("ckpt"):
@@ -427,7 +428,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                 if fut is not None:
                     fut.result()
             finally:
-                ck.config = sync_config
+                ck.config = default_config
             rec.add(f"train_step/{mode}", rep, t2 - t0)
             if mode == "ckpt_deferred":
                 rec.add("stall/ckpt_deferred", rep, t1 - t0)

@@ -3,8 +3,8 @@
 `save()` blocks only for this copy (with deferred staging, not even for that: see
 ckpt/_deferred.py; the commit thread makes it). With overlap_writes the writers do not
 wait for the whole copy: each chunk is written as soon as its bytes are staged
-(`Readiness`), so the commit runs alongside the stall instead of after it. The buffer (pinned when any source is on CUDA) is
-page-aligned, so the writers can hand its large chunks to O_DIRECT, and is kept across
+(`Readiness`), so the commit runs alongside the stall instead of after it. The buffer
+(pinned when any source is on CUDA) is page-aligned, so the writers can hand its large chunks to O_DIRECT, and is kept across
 saves and reallocated only when it must grow: copies into fresh memory run
 ~9x slower here because of page faults. CUDA sources are copied with non_blocking on a
 side stream that is synchronised before `stage()` returns, so the optimizer may modify
@@ -95,24 +95,18 @@ class Readiness:
         self._marks[id(task)].set()
 
     def done(self) -> None:
-        self._finish()
-
-    def fail(self, error: BaseException) -> None:
-        """The copy will not complete: wake every waiter; result() raises `error` (the first)."""
-        if self._error is None:
-            self._error = error
-        self._finish()
-
-    def _finish(self) -> None:
+        """The copy has ended (or failed: then after fail()); wake every waiter."""
         if self.finished_at is None:
             self.finished_at = time.perf_counter()
         for e in self._marks.values():
             e.set()
         self._finished.set()
 
-    @property
-    def finished(self) -> bool:
-        return self._finished.is_set()
+    def fail(self, error: BaseException) -> None:
+        """The copy will not complete: wake every waiter; result() raises `error` (the first)."""
+        if self._error is None:
+            self._error = error
+        self.done()
 
     def wait(self, task: StageTask) -> None:
         """Block until the task is staged; raise StagingAborted if it never will be."""

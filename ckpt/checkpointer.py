@@ -449,14 +449,16 @@ class Checkpointer:
             job.tasks, job.ready, job.deferred, now = [], None, None, []
         ready = job.ready if job.deferred is None else None  # save()'s own copy, still to make
         job.overlap = job.ready is not None and self._overlap_writes(pin)
-        if ready is not None and not job.overlap:
-            _copy_now(job, now, ready, self._copy_pool, self.root)
-        if ready is None or not job.overlap:
+        copy_while_queued = ready is not None and job.overlap  # the writers take each chunk as it lands
+        if not copy_while_queued:
+            if ready is not None:
+                _copy_now(job, now, ready, self._copy_pool, self.root)
             self._stalled(job, started, ready)
         if job.deferred is not None:
             self._gate.close()  # optimizer steps wait from here until the commit thread has copied
         self._queue(job)
-        if ready is not None and job.overlap:  # the writers take each chunk as soon as it is copied
+        if copy_while_queued:
+            assert ready is not None
             _copy_now(job, now, ready, self._copy_pool, self.root)
             self._stalled(job, started, ready)
 

@@ -23,25 +23,28 @@ def fault_point(name: str, rank: int = 0) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-_passes: dict[str, str] = {"spec": ""}
-_count = [0]
-_passes_lock = threading.Lock()
+_interrupt_spec = ""  # the CKPT_INTERRUPT value the count below belongs to
+_interrupt_passes = 0
+_interrupt_lock = threading.Lock()
 
 
 def _interrupt(name: str, rank: int) -> None:
     """SIGINT this process at the n-th pass where CKPT_INTERRUPT="<name>:<rank>:<n>" says
     (counted from when the variable took this value)."""
+    global _interrupt_spec, _interrupt_passes
     spec = os.environ.get("CKPT_INTERRUPT", "")
-    with _passes_lock:
-        if spec != _passes["spec"]:
-            _passes["spec"], _count[0] = spec, 0
+    if not spec and not _interrupt_spec:  # unset, as in production: no lock on the copy's path
+        return
+    with _interrupt_lock:
+        if spec != _interrupt_spec:
+            _interrupt_spec, _interrupt_passes = spec, 0
         if not spec:
             return
         point, want, nth = spec.split(":")
         if point != name or int(want) != rank:
             return
-        _count[0] += 1
-        hit = _count[0] == int(nth)
+        _interrupt_passes += 1
+        hit = _interrupt_passes == int(nth)
     if hit:
         os.kill(os.getpid(), signal.SIGINT)
 
