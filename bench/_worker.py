@@ -211,7 +211,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from ckpt import Checkpointer
-    from store import commit
+    from ckpt.store import commit
 
     base = os.path.join(args.dir, f"w{WORLD}")
     rmtree(base)
@@ -521,8 +521,8 @@ def phase_replicate(args: argparse.Namespace, rec: Recorder) -> None:
     import s3fs
 
     from ckpt import Checkpointer
-    from replicator.core import Replicator, ReplicatorConfig
-    from store import commit
+    from ckpt.replicator.core import Replicator, ReplicatorConfig
+    from ckpt.store import commit
 
     root = os.path.join(args.dir, "replicate", "ckpt")
     shutil.rmtree(os.path.dirname(root), ignore_errors=True)

@@ -10,7 +10,7 @@ from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
 from ckpt.sampler import DistributedSampler
 from ckpt.shard import Shard
-from store.errors import (
+from ckpt.store.errors import (
     CkptError,
     CorruptVersionError,
     ManifestError,

@@ -36,16 +36,16 @@ from ckpt._dist import Comm
 from ckpt._gc import no_cyclic_gc
 from ckpt._staging import Readiness, StageTask
 from ckpt.provenance import job_provenance, rank_provenance
-from store import commit as commit_mod
-from store import metrics
-from store.dtypes import itemsize
-from store.errors import NonFiniteError, RankFailures, TierUnavailableError
-from store.faults import fault_delay, fault_point
-from store.fsio import DIR_MODE, fsync_dirs, fsync_files, write_chunk, write_new
-from store.lanes import run_lanes
-from store.layout import ArrayPlan, block_rows, chunk_file
-from store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
-from store.zarr_meta import ArrayNode, documents, write_hierarchy
+from ckpt.store import commit as commit_mod
+from ckpt.store import metrics
+from ckpt.store.dtypes import itemsize
+from ckpt.store.errors import NonFiniteError, RankFailures, TierUnavailableError
+from ckpt.store.faults import fault_delay, fault_point
+from ckpt.store.fsio import DIR_MODE, fsync_dirs, fsync_files, write_chunk, write_new
+from ckpt.store.lanes import run_lanes
+from ckpt.store.layout import ArrayPlan, block_rows, chunk_file
+from ckpt.store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
+from ckpt.store.zarr_meta import ArrayNode, documents, write_hierarchy
 
 __all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit", "run_once"]
 

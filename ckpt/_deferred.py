@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from store.errors import StagingRaceError
+from ckpt.store.errors import StagingRaceError
 
 __all__ = ["StagingGate", "find_optimizers", "can_defer", "Versions"]
 

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from ckpt._tensors import LocalPiece
-from store.dtypes import itemsize
-from store.faults import fault_delay
-from store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
-from store.lanes import LaneGroup
-from store.layout import ArrayPlan, ChunkPlan
+from ckpt.store.dtypes import itemsize
+from ckpt.store.faults import fault_delay
+from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
+from ckpt.store.lanes import LaneGroup
+from ckpt.store.layout import ArrayPlan, ChunkPlan
 
 __all__ = ["StageTask", "Arena", "Readiness", "StagingAborted", "assign_offsets", "slot_bytes", "stage"]
 

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from ckpt.shard import Shard
-from restore.torch_dtypes import TORCH_TO_ZARR, ZARR_TO_TORCH
-from store.errors import UnsupportedStateError
+from ckpt.restore.torch_dtypes import TORCH_TO_ZARR, ZARR_TO_TORCH
+from ckpt.store.errors import UnsupportedStateError
 
 __all__ = ["TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]
 

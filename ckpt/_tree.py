@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from ckpt._tensors import is_tensor_like
-from store.errors import StateMismatchError, UnsupportedStateError
-from store.manifest import escape_component
+from ckpt.store.errors import StateMismatchError, UnsupportedStateError
+from ckpt.store.manifest import escape_component
 
 __all__ = ["Leaf", "encode_state", "bind", "Bound"]
 

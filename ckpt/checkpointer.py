@@ -33,13 +33,13 @@ from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import bind, encode_state
 from ckpt.config import CheckpointerConfig
 from ckpt.rng import capture_rng, restore_rng, seed_new_rank
-from replicator.core import Replicator, ReplicatorConfig
-from replicator.daemon import lock_root
-from restore.discover import choose_step, reachable_steps
-from restore.execute import ReadRequest, Source, full_tensor, load_arrays
-from restore.tiers import Candidate, LocalTier, RemoteTier, Tier
-from store import commit, metrics
-from store.errors import (
+from ckpt.replicator.core import Replicator, ReplicatorConfig
+from ckpt.replicator.daemon import lock_root
+from ckpt.restore.discover import choose_step, reachable_steps
+from ckpt.restore.execute import ReadRequest, Source, full_tensor, load_arrays
+from ckpt.restore.tiers import Candidate, LocalTier, RemoteTier, Tier
+from ckpt.store import commit, metrics
+from ckpt.store.errors import (
     CkptError,
     CorruptVersionError,
     RankFailures,
@@ -49,11 +49,11 @@ from store.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from store.faults import fault_delay, fault_point
-from store.fsio import makedirs
-from store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
-from store.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from store.objstore import is_url
+from ckpt.store.faults import fault_delay, fault_point
+from ckpt.store.fsio import makedirs
+from ckpt.store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
+from ckpt.store.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ckpt.store.objstore import is_url
 
 __all__ = ["Checkpointer", "RootSpec"]
 

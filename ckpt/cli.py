@@ -22,17 +22,17 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from replicator.core import REMOTE_DONE, ReplicatorConfig, read_status
-from replicator.daemon import run_daemon
-from replicator.gc import gc_local, gc_remote
-from replicator.policy import KeepLast, KeepMilestones, Policy, Union
-from restore.export import assemble, copy_version, open_version
-from restore.tiers import LocalTier, RemoteTier, Tier, open_tier
-from store import commit
-from store.chunk_read import verify_chunks
-from store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
-from store.fsio import FILE_MODE
-from store.objstore import is_url, parse_storage_options, redact
+from ckpt.replicator.core import REMOTE_DONE, ReplicatorConfig, read_status
+from ckpt.replicator.daemon import run_daemon
+from ckpt.replicator.gc import gc_local, gc_remote
+from ckpt.replicator.policy import KeepLast, KeepMilestones, Policy, Union
+from ckpt.restore.export import assemble, copy_version, open_version
+from ckpt.restore.tiers import LocalTier, RemoteTier, Tier, open_tier
+from ckpt.store import commit
+from ckpt.store.chunk_read import verify_chunks
+from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.fsio import FILE_MODE
+from ckpt.store.objstore import is_url, parse_storage_options, redact
 
 __all__ = ["main"]
 
@@ -535,7 +535,7 @@ def replicate_cmd(
 ) -> None:
     """Copy ROOT's committed versions to other disks and to a remote; runs until SIGTERM."""
     if metrics_port is not None:
-        from store.metrics import serve
+        from ckpt.store.metrics import serve
 
         serve(metrics_port)
     if not os.path.isdir(root):

@@ -271,7 +271,7 @@ def _summarize(work: str, remote: str, options: dict[str, Any], args: argparse.N
     from rich.console import Console
     from rich.table import Table
 
-    from replicator.core import read_status
+    from ckpt.replicator.core import read_status
 
     def load(run: str, rank: int) -> dict[str, Any]:
         with open(os.path.join(work, run, f"rank{rank}.json")) as f:

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data import DistributedSampler as _TorchSampler
 
-from store.errors import StateMismatchError
+from ckpt.store.errors import StateMismatchError
 
 __all__ = ["DistributedSampler"]
 

@@ -21,14 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from replicator.gc import gc_local, gc_remote, local_versions, remote_versions
-from replicator.policy import Policy, VersionInfo, expired
-from replicator.push import Destination, Stopped, disk_id, push_version
-from replicator.ratelimit import RateLimiter
-from store import commit, metrics, objstore
-from store.errors import CkptError
-from store.fsio import FILE_MODE, makedirs
-from store.manifest import Manifest
+from ckpt.replicator.gc import gc_local, gc_remote, local_versions, remote_versions
+from ckpt.replicator.policy import Policy, VersionInfo, expired
+from ckpt.replicator.push import Destination, Stopped, disk_id, push_version
+from ckpt.replicator.ratelimit import RateLimiter
+from ckpt.store import commit, metrics, objstore
+from ckpt.store.errors import CkptError
+from ckpt.store.fsio import FILE_MODE, makedirs
+from ckpt.store.manifest import Manifest
 
 __all__ = ["ReplicatorConfig", "Replicator", "STATE_DIR", "REMOTE_DONE", "read_status", "source_label"]
 

@@ -15,10 +15,10 @@ import os
 import signal
 from types import FrameType
 
-from replicator.core import STATE_DIR, Replicator, ReplicatorConfig
-from replicator.push import Stopped
-from store.errors import RootLockedError, TierUnavailableError
-from store.fsio import makedirs
+from ckpt.replicator.core import STATE_DIR, Replicator, ReplicatorConfig
+from ckpt.replicator.push import Stopped
+from ckpt.store.errors import RootLockedError, TierUnavailableError
+from ckpt.store.fsio import makedirs
 
 __all__ = ["run_daemon", "lock_root"]
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from replicator.policy import Policy, VersionInfo, plan_deletions
-from store import commit, objstore
-from store.faults import fault_point
-from store.manifest import MANIFEST_NAME
+from ckpt.replicator.policy import Policy, VersionInfo, plan_deletions
+from ckpt.store import commit, objstore
+from ckpt.store.faults import fault_point
+from ckpt.store.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
-    from restore.tiers import RemoteTier
+    from ckpt.restore.tiers import RemoteTier
 
 __all__ = ["GcResult", "gc_local", "gc_remote", "local_versions", "remote_versions"]
 
@@ -85,7 +85,7 @@ def gc_local(
 def gc_remote(
     url: str, policy: Policy, *, storage_options: dict[str, object] | None = None, dry_run: bool = False
 ) -> GcResult:
-    from restore.tiers import RemoteTier
+    from ckpt.restore.tiers import RemoteTier
 
     tier = RemoteTier(url, storage_options)
     fs, prefix = tier.fs, tier.prefix
@@ -105,7 +105,7 @@ def gc_remote(
 
 def remote_versions(url: str, storage_options: dict[str, object] | None = None) -> list[VersionInfo]:
     """VersionInfo of every committed version of a remote tier."""
-    from restore.tiers import RemoteTier
+    from ckpt.restore.tiers import RemoteTier
 
     return _remote_versions(RemoteTier(url, storage_options))
 

@@ -7,7 +7,7 @@ import json
 import os
 import threading
 
-from store.fsio import FILE_MODE, makedirs
+from ckpt.store.fsio import FILE_MODE, makedirs
 
 __all__ = ["Journal"]
 

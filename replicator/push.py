@@ -28,13 +28,13 @@ from typing import Any, Literal, TypeVar
 
 import fsspec
 
-from replicator.journal import Journal
-from replicator.ratelimit import RateLimiter
-from store import commit, objstore
-from store.digest import ChunkHasher
-from store.errors import CorruptVersionError, TierUnavailableError
-from store.fsio import FILE_MODE, fsync_dirs, makedirs
-from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, ChunkEntry, Manifest, parse_manifest
+from ckpt.replicator.journal import Journal
+from ckpt.replicator.ratelimit import RateLimiter
+from ckpt.store import commit, objstore
+from ckpt.store.digest import ChunkHasher
+from ckpt.store.errors import CorruptVersionError, TierUnavailableError
+from ckpt.store.fsio import FILE_MODE, fsync_dirs, makedirs
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, ChunkEntry, Manifest, parse_manifest
 
 __all__ = ["Destination", "Stopped", "push_version", "remote_committed", "with_retries", "disk_id"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from restore.tiers import Candidate
+from ckpt.restore.tiers import Candidate
 
 __all__ = ["reachable_steps", "choose_step"]
 

@@ -27,12 +27,12 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from restore.torch_dtypes import ZARR_TO_TORCH
-from store.chunk_read import open_chunk, pread_into
-from store.dtypes import itemsize
-from store.errors import CorruptVersionError, RankFailures
-from store.lanes import run_lanes
-from store.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
+from ckpt.store.chunk_read import open_chunk, pread_into
+from ckpt.store.dtypes import itemsize
+from ckpt.store.errors import CorruptVersionError, RankFailures
+from ckpt.store.lanes import run_lanes
+from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 
 __all__ = ["ReadRequest", "Source", "load_arrays", "full_tensor"]
 

@@ -18,15 +18,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from restore.discover import choose_step, reachable_steps
-from restore.execute import ReadRequest, Source, full_tensor, load_arrays
-from restore.tiers import Tier
-from store import commit
-from store.chunk_read import read_chunk
-from store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
-from store.fsio import DIR_MODE, fsync_dirs, makedirs, write_chunk
-from store.manifest import Manifest
-from store.zarr_meta import ArrayNode, write_hierarchy
+from ckpt.restore.discover import choose_step, reachable_steps
+from ckpt.restore.execute import ReadRequest, Source, full_tensor, load_arrays
+from ckpt.restore.tiers import Tier
+from ckpt.store import commit
+from ckpt.store.chunk_read import read_chunk
+from ckpt.store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.fsio import DIR_MODE, fsync_dirs, makedirs, write_chunk
+from ckpt.store.manifest import Manifest
+from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
 __all__ = ["open_version", "copy_version", "assemble", "decode_tree"]
 

@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from store import commit, objstore
-from store.digest import ChunkHasher
-from store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
-from store.fsio import FILE_MODE, makedirs
-from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
+from ckpt.store import commit, objstore
+from ckpt.store.digest import ChunkHasher
+from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.fsio import FILE_MODE, makedirs
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
 log = logging.getLogger("ckpt")
 _VERSION = re.compile(r"^v(\d{12})$")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-from store.digest import ChunkHasher, chunk_digest
-from store.errors import CorruptVersionError
-from store.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckpt.store.digest import ChunkHasher, chunk_digest
+from ckpt.store.errors import CorruptVersionError
+from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 
 __all__ = ["open_beneath", "open_chunk", "pread_into", "read_chunk", "ChunkProblem", "verify_chunks"]
 

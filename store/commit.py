@@ -32,10 +32,10 @@ from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 
-from store.errors import ManifestError, RootLockedError, TierUnavailableError, VersionNotFoundError
-from store.faults import fault_point
-from store.fsio import DIR_MODE, FILE_MODE, exchange_dirs, fsync_dir, fsync_dirs, makedirs, write_durable
-from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
+from ckpt.store.errors import ManifestError, RootLockedError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.faults import fault_point
+from ckpt.store.fsio import DIR_MODE, FILE_MODE, exchange_dirs, fsync_dir, fsync_dirs, makedirs, write_durable
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest, parse_manifest
 
 __all__ = [
     "LOCK_NAME",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from store.errors import ManifestError
+from ckpt.store.errors import ManifestError
 
 __all__ = ["ITEMSIZE", "numpy_dtype", "itemsize", "is_native"]
 

@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from store.digest import ChunkHasher
-from store.lanes import run_lanes
+from ckpt.store.digest import ChunkHasher
+from ckpt.store.lanes import run_lanes
 
 __all__ = [
     "FILE_MODE",

@@ -21,8 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from store.dtypes import itemsize
-from store.errors import ReshardError
+from ckpt.store.dtypes import itemsize
+from ckpt.store.errors import ReshardError
 
 __all__ = [
     "HeldRegion",

@@ -19,11 +19,11 @@ from typing import Any
 
 import xxhash
 
-from store.digest import combine_blocks
-from store.dtypes import ITEMSIZE
-from store.errors import ManifestError
-from store.layout import CHUNK_SEPARATOR, chunk_file
-from store.layout import block_rows as expected_block_rows
+from ckpt.store.digest import combine_blocks
+from ckpt.store.dtypes import ITEMSIZE
+from ckpt.store.errors import ManifestError
+from ckpt.store.layout import CHUNK_SEPARATOR, chunk_file
+from ckpt.store.layout import block_rows as expected_block_rows
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -20,8 +20,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from store.errors import TierUnavailableError
-from store.fsio import fsync_dir, makedirs, write_durable
+from ckpt.store.errors import TierUnavailableError
+from ckpt.store.fsio import fsync_dir, makedirs, write_durable
 
 __all__ = [
     "is_url",

@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from store.dtypes import ITEMSIZE
-from store.fsio import DIR_MODE, fsync_files, write_new
-from store.layout import CHUNK_SEPARATOR
-from store.manifest import ArrayEntry
+from ckpt.store.dtypes import ITEMSIZE
+from ckpt.store.fsio import DIR_MODE, fsync_files, write_new
+from ckpt.store.layout import CHUNK_SEPARATOR
+from ckpt.store.manifest import ArrayEntry
 
 __all__ = ["ArrayNode", "array_document", "documents", "write_documents", "write_hierarchy"]
 

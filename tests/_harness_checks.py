@@ -22,11 +22,11 @@ from typing import Any
 from click.testing import CliRunner
 
 from ckpt.cli import main as ckpt_cli
-from replicator.core import source_label
-from restore.discover import choose_step, reachable_steps
-from restore.export import assemble, open_version
-from restore.tiers import Candidate, LocalTier, RemoteTier, Tier
-from store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
+from ckpt.replicator.core import source_label
+from ckpt.restore.discover import choose_step, reachable_steps
+from ckpt.restore.export import assemble, open_version
+from ckpt.restore.tiers import Candidate, LocalTier, RemoteTier, Tier
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
 from tests._harness_worker import ROWS, digest, flatten
 
 WORLD = 2

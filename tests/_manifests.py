@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from store.manifest import with_checksum
+from ckpt.store.manifest import with_checksum
 
 
 def crafted(doc: dict[str, Any]) -> bytes:

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer, Shard
 from ckpt.cli import main as cli
-from store import commit
+from ckpt.store import commit
 from tests._dist import Ctx, launch
 
 

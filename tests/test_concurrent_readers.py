@@ -35,7 +35,7 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer, VersionNotFoundError
 from ckpt.cli import main as cli
-from store import commit
+from ckpt.store import commit
 
 REPO = Path(__file__).resolve().parent.parent
 KEEP = 3
@@ -63,8 +63,8 @@ WRITER = textwrap.dedent(
     import os, sys, time
     import torch
     from ckpt import Checkpointer
-    from replicator.core import ReplicatorConfig
-    from replicator.policy import KeepLast
+    from ckpt.replicator.core import ReplicatorConfig
+    from ckpt.replicator.policy import KeepLast
 
     root, stop = sys.argv[1], sys.argv[2]
     gc = ReplicatorConfig(local_policy=KeepLast(int(sys.argv[3])), interval_s=0.05)
@@ -243,7 +243,7 @@ def test_a_second_replicator_daemon_is_refused(tmp_path: Path) -> None:
 
 FROZEN_GC = """
 import os, signal, sys
-from store import commit
+from ckpt.store import commit
 root = sys.argv[1]
 with commit.deleting(root, 1) as free:  # what gc_local does around each deletion
     print("marked", free, flush=True)

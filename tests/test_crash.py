@@ -264,12 +264,12 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
 OVERWRITE_CHILD = """
 point = os.environ.pop("CKPT_FAULT")
 import signal
-import store.commit
+import ckpt.store.commit
 from ckpt import Checkpointer
 
 root = sys.argv[1]
 armed = False
-real_fsync_dir = store.commit.fsync_dir
+real_fsync_dir = ckpt.store.commit.fsync_dir
 
 
 def fsync_then_die(path):
@@ -280,7 +280,7 @@ def fsync_then_die(path):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-store.commit.fsync_dir = fsync_then_die
+ckpt.store.commit.fsync_dir = fsync_then_die
 with Checkpointer(root) as ck:
     ck.save(5, state_for(1))
     ck.wait()

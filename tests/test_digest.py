@@ -19,9 +19,9 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer, CorruptVersionError
 from ckpt.cli import main as cli
-from store.digest import ChunkHasher, chunk_digest
-from store.errors import ManifestError
-from store.manifest import parse_manifest
+from ckpt.store.digest import ChunkHasher, chunk_digest
+from ckpt.store.errors import ManifestError
+from ckpt.store.manifest import parse_manifest
 
 BIG = "state/big/c.0.0"  # 3000 x 1000 float32: 12 MB, three 4 MiB blocks (the last one shorter)
 BIG_V1 = "state/big/c/0/0"  # the same chunk's key in schema 1

@@ -21,8 +21,8 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer
 from ckpt.cli import main as cli
-from store.digest import chunk_digest
-from store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES, write_chunk
+from ckpt.store.digest import chunk_digest
+from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES, write_chunk
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -154,8 +154,8 @@ def _can_loop_mount() -> bool:
 
 _ON_4K_SECTORS = """
 import json, sys
-from store.digest import chunk_digest
-import store.fsio as fsio
+from ckpt.store.digest import chunk_digest
+import ckpt.store.fsio as fsio
 from tests.test_direct_io import aligned_bytes
 fsio.DIRECT_ALIGN = 512  # finer than the device's 4096-byte sectors: it refuses the last direct write
 fsio._DIRECT_WRITE = 1 << 20  # 1 MiB direct writes: three go through before the refused one

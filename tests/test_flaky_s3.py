@@ -33,10 +33,10 @@ from flaky_proxy import KINDS, FaultPlan, FlakyProxy, ProxyProcess
 
 from ckpt import Checkpointer, CorruptVersionError
 from ckpt.cli import main as cli_main
-from replicator.core import Replicator, ReplicatorConfig
-from store import commit
-from store.digest import chunk_digest
-from store.manifest import parse_manifest
+from ckpt.replicator.core import Replicator, ReplicatorConfig
+from ckpt.store import commit
+from ckpt.store.digest import chunk_digest
+from ckpt.store.manifest import parse_manifest
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -28,7 +28,7 @@ from _manifests import crafted
 
 import ckpt
 from ckpt import Checkpointer, CheckpointerConfig
-from store.manifest import parse_manifest
+from ckpt.store.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 

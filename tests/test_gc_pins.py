@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from ckpt import Checkpointer
-from replicator.gc import gc_local
-from replicator.policy import KeepLast
-from store import commit
+from ckpt.replicator.gc import gc_local
+from ckpt.replicator.policy import KeepLast
+from ckpt.store import commit
 
 REPO = Path(__file__).resolve().parent.parent
 

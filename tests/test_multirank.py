@@ -31,8 +31,8 @@ import zarr
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import launch
 
-from store import commit
-from store.manifest import STATE_PREFIX
+from ckpt.store import commit
+from ckpt.store.manifest import STATE_PREFIX
 
 THIS = os.path.abspath(__file__)
 SPLIT_BYTES = 2048  # small, so the 16 KiB replicated "big" tensor is split over the ranks

@@ -83,7 +83,7 @@ def nan_on_one_rank(ctx: Ctx, root: str) -> dict:
 
 
 def straggler(ctx: Ctx, root: str) -> dict:
-    from store import metrics
+    from ckpt.store import metrics
 
     records: list[str] = []
 

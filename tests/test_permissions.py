@@ -24,7 +24,7 @@ WRITER = textwrap.dedent(
     import os, sys
     import torch
     from ckpt import Checkpointer
-    from replicator.core import source_label
+    from ckpt.replicator.core import source_label
 
     base = sys.argv[1]
     os.umask(0)

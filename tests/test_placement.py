@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from ckpt import Checkpointer
-from replicator.core import Replicator, ReplicatorConfig
-from replicator.push import disk_id
-from restore.tiers import LocalTier, RemoteTier
+from ckpt.replicator.core import Replicator, ReplicatorConfig
+from ckpt.replicator.push import disk_id
+from ckpt.restore.tiers import LocalTier, RemoteTier
 
 
 def test_copies_never_share_a_disk_and_a_peer_url_works(tmp_path: Path) -> None:

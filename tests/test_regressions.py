@@ -12,8 +12,8 @@ from _manifests import crafted
 
 import ckpt
 from ckpt import Checkpointer
-from store import commit
-from store.manifest import parse_manifest
+from ckpt.store import commit
+from ckpt.store.manifest import parse_manifest
 
 
 class WithExtraState(torch.nn.Module):

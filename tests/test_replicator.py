@@ -34,11 +34,11 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer
 from ckpt.cli import main as cli_main
-from replicator.core import Replicator, ReplicatorConfig, read_status
-from replicator.policy import KeepAll, KeepLast, KeepMilestones, Policy, Union, VersionInfo, plan_deletions
-from restore.tiers import RemoteTier
-from store import commit
-from store.manifest import parse_manifest
+from ckpt.replicator.core import Replicator, ReplicatorConfig, read_status
+from ckpt.replicator.policy import KeepAll, KeepLast, KeepMilestones, Policy, Union, VersionInfo, plan_deletions
+from ckpt.restore.tiers import RemoteTier
+from ckpt.store import commit
+from ckpt.store.manifest import parse_manifest
 
 if TYPE_CHECKING:
     from s3_server import MotoServer, S3Place
@@ -414,7 +414,7 @@ def two_disks(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_replica_disk_deleted_restore_from_the_other(s3: S3Place, tmp_path: Path) -> None:
-    from replicator.core import source_label
+    from ckpt.replicator.core import source_label
 
     d0, d1 = two_disks(tmp_path)
     states = {step: small_state(step) for step in (1, 2, 3)}
@@ -460,7 +460,7 @@ def _retention_config(d1: Path, s3: S3Place, interval_s: float = 0.05) -> Replic
 
 
 def _check_retention(d0: Path, d1: Path, s3: S3Place, local: list[int], remote: list[int]) -> None:
-    from replicator.core import source_label
+    from ckpt.replicator.core import source_label
 
     replica = d1 / "replicas" / source_label(str(d0))
     assert commit.committed_steps(str(d0)) == local
@@ -499,7 +499,7 @@ def test_replica_copies_of_versions_gc_deleted_elsewhere_are_collected(tmp_path:
     """`ckpt gc ROOT` deletes versions behind the replicator's back: their replica copies
     go under the local policy in later passes (not only those the replicator deleted),
     never a copy the source still holds, nor one a reader has pinned."""
-    from replicator.core import source_label
+    from ckpt.replicator.core import source_label
 
     d0, d1 = two_disks(tmp_path)
     replica = str(d1 / "replicas" / source_label(str(d0)))
@@ -534,7 +534,7 @@ def test_replicas_of_a_lost_source_disk_are_kept(tmp_path: Path) -> None:
     """The source disk is replaced by an empty one: its replicas are now the only local
     copies, and replica GC leaves them all (a source that lists nothing is not evidence
     that its versions were deleted)."""
-    from replicator.core import source_label
+    from ckpt.replicator.core import source_label
 
     d0, d1 = two_disks(tmp_path)
     replica = str(d1 / "replicas" / source_label(str(d0)))
@@ -552,7 +552,7 @@ def test_replicas_of_a_lost_source_disk_are_kept(tmp_path: Path) -> None:
 def test_replica_copies_the_remote_lacks_are_kept(tmp_path: Path) -> None:
     """A version deleted from the source by hand before it reached the remote: the
     replica's copy is its last one, and replica GC keeps it until the remote has it."""
-    from replicator.core import source_label
+    from ckpt.replicator.core import source_label
 
     d0, d1 = two_disks(tmp_path)
     replica = str(d1 / "replicas" / source_label(str(d0)))

@@ -584,7 +584,7 @@ def check_rng(ctx: Any, old: int, root: str, saved: list[dict[str, Any]], draws:
     import torch.distributed as dist
     import xxhash
 
-    from store import commit
+    from ckpt.store import commit
 
     W, r = ctx.world, ctx.rank
     d1, d2 = draws["verified"], draws["unverified"]
@@ -768,7 +768,7 @@ def test_rng(request: pytest.FixtureRequest, pair: tuple[int, int]) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_saves(request: pytest.FixtureRequest, base: Path, world: int) -> None:
     """The saving jobs ran cleanly, and the layouts the restores start from are the intended ones."""
-    from store import commit
+    from ckpt.store import commit
 
     run = request.getfixturevalue({1: "save1", 2: "save2", 3: "job3", 4: "job4"}[world])
     assert_section(run, f"save{world}")
@@ -788,7 +788,7 @@ def test_saves(request: pytest.FixtureRequest, base: Path, world: int) -> None:
 def test_empty_piece_plans_no_chunk() -> None:
     """DTensor places an empty shard at offset = the dim's size (5 columns on 4 ranks: 2, 2, 1, 0 at 5):
     it holds nothing, so it must neither get a chunk (that one would overlap rank 2's) nor shape the grid."""
-    from store.layout import ArraySpec, HeldRegion, plan_arrays
+    from ckpt.store.layout import ArraySpec, HeldRegion, plan_arrays
 
     held = [((0, 0), (7, 2)), ((0, 2), (7, 2)), ((0, 4), (7, 1)), ((0, 5), (7, 0))]
     spec = ArraySpec("w", "float32", (7, 5), tuple(HeldRegion(r, o, s) for r, (o, s) in enumerate(held)))

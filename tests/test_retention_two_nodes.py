@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from ckpt import Checkpointer, Shard
-from replicator.core import Replicator, ReplicatorConfig, read_status
-from replicator.gc import gc_remote
-from replicator.policy import KeepLast
-from restore.tiers import RemoteTier
-from store import commit
+from ckpt.replicator.core import Replicator, ReplicatorConfig, read_status
+from ckpt.replicator.gc import gc_remote
+from ckpt.replicator.policy import KeepLast
+from ckpt.restore.tiers import RemoteTier
+from ckpt.store import commit
 from tests._dist import Ctx, launch
 
 STEPS = 6

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 import ckpt
 from ckpt import Checkpointer, DistributedSampler
 from ckpt.cli import main as cli
-from store import commit
-from store.errors import ReshardError
-from store.layout import ArraySpec, HeldRegion, plan_arrays
+from ckpt.store import commit
+from ckpt.store.errors import ReshardError
+from ckpt.store.layout import ArraySpec, HeldRegion, plan_arrays
 
 
 def _state(seed: int = 0) -> dict:

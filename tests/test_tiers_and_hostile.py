@@ -38,10 +38,10 @@ from click.testing import CliRunner
 
 import ckpt
 import ckpt.checkpointer as checkpointer_mod
-import restore.execute as execute_mod
+import ckpt.restore.execute as execute_mod
 from ckpt import Checkpointer
 from ckpt.cli import main as cli
-from store.manifest import parse_manifest
+from ckpt.store.manifest import parse_manifest
 
 BIG = "state/big/c.0.0"  # 2048 x 1024 float32 = 8 MiB: two checksummed 4 MiB blocks
 BIG_BYTES = 2048 * 1024 * 4

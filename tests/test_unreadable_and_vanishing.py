@@ -33,8 +33,8 @@ import pytest
 import torch
 
 from ckpt import Checkpointer
-from replicator.core import source_label
-from store import commit
+from ckpt.replicator.core import source_label
+from ckpt.store import commit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,7 @@ ROOT_DIES = COMMON + textwrap.dedent(
     """
     import ckpt
     from ckpt import Checkpointer
-    from replicator.core import read_status, source_label
+    from ckpt.replicator.core import read_status, source_label
 
     base = sys.argv[1]
     d0, d1 = base + "/disk0/ckpt", base + "/disk1/ckpt"
@@ -286,8 +286,8 @@ DISK_VANISHES = COMMON + textwrap.dedent(
     from click.testing import CliRunner
     from ckpt import Checkpointer
     from ckpt.cli import main as cli
-    from replicator.core import read_status, source_label
-    from store import commit
+    from ckpt.replicator.core import read_status, source_label
+    from ckpt.store import commit
 
     base = sys.argv[1]
     src, disk1 = base + "/disk0/ckpt", base + "/disk1"
@@ -401,8 +401,8 @@ def test_replica_directory_deleted_mid_copy(tmp_path: Path, caplog: pytest.LogCa
     """The replica's directory is deleted while a version is copied into it (an operator's
     rm -rf, a cleanup job): the copy does not count what was deleted as copied, the version
     is committed there only complete, and it reads back bitwise."""
-    from replicator.core import Replicator, ReplicatorConfig, read_status
-    from restore.tiers import LocalTier
+    from ckpt.replicator.core import Replicator, ReplicatorConfig, read_status
+    from ckpt.restore.tiers import LocalTier
 
     for d in ("disk0", "disk1"):
         (tmp_path / d).mkdir()
