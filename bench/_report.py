@@ -100,45 +100,84 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
 
     for w in (1, 2):
         p = f"w{w}/"
-        target(f"stall vs copy floor (world {w})", per_rep(p + "stall/ckpt", fastest(p + "stall/floor_copy_")), 1.2,
-               how="ckpt save() / two threads copying into a warm buffer (fastest of torch copy_ and memcpy), same repetition")
-        target(f"stall vs DCP async_save blocking, reused stager (world {w})",
-               per_rep(p + "stall/ckpt", p + "stall/dcp_async_save"), 0.8,
-               how="ckpt save() / async_save() return, FileSystemWriter(cache_staged_state_dict=True) reused")
-        target(f"stall with deferred staging vs DCP async_save blocking, reused stager (world {w})",
-               per_rep(p + "stall/ckpt_deferred", p + "stall/dcp_async_save"), 0.8,
-               how="ckpt save() with deferred_staging=True / async_save() return; what this moves into the "
-                   "training step is in the training-step table")
+        target(
+            f"stall vs copy floor (world {w})",
+            per_rep(p + "stall/ckpt", fastest(p + "stall/floor_copy_")),
+            1.2,
+            how="ckpt save() / two threads copying into a warm buffer (fastest of torch copy_ and memcpy), same repetition",
+        )
+        target(
+            f"stall vs DCP async_save blocking, reused stager (world {w})",
+            per_rep(p + "stall/ckpt", p + "stall/dcp_async_save"),
+            0.8,
+            how="ckpt save() / async_save() return, FileSystemWriter(cache_staged_state_dict=True) reused",
+        )
+        target(
+            f"stall with deferred staging vs DCP async_save blocking, reused stager (world {w})",
+            per_rep(p + "stall/ckpt_deferred", p + "stall/dcp_async_save"),
+            0.8,
+            how="ckpt save() with deferred_staging=True / async_save() return; what this moves into the "
+            "training step is in the training-step table",
+        )
         best = best_by_median(p + "durable/dcp_save_t")
-        for op, label, how in (("ckpt", "", "ckpt save()+wait()"),
-                               ("ckpt_overlap", " with overlap_writes", "ckpt save()+wait() with overlap_writes=True")):
-            target(f"durable commit{label} vs write floor (world {w})",
-                   per_rep(p + f"durable/{op}", fastest(p + "durable/floor_")), 1.1,
-                   how=f"{how} / fastest raw durable write of the same bytes in that repetition")
+        for op, label, how in (
+            ("ckpt", "", "ckpt save()+wait()"),
+            ("ckpt_overlap", " with overlap_writes", "ckpt save()+wait() with overlap_writes=True"),
+        ):
+            target(
+                f"durable commit{label} vs write floor (world {w})",
+                per_rep(p + f"durable/{op}", fastest(p + "durable/floor_")),
+                1.1,
+                how=f"{how} / fastest raw durable write of the same bytes in that repetition",
+            )
             if best:
                 threads = "" if label else f": {best.rsplit('_', 1)[1]}"
-                target(f"durable commit{label} vs DCP save at best thread_count (world {w}{threads})",
-                       per_rep(p + f"durable/{op}", best), 0.9,
-                       how=f"{how} / DCP save with the thread_count of lowest median")
-        target(f"stall with overlap_writes vs copy floor (world {w})",
-               per_rep(p + "stall/ckpt_overlap", fastest(p + "stall/floor_copy_")), 1.2,
-               how="save() with the writers taking CPU and memory bandwidth from the copy (off by default on 2 cores)")
+                target(
+                    f"durable commit{label} vs DCP save at best thread_count (world {w}{threads})",
+                    per_rep(p + f"durable/{op}", best),
+                    0.9,
+                    how=f"{how} / DCP save with the thread_count of lowest median",
+                )
+        target(
+            f"stall with overlap_writes vs copy floor (world {w})",
+            per_rep(p + "stall/ckpt_overlap", fastest(p + "stall/floor_copy_")),
+            1.2,
+            how="save() with the writers taking CPU and memory bandwidth from the copy (off by default on 2 cores)",
+        )
         same = f"restore/ckpt_{w}to{w}"
-        target(f"same-layout restore vs read floor ({w}->{w})",
-               per_rep(p + same, fastest(p + "restore/floor_read")), 1.2,
-               how="cold ckpt restore / fastest raw read of the same bytes into the existing tensors")
-        target(f"same-layout restore vs DCP load ({w}->{w})", per_rep(p + same, p + f"restore/dcp_{w}to{w}"), 0.6,
-               how="cold ckpt restore / cold DCP load, same repetition")
-    target("resharded restore 2->1 vs same-layout 1->1", per_rep("w1/restore/ckpt_2to1", "w1/restore/ckpt_1to1"), 1.25,
-           how="cold, same process and repetition")
+        target(
+            f"same-layout restore vs read floor ({w}->{w})",
+            per_rep(p + same, fastest(p + "restore/floor_read")),
+            1.2,
+            how="cold ckpt restore / fastest raw read of the same bytes into the existing tensors",
+        )
+        target(
+            f"same-layout restore vs DCP load ({w}->{w})",
+            per_rep(p + same, p + f"restore/dcp_{w}to{w}"),
+            0.6,
+            how="cold ckpt restore / cold DCP load, same repetition",
+        )
+    target(
+        "resharded restore 2->1 vs same-layout 1->1",
+        per_rep("w1/restore/ckpt_2to1", "w1/restore/ckpt_1to1"),
+        1.25,
+        how="cold, same process and repetition",
+    )
     a, b = reps_of("w3/restore/ckpt_2to3"), reps_of("w2/restore/ckpt_2to2")
     if a and b:
-        target("resharded restore 2->3 vs same-layout 2->2",
-               [statistics.median(a.values()) / statistics.median(b.values())], 1.25,
-               how="cold; ratio of medians (3 ranks vs 2 ranks reading the same checkpoint, separate phases)")
-    target("replication throughput vs plain s3fs put",
-           per_rep("w1/replicate/s3fs_put", "w1/replicate/ckpt_replicator"), 0.8, at_least=True,
-           how="same files to the same moto server; throughput ratio = put time / replicator time")
+        target(
+            "resharded restore 2->3 vs same-layout 2->2",
+            [statistics.median(a.values()) / statistics.median(b.values())],
+            1.25,
+            how="cold; ratio of medians (3 ranks vs 2 ranks reading the same checkpoint, separate phases)",
+        )
+    target(
+        "replication throughput vs plain s3fs put",
+        per_rep("w1/replicate/s3fs_put", "w1/replicate/ckpt_replicator"),
+        0.8,
+        at_least=True,
+        how="same files to the same moto server; throughput ratio = put time / replicator time",
+    )
     for w in (1, 2):
         mw = meta.get(f"w{w}", {})
         first = by_key.get(f"w{w}/durable/ckpt_first", {}).get(-1, {}).get("extra_rss")
@@ -146,8 +185,12 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
         if first is not None and steady:
             held = mw.get("arena_bytes", 0)
             value = max(first, held + max(steady)) / mw["state_bytes"]
-            target(f"peak extra RSS during save, x state size (world {w})", [value], 1.15,
-                   how="max(first save incl. allocating the staging buffer, staging buffer + steady-state peak) / state bytes, summed over ranks")
+            target(
+                f"peak extra RSS during save, x state size (world {w})",
+                [value],
+                1.15,
+                how="max(first save incl. allocating the staging buffer, staging buffer + steady-state peak) / state bytes, summed over ranks",
+            )
     steps = []
     for w in (1, 2):
         base = reps_of(f"w{w}/train_step/none")
@@ -155,23 +198,49 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
             with_save = reps_of(f"w{w}/train_step/{mode}")
             cost = [with_save[r] - base[r] for r in sorted(with_save) if r in base]
             if cost:
-                steps.append({"world": w, "mode": mode, "step_s": statistics.median(with_save.values()),
-                              "without_save_s": statistics.median(base.values()), "cost_s": _stats(cost)})
-    return {"env": env, "meta": meta, "targets": targets, "measurements": measurements, "rss": rss_table(measurements),
-            "train_step": steps}
+                steps.append(
+                    {
+                        "world": w,
+                        "mode": mode,
+                        "step_s": statistics.median(with_save.values()),
+                        "without_save_s": statistics.median(base.values()),
+                        "cost_s": _stats(cost),
+                    }
+                )
+    return {
+        "env": env,
+        "meta": meta,
+        "targets": targets,
+        "measurements": measurements,
+        "rss": rss_table(measurements),
+        "train_step": steps,
+    }
 
 
 # figure -> {column: operation key without the world prefix}; worlds are tried 1..3.
 _RSS_ROWS: list[tuple[str, dict[str, str]]] = [
-    ("save, first call (allocates any reused buffer)", {"ckpt": "durable/ckpt_first",
-                                                        "DCP async_save": "durable/dcp_async_save_first"}),
-    ("save, steady state", {"ckpt": "durable/ckpt", "DCP async_save": "durable/dcp_async_save",
-                            "DCP save": "durable/dcp_save_t1", "torch.save": "durable/torch_save"}),
-    ("restore {w}->{w}", {"ckpt": "restore/ckpt_{w}to{w}", "DCP load": "restore/dcp_{w}to{w}",
-                          "torch.load": "restore/torch_load"}),
+    (
+        "save, first call (allocates any reused buffer)",
+        {"ckpt": "durable/ckpt_first", "DCP async_save": "durable/dcp_async_save_first"},
+    ),
+    (
+        "save, steady state",
+        {
+            "ckpt": "durable/ckpt",
+            "DCP async_save": "durable/dcp_async_save",
+            "DCP save": "durable/dcp_save_t1",
+            "torch.save": "durable/torch_save",
+        },
+    ),
+    (
+        "restore {w}->{w}",
+        {"ckpt": "restore/ckpt_{w}to{w}", "DCP load": "restore/dcp_{w}to{w}", "torch.load": "restore/torch_load"},
+    ),
     ("restore 2->{w} (resharded)", {"ckpt": "restore/ckpt_2to{w}", "DCP load": "restore/dcp_2to{w}"}),
-    ("replication to loopback S3 (x bytes replicated)", {"ckpt": "replicate/ckpt_replicator",
-                                                         "s3fs put": "replicate/s3fs_put"}),
+    (
+        "replication to loopback S3 (x bytes replicated)",
+        {"ckpt": "replicate/ckpt_replicator", "s3fs put": "replicate/s3fs_put"},
+    ),
 ]
 RSS_COLUMNS = ["ckpt", "DCP async_save", "DCP save", "DCP load", "torch.save", "torch.load", "s3fs put"]
 
@@ -192,8 +261,14 @@ def rss_table(measurements: dict[str, Any]) -> list[dict[str, Any]]:
                     vals[col] = m["extra_rss_x_state"]
             if "ckpt" not in vals or len(vals) < 2 and "replication" not in label:
                 continue
-            rows.append({"figure": label.format(w=w), "world": w, "x_bytes": vals,
-                         "ckpt_over_peer": {c: vals["ckpt"] / v for c, v in vals.items() if c != "ckpt" and v > 0}})
+            rows.append(
+                {
+                    "figure": label.format(w=w),
+                    "world": w,
+                    "x_bytes": vals,
+                    "ckpt_over_peer": {c: vals["ckpt"] / v for c, v in vals.items() if c != "ckpt" and v > 0},
+                }
+            )
     return rows
 
 
@@ -264,8 +339,10 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         for row in report["train_step"]:
             c = row["cost_s"]
-            lines.append(f"| {row['world']} | {row['mode']} | {row['step_s']:.3f} | {row['without_save_s']:.3f} | "
-                         f"{c['median']:.3f} | {c['min']:.3f}-{c['max']:.3f} |")
+            lines.append(
+                f"| {row['world']} | {row['mode']} | {row['step_s']:.3f} | {row['without_save_s']:.3f} | "
+                f"{c['median']:.3f} | {c['min']:.3f}-{c['max']:.3f} |"
+            )
         lines.append("")
     lines += [
         "## Peak extra RSS",

@@ -105,7 +105,7 @@ def touch(tensors: list[torch.Tensor]) -> None:
     """
     for t in tensors:
         if t.numel():
-            t.detach().reshape(-1).view(torch.uint8)[:: 4096].sum()
+            t.detach().reshape(-1).view(torch.uint8)[::4096].sum()
 
 
 def timed(
@@ -198,7 +198,6 @@ def _caching_writer(path: str) -> Any:
     return UnpinnedCachingWriter(path, cache_staged_state_dict=True)
 
 
-
 def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     """Stall and time-to-durable of every writer, each followed by a cold restore of what it wrote.
 
@@ -223,8 +222,16 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     log(f"state built in {time.perf_counter() - t:.1f}s: {total / 1e9:.2f} GB, {len(tensors)} tensors per rank")
     if RANK == 0:
         with open(os.path.join(args.dir, f"meta-w{WORLD}.json"), "w") as f:
-            json.dump({"state_bytes": total, "fingerprint": fp, "tensors": len(tensors),
-                       "width": _workload.width_for(args.params), "params": args.params}, f)
+            json.dump(
+                {
+                    "state_bytes": total,
+                    "fingerprint": fp,
+                    "tensors": len(tensors),
+                    "width": _workload.width_for(args.params),
+                    "params": args.params,
+                },
+                f,
+            )
     gc.collect()
     baseline_rss = sum(rec.gather(_sys.rss()))
 
@@ -233,6 +240,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
 
     def warm() -> None:
         touch(tensors)
+
     step = [0]
 
     def free_previous() -> None:
@@ -368,8 +376,13 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         def run(rep: int) -> None:
             free_previous()
             path = out(f"dcp_t{threads}")
-            timed(rec, f"durable/dcp_save_t{threads}", rep,
-                  lambda: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=threads)), warm)
+            timed(
+                rec,
+                f"durable/dcp_save_t{threads}",
+                rep,
+                lambda: dcp.save(state, storage_writer=FileSystemWriter(path, thread_count=threads)),
+                warm,
+            )
             if threads == 1:  # DCP's default
                 restore(f"restore/dcp_{WORLD}to{WORLD}", rep, lambda: dcp.load(state, checkpoint_id=path))
 
@@ -379,18 +392,28 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         def run(rep: int) -> None:
             free_previous()
             path = out(f"floor_{strategy}")
-            timed(rec, f"durable/floor_{strategy}", rep, lambda: _floors.write_floor(path, RANK, tensors, strategy),
-                  warm)
+            timed(
+                rec, f"durable/floor_{strategy}", rep, lambda: _floors.write_floor(path, RANK, tensors, strategy), warm
+            )
             files = _floors.WRITE_STRATEGIES[strategy][0]
             if strategy == "one_file":
-                restore("restore/floor_read_1_thread", rep,
-                        lambda: _floors.read_floor(path, RANK, tensors, 1), verify=False)
-                restore("restore/floor_read_1_file_4_threads", rep,
-                        lambda: _floors.read_floor_ranges(path, RANK, tensors, 4), verify=False)
+                restore(
+                    "restore/floor_read_1_thread", rep, lambda: _floors.read_floor(path, RANK, tensors, 1), verify=False
+                )
+                restore(
+                    "restore/floor_read_1_file_4_threads",
+                    rep,
+                    lambda: _floors.read_floor_ranges(path, RANK, tensors, 4),
+                    verify=False,
+                )
                 check(state, fp, "floor reads")
             elif strategy == "4_files_4_threads":
-                restore("restore/floor_read_4_files_4_threads", rep,
-                        lambda: _floors.read_floor(path, RANK, tensors, files), verify=False)
+                restore(
+                    "restore/floor_read_4_files_4_threads",
+                    rep,
+                    lambda: _floors.read_floor(path, RANK, tensors, files),
+                    verify=False,
+                )
                 check(state, fp, "floor reads")
 
         return run
@@ -404,7 +427,10 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     # them late) and its step() waits for that copy. lr=0 and no gradients: step() changes nothing.
     optimizer = torch.optim.SGD(tensors, lr=0.0)
     ck.guard(optimizer)
-    modes = {"ckpt_deferred": dataclasses.replace(default_config, deferred_staging=True), "ckpt_overlap": overlap_config}
+    modes = {
+        "ckpt_deferred": dataclasses.replace(default_config, deferred_staging=True),
+        "ckpt_overlap": overlap_config,
+    }
 
     def train_step(mode: str) -> Callable[[int], None]:
         def run(rep: int) -> None:
@@ -461,8 +487,12 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         ck2 = Checkpointer(os.path.join(w2, "ckpt"))
         step2 = ck2.latest_step()
         ops.insert(3, lambda rep: restore("restore/ckpt_2to1", rep, lambda: ck2.restore(state, step=step2)))
-        ops.insert(7, lambda rep: restore(
-            "restore/dcp_2to1", rep, lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))))
+        ops.insert(
+            7,
+            lambda rep: restore(
+                "restore/dcp_2to1", rep, lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))
+            ),
+        )
     for rep in range(args.reps):
         for op in rotate(ops, rep):
             op(rep)
@@ -547,8 +577,13 @@ def phase_replicate(args: argparse.Namespace, rec: Recorder) -> None:
             raise SystemExit(f"replication did not complete: {status}")
 
     def plain_put(rep: int) -> None:
-        timed(rec, "replicate/s3fs_put", rep, lambda: fs.put(vdir, f"{args.bucket}/plain-r{rep}", recursive=True),
-              bytes=nbytes)
+        timed(
+            rec,
+            "replicate/s3fs_put",
+            rep,
+            lambda: fs.put(vdir, f"{args.bucket}/plain-r{rep}", recursive=True),
+            bytes=nbytes,
+        )
 
     for rep in range(args.reps):
         for op in rotate([ckpt_push, plain_put], rep):

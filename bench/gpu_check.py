@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
 
 def _state(gb: float) -> dict[str, torch.Tensor]:
@@ -79,7 +79,7 @@ def main() -> None:
             for rep in range(1, args.reps + 1):
                 if not overlap:
                     results["floor_copy"].append(_floor(state))
-                expected = first[:1 << 20].cpu()
+                expected = first[: 1 << 20].cpu()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 ck.save(rep, state)
@@ -92,7 +92,7 @@ def main() -> None:
                 direct = ck.stats()[-1].direct_bytes  # O_DIRECT straight from the pinned buffer
             out = {k: torch.empty_like(v) for k, v in state.items()}
             ck.restore(out, step=args.reps)
-            if not torch.equal(out[name][:1 << 20].cpu(), expected):
+            if not torch.equal(out[name][: 1 << 20].cpu(), expected):
                 raise SystemExit(f"{tag}: the restored tensor differs from its value at save()")
     results.update({"ckpt_deferred_stall": [], "ckpt_deferred_staged": [], "ckpt_deferred_commit": []})
     x = torch.randn(4096, 4096, device="cuda")
@@ -103,7 +103,7 @@ def main() -> None:
         ck.wait()
         name, first = next(iter(state.items()))
         for rep in range(1, args.reps + 1):
-            expected = first[:1 << 20].cpu()
+            expected = first[: 1 << 20].cpu()
             torch.cuda.synchronize()
             t = time.perf_counter()
             ck.save(rep, state)
@@ -118,7 +118,7 @@ def main() -> None:
             results["ckpt_deferred_staged"].append(ck.stats()[-1].staged_s)
         out = {k: torch.empty_like(v) for k, v in state.items()}
         ck.restore(out, step=args.reps)
-        if not torch.equal(out[name][:1 << 20].cpu(), expected):
+        if not torch.equal(out[name][: 1 << 20].cpu(), expected):
             raise SystemExit("deferred staging: the restored tensor differs from its value at save()")
     try:
         import torch.distributed.checkpoint as dcp
@@ -144,12 +144,15 @@ def main() -> None:
         print(f"  {k:22s} {v:8.3f} s   {nbytes / v / 1e9:7.2f} GB/s")
     if "floor_copy" in med:
         print(f"  stall / floor copy: {med['ckpt_stall'] / med['floor_copy']:.2f}x")
-        print(f"  overlap_writes: stall {med['ckpt_overlap_stall'] / med['ckpt_stall']:.2f}x, "
-              f"commit {med['ckpt_overlap_commit'] / med['ckpt_commit']:.2f}x the sequential save's")
+        print(
+            f"  overlap_writes: stall {med['ckpt_overlap_stall'] / med['ckpt_stall']:.2f}x, "
+            f"commit {med['ckpt_overlap_commit'] / med['ckpt_commit']:.2f}x the sequential save's"
+        )
     if "dcp_async_blocking" in med:
         print(f"  stall / DCP async_save blocking: {med['ckpt_stall'] / med['dcp_async_blocking']:.2f}x")
-        print(f"  deferred stall / DCP async_save blocking: "
-              f"{med['ckpt_deferred_stall'] / med['dcp_async_blocking']:.2f}x")
+        print(
+            f"  deferred stall / DCP async_save blocking: {med['ckpt_deferred_stall'] / med['dcp_async_blocking']:.2f}x"
+        )
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

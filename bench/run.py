@@ -72,7 +72,12 @@ FAKE_AWS = {
 
 
 def launch(
-    phase: str, world: int, args: argparse.Namespace, results: str, extra: list[str] = (), env_extra: dict[str, str] | None = None
+    phase: str,
+    world: int,
+    args: argparse.Namespace,
+    results: str,
+    extra: list[str] = (),
+    env_extra: dict[str, str] | None = None,
 ) -> None:
     """Run one phase as `world` gloo ranks; raise if any rank fails."""
     port = str(free_port())
@@ -90,8 +95,20 @@ def launch(
             PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
         )
         env.update(env_extra or {})
-        cmd = [sys.executable, os.path.join(HERE, "_worker.py"), phase, "--params", str(args.params),
-               "--reps", str(args.reps), "--dir", args.dir, "--results", results, *extra]
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "_worker.py"),
+            phase,
+            "--params",
+            str(args.params),
+            "--reps",
+            str(args.reps),
+            "--dir",
+            args.dir,
+            "--results",
+            results,
+            *extra,
+        ]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True))
     try:
         while any(p.poll() is None for p in procs):
@@ -117,7 +134,10 @@ class Moto:
         self.log = open(os.path.join(workdir, "moto.log"), "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + 60
         while True:
@@ -177,8 +197,11 @@ def main() -> None:
     if not _sys.can_drop_caches():
         sys.exit("bench/run.py needs root: restores are measured on a cold page cache (/proc/sys/vm/drop_caches)")
     started = time.time()
-    print(f"load average {load_average():.2f} on {os.cpu_count()} cores; params {args.params:.3g}, "
-          f"reps {args.reps}, dir {args.dir}", flush=True)
+    print(
+        f"load average {load_average():.2f} on {os.cpu_count()} cores; params {args.params:.3g}, "
+        f"reps {args.reps}, dir {args.dir}",
+        flush=True,
+    )
     if load_average() > (os.cpu_count() or 1) * 0.5:
         print("warning: the machine is busy; results will be noisy", flush=True)
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -199,11 +222,24 @@ def main() -> None:
     if not args.skip_s3:
         moto = Moto(args.dir, "bench")
         try:
-            phase("replicate", lambda: launch(
-                "replicate", 1, args, results,
-                ["--endpoint", moto.endpoint, "--bucket", moto.bucket, "--replicate-bytes", str(args.replicate_mb * 1e6)],
-                FAKE_AWS,
-            ))
+            phase(
+                "replicate",
+                lambda: launch(
+                    "replicate",
+                    1,
+                    args,
+                    results,
+                    [
+                        "--endpoint",
+                        moto.endpoint,
+                        "--bucket",
+                        moto.bucket,
+                        "--replicate-bytes",
+                        str(args.replicate_mb * 1e6),
+                    ],
+                    FAKE_AWS,
+                ),
+            )
         finally:
             moto.stop()
     wall = time.time() - started

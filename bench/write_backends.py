@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ckpt.store.fsio import fsync_dir, fsync_dirs, write_chunk  # noqa: E402
+from ckpt.store.fsio import fsync_dir, fsync_dirs, write_chunk
 
 
 def arrays(n: int, total_mib: int) -> list[np.ndarray]:

@@ -114,7 +114,9 @@ def metadata_documents(job: SaveJob, tmp_dir: str) -> tuple[list[tuple[str, byte
     """The zarr.json files known before the data is written: groups and every array but the
     inline ones (whose value is their fill_value and comes with the manifest); and every
     metadata directory, the inline arrays' included."""
-    nodes = [ArrayNode(f"{STATE_PREFIX}/{p.spec.name}", p.spec.data_type, p.spec.shape, p.chunk_shape) for p in job.plans]
+    nodes = [
+        ArrayNode(f"{STATE_PREFIX}/{p.spec.name}", p.spec.data_type, p.spec.shape, p.chunk_shape) for p in job.plans
+    ]
     docs, dirs = documents(tmp_dir, nodes, {"ckpt": {"step": job.step}})
     inline = {os.path.join(tmp_dir, STATE_PREFIX, p.spec.name, "zarr.json") for p in job.plans if _is_inline(p)}
     return [d for d in docs if d[0] not in inline], dirs
@@ -361,7 +363,9 @@ def run_commit(
             copier.join()  # the arena is free for the next save only once the copy has stopped
 
 
-def _commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float) -> SaveStats:
+def _commit(
+    job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float
+) -> SaveStats:
     tmp_name = commit_mod.tmp_dirname(job.step, job.save_id)
     tmp_dir = os.path.join(ctx.root, tmp_name)
     error: BaseException | None = job.error
@@ -378,8 +382,10 @@ def _commit(job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor
         fsync_dirs(job.dirs)
         job.stats.fsync_s = time.perf_counter() - t0
     except OSError as e:  # disk full, I/O error, unwritable: one documented type, errno kept
-        error = e if isinstance(e, TierUnavailableError) else TierUnavailableError(
-            e.errno, f"cannot write step {job.step} to {ctx.root}: {e.strerror or e}"
+        error = (
+            e
+            if isinstance(e, TierUnavailableError)
+            else TierUnavailableError(e.errno, f"cannot write step {job.step} to {ctx.root}: {e.strerror or e}")
         )
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised
         error = e

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt.shard import Shard
 from ckpt.restore.torch_dtypes import TORCH_TO_ZARR, ZARR_TO_TORCH
+from ckpt.shard import Shard
 from ckpt.store.errors import UnsupportedStateError
 
 __all__ = ["TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]

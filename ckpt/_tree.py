@@ -125,7 +125,7 @@ def _init_optimizer_state(opt: torch.optim.Optimizer, saved_state: Any) -> None:
             opt.step()
         except TypeError:  # optimizers that need a closure (LBFGS)
             opt.step(lambda: torch.zeros(()))  # type: ignore[arg-type,return-value]
-    except Exception as e:  # noqa: BLE001 - any optimizer: report, do not leave ranks hanging
+    except Exception as e:
         raise StateMismatchError(
             f"cannot create the state of {type(opt).__name__} to restore into ({type(e).__name__}: {e}); "
             "take one optimizer step before restore()"

@@ -32,12 +32,12 @@ from ckpt._staging import Arena, Readiness, StageTask, assign_offsets, slot_byte
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import bind, encode_state
 from ckpt.config import CheckpointerConfig
-from ckpt.rng import capture_rng, restore_rng, seed_new_rank
 from ckpt.replicator.core import Replicator, ReplicatorConfig
 from ckpt.replicator.daemon import lock_root
 from ckpt.restore.discover import choose_step, reachable_steps
 from ckpt.restore.execute import ReadRequest, Source, full_tensor, load_arrays
 from ckpt.restore.tiers import Candidate, LocalTier, RemoteTier, Tier
+from ckpt.rng import capture_rng, restore_rng, seed_new_rank
 from ckpt.store import commit, metrics
 from ckpt.store.errors import (
     CkptError,
@@ -464,9 +464,7 @@ class Checkpointer:
 
     def _queue(self, job: SaveJob) -> None:
         """Queue the job's commit; again is harmless (run_once)."""
-        self._committer.submit(
-            run_once, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold
-        )
+        self._committer.submit(run_once, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold)
         fault_delay("queued", self.rank)
         self._pending = job.outcome
 

@@ -414,7 +414,9 @@ def inspect_cmd(
             console.print(f"  {key}: {manifest.meta[key]}")
     git = manifest.meta.get("git")
     if isinstance(git, dict):
-        console.print(f"  training code: {git.get('path')} @ {git.get('commit')}" + (" (dirty)" if git.get("dirty") else ""))
+        console.print(
+            f"  training code: {git.get('path')} @ {git.get('commit')}" + (" (dirty)" if git.get("dirty") else "")
+        )
     hosts: dict[tuple[str, str, str], list[int]] = {}
     for rank, p in enumerate(manifest.meta.get("ranks", [])):
         if isinstance(p, dict):

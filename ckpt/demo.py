@@ -172,7 +172,7 @@ def _launch(world: int, out: str, extra: list[str], kill_rank_at: tuple[int, int
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-        log = open(os.path.join(out, f"rank{rank}.log"), "wb")  # noqa: SIM115 - lives as long as the process
+        log = open(os.path.join(out, f"rank{rank}.log"), "wb")
         cmd = [sys.executable, "-m", "ckpt.demo", "--worker", "--out", out, *extra]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
@@ -286,7 +286,9 @@ def _summarize(work: str, remote: str, options: dict[str, Any], args: argparse.N
     saves = [s for r in resumed for s in r["saves"] if r["rank"] == 0]
     stats = resumed[0].get("stats", [])
     status = read_status(os.path.join(work, "disk0", "ckpt")).get("versions", {})
-    lags = [e["remote"]["at"] - e["created"] for e in status.values() if (e.get("remote") or {}).get("state") == "verified"]
+    lags = [
+        e["remote"]["at"] - e["created"] for e in status.values() if (e.get("remote") or {}).get("state") == "verified"
+    ]
     table = Table(title="ckpt demo summary")
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -298,7 +300,7 @@ def _summarize(work: str, remote: str, options: dict[str, Any], args: argparse.N
         ("replication lag to the remote, median", f"{_median(lags):.2f} s" if lags else "-"),
         ("restore time (3 ranks, resharded)", f"{max(r['restore_s'] for r in resumed):.2f} s"),
         ("bytes on disk0 / disk1", f"{_du(os.path.join(work, 'disk0')):,} / {_du(os.path.join(work, 'disk1')):,}"),
-        ("bytes on the remote", f"{_du(remote[len('file://'):]):,}" if remote.startswith("file://") else "(s3)"),
+        ("bytes on the remote", f"{_du(remote[len('file://') :]):,}" if remote.startswith("file://") else "(s3)"),
         ("losses identical to the uninterrupted run", "yes, bit for bit" if exact else "NO"),
     ]
     for r in rows:

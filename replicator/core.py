@@ -192,7 +192,7 @@ class Replicator:
                     continue
                 try:
                     ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
-                except Exception as e:  # noqa: BLE001 - a lost disk must not stop the other copies
+                except Exception as e:
                     if isinstance(e, Stopped):
                         raise
                     failed.add(dest.url)
@@ -212,11 +212,15 @@ class Replicator:
                 part = manifest.ranks[writers[0]].root if writers else 0
                 try:
                     ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
-                except Exception as e:  # noqa: BLE001 - as above
+                except Exception as e:
                     if isinstance(e, Stopped):
                         raise
                     failed.add(self.remote.url)
-                    entry["remote"] = {"url": remote_url, "state": "failed", "error": self._failed(step, self.remote, e)}
+                    entry["remote"] = {
+                        "url": remote_url,
+                        "state": "failed",
+                        "error": self._failed(step, self.remote, e),
+                    }
                     continue
                 entry["remote"] = {
                     "url": remote_url,

@@ -262,7 +262,9 @@ def push_version(
     chunks: dict[str, ChunkEntry] = {
         a.chunk_path(c): c for a in manifest.arrays.values() for c in a.chunks if c.inline is None
     }
-    block_bytes = {a.chunk_path(c): a.digest_block_bytes(c) for a in manifest.arrays.values() for c in a.chunks if c.blocks}
+    block_bytes = {
+        a.chunk_path(c): a.digest_block_bytes(c) for a in manifest.arrays.values() for c in a.chunks if c.blocks
+    }
     files = []
     for top, _, names in os.walk(local_dir):
         for n in names:

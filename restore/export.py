@@ -121,7 +121,9 @@ def copy_version(
                         raise CorruptVersionError(f"copy of {path} changed in memory", path=path)
                     progress(chunk.nbytes)
             fsync_dirs(sorted(d for d in _with_parents(dirs, tmp)))
-            hier = write_hierarchy(tmp, [ArrayNode.of(a) for a in manifest.arrays.values()], {"ckpt": {"step": manifest.step}})
+            hier = write_hierarchy(
+                tmp, [ArrayNode.of(a) for a in manifest.arrays.values()], {"ckpt": {"step": manifest.step}}
+            )
             commit.prepare(tmp, manifest, list(range(manifest.world_size)), hier)
             commit.publish(dest_root, tmp_name, manifest.step, overwrite=False)
         except BaseException:

@@ -285,9 +285,7 @@ def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
     ):
         raise ManifestError(f"array {name!r}: regions must be a list of region objects", path=name)
     replicated = bool(doc.get("replicated"))
-    return ArrayEntry(
-        name, dtype, shape, chunk_shape, replicated, tuple(regions), tuple(chunks), block_rows, schema
-    )
+    return ArrayEntry(name, dtype, shape, chunk_shape, replicated, tuple(regions), tuple(chunks), block_rows, schema)
 
 
 def _rng_ok(rng: Any) -> bool:

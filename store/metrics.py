@@ -28,10 +28,14 @@ __all__ = [
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 SAVE_STALL = Histogram("ckpt_save_stall_seconds", "Time save() blocked the training loop", buckets=_BUCKETS)
-COMMIT_LATENCY = Histogram("ckpt_commit_latency_seconds", "From save() to the version being committed", buckets=_BUCKETS)
+COMMIT_LATENCY = Histogram(
+    "ckpt_commit_latency_seconds", "From save() to the version being committed", buckets=_BUCKETS
+)
 BYTES_WRITTEN = Counter("ckpt_bytes_written_total", "Chunk bytes this process wrote to local disk")
 SAVE_FAILURES = Counter("ckpt_save_failures_total", "Saves that failed and were not committed", ["reason"])
-STRAGGLERS = Counter("ckpt_stragglers_total", "Saves where a rank's write time exceeded the median by the threshold", ["rank"])
+STRAGGLERS = Counter(
+    "ckpt_stragglers_total", "Saves where a rank's write time exceeded the median by the threshold", ["rank"]
+)
 VERIFY_ERRORS = Counter("ckpt_verification_errors_total", "Chunks or copies that failed their checksum")
 REPLICATION_LAG = Gauge("ckpt_replication_lag_seconds", "Age of the newest committed version not yet on the remote")
 UPLOAD_BYTES = Counter("ckpt_upload_bytes_total", "Bytes the replicator copied or uploaded", ["tier"])

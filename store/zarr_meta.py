@@ -115,9 +115,7 @@ def write_documents(docs: list[tuple[str, bytes]], dirs: set[str]) -> list[str]:
     return [path for path, _ in docs]
 
 
-def write_hierarchy(
-    version_dir: str, arrays: Iterable[ArrayNode], root_attributes: dict[str, Any] | None
-) -> list[str]:
+def write_hierarchy(version_dir: str, arrays: Iterable[ArrayNode], root_attributes: dict[str, Any] | None) -> list[str]:
     """Write and fsync zarr.json files (see `documents`); returns the directories touched,
     for the caller to fsync."""
     docs, dirs = documents(version_dir, arrays, root_attributes)

@@ -72,7 +72,7 @@ def launch(
     procs = []
     logs = []
     for rank in range(world):
-        log = open(workdir / f"{tag}.rank{rank}.log", "wb")  # noqa: SIM115 - closed in the finally below
+        log = open(workdir / f"{tag}.rank{rank}.log", "wb")
         logs.append(log)
         procs.append(
             subprocess.Popen(

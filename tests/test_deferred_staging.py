@@ -122,15 +122,28 @@ def test_what_no_guarded_optimizer_owns_is_copied_before_save_returns(tmp_path: 
     head_opt = torch.optim.Adam(head.parameters())
     with Checkpointer(tmp_path, deferred_staging=True) as ck:
         with _copy_held_back(ck):
-            ck.save(1, {"arr": arr, "model": model.state_dict(), "optim": opt.state_dict(), "head": head,
-                        "head_optim": head_opt})
+            ck.save(
+                1,
+                {
+                    "arr": arr,
+                    "model": model.state_dict(),
+                    "optim": opt.state_dict(),
+                    "head": head,
+                    "head_optim": head_opt,
+                },
+            )
             arr += 1  # NumPy keeps no version counter
             _train_step(model, opt)  # forward changes the BatchNorm statistics; a fused step the rest
         ck.wait()
         out_model, _ = _trained(width=2048, seed=2)
         out_opt = torch.optim.SGD(out_model.parameters(), lr=0.1, momentum=0.9, fused=True)
-        out = {"arr": np.zeros_like(arr), "model": out_model, "optim": out_opt, "head": torch.nn.Linear(8, 8),
-               "head_optim": None}
+        out = {
+            "arr": np.zeros_like(arr),
+            "model": out_model,
+            "optim": out_opt,
+            "head": torch.nn.Linear(8, 8),
+            "head_optim": None,
+        }
         out["head_optim"] = torch.optim.Adam(out["head"].parameters())
         ck.restore(out)
     assert (out["arr"] == arr - 1).all()
@@ -154,7 +167,7 @@ class _Wrapper(torch.optim.Optimizer):
     """Like accelerate's AcceleratedOptimizer: an Optimizer subclass that skips its __init__
     and steps the optimizer it wraps."""
 
-    def __init__(self, inner: torch.optim.Optimizer) -> None:  # noqa: D107 - no super().__init__
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
         self.optimizer = inner
 
     @property

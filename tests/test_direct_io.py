@@ -110,7 +110,9 @@ def test_saves_restore_bitwise_with_and_without_o_direct(tmp_path: Path, direct_
         assert torch.equal(got[name], want), name
     large = [t.numel() * t.element_size() for t in state.values() if t.numel() * t.element_size() >= DIRECT_MIN_BYTES]
     expected = sum(n - n % DIRECT_ALIGN for n in large) if direct_io and accepts_o_direct(tmp_path) else 0
-    assert stats.direct_bytes == expected and stats.bytes_written == sum(t.numel() * t.element_size() for t in state.values() if t.dim())
+    assert stats.direct_bytes == expected and stats.bytes_written == sum(
+        t.numel() * t.element_size() for t in state.values() if t.dim()
+    )
     verify = CliRunner().invoke(cli, ["verify", str(root)])
     assert verify.exit_code == 0 and "ok" in verify.output, verify.output
 

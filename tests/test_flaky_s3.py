@@ -219,7 +219,10 @@ class ManifestWatch:
                         self.problems.append(f"{vdir}: manifest listed before {key}")
                     elif listing[key]["size"] != chunk.nbytes:
                         self.problems.append(f"{vdir}: {key} has {listing[key]['size']} bytes, want {chunk.nbytes}")
-                    elif chunk_digest(get(self.place.server, self.client, key), array.digest_block_bytes(chunk)) != chunk.xxh3:
+                    elif (
+                        chunk_digest(get(self.place.server, self.client, key), array.digest_block_bytes(chunk))
+                        != chunk.xxh3
+                    ):
                         self.problems.append(f"{vdir}: {key} does not match its xxh3")
             if f"{base}{vdir}/root.json" not in listing:
                 self.problems.append(f"{vdir}: manifest listed before root.json")

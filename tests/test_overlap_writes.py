@@ -258,7 +258,9 @@ def overlapped_on_ranks(ctx: Ctx, root: str) -> dict:
         ck.restore(out)
         ctx.check(torch.equal(out["dt"].full_tensor(), full), "dtensor differs")
         ctx.check(torch.equal(out["rep"], state["rep"]), "replicated tensor differs")
-        ctx.check(torch.equal(out["own"].local_tensor, torch.full((77,), float(ctx.rank))), "hand-sharded tensor differs")
+        ctx.check(
+            torch.equal(out["own"].local_tensor, torch.full((77,), float(ctx.rank))), "hand-sharded tensor differs"
+        )
     return {"ok": True}
 
 

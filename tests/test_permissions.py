@@ -97,7 +97,14 @@ def test_nothing_created_is_world_writable_under_umask_0(tmp_path: Path) -> None
     assert (base / "remote" / "v000000000002" / "manifest.json").is_file()
 
     # the walk covers what every step created: make sure each step did create something
-    for made in ("disk0/ckpt/v000000000002/state", "export/a/v000000000002/state", "export/b/v000000000001",
-                 "export/s.pt", "remote2/v000000000002/state", "fresh/.cache", "xdg-cache/ckpt"):
+    for made in (
+        "disk0/ckpt/v000000000002/state",
+        "export/a/v000000000002/state",
+        "export/b/v000000000001",
+        "export/s.pt",
+        "remote2/v000000000002/state",
+        "fresh/.cache",
+        "xdg-cache/ckpt",
+    ):
         assert (base / made).exists(), made
     assert _world_writable(base) == []

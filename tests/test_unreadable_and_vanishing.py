@@ -244,9 +244,19 @@ def test_root_dies_mid_save(tmp_path: Path) -> None:
     assert _lines(out, "RESTORE_EIO") == ["ok (3, True)"], out
     assert _lines(out, "RESTORE_ENOTDIR") == ["ok (3, True)"], out
     # ls and verify on the broken root: one readable line on stderr, exit 3 (not 0, not a traceback)
-    cli = [(line.split(" ")[0], int(line.split(" ")[1]), ast.literal_eval(line.split(" ", 2)[2])) for line in _lines(out, "CLI")]
+    cli = [
+        (line.split(" ")[0], int(line.split(" ")[1]), ast.literal_eval(line.split(" ", 2)[2]))
+        for line in _lines(out, "CLI")
+    ]
     assert [(cmd, rc) for cmd, rc, _ in cli] == [
-        ("verify", 1), ("ls", 0), ("ls", 3), ("verify", 3), ("restore", 0), ("ls", 3), ("verify", 3), ("restore", 0)
+        ("verify", 1),
+        ("ls", 0),
+        ("ls", 3),
+        ("verify", 3),
+        ("restore", 0),
+        ("ls", 3),
+        ("verify", 3),
+        ("restore", 0),
     ], out
     cli = cli[2:]
     for cmd, rc, err in cli:
