@@ -210,7 +210,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from ckpt import Checkpointer
-    from ckpt.store import commit
+    from ckpt.store import versions
 
     base = os.path.join(args.dir, f"w{WORLD}")
     rmtree(base)
@@ -247,8 +247,8 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         """Delete the previous write's output (a ckpt version or a sibling directory), then sync."""
         barrier()
         if RANK == 0:
-            for old in commit.committed_steps(root):
-                commit.delete_version(root, old)
+            for old in versions.committed_steps(root):
+                versions.delete_version(root, old)
             for name in os.listdir(root):
                 if name.startswith("out-"):
                     shutil.rmtree(os.path.join(root, name))
@@ -551,8 +551,9 @@ def phase_replicate(args: argparse.Namespace, rec: Recorder) -> None:
     import s3fs
 
     from ckpt import Checkpointer
-    from ckpt.replicator.core import Replicator, ReplicatorConfig
-    from ckpt.store import commit
+    from ckpt.replicator.config import ReplicatorConfig
+    from ckpt.replicator.service import Replicator
+    from ckpt.store import versions
 
     root = os.path.join(args.dir, "replicate", "ckpt")
     shutil.rmtree(os.path.dirname(root), ignore_errors=True)
@@ -561,7 +562,7 @@ def phase_replicate(args: argparse.Namespace, rec: Recorder) -> None:
         ck.save(1, state)
     del state
     gc.collect()
-    vdir = os.path.join(root, commit.version_dirname(1))
+    vdir = os.path.join(root, versions.version_dirname(1))
     nbytes = _sys.du(vdir)
     opts = {"endpoint_url": args.endpoint}
     fs = s3fs.S3FileSystem(**opts)
@@ -572,7 +573,8 @@ def phase_replicate(args: argparse.Namespace, rec: Recorder) -> None:
         url = f"s3://{args.bucket}/ckpt-r{rep}"
         r = Replicator([root], ReplicatorConfig(remote=url, storage_options=opts))
         timed(rec, "replicate/ckpt_replicator", rep, r.run_once, bytes=nbytes)
-        status = r.run_once()[root]["versions"]["1"]["remote"]["state"]
+        remote = r.run_once()[root].versions[1].remote
+        status = remote.state if remote is not None else None
         if status != "verified":
             raise SystemExit(f"replication did not complete: {status}")
 

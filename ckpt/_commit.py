@@ -3,8 +3,8 @@
 Phases, each ending in a collective on the `data` group so every rank takes the same
 branch (a failure anywhere aborts everywhere and removes the tmp directories):
 
-  WRITE    each rank writes + fsyncs its chunk files and directories into the tmp dir
-  GATHER   rank 0 collects checksums, trees and RNG, builds the manifest, broadcasts it
+  WRITE    each rank writes + fsyncs its chunk files and directories into the tmp dir (ckpt._write)
+  GATHER   rank 0 collects every rank's RankReport, builds the manifest, broadcasts it
   PREPARE  each root's leader writes zarr metadata, root.json and the manifest, fsynced
   PUBLISH  each leader renames tmp -> v<N> and fsyncs the root
 
@@ -14,89 +14,36 @@ The version counts as committed once any root has published; every root was prep
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-import xxhash
-
-from ckpt._dist import Comm
+from ckpt._dist import Comm, describe_error
 from ckpt._gc import no_cyclic_gc
-from ckpt._staging import Readiness, StageTask
+from ckpt._job import ChunkRecord, RankReport, RankTimings, SaveJob, SaveStats
+from ckpt._write import metadata_documents, write_tasks
 from ckpt.provenance import job_provenance, rank_provenance
 from ckpt.store import commit as commit_mod
 from ckpt.store import metrics
 from ckpt.store.dtypes import itemsize
-from ckpt.store.errors import NonFiniteError, RankFailures, TierUnavailableError
-from ckpt.store.faults import fault_delay, fault_point
-from ckpt.store.fsio import DIR_MODE, fsync_dirs, fsync_files, write_chunk, write_new
-from ckpt.store.lanes import run_lanes
-from ckpt.store.layout import ArrayPlan, block_rows, chunk_file
-from ckpt.store.manifest import STATE_PREFIX, ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
-from ckpt.store.zarr_meta import ArrayNode, documents, write_hierarchy
+from ckpt.store.errors import RankFailures, TierUnavailableError
+from ckpt.store.faults import fault_point
+from ckpt.store.fsio import DIR_MODE, fsync_dirs
+from ckpt.store.layout import block_rows
+from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
+from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
-__all__ = ["SaveJob", "SaveStats", "write_tasks", "run_commit", "run_once"]
+__all__ = ["RootContext", "run_once", "run_commit"]
 
 log = logging.getLogger("ckpt")
-_LANES = 16  # at most this many writer lanes per save (bounded by the pool's threads)
-# array, chunk index, xxh3, inline value, block digests, bytes written with O_DIRECT
-_Record = tuple[str, list[int], str, str | None, list[str], int]
-
-
-@dataclass
-class SaveStats:
-    """Per-rank timings of one save, in seconds."""
-
-    step: int
-    stage_s: float = 0.0  # the training stall: staging copy (and any bounded-memory writes)
-    write_s: float = 0.0  # chunk files written and fsynced, after the copy ended (overlap_writes: the tail)
-    first_write_s: float | None = None  # save() call to the first chunk written (< stage_s with overlap_writes)
-    fsync_s: float = 0.0  # directories fsynced
-    commit_s: float = 0.0  # gather, prepare and publish
-    total_s: float = 0.0  # save() call to committed
-    staged_s: float = 0.0  # save() call to every tensor copied (later than stage_s with deferred staging)
-    bytes_written: int = 0
-    direct_bytes: int = 0  # of bytes_written, written with O_DIRECT (CheckpointerConfig.direct_io)
-
-
-@dataclass
-class SaveJob:
-    step: int
-    save_id: str
-    overwrite: bool
-    plans: Sequence[ArrayPlan]
-    tree: Any
-    rng: dict[str, Any] | None
-    arena: torch.Tensor
-    tasks: list[StageTask]  # the last staged batch, still to be written
-    error: BaseException | None = None  # a failure while staging or writing in the foreground
-    milestone: bool = False  # tagged for milestone retention
-    check_finite: bool = False  # refuse NaN/Inf in floating tensors
-    direct_io: bool = True  # large chunks with O_DIRECT (store.fsio.write_chunk)
-    deferred: Callable[[SaveJob], None] | None = None  # the copy left to the commit thread (deferred staging)
-    ready: Readiness | None = None  # which of `tasks` are staged yet; None: all of them
-    overlap: bool = False  # the writers start while the copy goes on (CheckpointerConfig.overlap_writes)
-    outcome: Future[SaveStats] = field(default_factory=Future)  # what wait() waits for
-    claim: threading.Lock = field(default_factory=threading.Lock)
-    claimed: bool = False  # the commit has started (run_once); under `claim`
-    records: dict[str, list[tuple[list[int], str, str | None, list[str]]]] = field(default_factory=dict)
-    inline_docs: set[str] = field(default_factory=set)  # inline arrays whose zarr.json is written
-    dirs: set[str] = field(default_factory=set)
-    stats: SaveStats = field(default_factory=lambda: SaveStats(0))
-    started: float = field(default_factory=time.perf_counter)
-    started_unix: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -110,158 +57,19 @@ class RootContext:
     root_groups: tuple[tuple[int, ...], ...]
 
 
-def metadata_documents(job: SaveJob, tmp_dir: str) -> tuple[list[tuple[str, bytes]], set[str]]:
-    """The zarr.json files known before the data is written: groups and every array but the
-    inline ones (whose value is their fill_value and comes with the manifest); and every
-    metadata directory, the inline arrays' included."""
-    nodes = [
-        ArrayNode(f"{STATE_PREFIX}/{p.spec.name}", p.spec.data_type, p.spec.shape, p.chunk_shape) for p in job.plans
-    ]
-    docs, dirs = documents(tmp_dir, nodes, {"ckpt": {"step": job.step}})
-    inline = {os.path.join(tmp_dir, STATE_PREFIX, p.spec.name, "zarr.json") for p in job.plans if _is_inline(p)}
-    return [d for d in docs if d[0] not in inline], dirs
-
-
-def _is_inline(plan: ArrayPlan) -> bool:
-    return len(plan.chunks) == 1 and plan.chunks[0].inline
-
-
-def write_tasks(
-    job: SaveJob,
-    tmp_dir: str,
-    pool: ThreadPoolExecutor,
-    metadata: tuple[Sequence[tuple[str, bytes]], set[str]] = ((), set()),
-    inline_docs: bool = False,
-) -> None:
-    """Write the staged chunks of `job.tasks` and the files of `metadata` (zarr.json files and
-    the directories they need); record the chunks' checksums. Everything is fsynced together
-    at the end. With `inline_docs`, the zarr.json of each inline array among the tasks is
-    written too (its fill_value is the staged value), instead of at PREPARE."""
-    docs, meta_dirs = metadata
-    arena_np = job.arena.numpy()
-    written: list[str] = []  # list.append is atomic: the writer threads share it
-
-    def doc(item: tuple[str, bytes]) -> None:
-        write_new(*item)
-        written.append(item[0])
-
-    def one(task: StageTask) -> _Record:
-        if job.ready is not None:
-            job.ready.wait(task)
-        if job.stats.first_write_s is None:  # racy between lanes, harmlessly: about the same instant
-            job.stats.first_write_s = time.perf_counter() - job.started
-        view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])  # type: ignore[arg-type]
-        name, index = task.array.spec.name, list(task.chunk.index)
-        if task.chunk.inline:
-            if job.check_finite:
-                _check_finite(job, task)
-            raw = bytes(view)
-            value = raw.hex()
-            if inline_docs:
-                spec = task.array.spec
-                node = ArrayNode(f"{STATE_PREFIX}/{name}", spec.data_type, spec.shape, task.array.chunk_shape, value)
-                (zarr_json,), _ = documents(tmp_dir, [node], None)
-                doc(zarr_json)
-                job.inline_docs.add(name)
-            return name, index, xxhash.xxh3_64_hexdigest(raw), value, [], 0
-        if job.check_finite:
-            _check_finite(job, task)
-        fault_delay("write", task.chunk.writer)
-        path = os.path.join(tmp_dir, chunk_file(f"{STATE_PREFIX}/{name}", task.chunk.index))
-        item = itemsize(task.array.spec.data_type)
-        rows = block_rows(task.array.chunk_shape, item)
-        row_bytes = math.prod(task.array.chunk_shape[1:]) * item
-        # No fsync here: the writer moves on to the next chunk (an O_DIRECT part is on the
-        # device already; a buffered part's writeback runs meanwhile); every file is fsynced
-        # below, together (one journal commit for all).
-        chunk = write_chunk(path, view, block_bytes=rows * row_bytes, fsync=False, direct=job.direct_io)
-        written.append(path)
-        return name, index, chunk.xxh3, None, chunk.blocks, chunk.direct_bytes
-
-    t0 = time.perf_counter()
-    # Every directory first (the inline arrays' too, whose zarr.json holds their value),
-    # on one thread, before any data is dirty: ext4 (data=ordered) makes a mkdir next to
-    # running writeback wait for a journal commit, which flushes the data written so far.
-    # Created from the writer threads, mkdirs took most of their time (py-spy).
-    new_dirs: set[str] = set()
-    for task in job.tasks:
-        if not task.chunk.inline:
-            new_dirs.update(_ancestors(tmp_dir, chunk_file(f"{STATE_PREFIX}/{task.array.spec.name}", task.chunk.index)))
-    new_dirs.update(meta_dirs)
-    for d in sorted(new_dirs):  # parents sort before their children
-        if d not in job.dirs:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(d, DIR_MODE)
-    job.dirs.update(new_dirs)
-    # Largest first, so the writers finish together instead of one writing a big chunk alone.
-    ordered: list[StageTask | tuple[str, bytes]] = [*sorted(job.tasks, key=lambda t: -t.staged_bytes), *docs]
-
-    def work(task: StageTask | tuple[str, bytes]) -> _Record | None:
-        if isinstance(task, StageTask):
-            return one(task)
-        doc(task)  # the small metadata files go last, filling in as the chunk writers finish
-        return None
-
-    # On a failure every lane has stopped before the arena may be reused.
-    outcomes, failed = run_lanes(ordered, work, _LANES, pool=pool)
-    if job.ready is not None:
-        job.ready.result()  # a failed copy says more than the writers it stopped
-    if failed:
-        raise failed[0][1]
-    results = outcomes[: len(job.tasks)]
-    for r in results:
-        assert r is not None
-        name, index, digest, inline, blocks, direct_bytes = r
-        job.records.setdefault(name, []).append((index, digest, inline, blocks))
-        job.stats.direct_bytes += direct_bytes
-    fsync_files(written)
-    job.stats.bytes_written += sum(task.chunk.nbytes for task in job.tasks)
-    # From the end of the copy when the writers overlapped it: the time they waited for it
-    # is the copy's, and would make a rank with a slow copy look like one with a slow disk.
-    copied = job.ready.finished_at if job.ready is not None else None
-    job.stats.write_s += time.perf_counter() - max(t0, copied or t0)
-
-
-_FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
-
-
-def _check_finite(job: SaveJob, task: StageTask) -> None:
-    """NaN/Inf in the staged copy: one min/max pass, no temporary of the chunk's size."""
-    dtype = task.piece.data.dtype
-    if dtype not in _FLOATS and not dtype.is_complex:
-        return
-    raw = job.arena[task.offset : task.offset + task.staged_bytes]
-    values = raw.view(dtype)
-    if dtype.is_complex:
-        values = torch.view_as_real(values).reshape(-1)
-    lo, hi = torch.aminmax(values)
-    if not (torch.isfinite(lo) and torch.isfinite(hi)):
-        rank = task.chunk.writer
-        raise NonFiniteError(
-            f"tensor {task.array.spec.name!r} holds NaN or Inf on rank {rank} (check_finite); "
-            f"step {job.step} was not committed, the previous version stays the newest"
-        )
-
-
-def _ancestors(top: str, rel: str) -> list[str]:
-    """Every directory from `top` down to the one holding `rel`: each may be new, so each is fsynced."""
-    parts = rel.split("/")[:-1]
-    return [os.path.join(top, *parts[:i]) for i in range(len(parts) + 1)]
-
-
-def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootContext, world: int) -> Manifest:
-    records: dict[str, dict[tuple[int, ...], tuple[str, str | None, list[str]]]] = {}
-    for p in payloads:
-        for name, recs in p["records"].items():
-            for index, digest, inline, blocks in recs:
-                records.setdefault(name, {})[tuple(index)] = (digest, inline, blocks)
+def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, world: int) -> Manifest:
+    req = job.request
+    records: dict[str, dict[tuple[int, ...], ChunkRecord]] = {}
+    for p in reports:
+        for name, recs in p.records.items():
+            records.setdefault(name, {}).update((r.index, r) for r in recs)
     arrays = {}
-    for plan in job.plans:
+    for plan in req.plans:
         got = records.get(plan.spec.name, {})
         chunks = []
         for c in plan.chunks:
-            digest, inline, blocks = got[c.index]
-            chunks.append(ChunkEntry(c.index, c.writer, c.offsets, c.shape, c.nbytes, digest, inline, tuple(blocks)))
+            rec = got[c.index]
+            chunks.append(ChunkEntry(c.index, c.writer, c.offsets, c.shape, c.nbytes, rec.xxh3, rec.inline, rec.blocks))
         regions = tuple({"offsets": list(o), "shape": list(s), "ranks": list(r)} for o, s, r in plan.regions)
         arrays[plan.spec.name] = ArrayEntry(
             plan.spec.name,
@@ -275,20 +83,20 @@ def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootConte
         )
     trees: dict[str, Any] = {}
     ranks = []
-    for r, p in enumerate(payloads):
-        text = json.dumps(p["tree"], sort_keys=True, separators=(",", ":"))
+    for r, p in enumerate(reports):
+        text = json.dumps(p.tree, sort_keys=True, separators=(",", ":"))
         key = hashlib.sha1(text.encode()).hexdigest()[:16]
-        trees.setdefault(key, p["tree"])
-        ranks.append(RankEntry(r, key, p["rng"], p["host"], p["root_index"]))
+        trees.setdefault(key, p.tree)
+        ranks.append(RankEntry(r, key, p.rng, p.host, p.root_index))
     meta = {
         **job_provenance(),
-        "ranks": [p["provenance"] for p in payloads],
-        "timings": [p["stats"] for p in payloads],
-        "milestone": job.milestone,
+        "ranks": [p.provenance for p in reports],
+        "timings": [p.timings.to_json() for p in reports],
+        "milestone": req.milestone,
     }
     return Manifest(
-        step=job.step,
-        save_id=job.save_id,
+        step=req.step,
+        save_id=req.save_id,
         created=time.time(),
         world_size=world,
         arrays=arrays,
@@ -299,29 +107,21 @@ def _build_manifest(job: SaveJob, payloads: list[dict[str, Any]], ctx: RootConte
     )
 
 
-def _agree(comm: Comm, error: BaseException | None) -> None:
-    """All ranks learn every rank's failure; raise RankFailures if there was any."""
-    causes = comm.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-    bad = {r: c for r, c in enumerate(causes) if c is not None}
-    if bad:
-        raise RankFailures(bad) from error
-
-
-def _report_stragglers(payloads: list[dict[str, Any]], step: int, threshold: float) -> None:
+def _report_stragglers(reports: list[RankReport], step: int, threshold: float) -> None:
     """Warn about ranks whose write time exceeds the median by more than `threshold`."""
-    times = [(r, p["stats"]["write_s"] + p["stats"]["fsync_s"]) for r, p in enumerate(payloads) if not p["error"]]
+    times = [(r, p.timings.write_s + p.timings.fsync_s) for r, p in enumerate(reports) if not p.error]
     if len(times) < 2:
         return
     median = statistics.median(t for _, t in times)
     for rank, t in times:
         if t > median * (1 + threshold) and t - median > 0.05:  # ignore noise on tiny saves
-            p = payloads[rank]
+            p = reports[rank]
             log.warning(
                 "rank 0 step %d: straggler rank %d (host %s, disk %s) wrote in %.2fs, %.0f%% above the median %.2fs",
                 step,
                 rank,
-                p["host"],
-                p["root"],
+                p.host,
+                p.root,
                 t,
                 100 * (t / median - 1) if median else 100.0,
                 median,
@@ -334,10 +134,8 @@ def run_once(
 ) -> None:
     """run_commit into job.outcome, at most once per job: save() may queue a job a second
     time when an interruption struck while it was being queued (inside submit itself)."""
-    with job.claim:
-        if job.claimed:
-            return
-        job.claimed = True
+    if not job.claim():
+        return
     try:
         stats = run_commit(job, ctx, comm, pool, straggler_threshold)
     except BaseException as e:  # noqa: BLE001 - raised by wait()
@@ -363,15 +161,11 @@ def run_commit(
             copier.join()  # the arena is free for the next save only once the copy has stopped
 
 
-def _commit(
-    job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float
-) -> SaveStats:
-    tmp_name = commit_mod.tmp_dirname(job.step, job.save_id)
-    tmp_dir = os.path.join(ctx.root, tmp_name)
-    error: BaseException | None = job.error
-    try:  # WRITE
-        if error is not None:
-            raise error
+def _write(job: SaveJob, ctx: RootContext, tmp_dir: str, pool: ThreadPoolExecutor) -> BaseException | None:
+    """WRITE: this rank's chunks into the tmp directory, durably; the failure, if any."""
+    try:
+        if job.error is not None:
+            return job.error
         os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
         if ctx.is_leader:
             write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir), inline_docs=True)
@@ -379,51 +173,58 @@ def _commit(
             write_tasks(job, tmp_dir, pool)
         fault_point("after-write", ctx.rank)
         t0 = time.perf_counter()
-        fsync_dirs(job.dirs)
+        fsync_dirs(job.written.dirs)
         job.stats.fsync_s = time.perf_counter() - t0
     except OSError as e:  # disk full, I/O error, unwritable: one documented type, errno kept
-        error = (
-            e
-            if isinstance(e, TierUnavailableError)
-            else TierUnavailableError(e.errno, f"cannot write step {job.step} to {ctx.root}: {e.strerror or e}")
-        )
+        if isinstance(e, TierUnavailableError):
+            return e
+        return TierUnavailableError(e.errno, f"cannot write step {job.step} to {ctx.root}: {e.strerror or e}")
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised
-        error = e
+        return e
+    return None
+
+
+def _report(job: SaveJob, ctx: RootContext, error: BaseException | None) -> RankReport:
+    s = job.stats
+    return RankReport(
+        records=job.written.records,
+        error=None if error is None else describe_error(error),
+        tree=job.request.tree,
+        rng=job.request.rng,
+        host=platform.node(),
+        root=ctx.root,
+        root_index=ctx.root_index,
+        timings=RankTimings(s.stage_s, s.staged_s, s.write_s, s.fsync_s, s.bytes_written, job.request.started_unix),
+        provenance=rank_provenance(),
+    )
+
+
+def _decide(job: SaveJob, reports: list[RankReport], ctx: RootContext, world: int, threshold: float) -> Any:
+    """Rank 0: the manifest to commit (its JSON), or the per-rank causes of an abort."""
+    _report_stragglers(reports, job.step, threshold)
+    bad = {r: p.error for r, p in enumerate(reports) if p.error}
+    if bad:
+        return {"abort": bad}
+    try:
+        with no_cyclic_gc():
+            return {"manifest": _build_manifest(job, reports, ctx, world).to_json()}
+    except BaseException as e:  # noqa: BLE001 - every rank learns it from the broadcast
+        return {"abort": {0: describe_error(e)}}
+
+
+def _commit(
+    job: SaveJob, ctx: RootContext, comm: Comm, pool: ThreadPoolExecutor, straggler_threshold: float
+) -> SaveStats:
+    tmp_name = commit_mod.tmp_dirname(job.step, job.request.save_id)
+    tmp_dir = os.path.join(ctx.root, tmp_name)
+    error = _write(job, ctx, tmp_dir, pool)
     t_commit = time.perf_counter()
     prepared_everywhere = False
     try:
-        payload = {
-            "records": job.records,
-            "error": None if error is None else f"{type(error).__name__}: {error}",
-            "tree": job.tree,
-            "rng": job.rng,
-            "host": platform.node(),
-            "root_index": ctx.root_index,
-            "stats": {
-                "stage_s": job.stats.stage_s,
-                "staged_s": job.stats.staged_s,
-                "write_s": job.stats.write_s,
-                "fsync_s": job.stats.fsync_s,
-                "bytes": job.stats.bytes_written,
-                "started": job.started_unix,  # with the manifest's `created`: the commit time
-            },
-            "root": ctx.root,
-            "provenance": rank_provenance(),
-        }
-        gathered = comm.gather(payload)  # GATHER
-        decision: dict[str, Any] = {}
-        if gathered is not None:
-            _report_stragglers(gathered, job.step, straggler_threshold)
-            bad = {r: p["error"] for r, p in enumerate(gathered) if p["error"]}
-            if bad:
-                decision = {"abort": bad}
-            else:
-                try:
-                    with no_cyclic_gc():
-                        decision = {"manifest": _build_manifest(job, gathered, ctx, comm.world).to_json()}
-                except BaseException as e:  # noqa: BLE001
-                    decision = {"abort": {0: f"{type(e).__name__}: {e}"}}
-        decision = comm.broadcast(decision)
+        reports = comm.gather(_report(job, ctx, error))  # GATHER
+        decision = comm.broadcast(
+            None if reports is None else _decide(job, reports, ctx, comm.world, straggler_threshold)
+        )
         if "abort" in decision:
             if error is not None:  # this rank's own failure says the most
                 raise error
@@ -438,23 +239,23 @@ def _commit(
                 inline = [
                     ArrayNode.of(a)
                     for a in manifest.arrays.values()
-                    if a.name not in job.inline_docs and any(c.inline is not None for c in a.chunks)
+                    if a.name not in job.written.inline_docs and any(c.inline is not None for c in a.chunks)
                 ]
                 with no_cyclic_gc():  # serializes the manifest
                     dirs = write_hierarchy(tmp_dir, inline, None)
                     commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
                 error = e
-        _agree(comm, error)
+        comm.agree(error)
         prepared_everywhere = True
         fault_point("after-prepare", ctx.rank)
         if ctx.is_leader:  # PUBLISH
             try:
-                commit_mod.publish(ctx.root, tmp_name, job.step, overwrite=job.overwrite)
-            except BaseException as e:  # noqa: BLE001
+                commit_mod.publish(ctx.root, tmp_name, job.step, overwrite=job.request.overwrite)
+            except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
                 error = e
         fault_point("after-publish", ctx.rank)
-        _agree(comm, error)
+        comm.agree(error)
     except BaseException as e:
         metrics.SAVE_FAILURES.labels(reason=type(e).__name__).inc()
         # Once every root is prepared, another root may have published: a prepared copy
@@ -463,19 +264,15 @@ def _commit(
             commit_mod.remove_tmp(ctx.root, tmp_name)
         raise
     job.stats.commit_s = time.perf_counter() - t_commit
-    job.stats.total_s = time.perf_counter() - job.started
+    job.stats.total_s = time.perf_counter() - job.request.started
     metrics.COMMIT_LATENCY.observe(job.stats.total_s)
     metrics.BYTES_WRITTEN.inc(job.stats.bytes_written)
-    s = job.stats
-    log.info(
-        "rank %d step %d: committed in %.3fs (stage %.3fs, write %.3fs, fsync %.3fs, commit %.3fs, %d bytes)",
-        ctx.rank,
-        job.step,
-        s.total_s,
-        s.stage_s,
-        s.write_s,
-        s.fsync_s,
-        s.commit_s,
-        s.bytes_written,
-    )
+    log.info("rank %d step %d: committed %s", ctx.rank, job.step, _timings(job.stats))
     return job.stats
+
+
+def _timings(s: SaveStats) -> str:
+    return (
+        f"in {s.total_s:.3f}s (stage {s.stage_s:.3f}s, write {s.write_s:.3f}s, fsync {s.fsync_s:.3f}s, "
+        f"commit {s.commit_s:.3f}s, {s.bytes_written} bytes)"
+    )

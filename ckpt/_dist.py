@@ -13,7 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "make_comms", "destroy_comms"]
+from ckpt.store.errors import CorruptVersionError, RankFailures
+
+__all__ = ["Comm", "make_comms", "destroy_comms", "describe_error"]
+
+
+def describe_error(e: BaseException) -> str:
+    """An error as the other ranks learn it (exceptions do not cross ranks: text does)."""
+    return f"{type(e).__name__}: {e}"
 
 
 class Comm:
@@ -21,6 +28,32 @@ class Comm:
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
+
+    @staticmethod
+    def solo() -> Comm:
+        """The collectives of a single process (the CLI, exports)."""
+        return Comm(None, 0, 1)
+
+    def agree(self, error: BaseException | None) -> None:
+        """Collective: every rank learns every rank's failure, and if any rank failed, every
+        rank raises, so none is left waiting in a later collective.
+
+        A rank that failed raises its own error. The others raise CorruptVersionError if any
+        rank found damage (so a restore falls back to an older version on every rank
+        together), else RankFailures; both carry every failed rank's cause (`causes`).
+        """
+        mine = None if error is None else (isinstance(error, CorruptVersionError), describe_error(error))
+        views = self.all_gather(mine)
+        causes = {r: v[1] for r, v in enumerate(views) if v is not None}
+        if not causes:
+            return
+        corrupt = any(v[0] for v in views if v is not None)
+        if error is not None and (isinstance(error, CorruptVersionError) or not corrupt):
+            raise error
+        summary = str(RankFailures(causes))
+        if corrupt:
+            raise CorruptVersionError(summary, causes=causes)
+        raise RankFailures(causes)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.world == 1:

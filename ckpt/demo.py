@@ -271,7 +271,7 @@ def _summarize(work: str, remote: str, options: dict[str, Any], args: argparse.N
     from rich.console import Console
     from rich.table import Table
 
-    from ckpt.replicator.core import read_status
+    from ckpt.replicator.status import read_status
 
     def load(run: str, rank: int) -> dict[str, Any]:
         with open(os.path.join(work, run, f"rank{rank}.json")) as f:
@@ -285,10 +285,9 @@ def _summarize(work: str, remote: str, options: dict[str, Any], args: argparse.N
     exact = all(got[s] == ref_losses[s] for s in got) and len(got) == args.steps - (start or 0)
     saves = [s for r in resumed for s in r["saves"] if r["rank"] == 0]
     stats = resumed[0].get("stats", [])
-    status = read_status(os.path.join(work, "disk0", "ckpt")).get("versions", {})
-    lags = [
-        e["remote"]["at"] - e["created"] for e in status.values() if (e.get("remote") or {}).get("state") == "verified"
-    ]
+    status = read_status(os.path.join(work, "disk0", "ckpt"))
+    versions = status.versions.values() if status is not None else []
+    lags = [v.remote.at - v.created for v in versions if v.remote is not None and v.remote.state == "verified"]
     table = Table(title="ckpt demo summary")
     table.add_column("figure")
     table.add_column("value", justify="right")

@@ -15,9 +15,10 @@ import os
 import signal
 from types import FrameType
 
-from ckpt.replicator.core import STATE_DIR, Replicator, ReplicatorConfig
-from ckpt.replicator.push import Stopped
-from ckpt.store.errors import RootLockedError, TierUnavailableError
+from ckpt.replicator.config import ReplicatorConfig
+from ckpt.replicator.service import Replicator
+from ckpt.replicator.status import STATE_DIR
+from ckpt.store.errors import RootLockedError, StoppedError, TierUnavailableError
 from ckpt.store.fsio import makedirs
 
 __all__ = ["run_daemon", "lock_root"]
@@ -52,7 +53,7 @@ def run_daemon(sources: list[str], config: ReplicatorConfig, *, once: bool = Fal
         if once:
             try:
                 replicator.run_once()
-            except Stopped:
+            except StoppedError:
                 pass
             if replicator.errors:
                 raise TierUnavailableError(f"{len(replicator.errors)} cop(ies) failed: {replicator.errors[0]}")

@@ -1,173 +1,145 @@
-"""Garbage collection of versions, per tier, crash-safe.
+"""Garbage collection of versions on any tier, crash-safe, and only of what it can judge.
 
-Local roots: a version is unpublished with one rename into the root's trash (then the
-root is fsynced) before its files are deleted, so a GC killed at any point leaves no
-half-deleted version that still looks committed; the trash is emptied on the next open.
-Remote (fsspec) tiers have no rename: a `.deleting` marker is written, then the manifest
-is removed (the version is invisible from then on), then the rest, the marker last; a
-later GC finishes any directory that carries the marker. Directories without a manifest
-or a marker are uploads in progress and are left alone.
+Each committed version is judged by reading its manifest: one that parses and validates
+is intact; one that fails its checksum or does not parse is damaged. Any other failure
+(a timeout, a 503 SlowDown, an I/O error) proves nothing: that version is kept, and so
+is the newest version proven intact, and the result lists it under `unjudged` (`ckpt gc`
+then exits non-zero). The policy (replicator.policy) then says what else may go; the
+deletion itself is store.versions' (unpublish first, then delete), under the readers'
+pins of store.pins.
+
+On the shared remote, version directories without a manifest are uploads in progress,
+left alone, until they are provably abandoned: nothing written there for
+`abandon_after_s` (a live replicator rewrites its part record every pass), no deletion
+marker, and the collector wins the version's create-only commit claim, so no node can
+commit it while it is deleted (replicator.publish checks again under that claim).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import os
-from collections.abc import Iterable
-from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from ckpt.replicator.policy import Policy, VersionInfo, plan_deletions
-from ckpt.store import commit, objstore
-from ckpt.store.faults import fault_point
+from ckpt.replicator.publish import GC_CLAIM
+from ckpt.store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.manifest import MANIFEST_NAME
+from ckpt.store.pins import deleting, pinned_steps
+from ckpt.store.tier import Tier, join_key
+from ckpt.store.versions import (
+    COMMIT_CLAIM,
+    DELETING_MARKER,
+    committed_steps,
+    delete_uncommitted,
+    delete_version,
+    finish_deletions,
+    parse_version_dirname,
+    read_manifest,
+)
 
-if TYPE_CHECKING:
-    from ckpt.restore.tiers import RemoteTier
-
-__all__ = ["GcResult", "gc_local", "gc_remote", "local_versions", "remote_versions"]
+__all__ = ["GcResult", "judge", "collect", "collect_abandoned"]
 
 log = logging.getLogger("ckpt.replicator")
-DELETING = ".deleting"
 
 
 @dataclass(frozen=True)
 class GcResult:
     kept: list[int]
     deleted: list[int]
+    unjudged: dict[int, str] = field(default_factory=dict)  # versions that could not be read, and why (all kept)
+    abandoned: list[int] = field(default_factory=list)  # uncommitted upload directories collected
 
 
-def local_versions(root: str, redundant: Iterable[int] | None = None) -> list[VersionInfo]:
-    """VersionInfo of every committed version of a local root; `redundant` = steps whose
-    required copies are verified (None: copies are not required)."""
+def judge(tier: Tier, redundant: Iterable[int] | None = None) -> tuple[list[VersionInfo], dict[int, str]]:
+    """VersionInfo of every committed version of `tier`, and the ones that could not be
+    read (intact None), with why. `redundant`: steps whose required copies are verified
+    (None: copies are not required)."""
     ok = None if redundant is None else set(redundant)
-    out = []
-    for step in commit.committed_steps(root):
+    versions, unjudged = [], {}
+    for step in committed_steps(tier):
         try:
-            m = commit.read_manifest(root, step)
-            intact, created, tagged = True, m.created, bool(m.meta.get("milestone"))
-        except Exception:  # noqa: BLE001 - an unreadable version is simply not intact
-            intact, created, tagged = False, 0.0, False
-        out.append(VersionInfo(step, created, intact, tagged, ok is None or step in ok))
-    return out
+            m = read_manifest(tier, step)
+        except VersionNotFoundError:
+            continue  # deleted (another GC) since the listing
+        except CorruptVersionError:  # proven: a checksum or parse failure
+            versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
+            continue
+        except (TierUnavailableError, OSError) as e:
+            unjudged[step] = f"{type(e).__name__}: {e}"
+            log.warning("gc %s: step %d cannot be read, kept: %s", tier.location, step, e)
+            versions.append(VersionInfo(step, 0.0, None, False, ok is None or step in ok))
+            continue
+        versions.append(VersionInfo(step, m.created, True, bool(m.meta.get("milestone")), ok is None or step in ok))
+    return versions, unjudged
 
 
-def gc_local(
-    root: str,
+def collect(
+    tier: Tier,
     policy: Policy,
     *,
     redundant: Iterable[int] | None = None,
     pinned: Iterable[int] = (),
     dry_run: bool = False,
-    versions: list[VersionInfo] | None = None,
+    abandon_after_s: float | None = None,
+    versions: tuple[list[VersionInfo], dict[int, str]] | None = None,
 ) -> GcResult:
     """Delete what `policy` does not keep (see policy.plan_deletions for what is never
-    deleted). `versions`: local_versions(root, redundant), if the caller has them already."""
-    versions = local_versions(root, redundant) if versions is None else versions
-    pins = set(pinned) | commit.pinned_steps(root)  # versions a restore is reading right now
-    doomed = plan_deletions(versions, policy, pinned=pins, require_redundant=redundant is not None)
+    deleted). `versions`: judge(tier, redundant), if the caller has it already. With
+    `abandon_after_s`, also collect abandoned uploads (the shared remote)."""
+    if not dry_run:
+        finish_deletions(tier)
+    judged, unjudged = judge(tier, redundant) if versions is None else versions
+    pins = set(pinned) | pinned_steps(tier)  # versions a restore is reading right now
+    doomed = plan_deletions(judged, policy, pinned=pins, require_redundant=redundant is not None)
     deleted = list(doomed) if dry_run else []
     for step in [] if dry_run else doomed:
-        with commit.deleting(root, step) as free:  # a reader may have pinned it since
+        with deleting(tier, step) as free:  # a reader may have pinned it since
             if not free:
-                log.info("gc %s: step %d is being read; kept", root, step)
+                log.info("gc %s: step %d is being read; kept", tier.location, step)
                 continue
-            fault_point("gc-delete")
-            commit.delete_version(root, step)
+            delete_version(tier, step)
         deleted.append(step)
-        log.info("gc %s: deleted step %d", root, step)
-    return GcResult([v.step for v in versions if v.step not in deleted], deleted)
+        log.info("gc %s: deleted step %d", tier.location, step)
+    abandoned = [] if abandon_after_s is None else collect_abandoned(tier, abandon_after_s, dry_run=dry_run)
+    return GcResult([v.step for v in judged if v.step not in deleted], deleted, unjudged, abandoned)
 
 
-def gc_remote(
-    url: str, policy: Policy, *, storage_options: dict[str, object] | None = None, dry_run: bool = False
-) -> GcResult:
-    from ckpt.restore.tiers import RemoteTier
-
-    tier = RemoteTier(url, storage_options)
-    fs, prefix = tier.fs, tier.prefix
-    if not dry_run:
-        tier._call("finish interrupted deletions", lambda: _finish_interrupted(fs, prefix))
-    versions = _remote_versions(tier)
-    doomed = plan_deletions(versions, policy, require_redundant=False)
-    for step in [] if dry_run else doomed:
-        vdir = objstore.join(prefix, commit.version_dirname(step))
-        if not tier._call("mark a deletion", partial(_mark, fs, vdir)):
+def collect_abandoned(
+    tier: Tier, abandon_after_s: float, *, dry_run: bool = False, clock: Callable[[], float] = time.time
+) -> list[int]:
+    """Delete version directories without a manifest in which nothing was written for
+    `abandon_after_s`, under the commit claim; the steps collected."""
+    now = clock()
+    out = []
+    committed = set(committed_steps(tier))
+    for name in tier.listdir(""):
+        step = parse_version_dirname(name)
+        if step is None or step in committed:
             continue
-        fault_point("gc-delete")
-        tier._call("delete a version", partial(_remove_marked, fs, vdir))
-        log.info("gc %s: deleted step %d", objstore.redact(url, storage_options), step)
-    return GcResult([v.step for v in versions if v.step not in doomed], doomed)
-
-
-def remote_versions(url: str, storage_options: dict[str, object] | None = None) -> list[VersionInfo]:
-    """VersionInfo of every committed version of a remote tier."""
-    from ckpt.restore.tiers import RemoteTier
-
-    return _remote_versions(RemoteTier(url, storage_options))
-
-
-def _remote_versions(tier: RemoteTier) -> list[VersionInfo]:
-    versions = []
-    for c in tier.committed():
+        objects = tier.find(name)
+        if not objects or any(o.key.rsplit("/", 1)[-1] in (MANIFEST_NAME, DELETING_MARKER) for o in objects):
+            continue  # committed since, or a deletion finish_deletions completes
+        newest = max(o.mtime for o in objects)
+        if newest <= 0 or now - newest < abandon_after_s:
+            continue  # in progress (or its age is unknown)
+        if dry_run:
+            out.append(step)
+            continue
+        claim = join_key(name, COMMIT_CLAIM)
         try:
-            m = tier.manifest(c.step)
-            versions.append(VersionInfo(c.step, m.created, True, bool(m.meta.get("milestone"))))
-        except Exception:  # noqa: BLE001
-            versions.append(VersionInfo(c.step, 0.0, False))
-    return versions
-
-
-def _finish_interrupted(fs: object, prefix: str) -> None:
-    try:
-        names = fs.ls(prefix, detail=False)  # type: ignore[attr-defined]
-    except FileNotFoundError:
-        return
-    for d in names:
-        if fs.exists(objstore.join(d, DELETING)):  # type: ignore[attr-defined]
-            _remove_marked(fs, d)
-            log.info("gc: finished an interrupted deletion of %s", os.path.basename(d.rstrip("/")))
-
-
-def _mark(fs: Any, vdir: str) -> bool:
-    """Write the `.deleting` marker; False if another GC (another node's replicator) is
-    deleting the directory at this very moment, which made the write fail."""
-    try:
-        objstore.put_durable(fs, objstore.join(vdir, DELETING), b"")
-    except (FileNotFoundError, FileExistsError):  # the directory or the temp file came and went
-        return False
-    return True
-
-
-def _remove_marked(fs: Any, vdir: str) -> None:
-    """Delete a version directory that carries the `.deleting` marker: the manifest first
-    (the version is no longer listed), the marker last. A GC killed at any point leaves a
-    marked directory that the next GC finishes (never one that looks like an upload in
-    progress), and GCs racing on one version (every node's replicator collects the shared
-    remote) find files already deleted by the other, which is no error."""
-    with contextlib.suppress(FileNotFoundError):
-        fs.rm_file(objstore.join(vdir, MANIFEST_NAME))
-    try:
-        rest = [p for p in fs.find(vdir) if p.rstrip("/").rsplit("/", 1)[-1] != DELETING]
-    except FileNotFoundError:
-        rest = []
-    try:
-        if rest:
-            fs.rm(rest)  # one batch where the store has batch deletes
-    except FileNotFoundError:
-        for p in rest:
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(p)
-    fault_point("gc-mid-remove")
-    with contextlib.suppress(FileNotFoundError):
-        fs.rm_file(objstore.join(vdir, DELETING))
-    try:
-        fs.rm(vdir, recursive=True)  # what is left: the empty directories of a local filesystem
-    except (FileNotFoundError, IsADirectoryError):
-        pass  # gone, or made again meanwhile by another GC's marker (that GC finishes)
-    except OSError as e:  # something new in it: another GC's marker, or an upload (left alone)
-        if e.errno != errno.ENOTEMPTY:
-            raise
+            tier.put_if_absent(claim, GC_CLAIM)
+        except FileExistsError:
+            # Claimed by a save whose committer died (its claim is as old as the rest), or
+            # by another collector: either way nobody commits it any more.
+            tier.put(claim, GC_CLAIM)
+        if tier.exists(join_key(name, MANIFEST_NAME)):
+            continue  # committed between the listing and the claim: not abandoned
+        fault_delay("gc-abandoned")  # claimed, nothing deleted yet
+        fault_point("gc-abandoned")
+        delete_uncommitted(tier, name)
+        out.append(step)
+        log.info("gc %s: collected an abandoned upload of step %d (idle %.0f s)", tier.location, step, now - newest)
+    return out

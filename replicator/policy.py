@@ -20,7 +20,7 @@ class VersionInfo:
 
     step: int
     created: float = 0.0  # unix time of the commit
-    intact: bool = True  # manifest valid and every chunk present (verified if known)
+    intact: bool | None = True  # manifest valid (True), proven damaged (False), or unread: a transient error (None)
     tagged: bool = False  # the user marked it as a milestone
     redundant: bool = True  # every required copy exists and is verified
 
@@ -43,7 +43,7 @@ class KeepLast:
 
     def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
         steps = sorted(v.step for v in versions)
-        return set(steps[len(steps) - self.n :]) if self.n else set()
+        return set(steps[max(0, len(steps) - self.n) :]) if self.n else set()
 
 
 @dataclass(frozen=True)
@@ -87,16 +87,18 @@ class Union:
 def plan_deletions(
     versions: Iterable[VersionInfo], policy: Policy, *, pinned: Iterable[int] = (), require_redundant: bool = True
 ) -> list[int]:
-    """Steps GC may delete: not kept by the policy, never the newest intact version,
-    never a pinned one, and (for tiers whose copies are required) never one whose copies
-    do not exist yet. Oldest first."""
+    """Steps GC may delete: not kept by the policy, never the newest intact version, never
+    a version that could not be judged (intact None: it may be the newest intact one, and
+    so may the newest proven intact one, which is kept too), never a pinned one, and (for
+    tiers whose copies are required) never one whose copies do not exist yet. Oldest first."""
     vs = sorted(versions, key=lambda v: v.step)
     keep = set(policy.keep(vs)) | set(pinned)
+    keep |= {v.step for v in vs if v.intact is None}
     intact = [v.step for v in vs if v.intact]
     if intact:
         keep.add(intact[-1])
     if require_redundant:
-        keep |= {v.step for v in vs if v.intact and not v.redundant}
+        keep |= {v.step for v in vs if v.intact is not False and not v.redundant}
     return [v.step for v in vs if v.step not in keep]
 
 

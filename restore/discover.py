@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ckpt.restore.tiers import Candidate
+from ckpt.store.versions import Candidate
 
-__all__ = ["reachable_steps", "choose_step"]
+__all__ = ["reachable_steps", "partial_steps", "choose_step"]
 
 
 def reachable_steps(per_rank: Sequence[Sequence[Candidate]]) -> dict[int, str]:
-    """Steps whose every writer's chunks some current rank holds, with one save_id throughout."""
+    """Steps whose every writer's chunks some current rank holds, with one save_id
+    throughout, and that save_id."""
     held: dict[tuple[int, str, int], set[int]] = {}
     for cands in per_rank:
         for c in cands:
@@ -22,6 +23,12 @@ def reachable_steps(per_rank: Sequence[Sequence[Candidate]]) -> dict[int, str]:
         else:
             by_step.setdefault(s, [])
     return {s: ids[0] for s, ids in by_step.items() if len(ids) == 1}
+
+
+def partial_steps(per_rank: Sequence[Sequence[Candidate]]) -> list[int]:
+    """Steps some tier holds whose chunks the tiers together do not cover."""
+    listed = {c.step for cands in per_rank for c in cands}
+    return sorted(listed - set(reachable_steps(per_rank)))
 
 
 def choose_step(

@@ -1,102 +1,85 @@
-"""Reading chunk bytes back safely, and whole-version verification.
+"""Reading chunk bytes back from any tier, safely, and whole-version verification.
 
-Chunk files are opened one path component at a time beneath the version directory with
-O_NOFOLLOW, so neither the file nor any directory on its path may be a symlink, and their
-size is checked against the manifest before anything is read. Reads are positional
-(pread), so ranges of a chunk can be read without the rest.
+A chunk is opened through its tier (local tiers refuse symlinks anywhere beneath the tier
+and anything but a regular file) and its size is checked against the manifest before
+anything is read; reads are positional, so ranges of a chunk can be read without the rest.
+
+What a failure means: a missing, short, misplaced or mismatching chunk is damage
+(CorruptVersionError); so is an I/O error of a local file (a bad sector). A tier that
+cannot be reached (TierUnavailableError, after retries) is not damage and is raised as
+it is: nothing is skipped or deleted because a read failed once.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import xxhash
 
 from ckpt.store.digest import ChunkHasher, chunk_digest
-from ckpt.store.errors import CorruptVersionError
+from ckpt.store.errors import CorruptVersionError, TierUnavailableError
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckpt.store.tier import ReadHandle, Tier, join_key
+from ckpt.store.versions import version_dirname
 
-__all__ = ["open_beneath", "open_chunk", "pread_into", "read_chunk", "ChunkProblem", "verify_chunks"]
+__all__ = ["READ_BLOCK", "open_chunk", "read_exact", "read_chunk", "ChunkProblem", "verify_chunks"]
 
-READ_BLOCK = 4 << 20  # pread in small blocks: 1-4 MiB reads measured ~5x faster than 64 MiB here
+READ_BLOCK = 4 << 20
 
 
-def open_beneath(top: str, rel: str) -> int:
-    """Open `top/rel` for reading, refusing symlinks and '..' anywhere in `rel`, and anything but a regular file.
-
-    The final open is non-blocking, so a FIFO planted in a version cannot stall it."""
-    parts = rel.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise CorruptVersionError(f"unsafe path {rel!r}", path=rel)
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def open_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry) -> ReadHandle:
+    """The chunk's object, checked to have the manifest's size."""
+    key = join_key(version_dirname(step), array.chunk_path(chunk))
+    where = f"{tier.location}/{key}"
     try:
-        for p in parts[:-1]:
-            nxt = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        out = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(os.fstat(out).st_mode):
-        os.close(out)
-        raise CorruptVersionError(f"{os.path.join(top, rel)} is not a regular file", path=rel)
-    return out
-
-
-def open_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry) -> int:
-    """An fd of the chunk's file, checked to have the manifest's size."""
-    rel = array.chunk_path(chunk)
-    path = os.path.join(version_dir, rel)
-    try:
-        fd = open_beneath(version_dir, rel)
+        handle = tier.open_read(key)
+    except (CorruptVersionError, TierUnavailableError):
+        raise
     except FileNotFoundError:
-        raise CorruptVersionError(f"chunk {path} is missing", path=path, expected=chunk.xxh3) from None
+        raise CorruptVersionError(f"chunk {where} is missing", path=where, expected=chunk.xxh3) from None
     except OSError as e:
-        why = "is or passes through a symlink" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
-        raise CorruptVersionError(f"chunk {path} cannot be opened: {why}", path=path) from None
-    size = os.fstat(fd).st_size
-    if size != chunk.nbytes:
-        os.close(fd)
+        raise CorruptVersionError(f"chunk {where} cannot be opened: {e.strerror or e}", path=where) from None
+    if handle.size != chunk.nbytes:
+        handle.close()
         raise CorruptVersionError(
-            f"chunk {path} has {size} bytes, the manifest says {chunk.nbytes}", path=path, expected=chunk.xxh3
+            f"chunk {where} has {handle.size} bytes, the manifest says {chunk.nbytes}", path=where, expected=chunk.xxh3
         )
-    return fd
+    return handle
 
 
-def pread_into(fd: int, out: memoryview, offset: int, path: str = "") -> None:
-    """Fill `out` from `offset`, in READ_BLOCK pieces; a short file is corruption."""
-    view = out.cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done : done + READ_BLOCK]], offset + done)
-        if n <= 0:
-            raise CorruptVersionError(f"chunk {path} ended early", path=path)
-        done += n
+def read_exact(handle: ReadHandle, out: memoryview, offset: int, where: str) -> None:
+    """Fill `out` from `offset`; an object that ends first, or a local I/O error, is damage."""
+    try:
+        handle.read_into(offset, out)
+    except TierUnavailableError:
+        raise
+    except EOFError:
+        raise CorruptVersionError(f"chunk {where} ended early", path=where) from None
+    except OSError as e:
+        raise CorruptVersionError(f"chunk {where} cannot be read: {e.strerror or e}", path=where) from None
 
 
-def read_chunk(version_dir: str, array: ArrayEntry, chunk: ChunkEntry, out: memoryview, *, verify: bool = True) -> None:
+def read_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry, out: memoryview) -> None:
     """Fill `out` (chunk.nbytes, or the inline value's size) with the whole chunk, verified."""
     view = out.cast("B")
-    path = os.path.join(version_dir, array.chunk_path(chunk))
+    where = f"{tier.location}/{version_dirname(step)}/{array.chunk_path(chunk)}"
     if chunk.inline is not None:
         raw = bytes.fromhex(chunk.inline)
         view[: len(raw)] = raw
         got = xxhash.xxh3_64_hexdigest(raw)
     else:
-        fd = open_chunk(version_dir, array, chunk)
+        handle = open_chunk(tier, step, array, chunk)
         try:
-            pread_into(fd, view[: chunk.nbytes], 0, path)
+            read_exact(handle, view[: chunk.nbytes], 0, where)
         finally:
-            os.close(fd)
-        got = chunk_digest(view[: chunk.nbytes], array.digest_block_bytes(chunk)) if verify else ""
-    if verify and got != chunk.xxh3:
+            handle.close()
+        got = chunk_digest(view[: chunk.nbytes], array.digest_block_bytes(chunk))
+    if got != chunk.xxh3:
         raise CorruptVersionError(
-            f"chunk {path} fails its checksum (xxh3 {got}, manifest {chunk.xxh3})",
-            path=path,
+            f"chunk {where} fails its checksum (xxh3 {got}, manifest {chunk.xxh3})",
+            path=where,
             expected=chunk.xxh3,
             actual=got,
         )
@@ -109,35 +92,34 @@ class ChunkProblem:
     reason: str
 
 
-def verify_chunks(version_dir: str, manifest: Manifest, writers: set[int] | None = None) -> Iterator[ChunkProblem]:
+def verify_chunks(tier: Tier, step: int, manifest: Manifest, writers: set[int] | None = None) -> Iterator[ChunkProblem]:
     """Recompute every checksum (streaming, one small buffer); yield each bad chunk.
 
-    `writers` limits the check to chunks written by those ranks (the part a root holds).
+    `writers` limits the check to chunks written by those ranks (the part a tier holds).
     """
-    buf = bytearray(READ_BLOCK)
-    view = memoryview(buf)
+    view = memoryview(bytearray(READ_BLOCK))
     for array in manifest.arrays.values():
         for chunk in array.chunks:
             if writers is not None and chunk.writer not in writers:
                 continue
             path = array.chunk_path(chunk)
+            where = os.path.join(tier.location, version_dirname(step), path)
             try:
                 if chunk.inline is not None:
-                    read_chunk(version_dir, array, chunk, memoryview(bytearray(len(chunk.inline) // 2)))
+                    read_chunk(tier, step, array, chunk, memoryview(bytearray(len(chunk.inline) // 2)))
                     continue
-                fd = open_chunk(version_dir, array, chunk)
+                handle = open_chunk(tier, step, array, chunk)
+                hasher = ChunkHasher(array.digest_block_bytes(chunk))
+                try:
+                    for start in range(0, chunk.nbytes, READ_BLOCK):
+                        piece = view[: min(READ_BLOCK, chunk.nbytes - start)]
+                        read_exact(handle, piece, start, where)
+                        hasher.update(piece)
+                finally:
+                    handle.close()
             except CorruptVersionError as e:
                 yield ChunkProblem(array.name, path, str(e))
                 continue
-            hasher = ChunkHasher(array.digest_block_bytes(chunk))
-            try:
-                while n := os.readv(fd, [view]):
-                    hasher.update(view[:n])
-            except OSError as e:  # a bad sector: this chunk is bad, the next ones may be fine
-                yield ChunkProblem(array.name, path, f"cannot be read: {e.strerror or e}")
-                continue
-            finally:
-                os.close(fd)
             got = hasher.hexdigest()
             if got != chunk.xxh3:
                 yield ChunkProblem(array.name, path, f"xxh3 {got} != manifest {chunk.xxh3}")

@@ -22,6 +22,7 @@ __all__ = [
     "ManifestError",
     "NonFiniteError",
     "StagingRaceError",
+    "StoppedError",
 ]
 
 
@@ -38,13 +39,25 @@ class VersionExistsError(CkptError, FileExistsError):
 
 
 class CorruptVersionError(CkptError):
-    """A chunk or manifest does not match what the manifest promises."""
+    """A chunk or manifest does not match what the manifest promises.
 
-    def __init__(self, message: str, *, path: str = "", expected: str = "", actual: str = "") -> None:
+    `causes`: when the damage was found by other ranks of a collective restore, each such
+    rank's finding (rank -> "TypeName: message"); empty when this rank found it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str = "",
+        expected: str = "",
+        actual: str = "",
+        causes: Mapping[int, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.path = path
         self.expected = expected
         self.actual = actual
+        self.causes = dict(causes or {})
 
 
 class ManifestError(CorruptVersionError, ValueError):
@@ -72,7 +85,8 @@ class StateMismatchError(CkptError, ValueError):
 
 
 class RankFailures(CkptError):
-    """A collective save or restore failed on one or more ranks."""
+    """A collective save or restore failed on one or more ranks; `causes` maps each failed
+    rank to its error ("TypeName: message")."""
 
     def __init__(self, causes: Mapping[int, str]) -> None:
         self.causes = dict(causes)
@@ -87,3 +101,7 @@ class NonFiniteError(CkptError, ValueError):
 class StagingRaceError(CkptError, RuntimeError):
     """With deferred staging, a saved tensor changed in place before its copy ended; the
     version was not committed (see Checkpointer.wait_staged)."""
+
+
+class StoppedError(CkptError):
+    """A replicator was asked to stop; the copy in flight was abandoned before its commit."""

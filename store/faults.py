@@ -23,28 +23,29 @@ def fault_point(name: str, rank: int = 0) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-_interrupt_spec = ""  # the CKPT_INTERRUPT value the count below belongs to
-_interrupt_passes = 0
+_interrupt_spec = ""  # the CKPT_INTERRUPT value the counts below belong to
+_interrupt_passes: dict[str, int] = {}  # per point: passes since the variable took this value
 _interrupt_lock = threading.Lock()
 
 
 def _interrupt(name: str, rank: int) -> None:
-    """SIGINT this process at the n-th pass where CKPT_INTERRUPT="<name>:<rank>:<n>" says
-    (counted from when the variable took this value)."""
-    global _interrupt_spec, _interrupt_passes
+    """SIGINT this process at the n-th pass of a point, where CKPT_INTERRUPT says so:
+    "<name>:<rank>:<n>", or several such, comma-separated (a second Ctrl-C at another
+    point). Passes are counted from when the variable took this value."""
+    global _interrupt_spec
     spec = os.environ.get("CKPT_INTERRUPT", "")
     if not spec and not _interrupt_spec:  # unset, as in production: no lock on the copy's path
         return
+    hit = False
     with _interrupt_lock:
         if spec != _interrupt_spec:
-            _interrupt_spec, _interrupt_passes = spec, 0
-        if not spec:
-            return
-        point, want, nth = spec.split(":")
-        if point != name or int(want) != rank:
-            return
-        _interrupt_passes += 1
-        hit = _interrupt_passes == int(nth)
+            _interrupt_spec = spec
+            _interrupt_passes.clear()
+        for one in filter(None, spec.split(",")):
+            point, want, nth = one.split(":")
+            if point == name and int(want) == rank:
+                _interrupt_passes[point] = _interrupt_passes.get(point, 0) + 1
+                hit = hit or _interrupt_passes[point] == int(nth)
     if hit:
         os.kill(os.getpid(), signal.SIGINT)
 

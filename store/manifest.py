@@ -21,7 +21,7 @@ import xxhash
 
 from ckpt.store.digest import combine_blocks
 from ckpt.store.dtypes import ITEMSIZE
-from ckpt.store.errors import ManifestError
+from ckpt.store.errors import CorruptVersionError, ManifestError
 from ckpt.store.layout import CHUNK_SEPARATOR, chunk_file
 from ckpt.store.layout import block_rows as expected_block_rows
 
@@ -29,6 +29,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "MANIFEST_NAME",
     "ROOT_INFO_NAME",
+    "SAVE_ID",
     "ChunkEntry",
     "ArrayEntry",
     "RankEntry",
@@ -50,6 +51,8 @@ MAX_NDIM = 32
 MAX_ROW_BYTES = 1 << 30  # one row of a chunk is the smallest unit a reader buffers
 _COMPONENT = re.compile(r"^[A-Za-z0-9_.~%+-]+$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
+SAVE_ID = re.compile(r"[0-9a-f]{32}")
+"""A save's id: 32 lowercase hex digits (it becomes part of paths: tmp and journal names)."""
 
 
 @functools.lru_cache(maxsize=1 << 16)  # called for every key of every save
@@ -119,6 +122,18 @@ class ArrayEntry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE[self.data_type]
+
+    def chunk_at(self, index: tuple[int, ...]) -> ChunkEntry:
+        """The chunk at a grid index (chunks are validated to cover the grid once, in grid order)."""
+        flat = 0
+        for i, s, c in zip(index, self.shape, self.chunk_shape):
+            flat = flat * -(-s // c) + i
+        if flat < len(self.chunks) and self.chunks[flat].index == index:
+            return self.chunks[flat]
+        for entry in self.chunks:  # a manifest listing them in another order
+            if entry.index == index:
+                return entry
+        raise CorruptVersionError(f"{self.name} has no chunk {list(index)}", path=self.path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,10 +330,13 @@ def with_checksum(body: bytes) -> bytes:
     return body[:-1] + b',"manifest_xxh3":"' + xxhash.xxh3_64_hexdigest(body).encode() + b'"}'
 
 
-def _check_checksum(raw: bytes, doc: dict[str, Any]) -> None:
-    """Refuse a manifest whose bytes changed since it was written. Manifests written before
-    ckpt recorded `manifest_xxh3` have none and are read as they are."""
+def _check_checksum(raw: bytes, doc: dict[str, Any], schema: int) -> None:
+    """Refuse a manifest whose bytes changed since it was written. Every schema-2 manifest
+    is written with `manifest_xxh3`; only schema 1 (written before ckpt recorded it) may
+    lack it, and is read as it is."""
     if "manifest_xxh3" not in doc:
+        if schema >= 2:
+            raise ManifestError("manifest lacks its manifest_xxh3 checksum (schema 2 always has one)")
         return
     m = _CHECKSUM_TAIL.fullmatch(raw[-_CHECKSUM_TAIL_BYTES:])
     if m is None:
@@ -338,10 +356,13 @@ def parse_manifest(raw: bytes) -> Manifest:
         raise ManifestError(f"manifest is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict) or doc.get("format") != "ckpt":
         raise ManifestError("not a ckpt manifest")
-    _check_checksum(raw, doc)
     schema = doc.get("schema_version")
     if type(schema) is not int or schema not in READABLE_SCHEMAS:
         raise ManifestError(f"manifest schema_version {schema!r} is not supported (this ckpt reads {READABLE_SCHEMAS})")
+    _check_checksum(raw, doc, schema)
+    save_id = doc.get("save_id")
+    if not isinstance(save_id, str) or not SAVE_ID.fullmatch(save_id):
+        raise ManifestError(f"manifest save_id {str(save_id)[:40]!r} is not 32 hex digits")
     world = _int(doc.get("world_size"), "world_size", 1, 1 << 24)
     arrays_doc = doc.get("arrays")
     trees = doc.get("trees")
@@ -374,7 +395,7 @@ def parse_manifest(raw: bytes) -> Manifest:
     created = doc.get("created", 0.0)
     return Manifest(
         step=_int(doc.get("step"), "step"),
-        save_id=str(doc.get("save_id", "")),
+        save_id=save_id,
         created=float(created) if isinstance(created, (int, float)) else 0.0,
         world_size=world,
         arrays=arrays,

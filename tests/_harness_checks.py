@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from click.testing import CliRunner
 
+from ckpt._dist import Comm
 from ckpt.cli import main as ckpt_cli
-from ckpt.replicator.core import source_label
+from ckpt.replicator.placement import source_label
 from ckpt.restore.discover import choose_step, reachable_steps
-from ckpt.restore.export import assemble, open_version
-from ckpt.restore.tiers import Candidate, LocalTier, RemoteTier, Tier
+from ckpt.restore.export import assemble
+from ckpt.restore.locate import Located, first_manifest, restore_newest
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
+from ckpt.store.tier import open_tier
+from ckpt.store.versions import Candidate, committed
 from tests._harness_worker import ROWS, digest, flatten
 
 WORLD = 2
@@ -75,14 +77,10 @@ class Layout:
         os.makedirs(self.journal, exist_ok=True)
 
 
-def open_tier(location: str, cache: str | None = None) -> Tier:
-    return RemoteTier(location, cache_dir=cache) if location.startswith("file://") else LocalTier(location)
-
-
 def candidates(location: str) -> list[Candidate]:
     if not location.startswith("file://") and not os.path.isdir(location):
         return []
-    return open_tier(location).committed()
+    return committed(open_tier(location))
 
 
 def snapshot(layout: Layout) -> Snapshot:
@@ -238,21 +236,27 @@ def reachable(locations: Sequence[str]) -> dict[int, str]:
     return reachable_steps([[c for loc in locations for c in candidates(loc)]])
 
 
-def version_sums(locations: Sequence[str], step: int, cache: str) -> dict[int, dict[str, str]]:
+def version_sums(locations: Sequence[str], step: int) -> dict[int, dict[str, str]]:
     """Per saved rank, the sums of the version's tensors, read back (and verified) from the tiers."""
-    tiers = [open_tier(loc, cache) for loc in locations if loc.startswith("file://") or os.path.isdir(loc)]
-    _, manifest, sources = open_version(tiers, step)
-    tree = assemble(manifest, sources)
+    tiers = [open_tier(loc) for loc in locations if loc.startswith("file://") or os.path.isdir(loc)]
+
+    def load(located: Located) -> tuple[int, Any]:
+        manifest = first_manifest(located)
+        assert manifest is not None
+        return manifest.world_size, assemble(Comm.solo(), manifest, located.sources)
+
+    found = restore_newest(Comm.solo(), lambda: tiers, load, step=step, missing_ok=False)
+    assert found is not None
+    world, tree = found[1]
     full = dict(flatten(tree))
     shard = full.pop("shard")
     common = {k: digest(v) for k, v in full.items()}
-    return {r: {**common, "shard": digest(shard[r * ROWS : (r + 1) * ROWS])} for r in range(manifest.world_size)}
+    return {r: {**common, "shard": digest(shard[r * ROWS : (r + 1) * ROWS])} for r in range(world)}
 
 
 def deep_check(locations: Sequence[str], step: int, journals: Journals) -> str | None:
     """None if every rank's tensors of `step` are bitwise what the job recorded."""
-    with tempfile.TemporaryDirectory(prefix="harness-read-") as cache:
-        per_rank = version_sums(locations, step, cache)
+    per_rank = version_sums(locations, step)
     for rank, got in per_rank.items():
         problem = compare(got, journals.expected.get((step, rank), []))
         if problem:

@@ -24,9 +24,8 @@ SIGKILLs one of, in a shuffled rotation:
 - `gc`: a `ckpt gc` command started during training on a local root (`--keep-last 1`) or
   on the remote (`--keep-last 2 --milestone-every 10`). A run takes a few tenths of a
   second, most of them listing, so two gc kills in three come from the fault points of
-  store/faults.py, to land inside a deletion: `CKPT_FAULT=gc-mid-delete` (local: the
-  version is unpublished, its files not yet deleted) or `gc-delete` (before a deletion;
-  on the remote after the `.deleting` marker). The third is a SIGKILL at a random moment
+  store/faults.py, to land inside a deletion: `CKPT_FAULT=gc-mid-delete` (the version
+  is unpublished, its files not yet deleted) or `gc-delete` (decided, before the deletion). The third is a SIGKILL at a random moment
   of a typical run. The figures say which, and whether the run was killed at all (a
   fault point is not reached when there is nothing to delete).
 The job is then stopped (gracefully where it was not killed), the daemons too (SIGTERM:
@@ -227,6 +226,10 @@ class Harness:
         self.inc = 0
         self.known: dict[str, set[int]] = {}
         self.last: Snapshot = {}
+        self.seen: list[Snapshot] = []  # the monitor's listings since the last check, in order
+        self.judged_known: dict[str, set[int]] = {}  # per tier: every step listed up to the last check
+        self.gone: dict[str, set[int]] = {}  # per tier: steps seen deleted up to the last check
+        self._listing = threading.Lock()  # listings never overlap, so their order is the tiers' order
         self.checked: set[tuple[str, int, str]] = set()
         self.verified_remote: set[tuple[int, str]] = set()
         self.gc_durations: list[float] = []
@@ -360,7 +363,7 @@ class Harness:
         target = self.rng.choice([t for t in tiers if self._would_delete(self._gc_command(t))] or tiers)
         mode = self.rng.choice(["fault", "fault", "random"])
         cmd = self._gc_command(target)
-        fault = "gc-delete" if target == "remote" else self.rng.choice(["gc-mid-delete", "gc-delete"])
+        fault = self.rng.choice(["gc-mid-delete", "gc-delete"])
         env = {"CKPT_FAULT": fault} if mode == "fault" else {}
         header = f"round {self.fig.rounds}: ckpt {' '.join(cmd)} ({mode} {fault if mode == 'fault' else ''})"
         t0 = time.monotonic()
@@ -415,7 +418,10 @@ class Harness:
         """Listings and remote completeness while everything runs."""
         while not self._stop_monitor.wait(0.5):
             try:
-                self.observe(snapshot(self.layout))
+                with self._listing:
+                    snap = snapshot(self.layout)
+                    self.seen.append(snap)
+                self.observe(snap)
                 listed, problems = remote_problems(self.layout.remote_dir)
             except Exception as e:  # noqa: BLE001 - a listing racing a deletion; the next one will do
                 self.fig.note(f"monitor: a listing raced a deletion ({type(e).__name__})")
@@ -446,26 +452,55 @@ class Harness:
             return Retention(self.c.gc_keep_last)
         return Retention(self.c.keep_last)
 
-    def check_deletions(self, now: Snapshot, gc_tier: str | None) -> None:
-        """Invariant 2, between the previous listing and `now`."""
+    def check_deletions(self, gc_tier: str | None, *, quiet: bool = False) -> Snapshot:
+        """Invariant 2, from the previous check's listing through the monitor's listings to a
+        new one (returned). Every version any of them shows is judged when it first goes
+        missing (not only those of the previous check: a version the monitor saw come and go
+        counts too), against the versions listed up to that listing: a version that
+        arrives later cannot excuse a deletion made before it existed.
+        `quiet` (nothing runs): also, the remote holds the newest keep-last of the versions
+        ever listed there and not seen deleted in an earlier check (a GC that deletes only
+        what its policy allows never deletes those, whatever the monitor missed)."""
+        with self._listing:
+            now = snapshot(self.layout)
+            seen, self.seen = self.seen, []
         self.journals.refresh()
         self.observe(now)
-        for tier, before in self.last.items():
-            known = set(self.known.get(tier, set()))
+        for tier in now:
+            cum = set(self.judged_known.get(tier, set()))
             if tier.startswith("root"):
-                known |= self.journals.committed
+                cum |= self.journals.committed
             if tier.startswith("replica"):  # copies are deleted when their source's versions are
-                known |= self.known.get("root" + tier[-1], set()) | self.journals.committed
-            for step, save_id in before.items():
-                if step in now[tier]:
-                    if now[tier][step] != save_id:
-                        self.lose(f"{tier} step {step}: replaced by another save ({save_id} -> {now[tier][step]})")
-                    continue
-                self.fig.deletions_seen += 1
-                if not self.policy(tier, gc_tier).may_delete(step, known, self.journals.tagged):
-                    newer = sorted(s for s in known if s > step)
-                    self.lose(f"{tier} step {step}: deleted, but retention keeps it (known newer: {newer[:8]})")
+                cum |= self.known.get("root" + tier[-1], set()) | self.journals.committed
+            judged: set[int] = set()
+            gone_before = set(self.gone.get(tier, set()))
+            prev = self.last.get(tier, {})
+            for snap in [*seen, now]:
+                cur = snap.get(tier, {})
+                cum |= set(cur)
+                for step in prev:
+                    if step in cur or step in judged:
+                        continue
+                    judged.add(step)
+                    if step in now[tier]:
+                        continue  # back again: a new save of the step (judged below)
+                    self.gone.setdefault(tier, set()).add(step)
+                    self.fig.deletions_seen += 1
+                    if not self.policy(tier, gc_tier).may_delete(step, cum, self.journals.tagged):
+                        newer = sorted(s for s in cum if s > step)
+                        self.lose(f"{tier} step {step}: deleted, but retention keeps it (known newer: {newer[:8]})")
+                prev = cur
+            self.judged_known[tier] = cum
+            if quiet and tier == "remote":
+                keep = self.policy(tier, gc_tier).keep_last
+                for step in sorted(cum - gone_before)[-keep:]:
+                    if step not in now[tier] and step not in judged:
+                        self.lose(f"{tier} step {step}: gone, but it is among the newest {keep} versions listed there")
+            for step, save_id in self.last.get(tier, {}).items():
+                if step in now[tier] and now[tier][step] != save_id:
+                    self.lose(f"{tier} step {step}: replaced by another save ({save_id} -> {now[tier][step]})")
         self.last = now
+        return now
 
     def check_restore(self, expected: int | None) -> None:
         """Invariant 1, for the incarnation that just got ready."""
@@ -586,7 +621,7 @@ class Harness:
             self.check_restore(expected)
             time.sleep(self.rng.uniform(*self.c.run_s))
             t = self.fig.timed("run", t)
-            self.check_deletions(snapshot(self.layout), None)  # the listing before the kill
+            self.check_deletions(None)  # the listing before the kill
             gc_tier = None
             if kind == "rank":
                 self.kill_ranks([self.rng.randrange(WORLD)])
@@ -601,7 +636,7 @@ class Harness:
             self.fig.kills[kind] += 1
             t = self.fig.timed(f"kill and stop: {kind}", t)
             self.stop_daemons()  # the tiers hold still while they are checked
-            self.check_deletions(snapshot(self.layout), gc_tier)
+            self.check_deletions(gc_tier, quiet=True)
             self.check_tiers()
             expected = expected_restore(self.layout)
             t = self.fig.timed("check", t)
@@ -653,7 +688,7 @@ class Harness:
                 break
             time.sleep(0.5)
         self.stop_daemons()
-        self.check_deletions(snapshot(self.layout), None)
+        self.check_deletions(None, quiet=True)
         self.check_tiers(full_remote=True)
         self.fig.leftovers = leftovers(self.layout, self.last, self.c.keep_last)
         for k in range(WORLD):

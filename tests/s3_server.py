@@ -246,7 +246,6 @@ def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer
         mp.setenv("AWS_CONFIG_FILE", str(base / "no-aws-config"))
         mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(base / "no-aws-credentials"))
         mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        mp.setenv("XDG_CACHE_HOME", str(base / "cache"))  # RemoteTier's chunk cache
         for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
             mp.delenv(name, raising=False)
         server = MotoServer(base)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer, Shard
 from ckpt.cli import main as cli
-from ckpt.store import commit
+from ckpt.store import versions
 from tests._dist import Ctx, launch
 
 
@@ -47,7 +47,7 @@ def test_restore_to_torch_and_to_dir_are_bitwise(tmp_path: Path) -> None:
     out = runner.invoke(cli, ["restore", str(root), "--to", str(tmp_path / "copy")])
     assert out.exit_code == 0, out.output
     assert "restored step 4" in out.output
-    assert commit.committed_steps(str(tmp_path / "copy")) == [4]
+    assert versions.committed_steps(str(tmp_path / "copy")) == [4]
     assert runner.invoke(cli, ["verify", str(tmp_path / "copy")]).exit_code == 0
     fresh = _state(1)
     with Checkpointer(tmp_path / "copy") as ck:

@@ -35,7 +35,8 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer, VersionNotFoundError
 from ckpt.cli import main as cli
-from ckpt.store import commit
+from ckpt.store import pins, versions
+from ckpt.store.versions import as_tier
 
 REPO = Path(__file__).resolve().parent.parent
 KEEP = 3
@@ -63,7 +64,7 @@ WRITER = textwrap.dedent(
     import os, sys, time
     import torch
     from ckpt import Checkpointer
-    from ckpt.replicator.core import ReplicatorConfig
+    from ckpt.replicator.config import ReplicatorConfig
     from ckpt.replicator.policy import KeepLast
 
     root, stop = sys.argv[1], sys.argv[2]
@@ -169,7 +170,7 @@ def test_readers_see_a_consistent_set_while_writing_and_gc(tmp_path: Path) -> No
                 assert step is not None
                 _check(got, step, "restore()")
                 restored.append(step)
-                listed = commit.committed_steps(str(root))
+                listed = versions.committed_steps(str(root))
                 assert listed, "GC must never delete the newest version"
                 older = rng.choice(listed)
                 got = _blank()
@@ -178,7 +179,7 @@ def test_readers_see_a_consistent_set_while_writing_and_gc(tmp_path: Path) -> No
                     _check(got, older, f"restore(step={older})")
                 except VersionNotFoundError:
                     # only because GC deleted it after the listing
-                    assert older not in commit.committed_steps(str(root)), f"step {older} is listed but not found"
+                    assert older not in versions.committed_steps(str(root)), f"step {older} is listed but not found"
                     gone.append(older)
                 time.sleep(0.05)  # leave the CPUs to the others now and then
         thread.join(timeout=300)
@@ -202,7 +203,7 @@ def test_readers_see_a_consistent_set_while_writing_and_gc(tmp_path: Path) -> No
         with Checkpointer(out_dir) as ck:
             assert ck.restore(got) == step
         _check(got, step, f"ckpt restore --to {out_dir.name}")
-    assert commit.committed_steps(str(root)) == list(range(saved - KEEP + 1, saved + 1))
+    assert versions.committed_steps(str(root)) == list(range(saved - KEEP + 1, saved + 1))
 
 
 @pytest.mark.timeout(120)
@@ -243,12 +244,13 @@ def test_a_second_replicator_daemon_is_refused(tmp_path: Path) -> None:
 
 FROZEN_GC = """
 import os, signal, sys
-from ckpt.store import commit
+from ckpt.store import pins, versions
+from ckpt.store.versions import as_tier
 root = sys.argv[1]
-with commit.deleting(root, 1) as free:  # what gc_local does around each deletion
+with pins.deleting(as_tier(root), 1) as free:  # what replicator.gc.collect does around each deletion
     print("marked", free, flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)  # frozen mid-deletion (a debugger, ^Z, a cgroup freeze)
-    commit.delete_version(root, 1)
+    versions.delete_version(root, 1)
 print("deleted", flush=True)
 """
 
@@ -286,5 +288,5 @@ def test_a_gc_frozen_mid_deletion_blocks_no_reader(tmp_path: Path) -> None:
         gc.send_signal(signal.SIGCONT)
         out, _ = gc.communicate(timeout=60)
     assert gc.returncode == 0 and out.strip() == "deleted"
-    assert commit.committed_steps(str(root)) == [2, 3]
-    assert commit.pinned_steps(str(root)) == set() and os.listdir(root / ".pins") == []
+    assert versions.committed_steps(str(root)) == [2, 3]
+    assert pins.pinned_steps(as_tier(str(root))) == set() and os.listdir(root / ".pins") == []

@@ -71,7 +71,7 @@ def _copy_held_back(ck: Checkpointer) -> Iterator[None]:
     """Keep the commit thread busy, so the deferred copy of the save() in the block has
     surely not started when the block changes the state (no timing luck involved)."""
     hold = threading.Event()
-    ck._committer.submit(hold.wait)
+    ck._saver._committer.submit(hold.wait)
     try:
         yield
     finally:

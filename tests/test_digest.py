@@ -173,13 +173,15 @@ def test_a_manifest_edited_in_place_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_checksummed_manifest_must_end_as_written(saved: tuple[Path, dict[str, Any]]) -> None:
-    """Trailing bytes after the checksum member (still valid JSON) are refused; a manifest
-    without the member at all reads as one written before ckpt recorded it."""
+    """Trailing bytes after the checksum member (still valid JSON) are refused; so is a
+    schema-2 manifest without the member: only schema 1 was written without it."""
     root, _ = saved
     raw = (vdir(root, 1) / "manifest.json").read_bytes()
     parse_manifest(raw)
     with pytest.raises(ManifestError, match="manifest_xxh3"):
         parse_manifest(raw + b"  \n")
-    legacy = json.loads(raw)
-    del legacy["manifest_xxh3"]
-    assert parse_manifest(json.dumps(legacy).encode()).step == 1
+    stripped = json.loads(raw)
+    del stripped["manifest_xxh3"]
+    assert stripped["schema_version"] == 2
+    with pytest.raises(ManifestError, match="lacks its manifest_xxh3"):
+        parse_manifest(json.dumps(stripped).encode())

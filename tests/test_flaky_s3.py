@@ -31,12 +31,18 @@ import torch
 from click.testing import CliRunner
 from flaky_proxy import KINDS, FaultPlan, FlakyProxy, ProxyProcess
 
-from ckpt import Checkpointer, CorruptVersionError
+from ckpt import Checkpointer, CorruptVersionError, TierUnavailableError
 from ckpt.cli import main as cli_main
-from ckpt.replicator.core import Replicator, ReplicatorConfig
-from ckpt.store import commit
+from ckpt.replicator.config import ReplicatorConfig
+from ckpt.replicator.policy import KeepMilestones
+from ckpt.replicator.service import Replicator
+from ckpt.replicator.status import Status
+from ckpt.store import versions
 from ckpt.store.digest import chunk_digest
 from ckpt.store.manifest import parse_manifest
+from ckpt.store.retry import RetryPolicy
+from ckpt.store.tier import open_tier
+from ckpt.store.versions import committed
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -130,7 +136,7 @@ def cli(*args: object) -> Any:
     return CliRunner().invoke(cli_main, [str(a) for a in args], catch_exceptions=False)
 
 
-def replicate(root: Path, url: str, endpoint: str) -> dict[str, Any]:
+def replicate(root: Path, url: str, endpoint: str) -> Status:
     rep = Replicator([str(root)], ReplicatorConfig(remote=url, storage_options=options(endpoint)))
     return rep.run_once()[str(root)]
 
@@ -160,7 +166,7 @@ def replicated(
     prefix = f"restore-{os.getpid()}-{time.monotonic_ns()}"
     url = f"s3://{moto_server.bucket}/{prefix}"
     status = replicate(root, url, moto_server.endpoint)
-    assert all(v["remote"]["state"] == "verified" for v in status["versions"].values())
+    assert all(v.remote is not None and v.remote.state == "verified" for v in status.versions.values())
     yield url, prefix, states
 
 
@@ -297,7 +303,9 @@ def test_replication_through_faults(s3: S3Place, proxy: FlakyProxy, tmp_path: Pa
     took = time.monotonic() - t0
     faults = proxy.faults()
     print(f"\nreplicated {len(STEPS)} versions in {took:.1f}s, {proxy.requests} requests, faults {faults}")
-    assert {int(s): v["remote"]["state"] for s, v in status["versions"].items()} == dict.fromkeys(STEPS, "verified")
+    assert {s: v.remote.state if v.remote else None for s, v in status.versions.items()} == dict.fromkeys(
+        STEPS, "verified"
+    )
     missing = UPLOAD_KINDS - {k for k, n in faults.items() if n > 0}
     assert not missing, f"fault kinds never injected: {sorted(missing)} ({faults})"
 
@@ -305,8 +313,8 @@ def test_replication_through_faults(s3: S3Place, proxy: FlakyProxy, tmp_path: Pa
     client = s3.server.client()
     objects = s3.objects()
     for step in STEPS:
-        vdir = commit.version_dirname(step)
-        local = commit.read_manifest(str(root), step)
+        vdir = versions.version_dirname(step)
+        local = versions.read_manifest(str(root), step)
         remote_manifest = parse_manifest(get(s3.server, client, f"{s3.prefix}/{vdir}/manifest.json"))
         assert remote_manifest.to_json() == local.to_json()
         files = [p for p in (root / vdir).rglob("*") if p.is_file() and p.name not in ("manifest.json", "root.json")]
@@ -325,7 +333,7 @@ def test_replication_through_faults(s3: S3Place, proxy: FlakyProxy, tmp_path: Pa
     # (b) no manifest was ever listed before all of its chunks
     assert watch.errors == [], watch.errors[:3]
     assert watch.problems == [], watch.problems
-    assert set(watch.checked) == {commit.version_dirname(s) for s in STEPS}
+    assert set(watch.checked) == {versions.version_dirname(s) for s in STEPS}
     assert all(n >= 8 for n in watch.checked.values()), watch.checked
     # the watch really watched the uploads: it saw each version before its manifest was there
     assert all(watch.absent_polls.get(v, 0) > 0 for v in watch.checked), watch.absent_polls
@@ -342,9 +350,10 @@ def test_copy_read_back_wrong_is_sent_again(s3: S3Place, proxy: FlakyProxy, tmp_
         [str(root)], ReplicatorConfig(remote=s3.url, storage_options=options(proxy.endpoint, **NO_TRANSPORT_CHECKSUM))
     )
     status = rep.run_once()[str(root)]
-    assert status["versions"]["1"]["remote"]["state"] == "verified"
+    remote = status.versions[1].remote
+    assert remote is not None and remote.state == "verified"
     assert proxy.faults() == {"corrupt": 2}
-    vdir = commit.version_dirname(1)
+    vdir = versions.version_dirname(1)
     local = (root / vdir / "state" / "big" / "c.0").read_bytes()
     assert get(s3.server, s3.server.client(), f"{s3.prefix}/{vdir}/state/big/c.0") == local
 
@@ -357,13 +366,14 @@ def test_copy_that_never_reads_back_right_is_never_committed(s3: S3Place, proxy:
         [str(root)], ReplicatorConfig(remote=s3.url, storage_options=options(proxy.endpoint, **NO_TRANSPORT_CHECKSUM))
     )
     try:
-        state = ((rep.run_once()[str(root)]["versions"]["1"].get("remote")) or {}).get("state")
+        remote = rep.run_once()[str(root)].versions[1].remote
+        state = remote.state if remote is not None else None
     except CorruptVersionError:
         state = None
     assert state != "verified"
     assert proxy.faults()["corrupt"] >= 3
     objects = s3.objects()
-    assert f"{s3.prefix}/{commit.version_dirname(1)}/state/model/w0/c.0.0" in objects  # it did upload
+    assert f"{s3.prefix}/{versions.version_dirname(1)}/state/model/w0/c.0.0" in objects  # it did upload
     assert not [k for k in objects if k.endswith("manifest.json")], "an unverified version was committed"
 
 
@@ -444,19 +454,21 @@ def test_bad_bodies_never_accepted(
     replicated: tuple[str, str, dict[int, dict[str, Any]]], proxy: FlakyProxy, tmp_path: Path, kind: str
 ) -> None:
     """Every download of one chunk is corrupted (with no transport checksum) or cut short:
-    the restore fails after its retries; it never loads those bytes."""
+    the restore fails after its retries; it never loads those bytes. A corrupted body is
+    damage (CorruptVersionError, after two more reads); a body always cut short is a store
+    that does not answer (TierUnavailableError: no proof of damage, so no fallback either)."""
     url, _, states = replicated
     proxy.set_plan(FaultPlan(rate=1.0, seed=5, weights={kind: 1.0}, only=BIG_CHUNK_GET))
     opts = options(proxy.endpoint, **NO_TRANSPORT_CHECKSUM)
     with Checkpointer(tmp_path / "fresh", tiers=[url], storage_options=opts, verify_on_restore=False) as ck:
         target = blank(states[2])
-        with pytest.raises(CorruptVersionError, match="big"):
+        with pytest.raises(CorruptVersionError if kind == "corrupt" else TierUnavailableError, match="big"):
             ck.restore(target, step=2)
     n = proxy.faults().get(kind, 0)
     if kind == "corrupt":
         assert n == 3, n  # downloaded, and downloaded again twice, each time refused
     else:
-        assert n >= 10, n  # s3fs resumed it, the tier retried it
+        assert n == RetryPolicy().attempts, n  # the one retry policy's tries, and no more
     assert proxy.requests - n >= 8  # the other chunks came through untouched
     if kind == "truncate":
         return  # (the CLI shares the tier: once is enough for the slow case)
@@ -468,3 +480,44 @@ def test_bad_bodies_never_accepted(
     assert "big" in r.output
     assert not out.exists()
     assert proxy.faults()[kind] == 6
+
+
+def test_gc_keeps_a_version_it_could_not_read(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
+    """Versions 2, 4 and 5 on S3; every GET of v5's manifest answers 503 SlowDown (a transient
+    fault: the object is intact). `ckpt gc --milestone-every 2` must not take v5 for damaged
+    (then it is no longer "the newest intact version" and goes): it keeps it, says why, and
+    exits 4; so does the replicator's own remote GC. Once the store answers, GC judges v5
+    intact and keeps it as the newest."""
+    root = tmp_path / "root"
+    save_steps(root, {s: make_state(s) for s in (2, 4, 5)})
+    replicate(root, s3.url, s3.server.endpoint)  # directly, no faults
+    assert remote_steps(s3) == [2, 4, 5]
+    proxy.set_plan(FaultPlan(rate=1.0, weights={"slowdown503": 1.0}, only=rf"^GET /[^?]*/{vname(5)}/manifest\.json"))
+    quick = cli_options(proxy.endpoint)
+    t0 = time.monotonic()
+    r = CliRunner().invoke(cli_main, ["gc", s3.url, "--milestone-every", "2", *quick])
+    print(f"gc with a 503 took {time.monotonic() - t0:.1f}s")
+    assert r.exit_code == 4, r.output
+    assert "step 5 could not be read and was kept" in r.stderr and "reduce your request rate" in r.stderr, r.output
+    assert remote_steps(s3) == [2, 4, 5]
+    opts = options(proxy.endpoint)
+    rep = Replicator(
+        [str(root)], ReplicatorConfig(remote=s3.url, storage_options=opts, remote_policy=KeepMilestones(every=2))
+    )
+    t0 = time.monotonic()
+    rep.run_once()
+    print(f"replicator pass with a 503 took {time.monotonic() - t0:.1f}s")
+    assert remote_steps(s3) == [2, 4, 5]
+    assert proxy.faults()["slowdown503"] >= 12  # every try of both GCs, s3fs's own retries on top
+    proxy.set_plan(FaultPlan(rate=0.0))
+    r = CliRunner().invoke(cli_main, ["gc", s3.url, "--milestone-every", "2", *quick])
+    assert r.exit_code == 0, r.output
+    assert remote_steps(s3) == [2, 4, 5]  # v5 is the newest intact version: kept
+
+
+def vname(step: int) -> str:
+    return versions.version_dirname(step)
+
+
+def remote_steps(place: S3Place) -> list[int]:
+    return [c.step for c in committed(open_tier(place.url, place.options))]

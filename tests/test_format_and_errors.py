@@ -491,7 +491,7 @@ def test_if_busy_skip(tmp_path: Path) -> None:
     gate = threading.Event()
     root = tmp_path / "root"
     with Checkpointer(root, if_busy="skip") as ck:
-        ck._committer.submit(gate.wait, 10)  # the commit thread is busy: step 1's commit queues behind
+        ck._saver._committer.submit(gate.wait, 10)  # the commit thread is busy: step 1's commit queues behind
         first = plain_state(1)
         assert ck.save(1, first) is True
         skipped = ck.save(2, plain_state(2))

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 from ckpt import Checkpointer
-from ckpt.replicator.gc import gc_local
+from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import KeepLast
-from ckpt.store import commit
+from ckpt.store import pins, versions
+from ckpt.store.versions import as_tier
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,11 +26,11 @@ def _versions(root: Path, n: int) -> None:
 
 def test_gc_skips_a_version_a_reader_holds(tmp_path: Path) -> None:
     _versions(tmp_path, 4)
-    with commit.pin_version(str(tmp_path), 2):
-        result = gc_local(str(tmp_path), KeepLast(1))
-    assert result.deleted == [1, 3] and commit.committed_steps(str(tmp_path)) == [2, 4]
-    assert commit.pinned_steps(str(tmp_path)) == set()  # released
-    assert gc_local(str(tmp_path), KeepLast(1)).deleted == [2]
+    with pins.pin_version(as_tier(str(tmp_path)), 2):
+        result = collect(as_tier(str(tmp_path)), KeepLast(1))
+    assert result.deleted == [1, 3] and versions.committed_steps(str(tmp_path)) == [2, 4]
+    assert pins.pinned_steps(as_tier(str(tmp_path))) == set()  # released
+    assert collect(as_tier(str(tmp_path)), KeepLast(1)).deleted == [2]
 
 
 def test_gc_killed_mid_delete_leaves_no_half_deleted_version(tmp_path: Path) -> None:
@@ -39,7 +40,7 @@ def test_gc_killed_mid_delete_leaves_no_half_deleted_version(tmp_path: Path) -> 
         [sys.executable, "-m", "ckpt.cli", "gc", str(tmp_path), "--keep-last", "1"], env=env, capture_output=True
     )
     assert out.returncode == -9
-    assert commit.committed_steps(str(tmp_path)) == [2, 3]  # step 1 is gone from the listing, not half there
+    assert versions.committed_steps(str(tmp_path)) == [2, 3]  # step 1 is gone from the listing, not half there
     assert any((tmp_path / ".trash").iterdir())  # its files wait in the trash
     for step in (2, 3):
         state = {"w": torch.zeros(1000)}
@@ -53,6 +54,6 @@ def test_two_gcs_deleting_the_same_version_both_succeed(tmp_path: Path) -> None:
     """A daemon's GC and a `ckpt gc` may pick the same version (found by the crash harness:
     the second rename failed with FileNotFoundError and `ckpt gc` exited 1)."""
     _versions(tmp_path, 2)
-    commit.delete_version(str(tmp_path), 1)
-    commit.delete_version(str(tmp_path), 1)  # already gone: not an error
-    assert commit.committed_steps(str(tmp_path)) == [2]
+    versions.delete_version(str(tmp_path), 1)
+    versions.delete_version(str(tmp_path), 1)  # already gone: not an error
+    assert versions.committed_steps(str(tmp_path)) == [2]

@@ -31,7 +31,7 @@ import zarr
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import launch
 
-from ckpt.store import commit
+from ckpt.store import versions
 from ckpt.store.manifest import STATE_PREFIX
 
 THIS = os.path.abspath(__file__)
@@ -542,7 +542,7 @@ def check_written_once(run: dict[str, Any], section: str) -> list[Any]:
     world = run["world"]
     per_rank = [r[section] for r in run["results"]]
     roots = sorted({p["root"] for p in per_rank})
-    manifests = [commit.read_manifest(root, ROUNDTRIP_STEP) for root in roots]
+    manifests = [versions.read_manifest(root, ROUNDTRIP_STEP) for root in roots]
     m = manifests[0]
     for other in manifests[1:]:
         assert other.to_json() == m.to_json(), "the roots hold different manifests"
@@ -583,10 +583,10 @@ def test_roundtrip_world2(world2: dict[str, Any]) -> None:
 def test_replicated_written_once_world2(world2: dict[str, Any]) -> None:
     (m,) = check_written_once(world2, "roundtrip")
     root = Path(world2["results"][0]["roundtrip"]["root"])
-    vdir = root / commit.version_dirname(ROUNDTRIP_STEP)
+    vdir = root / versions.version_dirname(ROUNDTRIP_STEP)
     want = {a.chunk_path(c) for a in m.arrays.values() for c in a.chunks if c.inline is None}
     assert _chunk_files(vdir) == want
-    assert commit.read_root_info(str(vdir))["writers"] == [0, 1]
+    assert versions.read_root_info(str(root), ROUNDTRIP_STEP).writers == (0, 1)
     assert check_inline_metadata(vdir, m), "no inline values"
 
 
@@ -596,7 +596,7 @@ def test_roundtrip_world4(world4: dict[str, Any]) -> None:
 
 def test_replicated_written_once_world4(world4: dict[str, Any]) -> None:
     (m,) = check_written_once(world4, "roundtrip")
-    vdir = Path(world4["results"][0]["roundtrip"]["root"]) / commit.version_dirname(ROUNDTRIP_STEP)
+    vdir = Path(world4["results"][0]["roundtrip"]["root"]) / versions.version_dirname(ROUNDTRIP_STEP)
     want = {a.chunk_path(c) for a in m.arrays.values() for c in a.chunks if c.inline is None}
     assert _chunk_files(vdir) == want
     # DTensor Shard(0) of 9 rows over 4 ranks: 3, 3, 3 and an empty piece.
@@ -612,19 +612,19 @@ def test_two_nodes_world4(world4: dict[str, Any]) -> None:
     base = world4["workdir"] / "nodes"
     for node in (0, 1):
         assert world4["results"][2 * node]["nodes"]["root"] == str(base / f"node{node}")
-        vdir = base / f"node{node}" / commit.version_dirname(ROUNDTRIP_STEP)
-        info = commit.read_root_info(str(vdir))
-        assert info["writers"] == [2 * node, 2 * node + 1], info
+        vdir = base / f"node{node}" / versions.version_dirname(ROUNDTRIP_STEP)
+        info = versions.read_root_info(str(base / f"node{node}"), ROUNDTRIP_STEP)
+        assert info is not None and info.writers == (2 * node, 2 * node + 1), info
         own = {
             a.chunk_path(c)
             for a in m.arrays.values()
             for c in a.chunks
-            if c.inline is None and c.writer in info["writers"]
+            if c.inline is None and c.writer in info.writers
         }
         assert own, f"node{node} wrote nothing"
         assert _chunk_files(vdir) == own, f"node{node} holds chunk files of other nodes' ranks"
         # node1's leader writes the zarr.json of values that node0's ranks staged (at PREPARE)
-        assert check_inline_metadata(vdir, m) - set(info["writers"]), f"node{node}: only its own inline values"
+        assert check_inline_metadata(vdir, m) - set(info.writers), f"node{node}: only its own inline values"
     # Replicated tensors whose only copy is on node0: node1's ranks restored them bitwise
     # (the "nodes" section compares every tensor on every rank), so they came across.
     on_node0_only = [

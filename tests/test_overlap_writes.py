@@ -214,7 +214,11 @@ def interrupted_on_one_rank(ctx: Ctx, root: str, deferred: bool, point: str) -> 
     return out
 
 
-@pytest.mark.parametrize("point", ["stage:1:1", "queued:1:1"])
+@pytest.mark.parametrize(
+    "point",
+    ["stage:1:1", "queued:1:1", "stage:1:1,fail-save:1:1"],
+    ids=["in-copy", "queued", "twice: in the copy, then in save()'s failure handler"],
+)
 @pytest.mark.parametrize("deferred", [False, True], ids=["save-copies-all", "deferred_staging"])
 def test_an_interrupt_on_one_rank_ends_the_save_on_all(tmp_path: Path, deferred: bool, point: str) -> None:
     results, failures = launch(
@@ -223,7 +227,7 @@ def test_an_interrupt_on_one_rank_ends_the_save_on_all(tmp_path: Path, deferred:
     assert failures == []
     assert [r["save"] for r in results] == ["returned", "KeyboardInterrupt"]
     assert results[0]["steps"] == results[1]["steps"], results
-    if point.startswith("stage"):  # interrupted in the copy: it must fail
+    if point.startswith("stage"):  # interrupted in the copy (and again while failing): it must fail
         assert all(r["wait"] in ("RankFailures", "CkptError") for r in results), results
         assert results[0]["steps"] == [1, 3], results
     else:  # queued after the copy: it may commit, alike on both ranks

@@ -24,7 +24,7 @@ WRITER = textwrap.dedent(
     import os, sys
     import torch
     from ckpt import Checkpointer
-    from ckpt.replicator.core import source_label
+    from ckpt.replicator.placement import source_label
 
     base = sys.argv[1]
     os.umask(0)
@@ -39,7 +39,7 @@ WRITER = textwrap.dedent(
     with Checkpointer([d0, d1], replicate_to=remote, split_bytes=4096) as ck:
         for step in (1, 2):
             ck.save(step, state(step))
-    # a restore that reads only the remote (its cache is created under the new root)
+    # a restore that reads only the remote
     got = {"model": {"enc": {"layer0": {"w": torch.zeros(64, 33)}}, "b": torch.zeros(7)},
            "optim": {"m": torch.zeros(40)}, "step": 0}
     with Checkpointer(base + "/fresh", tiers=[remote]) as ck:
@@ -55,7 +55,7 @@ WRITER = textwrap.dedent(
     from ckpt.cli import main
     for args in (
         ["restore", d0, "--to", base + "/export/a"],
-        ["restore", remote, "--step", "1", "--to", base + "/export/b"],  # through the XDG cache
+        ["restore", remote, "--step", "1", "--to", base + "/export/b"],
         ["restore", d0, "--to-torch", base + "/export/s.pt"],
         ["replicate", d0, "--to", "file://" + base + "/remote2", "--once"],
         ["gc", d0, "--keep-last", "1"],
@@ -87,7 +87,7 @@ def test_nothing_created_is_world_writable_under_umask_0(tmp_path: Path) -> None
         (base / disk / ".ckpt-disk").write_text(disk)
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
-    env = dict(os.environ, PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(base / "xdg-cache"))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run(
         [sys.executable, str(script), str(base)], env=env, cwd=REPO, capture_output=True, text=True, timeout=240
     )
@@ -103,8 +103,6 @@ def test_nothing_created_is_world_writable_under_umask_0(tmp_path: Path) -> None
         "export/b/v000000000001",
         "export/s.pt",
         "remote2/v000000000002/state",
-        "fresh/.cache",
-        "xdg-cache/ckpt",
     ):
         assert (base / made).exists(), made
     assert _world_writable(base) == []

@@ -12,7 +12,7 @@ from _manifests import crafted
 
 import ckpt
 from ckpt import Checkpointer
-from ckpt.store import commit
+from ckpt.store import versions
 from ckpt.store.manifest import parse_manifest
 
 
@@ -94,7 +94,7 @@ def test_non_contiguous_ndarray_is_restored(tmp_path: Path) -> None:
 def _manifest(tmp_path: Path) -> dict:
     with Checkpointer(tmp_path / "r") as ck:
         ck.save(1, {"w": torch.randn(4, 3)})
-    return json.loads((tmp_path / "r" / commit.version_dirname(1) / "manifest.json").read_bytes())
+    return json.loads((tmp_path / "r" / versions.version_dirname(1) / "manifest.json").read_bytes())
 
 
 def test_manifest_without_all_chunks_is_rejected(tmp_path: Path) -> None:

@@ -34,11 +34,14 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer
 from ckpt.cli import main as cli_main
-from ckpt.replicator.core import Replicator, ReplicatorConfig, read_status
+from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.policy import KeepAll, KeepLast, KeepMilestones, Policy, Union, VersionInfo, plan_deletions
-from ckpt.restore.tiers import RemoteTier
-from ckpt.store import commit
+from ckpt.replicator.service import Replicator
+from ckpt.replicator.status import read_status
+from ckpt.store import pins, versions
 from ckpt.store.manifest import parse_manifest
+from ckpt.store.tier import open_tier
+from ckpt.store.versions import as_tier, committed
 
 if TYPE_CHECKING:
     from s3_server import MotoServer, S3Place
@@ -105,7 +108,7 @@ def cli(*args: object) -> Any:
 
 
 def vname(step: int) -> str:
-    return commit.version_dirname(step)
+    return versions.version_dirname(step)
 
 
 def chunk_sizes(manifest: Any) -> dict[str, int]:
@@ -114,11 +117,10 @@ def chunk_sizes(manifest: Any) -> dict[str, int]:
 
 
 def remote_problems(place: S3Place) -> tuple[list[int], list[str]]:
-    """(steps RemoteTier lists as committed, problems): a listed version whose manifest names
+    """(steps the remote lists as committed, problems): a listed version whose manifest names
     a chunk that is missing or of another size is a problem. Chunk presence is checked with
     botocore, independently of s3fs and its listing cache."""
-    tier = RemoteTier(place.url, place.options)
-    listed = [c.step for c in tier.committed()]
+    listed = [c.step for c in committed(open_tier(place.url, place.options))]
     problems = []
     objects = place.objects()
     for step in listed:
@@ -186,9 +188,9 @@ def wait_for(pred: Any, timeout: float, what: str, period: float = 0.05) -> Any:
 
 
 def remote_steps(place: S3Place) -> list[int]:
-    """What RemoteTier lists, in this long-lived process (s3fs instances and their listing
+    """What the remote tier lists, in this long-lived process (s3fs instances and their listing
     caches are shared process-wide: the listing must still be fresh)."""
-    return [c.step for c in RemoteTier(place.url, place.options).committed()]
+    return [c.step for c in committed(open_tier(place.url, place.options))]
 
 
 def chunk_objects(place: S3Place, step: int) -> dict[str, dict[str, Any]]:
@@ -198,7 +200,7 @@ def chunk_objects(place: S3Place, step: int) -> dict[str, dict[str, Any]]:
 
 
 def local_chunks(root: Path, step: int) -> dict[str, int]:
-    return chunk_sizes(commit.read_manifest(str(root), step))
+    return chunk_sizes(versions.read_manifest(str(root), step))
 
 
 def daemon_args(root: Path, place: S3Place, *extra: str) -> list[str]:
@@ -414,7 +416,7 @@ def two_disks(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_replica_disk_deleted_restore_from_the_other(s3: S3Place, tmp_path: Path) -> None:
-    from ckpt.replicator.core import source_label
+    from ckpt.replicator.placement import source_label
 
     d0, d1 = two_disks(tmp_path)
     states = {step: small_state(step) for step in (1, 2, 3)}
@@ -425,13 +427,15 @@ def test_replica_disk_deleted_restore_from_the_other(s3: S3Place, tmp_path: Path
         ck.wait()
     # close() drained the replicator: every version is on both disks and on the remote
     replica = d1 / "replicas" / source_label(str(d0))
-    assert commit.committed_steps(str(d0)) == [1, 2, 3]
-    assert commit.committed_steps(str(replica)) == [1, 2, 3]
+    assert versions.committed_steps(str(d0)) == [1, 2, 3]
+    assert versions.committed_steps(str(replica)) == [1, 2, 3]
     assert remote_steps(s3) == [1, 2, 3]
-    status = read_status(str(d0))["versions"]
-    for key in ("1", "2", "3"):
-        assert [c["state"] for c in status[key]["copies"].values()] == ["verified"]
-        assert status[key]["remote"]["state"] == "verified"
+    status = read_status(str(d0))
+    assert status is not None
+    for key in (1, 2, 3):
+        assert [c.state for c in status.versions[key].copies.values()] == ["verified"]
+        remote = status.versions[key].remote
+        assert remote is not None and remote.state == "verified"
 
     shutil.rmtree(tmp_path / "disk0")  # the whole disk is gone
     with Checkpointer([d0, d1]) as ck:  # no remote: only the replicas on disk1 can serve
@@ -460,12 +464,13 @@ def _retention_config(d1: Path, s3: S3Place, interval_s: float = 0.05) -> Replic
 
 
 def _check_retention(d0: Path, d1: Path, s3: S3Place, local: list[int], remote: list[int]) -> None:
-    from ckpt.replicator.core import source_label
+    from ckpt.replicator.placement import source_label
 
     replica = d1 / "replicas" / source_label(str(d0))
-    assert commit.committed_steps(str(d0)) == local
-    assert commit.committed_steps(str(replica)) == local
-    assert sorted(int(s) for s in read_status(str(d0))["versions"]) == local
+    assert versions.committed_steps(str(d0)) == local
+    assert versions.committed_steps(str(replica)) == local
+    status = read_status(str(d0))
+    assert status is not None and sorted(status.versions) == local
     assert remote_steps(s3) == remote
     assert {k.split("/")[1] for k in s3.objects()} == {vname(s) for s in remote}  # nothing left of the rest
     with Checkpointer([d0, d1], tiers=[s3.url], storage_options=s3.options) as ck:
@@ -487,7 +492,7 @@ def test_retention_over_50_saves(s3: S3Place, tmp_path: Path) -> None:
             if step % 5 == 0:
                 ck.wait()
                 rep.run_once()
-                assert commit.committed_steps(str(d0)) == list(range(step - 2, step + 1))
+                assert versions.committed_steps(str(d0)) == list(range(step - 2, step + 1))
                 kept = sorted(set(range(10, step + 1, 10)) | {step} | ({tagged} if tagged <= step else set()))
                 assert remote_steps(s3) == kept, step
         ck.wait()
@@ -499,7 +504,7 @@ def test_replica_copies_of_versions_gc_deleted_elsewhere_are_collected(tmp_path:
     """`ckpt gc ROOT` deletes versions behind the replicator's back: their replica copies
     go under the local policy in later passes (not only those the replicator deleted),
     never a copy the source still holds, nor one a reader has pinned."""
-    from ckpt.replicator.core import source_label
+    from ckpt.replicator.placement import source_label
 
     d0, d1 = two_disks(tmp_path)
     replica = str(d1 / "replicas" / source_label(str(d0)))
@@ -509,20 +514,20 @@ def test_replica_copies_of_versions_gc_deleted_elsewhere_are_collected(tmp_path:
             ck.save(step, tiny_state(step))
         ck.wait()
         rep.run_once()
-        assert commit.committed_steps(str(d0)) == commit.committed_steps(replica) == [3, 4, 5]
+        assert versions.committed_steps(str(d0)) == versions.committed_steps(replica) == [3, 4, 5]
         gc = CliRunner().invoke(cli_main, ["gc", str(d0), "--keep-last", "1"])
         assert gc.exit_code == 0, gc.output
-        assert commit.committed_steps(str(d0)) == [5]
+        assert versions.committed_steps(str(d0)) == [5]
         for step in range(6, 9):
             ck.save(step, tiny_state(step))
         ck.wait()
-        with commit.pin_version(replica, 3) as present:  # a restore reading the replica's copy of 3
+        with pins.pin_version(as_tier(replica), 3) as present:  # a restore reading the replica's copy of 3
             assert present
             rep.run_once()
-            assert commit.committed_steps(str(d0)) == [6, 7, 8]
-            assert commit.committed_steps(replica) == [3, 6, 7, 8]  # 4 and 5 collected, 3 pinned
+            assert versions.committed_steps(str(d0)) == [6, 7, 8]
+            assert versions.committed_steps(replica) == [3, 6, 7, 8]  # 4 and 5 collected, 3 pinned
         rep.run_once()
-    assert commit.committed_steps(replica) == [6, 7, 8]
+    assert versions.committed_steps(replica) == [6, 7, 8]
     for step in (6, 8):
         target = blank(tiny_state(step))
         with Checkpointer(tmp_path / "reader", tiers=[replica]) as reader:
@@ -534,7 +539,7 @@ def test_replicas_of_a_lost_source_disk_are_kept(tmp_path: Path) -> None:
     """The source disk is replaced by an empty one: its replicas are now the only local
     copies, and replica GC leaves them all (a source that lists nothing is not evidence
     that its versions were deleted)."""
-    from ckpt.replicator.core import source_label
+    from ckpt.replicator.placement import source_label
 
     d0, d1 = two_disks(tmp_path)
     replica = str(d1 / "replicas" / source_label(str(d0)))
@@ -542,17 +547,17 @@ def test_replicas_of_a_lost_source_disk_are_kept(tmp_path: Path) -> None:
         for step in range(1, 5):
             ck.save(step, tiny_state(step))
     Replicator([str(d0)], ReplicatorConfig(replicas=2, replica_roots=(str(d1),))).run_once()
-    assert commit.committed_steps(replica) == [1, 2, 3, 4]
+    assert versions.committed_steps(replica) == [1, 2, 3, 4]
     d0.rename(tmp_path / "dead-disk")
     d0.mkdir()  # an empty mount point where the disk was
     Replicator([str(d0)], ReplicatorConfig(replicas=2, replica_roots=(str(d1),), local_policy=KeepLast(2))).run_once()
-    assert commit.committed_steps(replica) == [1, 2, 3, 4]
+    assert versions.committed_steps(replica) == [1, 2, 3, 4]
 
 
 def test_replica_copies_the_remote_lacks_are_kept(tmp_path: Path) -> None:
     """A version deleted from the source by hand before it reached the remote: the
     replica's copy is its last one, and replica GC keeps it until the remote has it."""
-    from ckpt.replicator.core import source_label
+    from ckpt.replicator.placement import source_label
 
     d0, d1 = two_disks(tmp_path)
     replica = str(d1 / "replicas" / source_label(str(d0)))
@@ -564,10 +569,10 @@ def test_replica_copies_the_remote_lacks_are_kept(tmp_path: Path) -> None:
             ck.save(step, tiny_state(step))
     rep = Replicator([str(d0)], config)
     rep.run_once()
-    assert commit.committed_steps(str(d0)) == commit.committed_steps(replica) == [1, 2, 3, 4, 5]  # none redundant
-    commit.delete_version(str(d0), 1)  # by hand
+    assert versions.committed_steps(str(d0)) == versions.committed_steps(replica) == [1, 2, 3, 4, 5]  # none redundant
+    versions.delete_version(str(d0), 1)  # by hand
     rep.run_once()
-    assert commit.committed_steps(replica) == [1, 2, 3, 4, 5]
+    assert versions.committed_steps(replica) == [1, 2, 3, 4, 5]
     target = blank(tiny_state(1))
     with Checkpointer(tmp_path / "reader", tiers=[replica]) as reader:
         assert reader.restore(target, step=1) == 1
@@ -593,6 +598,9 @@ def test_policies() -> None:
     assert KeepLast(3).keep(vs) == {10, 11, 12}
     assert KeepLast(0).keep(vs) == set()
     assert KeepLast(50).keep(vs) == set(range(1, 13))
+    for n in range(1, 9):  # fewer versions than n, but more than n/2: len - n is a small negative slice start
+        for k in range(0, n + 1):
+            assert KeepLast(n).keep(vs[:k]) == set(range(1, k + 1)), (n, k)
     assert KeepLast(2).keep(list(reversed(vs))) == {11, 12}  # by step, not by order
     assert KeepMilestones(every=5).keep(vs) == {5, 7, 10}  # multiples and the tagged one
     assert KeepMilestones(steps=frozenset({3})).keep(vs) == {3, 7}
@@ -649,8 +657,8 @@ def test_plan_deletions_invariants_random() -> None:
 
 
 def test_gc_killed_mid_run(s3: S3Place, tmp_path: Path) -> None:
-    """`ckpt gc --keep-last 1` SIGKILLed at its first deletion (CKPT_FAULT=gc-delete), on a
-    local root and on the remote at once: whatever is listed afterwards is whole, and the
+    """`ckpt gc --keep-last 1` SIGKILLed at its first deletion (CKPT_FAULT=gc-delete before
+    it on a local root; gc-marked on S3, once its `.deleting` marker is written), at once: whatever is listed afterwards is whole, and the
     next GC finishes the job (on the remote, the interrupted deletion too)."""
     root = tmp_path / "root"
     states = {step: small_state(step) for step in (1, 2, 3, 4)}
@@ -659,13 +667,15 @@ def test_gc_killed_mid_run(s3: S3Place, tmp_path: Path) -> None:
     assert remote_steps(s3) == [1, 2, 3, 4]
     local_gc = ["gc", str(root), "--keep-last", "1"]
     remote_gc = ["gc", s3.url, "--keep-last", "1", *s3.cli_options]
-    env = s3.env(CKPT_FAULT="gc-delete")
-    procs = {"local": s3.popen(local_gc, "gc-local", env), "remote": s3.popen(remote_gc, "gc-remote", env)}
+    procs = {
+        "local": s3.popen(local_gc, "gc-local", s3.env(CKPT_FAULT="gc-delete")),
+        "remote": s3.popen(remote_gc, "gc-remote", s3.env(CKPT_FAULT="gc-marked")),
+    }
     for name, p in procs.items():
         assert p.wait(60) == -signal.SIGKILL, s3.output(f"gc-{name}")
 
     # local: every listed version verifies
-    steps = commit.committed_steps(str(root))
+    steps = versions.committed_steps(str(root))
     assert steps[-1] == 4 and set(steps) <= {1, 2, 3, 4}
     for step in steps:
         r = cli("verify", root, "--step", step)
@@ -685,7 +695,7 @@ def test_gc_killed_mid_run(s3: S3Place, tmp_path: Path) -> None:
 
     r = cli(*local_gc)
     assert r.exit_code == 0, r.output
-    assert commit.committed_steps(str(root)) == [4]
+    assert versions.committed_steps(str(root)) == [4]
     assert cli("verify", root).exit_code == 0
     r = cli(*remote_gc)
     assert r.exit_code == 0, r.output
@@ -698,7 +708,7 @@ def test_gc_killed_mid_run(s3: S3Place, tmp_path: Path) -> None:
         target = blank(states[4])
         assert ck.restore(target) == 4
         assert_same(target, states[4])
-    trash = root / commit.TRASH_NAME
+    trash = root / versions.TRASH_NAME
     assert not trash.exists() or not list(trash.iterdir())
 
 
@@ -715,7 +725,7 @@ def test_daemon_pickup_lag_and_sigterm(s3: S3Place, tmp_path: Path) -> None:
         ck.save(2, small_state(2))
         ck.wait()
         committed_at = time.time()
-        assert commit.read_manifest(str(root), 2).created <= committed_at
+        assert versions.read_manifest(str(root), 2).created <= committed_at
         seen = wait_for(lambda: 2 in remote_steps(s3) and time.time(), 10, "step 2 on the remote", 0.02)
         lag = seen - committed_at
         recorded = json.loads(cli("ls", root, "--json").output)[-1]["lag_s"]

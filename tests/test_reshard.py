@@ -46,6 +46,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist import launch
 
+from ckpt.store import versions
+
 THIS = os.path.abspath(__file__)
 STEP = 5
 SPLIT_BYTES = 512  # replicated arrays are split over the saving ranks
@@ -584,7 +586,7 @@ def check_rng(ctx: Any, old: int, root: str, saved: list[dict[str, Any]], draws:
     import torch.distributed as dist
     import xxhash
 
-    from ckpt.store import commit
+    from ckpt.store import versions
 
     W, r = ctx.world, ctx.rank
     d1, d2 = draws["verified"], draws["unverified"]
@@ -594,7 +596,7 @@ def check_rng(ctx: Any, old: int, root: str, saved: list[dict[str, Any]], draws:
     else:
         chk(ctx, d1 == d2, "a new rank drew differently after restoring the same checkpoint twice")
         chk(ctx, all(d1 != s["draws"] for s in saved), "a new rank continued an old rank's RNG stream")
-        save_id = commit.read_manifest(root, STEP).save_id
+        save_id = versions.read_manifest(root, STEP).save_id
         random.seed(xxhash.xxh3_64_intdigest(f"{save_id}:{r}".encode()))
         chk(ctx, d1[:2] == [random.random(), random.gauss(0.0, 1.0)], "Python RNG not seeded by xxh3(save_id:rank)")
     all_draws: list[Any] = [None] * W
@@ -768,11 +770,10 @@ def test_rng(request: pytest.FixtureRequest, pair: tuple[int, int]) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_saves(request: pytest.FixtureRequest, base: Path, world: int) -> None:
     """The saving jobs ran cleanly, and the layouts the restores start from are the intended ones."""
-    from ckpt.store import commit
 
     run = request.getfixturevalue({1: "save1", 2: "save2", 3: "job3", 4: "job4"}[world])
     assert_section(run, f"save{world}")
-    m = commit.read_manifest(str(base / f"w{world}"), STEP)
+    m = versions.read_manifest(str(base / f"w{world}"), STEP)
     assert m.world_size == world
     assert set(variants(world)) <= {n.split("/", 1)[1] for n in m.arrays if n.startswith("t/")}
     big = m.arrays["t/big"]

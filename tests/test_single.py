@@ -11,9 +11,10 @@ import torch
 from click.testing import CliRunner
 
 import ckpt
+import ckpt._listing
 from ckpt import Checkpointer, DistributedSampler
 from ckpt.cli import main as cli
-from ckpt.store import commit
+from ckpt.store import versions
 from ckpt.store.errors import ReshardError
 from ckpt.store.layout import ArraySpec, HeldRegion, plan_arrays
 
@@ -272,7 +273,7 @@ def test_cli_ls_and_verify(tmp_path):
     table = runner.invoke(cli, ["ls", str(tmp_path)])
     assert table.exit_code == 0 and "committed" in table.output
     assert runner.invoke(cli, ["verify", str(tmp_path)]).exit_code == 0
-    chunk = next((tmp_path / commit.version_dirname(2) / "state" / "model").rglob("c.0.0"))
+    chunk = next((tmp_path / versions.version_dirname(2) / "state" / "model").rglob("c.0.0"))
     raw = bytearray(chunk.read_bytes())
     raw[0] ^= 0xFF
     chunk.write_bytes(bytes(raw))
@@ -292,15 +293,15 @@ def test_cli_ls_skips_a_version_gc_deletes_while_listing(tmp_path, monkeypatch):
     with Checkpointer(tmp_path) as ck:
         ck.save(1, src)
         ck.save(2, src)
-    read_manifest = commit.read_manifest
+    read_manifest = versions.read_manifest
 
     def read_then_gc(root, step):
         manifest = read_manifest(root, step)
         if step == 1:
-            commit.delete_version(root, step)  # the real unpublish (rename) and delete
+            versions.delete_version(root, step)  # the real unpublish (rename) and delete
         return manifest
 
-    monkeypatch.setattr(commit, "read_manifest", read_then_gc)
+    monkeypatch.setattr(ckpt._listing, "read_manifest", read_then_gc)
     out = CliRunner().invoke(cli, ["ls", str(tmp_path), "--json"])
     assert out.exit_code == 0, out.output
     assert [(r["step"], r["status"]) for r in json.loads(out.output)] == [(2, "committed")]

@@ -33,8 +33,8 @@ import pytest
 import torch
 
 from ckpt import Checkpointer
-from ckpt.replicator.core import source_label
-from ckpt.store import commit
+from ckpt.replicator.placement import source_label
+from ckpt.store import versions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,7 +113,8 @@ ROOT_DIES = COMMON + textwrap.dedent(
     """
     import ckpt
     from ckpt import Checkpointer
-    from ckpt.replicator.core import read_status, source_label
+    from ckpt.replicator.placement import source_label
+    from ckpt.replicator.status import read_status
 
     base = sys.argv[1]
     d0, d1 = base + "/disk0/ckpt", base + "/disk1/ckpt"
@@ -126,16 +127,20 @@ ROOT_DIES = COMMON + textwrap.dedent(
         os.close(fd)
 
     def replicated(steps):
-        v = read_status(d0).get("versions", {})
+        status = read_status(d0)
+        v = status.versions if status is not None else {}
         return all(
-            (v.get(str(s), {}).get("remote") or {}).get("state") == "verified"
-            and [c["state"] for c in v[str(s)]["copies"].values()] == ["verified"]
+            s in v
+            and v[s].remote is not None
+            and v[s].remote.state == "verified"
+            and [c.state for c in v[s].copies.values()] == ["verified"]
             for s in steps
         )
 
     def cli(*args):  # a real `ckpt` process
         out = subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True)
         print("CLI", args[0], out.returncode, repr(out.stderr), flush=True)
+        return out
 
     def cli_here(*args):  # the same command in this process (quicker)
         from click.testing import CliRunner
@@ -187,7 +192,8 @@ ROOT_DIES = COMMON + textwrap.dedent(
     del os.environ["CKPT_DELAY"]
     report("SAVE5", lambda: (ck.save(5, state_for(5)), ck.wait()))
     report("RESTORE_EIO", restore)
-    cli("ls", d0)
+    out = cli("ls", d0, "--json")
+    print("LS_EIO", [(r["step"], r["status"], r["detail"][-40:]) for r in json.loads(out.stdout)], flush=True)
     cli("verify", d0)
     out = cli_here("restore", d0, "--tier", replica, "--to", base + "/out1")
     print("EXPORT_EIO", out.stdout.strip(), flush=True)
@@ -251,7 +257,7 @@ def test_root_dies_mid_save(tmp_path: Path) -> None:
     assert [(cmd, rc) for cmd, rc, _ in cli] == [
         ("verify", 1),
         ("ls", 0),
-        ("ls", 3),
+        ("ls", 0),
         ("verify", 3),
         ("restore", 0),
         ("ls", 3),
@@ -262,7 +268,11 @@ def test_root_dies_mid_save(tmp_path: Path) -> None:
     for cmd, rc, err in cli:
         if rc:
             assert err.startswith("ckpt: error: ") and err.count("\n") == 1, (cmd, err)
-    assert "manifest.json: Input/output error" in cli[0][2] and "manifest.json: Input/output error" in cli[1][2]
+    # ls lists every version of the dead disk, each marked unreadable, saying why
+    listed = ast.literal_eval(_lines(out, "LS_EIO")[0])
+    assert [s for s, _, _ in listed] == [1, 2, 3] and all(st == "unreadable" for _, st, _ in listed), listed
+    assert all("manifest.json: Input/output error" in why for _, _, why in listed), listed
+    assert "manifest.json: Input/output error" in cli[1][2]
     assert "is not a directory" in cli[3][2] and "is not a directory" in cli[4][2]
     # `ckpt restore ROOT --tier REPLICA` reads past the broken root
     assert _lines(out, "EXPORT_EIO")[0].startswith("restored step 3 "), out
@@ -272,10 +282,12 @@ def test_root_dies_mid_save(tmp_path: Path) -> None:
 
     # nothing committed elsewhere is lost, and nothing of the failed saves got out
     replica = tmp_path / "disk1" / "ckpt" / "replicas" / source_label(d0)
-    assert commit.committed_steps(str(replica)) == [1, 2, 3]
-    assert sorted(p.name for p in (tmp_path / "remote").iterdir()) == [f"v{s:012d}" for s in (1, 2, 3)]
+    assert versions.committed_steps(str(replica)) == [1, 2, 3]
+    assert sorted(p.name for p in (tmp_path / "remote").iterdir() if p.name.startswith("v")) == [
+        f"v{s:012d}" for s in (1, 2, 3)
+    ]
     for out_dir in ("out1", "out2"):
-        assert commit.committed_steps(str(tmp_path / out_dir)) == [3]
+        assert versions.committed_steps(str(tmp_path / out_dir)) == [3]
     for step in (1, 2, 3):
         for tiers in ([str(replica)], [f"file://{tmp_path / 'remote'}"]):
             got = _blank()
@@ -296,8 +308,9 @@ DISK_VANISHES = COMMON + textwrap.dedent(
     from click.testing import CliRunner
     from ckpt import Checkpointer
     from ckpt.cli import main as cli
-    from ckpt.replicator.core import read_status, source_label
-    from ckpt.store import commit
+    from ckpt.replicator.placement import source_label
+    from ckpt.replicator.status import read_status
+    from ckpt.store import versions
 
     base = sys.argv[1]
     src, disk1 = base + "/disk0/ckpt", base + "/disk1"
@@ -311,7 +324,13 @@ DISK_VANISHES = COMMON + textwrap.dedent(
             time.sleep(0.02)
 
     def copy_state(step):
-        return [c.get("state") for c in read_status(src).get("versions", {}).get(str(step), {}).get("copies", {}).values()]
+        status = read_status(src)
+        entry = status.versions.get(step) if status is not None else None
+        return [c.state for c in entry.copies.values()] if entry is not None else []
+
+    def updated():
+        status = read_status(src)
+        return status.updated if status is not None else None
 
     def files(top):
         return sorted(os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top) for f in fs)
@@ -338,20 +357,20 @@ DISK_VANISHES = COMMON + textwrap.dedent(
         wait_for("the failure in the status", lambda: copy_state(2) == ["failed"])
         print("STATUS_GONE", copy_state(1), copy_state(2), flush=True)
         # nothing half-copied is committed: not on the lost disk, not below its mount point
-        print("COMMITTED_ON_LOST_DISK", commit.committed_steps(hidden), flush=True)
-        print("COMMITTED_BELOW_MOUNT", commit.committed_steps(replica), flush=True)
+        print("COMMITTED_ON_LOST_DISK", versions.committed_steps(hidden), flush=True)
+        print("COMMITTED_BELOW_MOUNT", versions.committed_steps(replica), flush=True)
         listing = CliRunner().invoke(cli, ["ls", hidden, "--json"])
         print("LS_LOST_DISK", listing.exit_code, [r["step"] for r in json.loads(listing.stdout)], flush=True)
         # a few more passes while the disk is away (each pass ends by writing the status)
-        seen = {read_status(src).get("updated")}
-        wait_for("3 more replicator passes", lambda: seen.add(read_status(src).get("updated")) or len(seen) > 3)
+        seen = {updated()}
+        wait_for("3 more replicator passes", lambda: seen.add(updated()) or len(seen) > 3)
         subprocess.run(["mount", "--bind", base + "/hidden", disk1], check=True)  # it comes back
         wait_for("the copy of step 2 after the disk came back", lambda: copy_state(2) == ["verified"])
         print("STATUS_BACK", copy_state(1), copy_state(2), flush=True)
     finally:
         daemon.send_signal(signal.SIGTERM)
         print("DAEMON_RC", daemon.wait(timeout=60), flush=True)
-    print("COMMITTED_BACK", commit.committed_steps(replica), flush=True)
+    print("COMMITTED_BACK", versions.committed_steps(replica), flush=True)
     check = CliRunner().invoke(cli, ["verify", replica])
     print("VERIFY_REPLICA", check.exit_code, flush=True)
     print("SOURCE_SAME", {s: files(src + f"/v{s:012d}") for s in (1, 2)} == before, flush=True)
@@ -400,7 +419,7 @@ def test_replica_disk_vanishes_mid_copy(tmp_path: Path) -> None:
     assert _lines(out, "SOURCE_SAME") == ["True"], where
     assert _lines(out, "REPLICA_FILES_DIFFER") == ["{1: [], 2: []}"], where
     assert _lines(out, "RESTORED_FROM_REPLICA") == ["2 True"], where
-    assert commit.committed_steps(str(tmp_path / "remote")) == [1, 2]
+    assert versions.committed_steps(str(tmp_path / "remote")) == [1, 2]
     with Checkpointer(tmp_path / "fresh", tiers=[f"file://{tmp_path / 'remote'}"]) as ck:
         got = _blank()
         assert ck.restore(got, step=1) == 1
@@ -411,8 +430,10 @@ def test_replica_directory_deleted_mid_copy(tmp_path: Path, caplog: pytest.LogCa
     """The replica's directory is deleted while a version is copied into it (an operator's
     rm -rf, a cleanup job): the copy does not count what was deleted as copied, the version
     is committed there only complete, and it reads back bitwise."""
-    from ckpt.replicator.core import Replicator, ReplicatorConfig, read_status
-    from ckpt.restore.tiers import LocalTier
+    from ckpt.replicator.config import ReplicatorConfig
+    from ckpt.replicator.service import Replicator
+    from ckpt.replicator.status import read_status
+    from ckpt.store.versions import committed
 
     for d in ("disk0", "disk1"):
         (tmp_path / d).mkdir()
@@ -443,12 +464,62 @@ def test_replica_directory_deleted_mid_copy(tmp_path: Path, caplog: pytest.LogCa
         thread.join(timeout=120)
     assert done, "run_once did not return"
     assert any("are gone; sending them again" in r.getMessage() for r in caplog.records), caplog.text
-    copies = read_status(str(src))["versions"]["1"]["copies"]
-    assert [c["state"] for c in copies.values()] == ["verified"], copies
-    assert [c.step for c in LocalTier(str(replica)).committed()] == [1]
+    status = read_status(str(src))
+    assert status is not None
+    copies = status.versions[1].copies
+    assert [c.state for c in copies.values()] == ["verified"], copies
+    assert [c.step for c in committed(str(replica))] == [1]
     assert _tree_digest(replica / "v000000000001") == before  # every file, byte for byte, nothing more
     assert _tree_digest(src / "v000000000001") == before
     got = {**_blank(), "big": {k: torch.zeros_like(v) for k, v in big.items()}}
     with Checkpointer(tmp_path / "fresh", tiers=[str(replica)]) as ck:
         assert ck.restore(got) == 1
     assert _same(got, 1) and all(torch.equal(got["big"][k], v) for k, v in big.items())
+
+
+# -- 5. a replica disk that is not mounted when the replicator starts ----------------------------
+
+NOT_MOUNTED = COMMON + textwrap.dedent(
+    """
+    from ckpt import Checkpointer
+    from ckpt.replicator.config import ReplicatorConfig
+    from ckpt.replicator.service import Replicator
+    from ckpt.replicator.status import read_status
+
+    base = sys.argv[1]
+    src, disk1 = base + "/disk0/ckpt", base + "/disk1"
+    config = ReplicatorConfig(replicas=2, replica_roots=(disk1,))
+
+    def copy_states(status, step):
+        return [(c.state, c.error) for c in status.versions[step].copies.values()]
+
+    with Checkpointer(src) as ck:
+        ck.save(1, state_for(1))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", disk1], check=True)
+    status = Replicator([src], config).run_once()[src]  # the first start: the disk is there
+    print("FIRST", [s for s, _ in copy_states(status, 1)], flush=True)
+    subprocess.run(["umount", disk1], check=True)  # a reboot, and the disk is not mounted back
+    with Checkpointer(src) as ck:
+        ck.save(2, state_for(2))
+    status = Replicator([src], config).run_once()[src]  # a new replicator process, the same source
+    print("UNMOUNTED", copy_states(status, 2), flush=True)
+    print("BELOW_MOUNT_POINT", sorted(os.listdir(disk1)), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not _can_mount("tmpfs"), reason="needs root and unshare -m to mount a tmpfs")
+def test_a_replica_disk_not_mounted_at_start_is_not_written(tmp_path: Path) -> None:
+    """A replicator (re)started while its replica disk is not mounted finds the empty mount
+    point, on the root filesystem, in its place: that is not the disk the copies were on.
+    The copy is reported failed, saying so, and nothing is written below the mount point."""
+    for d in ("disk0", "disk1"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "disk0" / ".ckpt-disk").write_text("disk0")
+    script = tmp_path / "driver.py"
+    script.write_text(NOT_MOUNTED)
+    out = _run_in_namespace(f"cd {REPO} && PYTHONPATH={REPO} exec {sys.executable} {script} {tmp_path}").stdout
+    assert _lines(out, "FIRST") == ["['verified']"], out
+    (unmounted,) = _lines(out, "UNMOUNTED")
+    assert unmounted.startswith("[('failed', ") and "is gone" in unmounted, out
+    assert _lines(out, "BELOW_MOUNT_POINT") == ["[]"], out

@@ -1,0 +1,126 @@
+"""What `ckpt ls` shows of a root: one row per version, with the replicator's status.
+
+Every version directory gets a row, whatever state it is in: a manifest that cannot be
+read (a failing disk, a store that does not answer) marks that row `unreadable` and the
+listing goes on; one that fails its checks marks it `damaged`. On a local root, the tmp
+directories a dead writer left are listed as `incomplete` (a live writer's are saves in
+flight, not versions).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from ckpt.replicator.status import CopyState, read_status
+from ckpt.store import commit
+from ckpt.store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.manifest import MANIFEST_NAME, Manifest
+from ckpt.store.root import writer_active
+from ckpt.store.tier import Tier, join_key
+from ckpt.store.versions import committed_steps, read_manifest, read_root_info, version_dirname
+
+__all__ = ["Row", "version_rows"]
+
+Status = Literal["committed", "partial", "damaged", "unreadable", "incomplete"]
+STATUS_HELP = {
+    "partial": "this root holds some ranks' chunks; the other ranks' are on other roots",
+    "damaged": "its manifest fails its checks",
+    "unreadable": "its manifest could not be read",
+    "incomplete": "a save that never committed (removed when a writer opens the root)",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    step: int
+    status: Status
+    detail: str = ""  # why damaged or unreadable; the directory of an incomplete save
+    time: float | None = None  # commit time
+    bytes: int | None = None
+    world_size: int | None = None
+    arrays: int | None = None
+    writers_here: tuple[int, ...] = ()
+    milestone: bool = False
+    timings: tuple[dict[str, Any], ...] = ()  # per rank, with the commit time derived
+    copies: dict[str, CopyState] | None = None  # the replicator's copies (None: no replicator ran)
+    remote: CopyState | None = None
+    replicate_s: dict[str, float] = field(default_factory=dict)  # per copy: commit to verified
+    lag_s: float | None = None  # commit to remote verified (or to now)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["writers_here"] = list(self.writers_here)
+        doc["timings"] = list(self.timings)
+        return doc
+
+
+def _timings(m: Manifest) -> tuple[dict[str, Any], ...]:
+    out = []
+    for t in m.meta.get("timings", []):
+        if not isinstance(t, dict):
+            continue
+        t = dict(t)
+        if isinstance(t.get("started"), (int, float)):  # from save() to the manifest, minus the measured phases
+            copied = max(t.get("stage_s", 0), t.get("staged_s", 0))  # deferred staging: its copy ends later
+            t["commit_s"] = round(max(0.0, m.created - t["started"] - copied - t.get("write_s", 0)), 4)
+        out.append(t)
+    return tuple(out)
+
+
+def _committed_row(tier: Tier, step: int, m: Manifest) -> Row:
+    info = read_root_info(tier, step)
+    writers = info.writers if info is not None else ()
+    whole = all(w in writers for w in range(m.world_size))
+    return Row(
+        step,
+        "committed" if whole else "partial",
+        time=m.created,
+        bytes=m.total_bytes,
+        world_size=m.world_size,
+        arrays=len(m.arrays),
+        writers_here=writers,
+        milestone=bool(m.meta.get("milestone")),
+        timings=_timings(m),
+    )
+
+
+def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
+    status = read_status(root)
+    entry = None if status is None else status.versions.get(row.step)
+    if entry is None or entry.save_id != save_id:
+        return row
+    done = [*entry.copies.items(), *([("remote", entry.remote)] if entry.remote is not None else [])]
+    replicate_s = {dest: round(c.at - created, 3) for dest, c in done if c.state == "verified"}
+    lag = None
+    if entry.remote is not None:
+        until = entry.remote.at if entry.remote.state == "verified" else time.time()
+        lag = round(max(0.0, until - created), 3)
+    return Row(
+        **{**row.__dict__, "copies": entry.copies, "remote": entry.remote, "replicate_s": replicate_s, "lag_s": lag}
+    )
+
+
+def version_rows(tier: Tier) -> list[Row]:
+    """Every version of the tier, oldest first (see the module docstring)."""
+    rows = []
+    root = tier.local_path("")
+    for step in committed_steps(tier):
+        try:
+            m = read_manifest(tier, step)
+        except VersionNotFoundError:
+            continue  # deleted (GC) since the listing
+        except CorruptVersionError as e:
+            rows.append(Row(step, "damaged", str(e)))
+            continue
+        except (TierUnavailableError, OSError) as e:
+            rows.append(Row(step, "unreadable", str(e)))
+            continue
+        row = _committed_row(tier, step, m)
+        if not row.writers_here and not tier.exists(join_key(version_dirname(step), MANIFEST_NAME)):
+            continue  # GC unpublished it between the manifest and the root info: gone, not partial
+        rows.append(row if root is None else _with_status(row, root, m.save_id, m.created))
+    if root is not None and not writer_active(root):
+        rows += [Row(p.step, "incomplete", p.dirname) for p in commit.prepared_versions(root)]
+    return sorted(rows, key=lambda r: r.step)

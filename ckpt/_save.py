@@ -1,0 +1,336 @@
+"""The save pipeline of one Checkpointer: from save() to a queued commit.
+
+save() describes the state (ckpt._tree, ckpt._tensors), agrees with the other ranks on
+the layout and the save's id (one collective), copies what must be copied before it
+returns into the reused staging buffer (ckpt._staging), and queues the commit on the
+background thread (ckpt._commit). With deferred staging the commit thread copies the
+optimizer-owned tensors (ckpt._deferred); with overlap_writes the writers start on each
+chunk as it lands. At most one save is in flight.
+
+From the ranks' last collective in save() to its return, every exception (Ctrl-C, a
+SIGTERM handler's SystemExit) still queues the commit, failed, so no other rank waits
+for this one until the collective timeout, and no copy is left running into the buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ckpt._commit import RootContext, run_once
+from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
+from ckpt._dist import Comm
+from ckpt._gc import no_cyclic_gc
+from ckpt._job import SaveJob, SaveRequest, SaveStats
+from ckpt._staging import Arena, Readiness, StageTask, assign_offsets, slot_bytes, stage
+from ckpt._tensors import LocalPiece, describe
+from ckpt._tree import encode_state
+from ckpt._write import write_tasks
+from ckpt.config import CheckpointerConfig
+from ckpt.rng import capture_rng
+from ckpt.store import commit, metrics
+from ckpt.store.errors import CkptError, RankFailures, StateMismatchError, TierUnavailableError, VersionExistsError
+from ckpt.store.faults import fault_delay, fault_point
+from ckpt.store.fsio import makedirs
+from ckpt.store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
+from ckpt.store.tier import Tier
+from ckpt.store.versions import committed_steps
+
+__all__ = ["Saver"]
+
+log = logging.getLogger("ckpt")
+LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # name, dtype, global, offsets, local
+
+
+def _merge_specs(per_rank: list[list[LocalSpec]]) -> list[ArraySpec]:
+    merged: dict[str, tuple[str, tuple[int, ...], list[HeldRegion], int]] = {}
+    for rank, entries in enumerate(per_rank):
+        for name, dtype, gshape, offsets, lshape in entries:
+            if name not in merged:
+                merged[name] = (dtype, gshape, [], rank)
+            first_dtype, first_shape, held, first = merged[name]
+            if (dtype, gshape) != (first_dtype, first_shape):
+                raise StateMismatchError(
+                    f"{name}: rank {rank} holds {dtype}{list(gshape)}, rank {first} holds {first_dtype}{list(first_shape)}"
+                )
+            held.append(HeldRegion(rank, offsets, lshape))
+    return [ArraySpec(n, d, s, tuple(h)) for n, (d, s, h, _) in merged.items()]
+
+
+def _staging_error(e: BaseException, step: int, root: str) -> BaseException:
+    """What a failed copy reports through the commit: OSError as the documented type, an
+    interruption (KeyboardInterrupt in save()) as an error rather than re-raised on a thread."""
+    if isinstance(e, OSError) and not isinstance(e, CkptError):
+        return TierUnavailableError(e.errno, f"cannot write step {step} to {root}: {e.strerror or e}")
+    if not isinstance(e, Exception):
+        return CkptError(f"staging of step {step} was interrupted by {type(e).__name__}")
+    return e
+
+
+def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]:
+    if limit is None:
+        return [tasks]
+    out: list[list[StageTask]] = [[]]
+    size = 0
+    for t in tasks:
+        if out[-1] and size + slot_bytes(t) > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += slot_bytes(t)
+    return out
+
+
+class Saver:
+    """save(), wait() and their state: the staging buffer, the plan cache, the threads."""
+
+    def __init__(self, config: CheckpointerConfig, ctl: Comm, data: Comm, ctx: RootContext, tier: Tier) -> None:
+        self.config, self._ctl, self._data, self._ctx, self._tier = config, ctl, data, ctx, tier
+        self.rank = ctl.rank
+        self._pending: Future[SaveStats] | None = None
+        self.stats: list[SaveStats] = []
+        self._plans: list[ArrayPlan] = []
+        self._plan_sigs: list[int] | None = None
+        self._arena = Arena()
+        self.gate = StagingGate()
+        self._copy_pool = ThreadPoolExecutor(max(1, config.copy_threads - 1), thread_name_prefix="ckpt-copy")
+        self._writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="ckpt-write")
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+
+    @property
+    def root(self) -> str:
+        return self._ctx.root
+
+    def save(self, step: int, state: Mapping[str, Any], *, overwrite: bool, milestone: bool) -> bool:
+        started = time.perf_counter()
+        if self.config.if_busy == "skip":
+            busy = self._pending is not None and not self._pending.done()
+            if any(self._ctl.all_gather(busy)):
+                log.info("rank %d step %d: skipped, a save is still in flight", self.rank, step)
+                return False
+        self.wait()
+        pieces: dict[str, LocalPiece] = {}
+        local: list[LocalSpec] = []
+        deferrable: dict[str, tuple[str, Any]] = {}  # array name -> (key, leaf), copied after save() returns
+        tree: Any = None
+        rng = None
+        error: BaseException | None = None
+        try:
+            with no_cyclic_gc():
+                tree, leaves = encode_state(state)
+                owned: set[tuple[str, int]] = set()
+                if self.config.deferred_staging:
+                    owned = self.gate.owned_storages(find_optimizers(state))
+                for leaf in leaves:
+                    p = describe(leaf.value, leaf.key)
+                    pieces[leaf.name] = p
+                    local.append((leaf.name, p.data_type, p.global_shape, p.offsets, tuple(p.data.shape)))
+                    if owned and can_defer(leaf.value, p.data, owned):
+                        deferrable[leaf.name] = (leaf.key, leaf.value)
+            rng = capture_rng() if self.config.capture_rng else None
+            if self._ctx.is_leader and step in committed_steps(self._tier):
+                if not overwrite:
+                    raise VersionExistsError(f"step {step} is already committed under {self.root}; pass overwrite=True")
+        except Exception as e:  # noqa: BLE001 - every rank must reach the collective below, then raises alike
+            error = e
+        info = self._ctl.all_gather(
+            (hash(tuple(local)), uuid.uuid4().hex, None if error is None else (type(error).__name__, str(error)))
+        )
+        if error is not None:
+            raise error
+        failures = {r: f"{e[0]}: {e[1]}" for r, (_, _, e) in enumerate(info) if e}
+        if failures:
+            exists = [e for _, _, e in info if e and e[0] == VersionExistsError.__name__]
+            raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
+        sigs = [s for s, _, _ in info]
+        if sigs != self._plan_sigs:
+            self._plans = plan_arrays(_merge_specs(self._ctl.all_gather(local)), split_bytes=self.config.split_bytes)
+            self._plan_sigs = sigs
+        request = SaveRequest(
+            step=step,
+            save_id=info[0][1],
+            overwrite=overwrite,
+            milestone=milestone,
+            plans=self._plans,
+            tree=tree,
+            rng=rng,
+            check_finite=self.config.check_finite,
+            direct_io=self.config.direct_io,
+            started=started,
+        )
+        job = SaveJob(request, self._arena.get(0, False))
+        # From here on no rank waits for another in save(): whatever interrupts this one
+        # must still queue its commit, to fail on every rank, and leave no copy running
+        # into the staging buffer.
+        try:
+            self._stage_and_queue(job, pieces, deferrable)
+        except BaseException as e:
+            # A second interrupt may strike while this handler runs (Ctrl-C pressed twice):
+            # failing and queueing again is harmless (SaveJob.fail, run_once), so it is
+            # tried until it has run to its end, and the first interruption is raised. No
+            # call lies between the handler's entry and the try below, and Python runs
+            # signal handlers only at calls and backward jumps.
+            while True:
+                try:
+                    self._fail_save(job, e)
+                    break
+                except BaseException:  # noqa: BLE001 - the first interruption is raised below
+                    continue
+            raise
+        return True
+
+    def _stage_and_queue(
+        self, job: SaveJob, pieces: Mapping[str, LocalPiece], deferrable: Mapping[str, tuple[str, Any]]
+    ) -> None:
+        step, save_id = job.step, job.request.save_id
+        tasks = [
+            StageTask(plan, chunk, pieces[plan.spec.name])
+            for plan in self._plans
+            for chunk in plan.chunks
+            if chunk.writer == self.rank
+        ]
+        pin = any(t.piece.data.is_cuda for t in tasks)
+        batches = _batches(tasks, self.config.max_staging_bytes)
+        now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
+        try:
+            for i, batch in enumerate(batches):
+                placed, size = assign_offsets(batch)
+                job.arena = self._arena.get(size, pin)
+                job.tasks = placed
+                if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
+                    stage(job.arena, placed, self._copy_pool)
+                    tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
+                    makedirs(tmp_dir)
+                    write_tasks(job, tmp_dir, self._writer_pool)
+                    continue
+                job.ready = Readiness(placed)
+                now = [t for t in placed if t.array.spec.name not in deferrable]
+                later = [t for t in placed if t.array.spec.name in deferrable]
+                if later:  # the rest now; the deferred part is the commit thread's to copy
+                    stage(job.arena, now, self._copy_pool, copied=job.ready.mark)
+                    now = []
+                    job.deferred = self._defer(job.arena, later, deferrable)
+        except Exception as e:  # noqa: BLE001 - reported through the commit so every rank aborts together
+            job.error = _staging_error(e, step, self.root)
+        if job.error is not None:
+            job.tasks, job.ready, job.deferred, now = [], None, None, []
+        ready = job.ready if job.deferred is None else None  # save()'s own copy, still to make
+        job.overlap = job.ready is not None and self._overlap_writes(pin)
+        copy_while_queued = ready is not None and job.overlap  # the writers take each chunk as it lands
+        if not copy_while_queued:
+            if ready is not None:
+                self._copy_now(job, now, ready)
+            self._stalled(job, ready)
+        if job.deferred is not None:
+            self.gate.close()  # optimizer steps wait from here until the commit thread has copied
+        self._queue(job)
+        if copy_while_queued:
+            assert ready is not None
+            self._copy_now(job, now, ready)
+            self._stalled(job, ready)
+
+    def _copy_now(self, job: SaveJob, tasks: list[StageTask], ready: Readiness) -> None:
+        """save()'s copy into the arena, each chunk marked ready as it lands. A failure fails
+        the commit (on every rank); an interruption propagates (to _fail_save)."""
+        try:
+            stage(job.arena, tasks, self._copy_pool, copied=ready.mark)
+        except Exception as e:  # noqa: BLE001 - the commit raises it, on every rank
+            ready.fail(_staging_error(e, job.step, self.root))
+
+    def _queue(self, job: SaveJob) -> None:
+        """Queue the job's commit; again is harmless (run_once)."""
+        self._committer.submit(run_once, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold)
+        fault_delay("queued", self.rank)
+        self._pending = job.outcome
+
+    def _fail_save(self, job: SaveJob, e: BaseException) -> None:
+        """save() was interrupted after the ranks' last collective: make the commit fail on
+        every rank instead of waiting for a copy that will not be reported, and queue it if
+        it may not be queued yet (no rank must wait for this one until the timeout)."""
+        if job.fail(_staging_error(e, job.step, self.root)):
+            self.gate.open()  # not started: it runs no deferred copy
+        fault_delay("fail-save", self.rank)
+        self._queue(job)
+
+    def _stalled(self, job: SaveJob, ready: Readiness | None) -> None:
+        """save()'s part is over: record the stall, then let the commit use what was copied
+        (it reports the stats, so they are set first)."""
+        job.stats.stage_s = time.perf_counter() - job.request.started
+        if job.deferred is None:
+            job.stats.staged_s = job.stats.stage_s
+        fault_delay("after-stage", self.rank)
+        fault_point("after-stage", self.rank)
+        metrics.SAVE_STALL.observe(job.stats.stage_s)
+        if ready is not None:
+            ready.done()  # a no-op after a failed copy: result() raises its error
+
+    def _overlap_writes(self, cuda: bool) -> bool:
+        if self.config.overlap_writes is not None:
+            return self.config.overlap_writes
+        if cuda:  # the copy is DMA: the host's cores are free for the writers
+            return True
+        cores = len(os.sched_getaffinity(0))
+        if cores == os.cpu_count():  # not pinned to its own cores: shared with this node's other ranks
+            cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return cores >= self.config.copy_threads + self.config.writer_threads
+
+    def _defer(
+        self, arena: torch.Tensor, tasks: list[StageTask], leaves: Mapping[str, tuple[str, Any]]
+    ) -> Callable[[SaveJob], None]:
+        """The copy of `tasks` that the commit thread makes before writing (deferred staging)."""
+        after = None
+        device = next((t.piece.data.device for t in tasks if t.piece.data.is_cuda), None)
+        if device is not None:  # the values as of this save(): the work queued so far on its stream
+            after = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            after.record(torch.cuda.current_stream(device))
+        watched: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        for t in tasks:
+            key, value = leaves[t.array.spec.name]
+            wrapper = [value] if isinstance(value, torch.Tensor) and value is not t.piece.data else []
+            watched[t.array.spec.name] = (key, [t.piece.data, *wrapper])
+        versions = Versions(watched.values())
+
+        def copy(job: SaveJob) -> None:
+            assert job.ready is not None
+            try:
+                stage(arena, tasks, self._copy_pool, after=after, copied=job.ready.mark)
+                versions.check()
+            except BaseException as e:  # noqa: BLE001 - the commit raises it, on every rank
+                job.ready.fail(_staging_error(e, job.step, self.root))
+            else:
+                job.ready.done()
+            finally:
+                job.stats.staged_s = time.perf_counter() - job.request.started
+                self.gate.open()
+
+        return copy
+
+    def wait(self) -> None:
+        """Block until the pending save is committed; raise its error if it failed."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            stats = pending.result()
+        finally:
+            # Forgotten only once it has ended: a wait interrupted by a signal (a SIGTERM
+            # handler's SystemExit, then an emergency save) must not let the next save
+            # reuse the staging buffer while this one still reads or writes it.
+            if pending.done():
+                self._pending = None
+        self.stats.append(stats)
+
+    def close(self) -> None:
+        """Stop the threads and free the buffer (after wait())."""
+        for pool in (self._committer, self._writer_pool, self._copy_pool):
+            pool.shutdown(wait=True)
+        self.gate.open()  # a failed save may have left it closed
+        self.gate.remove_hooks()
+        self._arena.release()

@@ -1,0 +1,60 @@
+"""`ckpt verify`: recompute every checksum of a tier's versions, each pinned against GC
+while it is read. Damage (a bad manifest, a bad or missing chunk) is reported per
+version; a tier that cannot be read raises (it is not damage)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ckpt._render import human
+from ckpt.store.chunk_read import verify_chunks
+from ckpt.store.errors import CkptError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.manifest import MANIFEST_NAME
+from ckpt.store.pins import pin_version
+from ckpt.store.tier import Tier, join_key
+from ckpt.store.versions import committed_steps, read_manifest, read_root_info, version_dirname
+
+__all__ = ["Checked", "verify_tier"]
+
+
+@dataclass(frozen=True)
+class Checked:
+    step: int
+    problems: tuple[str, ...]  # one line per bad chunk, or the bad manifest
+    summary: str  # "ok (N chunks, SIZE)" when there is no problem
+
+
+def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
+    try:
+        manifest = read_manifest(tier, step)
+    except VersionNotFoundError:
+        if asked:
+            raise
+        return None  # deleted (GC) since the listing
+    except TierUnavailableError:
+        raise  # the disk fails (I/O error): one error line and exit 3, not a bad chunk
+    except CkptError as e:
+        return Checked(step, (f"BAD manifest: {e}",), "")
+    info = read_root_info(tier, step)
+    held = set(info.writers) if info is not None else None
+    problems = tuple(f"BAD {p.path}: {p.reason}" for p in verify_chunks(tier, step, manifest, held))
+    n = sum(1 for a in manifest.arrays.values() for c in a.chunks if held is None or c.writer in held)
+    return Checked(step, problems, f"ok ({n} chunks, {human(manifest.total_bytes)})")
+
+
+def verify_tier(tier: Tier, step: int | None = None) -> Iterator[Checked]:
+    """Each version's check (or only `step`'s), oldest first."""
+    steps = [step] if step is not None else committed_steps(tier)
+    if not steps:
+        raise CkptError(f"no committed versions in {tier.location}")
+    for s in steps:
+        with pin_version(tier, s) as held:  # GC leaves it alone while it is checked
+            there = held and tier.exists(join_key(version_dirname(s), MANIFEST_NAME))  # or a GC deleted it meanwhile
+            if not there:
+                if step is not None:
+                    raise VersionNotFoundError(f"step {s} is not committed in {tier.location} (or is being deleted)")
+                continue
+            checked = _check(tier, s, asked=step is not None)
+        if checked is not None:
+            yield checked

@@ -1,0 +1,49 @@
+"""`ReplicatorConfig`: every tunable of the replicator, validated, never rewritten."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt.replicator.policy import Policy
+
+__all__ = ["ReplicatorConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicatorConfig:
+    replicas: int = 1
+    """Copies of every chunk on distinct disks, the original included (1: no extra copy)."""
+    replica_roots: tuple[str, ...] = ()
+    """Where copies may go: other local disks, or a peer's disk through any fsspec URL."""
+    remote: str | None = None
+    """The shared tier: s3://bucket/prefix, file:///path, any fsspec URL."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """fsspec options for URLs (endpoint_url, key, ...). Default: AWS_* variables and files."""
+    bwlimit_mbps: float | None = None
+    """Cap on the bytes/s all copies and uploads of this replicator send, in MB/s."""
+    threads: int = 8
+    readback: bool = True
+    """Verify each copy by reading it back and comparing its xxh3 with the manifest."""
+    interval_s: float = 0.5
+    local_policy: Policy | None = None
+    """Retention of the source roots (and their replicas); None keeps everything."""
+    remote_policy: Policy | None = None
+    """Retention of the remote; None keeps everything."""
+    abandon_after_s: float = 6 * 3600.0
+    """A remote version directory without a manifest in which nothing was written for this
+    long is an upload no replicator is working on (a live one rewrites its part record every
+    pass): the remote's GC collects it (with remote_policy set)."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        if self.replicas - 1 > len(self.replica_roots):
+            raise ValueError(f"replicas={self.replicas} needs at least {self.replicas - 1} replica roots")
+        if self.bwlimit_mbps is not None and self.bwlimit_mbps <= 0:
+            raise ValueError("bwlimit_mbps must be positive")
+        if self.threads < 1 or self.interval_s <= 0:
+            raise ValueError("threads and interval_s must be positive")
+        if self.abandon_after_s <= 0:
+            raise ValueError("abandon_after_s must be positive")

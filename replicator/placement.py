@@ -1,0 +1,103 @@
+"""Where copies go: destinations on distinct disks, and proof that a disk is the one it was.
+
+"The same disk" is decided by `disk_id`: for a URL other than `file://`, its protocol and
+host; for a local path, the content of the nearest `.ckpt-disk` file above it (bind
+mounts, network filesystems and tests, where a device number says too little), else the
+device. A replica root's identity is recorded the first time it is used (and a
+`.ckpt-disk` is written at the root if there is none above it), and every later pass
+(every later start too: it is kept in the source root's status) must find the same
+identity there. An unmounted disk leaves its empty mount point, on another filesystem,
+in its place: it then fails the check, is reported `failed`, and nothing is written there.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import platform
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ckpt.store.errors import TierUnavailableError
+from ckpt.store.fsio import makedirs, write_durable
+from ckpt.store.tier import Tier, is_url
+
+__all__ = ["DISK_MARKER", "Destination", "disk_id", "claim_disk", "is_local_location", "source_label"]
+
+DISK_MARKER = ".ckpt-disk"
+
+
+def is_local_location(location: str) -> bool:
+    return not is_url(location) or location.startswith("file://")
+
+
+def _path(location: str) -> str:
+    return os.path.abspath(location[len("file://") :] if location.startswith("file://") else location)
+
+
+def disk_id(location: str) -> str:
+    """The disk `location` is on, as placement compares them."""
+    if not is_local_location(location):
+        proto, rest = location.split("://", 1)
+        return f"{proto}://{rest.split('/', 1)[0]}"
+    path = _path(location)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    probe = path
+    while True:
+        marker = os.path.join(probe, DISK_MARKER)
+        if os.path.isfile(marker):
+            with open(marker) as f:
+                return f"marker:{f.read().strip()}"
+        if probe == os.path.dirname(probe):
+            break
+        probe = os.path.dirname(probe)
+    return f"dev:{os.stat(path).st_dev}"
+
+
+def claim_disk(location: str) -> str:
+    """The identity of a local replica root's disk, made provable: a `.ckpt-disk` holding a
+    new id is written at the root when none lies above it. For other URLs: disk_id."""
+    current = disk_id(location)
+    if not is_local_location(location) or current.startswith("marker:"):
+        return current
+    root = _path(location)
+    makedirs(root)
+    marker = os.path.join(root, DISK_MARKER)
+    tmp = f"{marker}.tmp-{uuid.uuid4().hex}"
+    write_durable(tmp, uuid.uuid4().hex.encode())  # FILE_MODE, whatever the umask
+    try:
+        os.link(tmp, marker)  # create-only: a concurrent claimer's id wins alike for both
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return disk_id(location)
+
+
+def source_label(root: str) -> str:
+    """A stable name for a source root in replica directories: host and path."""
+    path = os.path.abspath(root).strip("/").replace("/", "_")
+    return f"{platform.node()}_{path}"[:200]
+
+
+@dataclass
+class Destination:
+    """A place copies of a source root's versions go."""
+
+    url: str  # a local path or an fsspec URL, as configured
+    kind: Literal["replica", "shared"]  # a replica of one source root, or the remote all nodes share
+    tier: Tier
+    disk: str | None = None  # the disk identity the copies must stay on (local replicas)
+    id: str = field(init=False)  # names its journals
+
+    def __post_init__(self) -> None:
+        self.id = hashlib.sha1(self.url.encode()).hexdigest()[:12]
+
+    def check_disk(self) -> None:
+        """TierUnavailableError if the destination is not on its disk: a disk unmounted
+        (before or during a copy) leaves its mount point, on another disk, in its place."""
+        if self.disk is not None and (now := disk_id(self.url)) != self.disk:
+            raise TierUnavailableError(errno.ENODEV, f"{self.url}: its disk ({self.disk}) is gone, found {now}")

@@ -1,0 +1,128 @@
+"""Committing a copied version at a destination, the manifest last.
+
+A *replica* destination (a copy of one source root on another disk) commits as soon as
+its part is complete: its root.json lists the source's writer ranks. The *shared*
+destination (the remote every node uploads to) gathers every node's part: each node
+records its part (`parts/<i>.json`), and whichever node finds the parts covering every
+rank commits.
+
+Committing on the shared remote: claim the version with a create-only `.commit` holding
+the save_id (a collector of abandoned uploads claims it with "gc", so the two exclude each
+other); then, with the claim held, check that nothing is being deleted there and that
+every chunk the manifest names is present at its size (what was checked before the claim
+may have been collected since). A replica has one writer and no collector: no claim, and
+its files stay exactly the source's. Then root.json; then the manifest, create-only. A
+version at a destination is complete or invisible.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from ckpt.replicator.transfer import Transfer, missing_files
+from ckpt.store.errors import ManifestError, StoppedError
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
+from ckpt.store.tier import Tier, join_key
+from ckpt.store.versions import COMMIT_CLAIM, DELETING_MARKER, RootInfo, read_root_info, version_dirname
+
+__all__ = ["GC_CLAIM", "committed_info", "publish"]
+
+log = logging.getLogger("ckpt.replicator")
+GC_CLAIM = b"gc"
+PARTS = "parts"
+
+
+def committed_info(tier: Tier, step: int) -> RootInfo | None:
+    """The destination's root info if the version is committed there, else None."""
+    name = version_dirname(step)
+    if not tier.exists(join_key(name, MANIFEST_NAME)):
+        return None
+    return read_root_info(tier, step)
+
+
+def _covered(tier: Tier, name: str, save_id: str) -> set[int]:
+    """The ranks the recorded parts of this save cover."""
+    covered: set[int] = set()
+    for part in tier.listdir(join_key(name, PARTS)):
+        try:
+            doc = json.loads(tier.get(join_key(name, PARTS, part)))
+        except (FileNotFoundError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("save_id") == save_id and isinstance(doc.get("writers"), list):
+            covered |= {w for w in doc["writers"] if type(w) is int}
+    return covered
+
+
+def _claim(tier: Tier, name: str, save_id: str) -> bool:
+    """Hold the version's commit claim for this save; False if a collector or another
+    save of the same step holds it."""
+    key = join_key(name, COMMIT_CLAIM)
+    try:
+        tier.put_if_absent(key, save_id.encode())
+        return True
+    except FileExistsError:
+        try:
+            holder = tier.get(key)
+        except FileNotFoundError:  # released meanwhile (a collector finished): next pass
+            return False
+        return holder == save_id.encode()  # ours (a retried write, or another node of this save)
+
+
+def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, int]) -> bool:
+    """Commit the copied part; True once the destination holds the version committed (a
+    replica: this part), False while other nodes' parts are missing or the destination is
+    busy (collected, or another save of the step). `sizes`: the files copy_files sent."""
+    tier, name, m = t.dest.tier, t.name, t.manifest
+    if t.dest.kind == "shared":
+        part = json.dumps({"save_id": m.save_id, "writers": sorted(writers)}).encode()
+        tier.put(join_key(name, PARTS, f"{part_index}.json"), part)
+        if not _covered(tier, name, m.save_id) >= set(range(m.world_size)):
+            return False  # other nodes' parts are still on their way; whoever completes the set commits
+        holders = tuple(range(m.world_size))
+    else:
+        holders = tuple(sorted(writers))
+    if t.dest.kind == "shared" and not _claim(tier, name, m.save_id):
+        log.warning("%s: held by a collector or another save of step %d; not committed now", t.where(), t.step)
+        return False
+    # With the claim held nothing is collected here: what the checks find stays.
+    if tier.exists(join_key(name, DELETING_MARKER)):
+        return False
+    if t.dest.kind == "shared" and not _covered(tier, name, m.save_id) >= set(range(m.world_size)):
+        return False
+    expected = dict(sizes)
+    held = set(holders)
+    expected.update(
+        {
+            a.chunk_path(c): c.nbytes
+            for a in m.arrays.values()
+            for c in a.chunks
+            if c.inline is None and c.writer in held
+        }
+    )
+    missing = missing_files(tier, t.step, expected)
+    if missing:
+        log.warning(
+            "%s: %d file(s) missing at commit time (%s...); sent again next pass", t.where(), len(missing), missing[0]
+        )
+        for rel in missing:
+            t.journal.discard(rel)
+        t.journal.save()
+        return False
+    t.dest.check_disk()
+    tier.put(join_key(name, ROOT_INFO_NAME), RootInfo(m.save_id, t.step, m.world_size, holders).to_json())
+    if t.stop.is_set():
+        raise StoppedError(f"stopped before committing {t.where()}")
+    try:
+        tier.put_if_absent(join_key(name, MANIFEST_NAME), m.to_json())
+    except FileExistsError:
+        try:
+            existing = parse_manifest(tier.get(join_key(name, MANIFEST_NAME)))
+        except ManifestError:
+            existing = None
+        if existing is None or existing.save_id != m.save_id:
+            log.warning("%s already holds step %d from another save; not replaced", t.dest.tier.location, t.step)
+            return False
+    tier.sync(name)
+    t.journal.remove()
+    return True

@@ -1,0 +1,324 @@
+"""The replicator: copies every committed version of a node's roots onto other disks and
+to the shared remote, verifies the copies, records a status, and applies retention.
+
+Runs as the `ckpt replicate` daemon or as a thread of the Checkpointer. One pass
+(`run_once`) is idempotent and resumable; `run` repeats it until stopped.
+
+Placement: each chunk must exist on `replicas` distinct disks, the source's included.
+The part a source root holds is copied to `<replica root>/replicas/<source label>/`
+on replica roots whose disk differs from the source's and from each other's, and whose
+disk is still the one first recorded there (replicator.placement).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from ckpt.replicator.config import ReplicatorConfig
+from ckpt.replicator.gc import collect, judge
+from ckpt.replicator.placement import Destination, claim_disk, disk_id, is_local_location, source_label
+from ckpt.replicator.policy import Policy, VersionInfo, expired
+from ckpt.replicator.publish import committed_info, publish
+from ckpt.replicator.ratelimit import RateLimiter
+from ckpt.replicator.status import (
+    REMOTE_DONE,
+    STATE_DIR,
+    CopyState,
+    State,
+    Status,
+    VersionStatus,
+    read_status,
+    redundant_steps,
+    write_status,
+)
+from ckpt.replicator.transfer import Transfer, copy_files, journal_for
+from ckpt.store import metrics
+from ckpt.store.errors import CkptError, StoppedError
+from ckpt.store.manifest import Manifest
+from ckpt.store.retry import RetryPolicy
+from ckpt.store.storage_options import redact
+from ckpt.store.tier import Tier, open_tier
+from ckpt.store.versions import committed_steps, read_manifest, read_root_info
+
+__all__ = ["Replicator"]
+
+log = logging.getLogger("ckpt.replicator")
+WAITING: State = "waiting for other nodes"
+
+
+class Replicator:
+    def __init__(self, sources: list[str], config: ReplicatorConfig) -> None:
+        self.sources = [os.path.abspath(s) for s in sources]
+        self.config = config
+        self.limiter = RateLimiter(config.bwlimit_mbps * 1e6 if config.bwlimit_mbps else None)
+        self.stop = threading.Event()
+        self._retry = RetryPolicy(stop=self.stop)
+        self._status: dict[str, Status] = {s: read_status(s) or Status() for s in self.sources}
+        self._source_tiers: dict[str, Tier] = {s: open_tier(s) for s in self.sources}
+        self.remote = (
+            Destination(config.remote, "shared", self._tier(config.remote)) if config.remote is not None else None
+        )
+        self.bytes_sent = 0
+        self._remote_listing: list[VersionInfo] | None = None  # the remote's versions, listed once per pass
+        self.errors: list[str] = []  # copies that failed in the last pass
+        self._last_error: dict[str, str] = {}
+
+    def _tier(self, location: str) -> Tier:
+        return open_tier(location, self.config.storage_options, retry=self._retry)
+
+    def _redact(self, text: str) -> str:
+        return redact(text, self.config.storage_options)
+
+    def _replica_dests(self, source: str) -> list[Destination]:
+        """Distinct-disk destinations for copies of `source`. A replica root's disk identity is
+        recorded the first time (in the source's status, so it outlives restarts); later the
+        destination must still be on that disk (Destination.check_disk), or its copies fail."""
+        status = self._status[source]
+        used = {disk_id(source)}
+        out: list[Destination] = []
+        for r in self.config.replica_roots:
+            if len(out) == self.config.replicas - 1:
+                break
+            local = is_local_location(r)
+            disk = status.disks.get(r)
+            if disk is None:
+                disk = claim_disk(r)
+                if local:
+                    status.disks[r] = disk
+            if disk in used:
+                continue
+            used.add(disk)
+            url = f"{r.rstrip('/')}/replicas/{source_label(source)}"
+            out.append(Destination(url, "replica", self._tier(url), disk=disk if local else None))
+        if len(out) < self.config.replicas - 1:
+            log.warning("only %d distinct disks for %d copies of %s", len(out) + 1, self.config.replicas, source)
+        status.required_copies = len(out)
+        status.remote = self._redact(self.config.remote) if self.config.remote is not None else None
+        return out
+
+    def run_once(self) -> dict[str, Status]:
+        """One pass over every committed version of every source; returns the status."""
+        started, sent = time.monotonic(), self.bytes_sent
+        self.errors = []
+        for source in self.sources:
+            self._pass(source)
+        if self.bytes_sent > sent:
+            metrics.UPLOAD_THROUGHPUT.set((self.bytes_sent - sent) / max(time.monotonic() - started, 1e-6))
+        metrics.REPLICATION_LAG.set(self.lag())
+        return self._status
+
+    def lag(self) -> float:
+        """Seconds since the oldest committed version that has not reached every copy yet (0: none)."""
+        now, oldest = time.time(), None
+        for source in self.sources:
+            status = self._status[source]
+            redundant = redundant_steps(status)
+            for step, v in status.versions.items():
+                if step not in redundant:
+                    oldest = v.created if oldest is None else min(oldest, v.created)
+        return 0.0 if oldest is None else max(0.0, now - oldest)
+
+    def redundant_steps(self, source: str) -> set[int]:
+        return redundant_steps(self._status[source])
+
+    def run(self) -> None:
+        """Repeat passes until `stop` is set (SIGTERM in the daemon)."""
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                self.run_once()
+            except StoppedError:
+                break
+            except (CkptError, OSError) as e:
+                metrics.REPLICATION_FAILURES.inc()
+                log.warning("replication pass failed: %s", self._redact(f"{type(e).__name__}: {e}"))
+            except Exception as e:
+                metrics.REPLICATION_FAILURES.inc()
+                log.exception("replication pass failed: %s", self._redact(f"{type(e).__name__}: {e}"))
+            self.stop.wait(max(0.0, self.config.interval_s - (time.monotonic() - started)))
+
+    def _pass(self, source: str) -> None:
+        status = self._status[source]
+        tier = self._source_tiers[source]
+        state_dir = os.path.join(source, STATE_DIR)
+        dests = self._replica_dests(source)
+        steps = committed_steps(tier)
+        self._remote_listing = None
+        failed: set[str] = set()  # destinations that failed in this pass: tried again in the next
+        for step in steps:
+            if self.stop.is_set():
+                raise StoppedError("replicator stopped")
+            try:
+                manifest = read_manifest(tier, step)
+            except CkptError as e:
+                log.warning("step %d on %s is unreadable, not replicated: %s", step, source, e)
+                continue
+            info = read_root_info(tier, step)
+            writers = list(info.writers) if info is not None else []
+            entry = status.versions.get(step)
+            if entry is None or entry.save_id != manifest.save_id:
+                entry = status.versions[step] = VersionStatus(manifest.save_id, manifest.created)
+            for dest in dests:
+                copy = entry.copies.get(dest.url)
+                if (copy is not None and copy.state == "verified") or dest.url in failed:
+                    continue
+                try:
+                    ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
+                except StoppedError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a lost disk must not stop the other copies: recorded as failed
+                    failed.add(dest.url)
+                    entry.copies[dest.url] = CopyState("failed", time.time(), error=self._failed(step, dest, e))
+                    continue
+                entry.copies[dest.url] = CopyState("verified" if ok else "pending", time.time())
+            if self.remote is not None:
+                self._push_remote(source, step, manifest, writers, entry, state_dir, failed)
+            write_status(source, status)
+        for gone in set(status.versions) - set(steps):
+            status.versions.pop(gone)
+        self._gc(source, dests)
+        write_status(source, status)
+
+    def _push_remote(
+        self,
+        source: str,
+        step: int,
+        manifest: Manifest,
+        writers: list[int],
+        entry: VersionStatus,
+        state_dir: str,
+        failed: set[str],
+    ) -> None:
+        assert self.remote is not None
+        url = self._redact(self.remote.url)
+        done = entry.remote
+        # verified for *this* remote: a status left by a run with another --to does not count
+        if (done is not None and done.state in REMOTE_DONE and done.url == url) or self.remote.url in failed:
+            return
+        if self._expired_on_remote(entry, manifest):
+            entry.remote = CopyState("expired", time.time(), url=url)
+            return
+        part = manifest.ranks[writers[0]].root if writers else 0
+        try:
+            ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
+        except StoppedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - as for the replicas: recorded as failed
+            failed.add(self.remote.url)
+            entry.remote = CopyState("failed", time.time(), url=url, error=self._failed(step, self.remote, e))
+            return
+        entry.remote = CopyState("verified" if ok else WAITING, time.time(), url=url)
+
+    def _expired_on_remote(self, entry: VersionStatus, manifest: Manifest) -> bool:
+        """Whether a version whose part this node has uploaded, and which the remote does
+        not hold now, was completed by the other nodes and then deleted by the remote's
+        retention (which would delete it again at once). Uploading the part again would
+        leave a directory that never gets a manifest, and the local version would never
+        count as redundant, so local retention would keep it forever."""
+        policy = self.config.remote_policy
+        if policy is None or self.remote is None or entry.remote is None or entry.remote.state != WAITING:
+            return False
+        candidate = VersionInfo(manifest.step, manifest.created, True, bool(manifest.meta.get("milestone")))
+        return expired(self._remote_now(), candidate, policy)
+
+    def _remote_now(self) -> list[VersionInfo]:
+        """The remote's versions, listed once per pass."""
+        assert self.remote is not None
+        if self._remote_listing is None:
+            self._remote_listing = judge(self.remote.tier)[0]
+        return self._remote_listing
+
+    def _push(
+        self,
+        source: str,
+        step: int,
+        manifest: Manifest,
+        writers: list[int],
+        dest: Destination,
+        state_dir: str,
+        part: int,
+    ) -> bool:
+        """Copy, verify and commit; True once the destination holds the version (or this part).
+        Resumable: chunks the journal records as verified (and still there) are not sent again."""
+        dest.check_disk()
+        there = committed_info(dest.tier, step)
+        if there is not None and there.save_id == manifest.save_id:
+            if dest.kind == "shared" or set(writers) <= set(there.writers):
+                return True
+
+        def count(n: int) -> None:
+            self.bytes_sent += n
+            metrics.UPLOAD_BYTES.labels(tier=dest.kind).inc(n)
+
+        transfer = Transfer(
+            source=self._source_tiers[source],
+            step=step,
+            manifest=manifest,
+            dest=dest,
+            journal=journal_for(state_dir, dest, step, manifest.save_id),
+            limiter=self.limiter,
+            stop=self.stop,
+            threads=self.config.threads,
+            readback=self.config.readback,
+        )
+        sizes = copy_files(transfer, count)
+        return publish(transfer, writers, part, sizes)
+
+    def _failed(self, step: int, dest: Destination, error: Exception) -> str:
+        """Count and log a failed copy (once per destination until its error changes); the message."""
+        metrics.REPLICATION_FAILURES.inc()
+        msg = self._redact(f"{type(error).__name__}: {error}")
+        self.errors.append(f"{self._redact(dest.url)}: {msg}")
+        if self._last_error.get(dest.url) != msg:
+            self._last_error[dest.url] = msg
+            where = self._redact(dest.url)
+            log.error("copy of step %d to %s failed (the other copies go on): %s", step, where, msg)
+        return msg
+
+    def _gc(self, source: str, dests: list[Destination]) -> None:
+        policy = self.config.local_policy
+        status = self._status[source]
+        if policy is not None:
+            result = collect(self._source_tiers[source], policy, redundant=redundant_steps(status))
+            for step in result.deleted:
+                status.versions.pop(step, None)
+            self._gc_replicas(source, dests, policy)
+        if self.remote is not None and self.config.remote_policy is not None:
+            result = collect(self.remote.tier, self.config.remote_policy, abandon_after_s=self.config.abandon_after_s)
+            for step, why in result.unjudged.items():
+                log.warning("gc of the remote kept step %d, which it could not read: %s", step, self._redact(why))
+
+    def _gc_replicas(self, source: str, dests: list[Destination], policy: Policy) -> None:
+        """Collect replica copies of versions the source no longer holds (deleted by this GC,
+        by `ckpt gc`, or by hand), under the local policy and readers' pins.
+
+        Kept: every version the source still holds (its required copies), and every version
+        the remote is not done with (not there yet, nor expired there): the source would not
+        have deleted those either. Nothing at all is collected from a source that lists no
+        version: a lost or unmounted disk leaves its replicas as the only local copies.
+        """
+        on_source = set(committed_steps(self._source_tiers[source]))
+        if not on_source:
+            return
+        for dest in dests:
+            try:
+                dest.check_disk()
+                if not dest.tier.capabilities.local_files or not dest.tier.listdir(""):
+                    continue
+                judged = judge(dest.tier)
+                pinned = on_source | self._remote_pending(judged[0])
+                collect(dest.tier, policy, pinned=pinned, versions=judged)
+            except (CkptError, OSError) as e:  # one failing replica disk must not stop the rest
+                log.warning("gc of replica %s failed: %s", dest.url, e)
+
+    def _remote_pending(self, versions: list[VersionInfo]) -> set[int]:
+        """Of `versions`, the steps the remote is not done with: neither there nor expired."""
+        if self.remote is None:
+            return set()
+        listing = self._remote_now()
+        there = {v.step for v in listing}
+        policy = self.config.remote_policy
+        return {v.step for v in versions if v.step not in there and (policy is None or not expired(listing, v, policy))}

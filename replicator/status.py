@@ -1,0 +1,170 @@
+"""What the replicator has done for a source root: a status file beside the root
+(`.replicator/status.json`), read by `ckpt ls`, `ckpt gc` and the next replicator start.
+
+It records, per committed version, the state of each copy and of the remote upload, and
+the replicator's requirements (how many replica copies, whether a remote), so that the
+one rule of "fully replicated" (`redundant_steps`) gives the same answer to the
+replicator's own GC and to `ckpt gc`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckpt.store.fsio import FILE_MODE, makedirs
+
+__all__ = [
+    "STATE_DIR",
+    "State",
+    "CopyState",
+    "VersionStatus",
+    "Status",
+    "REMOTE_DONE",
+    "read_status",
+    "write_status",
+    "redundant_steps",
+]
+
+STATE_DIR = ".replicator"
+State = Literal["verified", "pending", "failed", "waiting for other nodes", "expired"]
+REMOTE_DONE: frozenset[str] = frozenset({"verified", "expired"})
+"""Remote states of a version that need nothing more: its remote copy is verified, or the
+remote's retention deleted it (or would delete it on arrival) while this node's part waited."""
+
+
+@dataclass(frozen=True, slots=True)
+class CopyState:
+    """One copy (a replica, or the remote upload) of one version."""
+
+    state: State
+    at: float  # unix time of the last change
+    url: str = ""  # for the remote: which one (credentials scrubbed); a status of another --to does not count
+    error: str = ""  # why it failed
+
+
+@dataclass
+class VersionStatus:
+    save_id: str
+    created: float  # the version's commit time
+    copies: dict[str, CopyState] = field(default_factory=dict)  # by destination URL
+    remote: CopyState | None = None
+
+
+@dataclass
+class Status:
+    """The replicator's record for one source root (only the replicator thread changes it)."""
+
+    versions: dict[int, VersionStatus] = field(default_factory=dict)
+    required_copies: int = 0  # replica copies every version needs (distinct disks found)
+    remote: str | None = None  # the remote every version must reach, credentials scrubbed
+    disks: dict[str, str] = field(default_factory=dict)  # replica root -> its disk identity, once proven
+    updated: float = 0.0
+
+
+def _copy_doc(c: CopyState) -> dict[str, Any]:
+    return {k: v for k, v in (("state", c.state), ("at", c.at), ("url", c.url), ("error", c.error)) if v != ""}
+
+
+def _copy(doc: Any) -> CopyState | None:
+    if not isinstance(doc, dict) or doc.get("state") not in (
+        "verified",
+        "pending",
+        "failed",
+        "waiting for other nodes",
+        "expired",
+    ):
+        return None
+    at = doc.get("at", 0.0)
+    return CopyState(
+        doc["state"],
+        float(at) if isinstance(at, (int, float)) else 0.0,
+        str(doc.get("url", "")),
+        str(doc.get("error", "")),
+    )
+
+
+def to_json(status: Status) -> dict[str, Any]:
+    return {
+        "updated": status.updated,
+        "required_copies": status.required_copies,
+        "remote": status.remote,
+        "disks": status.disks,
+        "versions": {
+            str(step): {
+                "save_id": v.save_id,
+                "created": v.created,
+                "copies": {url: _copy_doc(c) for url, c in v.copies.items()},
+                "remote": None if v.remote is None else _copy_doc(v.remote),
+            }
+            for step, v in sorted(status.versions.items())
+        },
+    }
+
+
+def from_json(doc: Any) -> Status:
+    """The status a file holds; what does not parse is left out (the replicator redoes it)."""
+    if not isinstance(doc, dict):
+        return Status()
+    versions: dict[int, VersionStatus] = {}
+    for step, v in (doc.get("versions") or {}).items():
+        if not (isinstance(step, str) and step.isdigit() and isinstance(v, dict) and isinstance(v.get("save_id"), str)):
+            continue
+        copies = {u: c for u, c in ((u, _copy(d)) for u, d in (v.get("copies") or {}).items()) if c is not None}
+        created = v.get("created", 0.0)
+        versions[int(step)] = VersionStatus(
+            v["save_id"], float(created) if isinstance(created, (int, float)) else 0.0, copies, _copy(v.get("remote"))
+        )
+    disks = doc.get("disks")
+    required = doc.get("required_copies")
+    remote = doc.get("remote")
+    return Status(
+        versions,
+        required if type(required) is int else 0,
+        remote if isinstance(remote, str) else None,
+        {str(k): str(v) for k, v in disks.items()} if isinstance(disks, dict) else {},
+        float(doc.get("updated") or 0.0),
+    )
+
+
+def status_path(root: str) -> str:
+    return os.path.join(root, STATE_DIR, "status.json")
+
+
+def read_status(root: str) -> Status | None:
+    """The status of a source root; None where no replicator has written one."""
+    try:
+        with open(status_path(root)) as f:
+            return from_json(json.load(f))
+    except (OSError, ValueError):
+        return None
+
+
+def write_status(root: str, status: Status) -> None:
+    status.updated = time.time()
+    path = status_path(root)
+    makedirs(os.path.dirname(path))
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    # os.open with an explicit mode: open() would create it 0o666 & ~umask
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "w") as f:
+        json.dump(to_json(status), f)
+    os.replace(tmp, path)
+
+
+def redundant_steps(status: Status) -> set[int]:
+    """Steps whose required copies all exist, verified: at least `required_copies` verified
+    replica copies, and the remote's copy verified (or expired there) where a remote is
+    required. The one rule, for the replicator's GC and for `ckpt gc` alike."""
+    out = set()
+    for step, v in status.versions.items():
+        copies = sum(1 for c in v.copies.values() if c.state == "verified")
+        remote_ok = status.remote is None or (
+            v.remote is not None and v.remote.state in REMOTE_DONE and v.remote.url == status.remote
+        )
+        if copies >= status.required_copies and remote_ok:
+            out.add(step)
+    return out

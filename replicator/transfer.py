@@ -1,0 +1,196 @@
+"""Copying the files of one committed version (the part a source root holds) to a
+destination tier, each verified, resumably.
+
+A chunk is uploaded and read back (readback: its xxh3 against the manifest); a copy that
+reads back wrong may have been damaged on the way (up or down) where no transport
+checksum covers it, so it is sent again before it counts as corrupt. Verified files go
+into a journal beside the source root, so a restarted replicator resumes without sending
+them again (unless the destination lost them). Once every file is there, the caller
+commits (replicator.publish): the manifest goes up last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckpt.replicator.journal import Journal
+from ckpt.replicator.placement import Destination
+from ckpt.replicator.ratelimit import RateLimiter
+from ckpt.store.chunk_read import READ_BLOCK
+from ckpt.store.digest import ChunkHasher
+from ckpt.store.errors import CorruptVersionError, StoppedError, TierUnavailableError
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, ChunkEntry, Manifest
+from ckpt.store.tier import Tier, join_key
+from ckpt.store.versions import version_dirname
+
+__all__ = ["Transfer", "copy_files", "missing_files"]
+
+log = logging.getLogger("ckpt.replicator")
+_RESENDS = 2  # uploads of a chunk after the first, while its copy reads back wrong
+_TEMP = re.compile(r"\.tmp-[0-9a-f]{32}$")  # a local tier's temp files (store._local)
+_ROUNDS = 3  # full passes over what is missing before the destination counts as unreliable
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One version's part, from a source tier to a destination."""
+
+    source: Tier
+    step: int
+    manifest: Manifest
+    dest: Destination
+    journal: Journal
+    limiter: RateLimiter
+    stop: threading.Event
+    threads: int = 8
+    readback: bool = True
+
+    @property
+    def name(self) -> str:
+        return version_dirname(self.step)
+
+    def where(self, rel: str = "") -> str:
+        return f"{self.dest.tier.location}/{join_key(self.name, rel)}"
+
+
+def _blocks(t: Transfer, key: str) -> Callable[[], Iterator[memoryview]]:
+    """The source object in READ_BLOCK pieces, under the rate limit, until a stop."""
+
+    def gen() -> Iterator[memoryview]:
+        handle = t.source.open_read(key)
+        buf = memoryview(bytearray(min(READ_BLOCK, max(handle.size, 1))))
+        try:
+            for start in range(0, handle.size, len(buf)):
+                piece = buf[: min(len(buf), handle.size - start)]
+                handle.read_into(start, piece)
+                t.limiter.acquire(len(piece), t.stop)
+                if t.stop.is_set():
+                    raise StoppedError(f"stopped while copying {key}")
+                yield piece
+        finally:
+            handle.close()
+
+    return gen
+
+
+def _digest(tier: Tier, key: str, block_bytes: int) -> tuple[int, str]:
+    hasher = ChunkHasher(block_bytes)
+    handle = tier.open_read(key)
+    try:
+        view = memoryview(bytearray(READ_BLOCK))
+        for start in range(0, handle.size, READ_BLOCK):
+            piece = view[: min(READ_BLOCK, handle.size - start)]
+            handle.read_into(start, piece)
+            hasher.update(piece)
+        return handle.size, hasher.hexdigest()
+    finally:
+        handle.close()
+
+
+def _size(tier: Tier, key: str) -> int:
+    handle = tier.open_read(key)
+    handle.close()
+    return handle.size
+
+
+def _send(t: Transfer, rel: str, size: int, chunk: ChunkEntry | None, block_bytes: int) -> None:
+    """Upload one file and check it arrived. A file (or directory) the destination lost
+    between the upload and the check (an operator's rm -rf) is sent again."""
+    for attempt in range(_RESENDS + 1):
+        try:
+            _send_once(t, rel, size, chunk, block_bytes)
+            return
+        except FileNotFoundError:
+            t.dest.check_disk()  # an unmounted disk takes its files along: not worth sending again
+            if attempt == _RESENDS:
+                raise
+            log.warning("%s vanished while it was copied; sending it again", t.where(rel))
+
+
+def _send_once(t: Transfer, rel: str, size: int, chunk: ChunkEntry | None, block_bytes: int) -> None:
+    """Upload one file and check it arrived: its digest (readback) or its size."""
+    key = join_key(t.name, rel)
+    t.dest.check_disk()
+    t.dest.tier.put_stream(key, _blocks(t, key), size)
+    if t.readback and chunk is not None:
+        for resend in range(_RESENDS + 1):
+            got_size, got = _digest(t.dest.tier, key, block_bytes)
+            if got_size == size and got == chunk.xxh3:
+                break
+            if resend == _RESENDS:
+                raise CorruptVersionError(f"{t.where(rel)}: copy does not match the manifest", path=rel)
+            log.warning("%s: the copy read back does not match the manifest; sending it again", t.where(rel))
+            t.dest.tier.put_stream(key, _blocks(t, key), size)
+    else:
+        got_size = _size(t.dest.tier, key)
+        if got_size != size:
+            raise CorruptVersionError(f"{t.where(rel)}: copy has {got_size} bytes, want {size}", path=rel)
+    t.dest.check_disk()  # verified where it should be, not below an unmounted disk's mount point
+
+
+def missing_files(tier: Tier, step: int, sizes: dict[str, int]) -> list[str]:
+    """The files of `sizes` (relative path -> bytes) that `tier` does not hold at that size,
+    from one fresh listing."""
+    name = version_dirname(step)
+    held = {o.key[len(name) + 1 :]: o.size for o in tier.find(name)}
+    return sorted(rel for rel, size in sizes.items() if held.get(rel) != size)
+
+
+def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) -> dict[str, int]:
+    """Copy and verify every file of the part (not the manifest or root info); returns the
+    files copied (relative path -> size). Raises what stopped it (TierUnavailableError,
+    CorruptVersionError, StoppedError)."""
+    chunks = {a.chunk_path(c): (a, c) for a in t.manifest.arrays.values() for c in a.chunks if c.inline is None}
+    sizes = {
+        o.key[len(t.name) + 1 :]: o.size
+        for o in t.source.find(t.name)
+        if o.key.rsplit("/", 1)[-1] not in (MANIFEST_NAME, ROOT_INFO_NAME)
+    }
+    done = set(t.journal.done)
+    held = {o.key[len(t.name) + 1 :]: o.size for o in t.dest.tier.find(t.name)} if done else {}
+    todo = sorted((rel for rel in sizes if not (rel in done and held.get(rel) == sizes[rel])), key=lambda r: -sizes[r])
+    last_save = [time.monotonic()]
+
+    def one(rel: str) -> None:
+        array_chunk = chunks.get(rel)
+        block_bytes = array_chunk[0].digest_block_bytes(array_chunk[1]) if array_chunk else 0
+        _send(t, rel, sizes[rel], array_chunk[1] if array_chunk else None, block_bytes)
+        t.journal.add(rel)
+        progress(sizes[rel])
+        if time.monotonic() - last_save[0] > 0.5:
+            last_save[0] = time.monotonic()
+            t.journal.save()
+
+    for _ in range(_ROUNDS):
+        try:
+            with ThreadPoolExecutor(max(1, t.threads), thread_name_prefix="ckpt-push") as pool:
+                for f in [pool.submit(one, rel) for rel in todo]:
+                    f.result()
+        finally:
+            t.journal.save()
+        # The manifest may go up only if every file is there now: a store that lost objects
+        # since they were verified (restarted, wiped) must not get a manifest naming them.
+        todo = missing_files(t.dest.tier, t.step, sizes)
+        if not todo:
+            break
+        log.warning("%s: %d verified file(s) are gone; sending them again", t.where(), len(todo))
+        for rel in todo:
+            t.journal.discard(rel)
+    else:
+        raise TierUnavailableError(f"{t.where()}: files keep vanishing after upload")
+    # Temp files of copies that never finished (a disk unmounted mid-copy takes them along
+    # and brings them back) are not the version's.
+    t.dest.tier.delete_many(o.key for o in t.dest.tier.find(t.name) if _TEMP.search(o.key))
+    t.dest.tier.sync(t.name)
+    return sizes
+
+
+def journal_for(state_dir: str, dest: Destination, step: int, save_id: str) -> Journal:
+    return Journal(os.path.join(state_dir, dest.id, f"{version_dirname(step)}-{save_id}.json"))

@@ -1,0 +1,180 @@
+"""The one restore loop: choose the newest version every rank can read, pin it, load it,
+and fall back past damage. Checkpointer.restore, `ckpt restore`, `ckpt inspect` and the
+exports all go through `restore_newest`; only what "load" means differs.
+
+Each round:
+1. every rank lists the committed versions on each of its tiers (an unreachable tier is
+   a warning: the others may hold copies);
+2. the ranks exchange what they found and choose the newest step whose every writer's
+   chunks some rank holds, with one save_id (restore.discover);
+3. each rank pins its copies against GC (store.pins) and checks they are still there: a
+   version GC deleted since the listing is gone, not damaged; choose again;
+4. load. A damaged version (CorruptVersionError, on any rank: the caller's load agrees
+   across ranks) is skipped with a warning for the next older one, unless a step was asked
+   for. Anything else (a tier that stops answering mid-read) ends the restore: a read
+   that failed is no proof of damage.
+
+Nothing found is an answer only when every tier could be listed: a tier that could not
+be read may hold the versions, so a fresh start would be a silent loss
+(TierUnavailableError instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from ckpt.restore.discover import choose_step, partial_steps, reachable_steps
+from ckpt.restore.sources import Source
+from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.manifest import MANIFEST_NAME, Manifest
+from ckpt.store.pins import pin_version
+from ckpt.store.tier import Tier, join_key
+from ckpt.store.versions import Candidate, committed, read_manifest, version_dirname
+
+__all__ = ["Located", "restore_newest", "first_manifest"]
+
+log = logging.getLogger("ckpt")
+T = TypeVar("T")
+
+
+class _Comm(Protocol):
+    rank: int
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class Located:
+    """The version chosen for this round, and this rank's copies of it, in tier order."""
+
+    step: int
+    save_id: str
+    sources: tuple[Source, ...]
+
+
+def first_manifest(located: Located) -> Manifest | None:
+    """The manifest from the first source whose copy reads and validates; None if this rank
+    has no copy. CorruptVersionError if every copy is damaged, TierUnavailableError if
+    none is damaged but some could not be read."""
+    damaged: list[CorruptVersionError] = []
+    unreachable: list[TierUnavailableError] = []
+    for src in located.sources:
+        try:
+            return read_manifest(src.tier, located.step)
+        except CorruptVersionError as e:
+            damaged.append(e)
+            log.warning("manifest of step %d on %s: %s", located.step, src.name, e)
+        except TierUnavailableError as e:
+            unreachable.append(e)
+            log.warning("manifest of step %d on %s: %s", located.step, src.name, e)
+        except VersionNotFoundError as e:  # deleted since it was listed
+            damaged.append(CorruptVersionError(str(e)))
+    if unreachable and not damaged:
+        raise TierUnavailableError(
+            unreachable[0].errno, f"no readable manifest of step {located.step}: {unreachable[0]}"
+        )
+    if len(damaged) == 1 and not unreachable:
+        raise damaged[0]  # as itself (a ManifestError says what is wrong)
+    if damaged or unreachable:
+        detail = "; ".join(map(str, [*damaged, *unreachable]))
+        raise CorruptVersionError(f"no readable manifest of step {located.step}: {detail}")
+    return None
+
+
+def _list(tiers: Sequence[Tier], rank: int) -> tuple[list[tuple[int, Candidate]], list[str]]:
+    found: list[tuple[int, Candidate]] = []
+    unreachable: list[str] = []
+    for i, tier in enumerate(tiers):
+        try:
+            found += [(i, c) for c in committed(tier)]
+        except (CkptError, OSError) as e:
+            unreachable.append(f"{tier.location}: {e}")
+            log.warning("rank %d: tier %s is unavailable: %s", rank, tier.location, e)
+    return found, unreachable
+
+
+def restore_newest(
+    comm: _Comm,
+    tiers: Callable[[], Sequence[Tier]],
+    load: Callable[[Located], T],
+    *,
+    step: int | None = None,
+    missing_ok: bool = True,
+) -> tuple[int, T] | None:
+    """load(the chosen version); (its step, what load returned). None when no version is
+    committed anywhere and every tier could be read (with `missing_ok`; otherwise that is
+    VersionNotFoundError too). Collective: every rank of `comm` calls it."""
+    excluded: set[int] = set()
+    vanished: set[int] = set()  # deleted by GC since they were listed
+    while True:
+        listed = list(tiers())
+        mine, unreachable = _list(listed, comm.rank)
+        views: list[list[Candidate]] = comm.all_gather([c for _, c in mine])
+        chosen = choose_step(views, step, frozenset(excluded | vanished))
+        if chosen is None:
+            _nothing(comm, listed, views, step, excluded, vanished, unreachable, missing_ok)
+            return None
+        save_id = reachable_steps(views)[chosen]
+        sources = tuple(
+            Source(listed[i], chosen, frozenset(c.writers))
+            for i, c in mine
+            if c.step == chosen and c.save_id == save_id
+        )
+        try:
+            with contextlib.ExitStack() as pins:
+                held = [pins.enter_context(pin_version(s.tier, chosen)) for s in sources]
+                # GC deleted it between the listing and the pin, or is deleting it: it is
+                # gone, not damaged; choose again. Pinned and still there, it stays.
+                key = join_key(version_dirname(chosen), MANIFEST_NAME)
+                gone = not all(held) or any(not s.tier.exists(key) for s in sources)
+                if any(comm.all_gather(gone)):
+                    vanished.add(chosen)
+                    continue
+                return chosen, load(Located(chosen, save_id, sources))
+        except CorruptVersionError as e:
+            if step is not None:
+                raise
+            log.warning("rank %d: step %d is not intact (%s); trying an older version", comm.rank, chosen, e)
+            excluded.add(chosen)
+
+
+def _nothing(
+    comm: _Comm,
+    tiers: Sequence[Tier],
+    views: list[list[Candidate]],
+    step: int | None,
+    excluded: set[int],
+    vanished: set[int],
+    unreachable: list[str],
+    missing_ok: bool,
+) -> None:
+    """Raise why no version can be chosen, unless nothing is committed anywhere (and
+    `missing_ok`)."""
+    where = ", ".join(t.location for t in tiers)
+    partial = partial_steps(views)
+    hint = (
+        f" (steps {partial} are there only in part: other ranks' chunks are on tiers not searched)" if partial else ""
+    )
+    if step is not None and step in vanished:
+        raise VersionNotFoundError(f"step {step} is being deleted (by a GC) in {where}")
+    if step is not None:
+        raise VersionNotFoundError(f"step {step} is not committed where every rank can reach it ({where}){hint}")
+    if excluded:
+        raise CorruptVersionError(
+            f"no committed version is intact (steps {sorted(excluded)} failed their checks); "
+            "the state may be partly overwritten"
+        )
+    if any(comm.all_gather(bool(unreachable))):
+        detail = "; ".join(unreachable) or "on another rank"
+        raise TierUnavailableError(
+            errno.EIO,
+            f"no committed version on the reachable tiers, and some could not be read ({detail}); "
+            "not starting from scratch",
+        )
+    if not missing_ok:
+        raise VersionNotFoundError(f"no complete committed version in {where}{hint}")

@@ -1,0 +1,155 @@
+"""Pure planning of a (resharded) read: which parts of which saved chunks fill which of this
+rank's tensors. No I/O and no tensors, so the rules can be tested exhaustively.
+
+A request is a box of a global array: where the rank's tensor sits (`offsets`) and its
+`shape`. The saved array is a regular grid of chunks; the chunks a box touches are found
+by grid arithmetic (O(chunks touched), not O(chunks)), and of each only the rows of dim 0
+that some request needs are read. Chunk files are raw C-order bytes, so a row range is a
+byte range; with verification on, reads are whole checksummed blocks (store.layout:
+about 4 MiB of rows each).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckpt.store.dtypes import itemsize
+from ckpt.store.manifest import ArrayEntry, ChunkEntry
+
+__all__ = ["Box", "Request", "ChunkRead", "Block", "overlap", "plan_reads", "blocks", "direct_rows", "row_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A box of a global array: [lo, hi) along each dimension (0-d arrays: both empty)."""
+
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    @staticmethod
+    def at(offsets: Sequence[int], shape: Sequence[int]) -> Box:
+        return Box(tuple(offsets), tuple(o + s for o, s in zip(offsets, shape)))
+
+    @property
+    def empty(self) -> bool:
+        return any(h <= lo for lo, h in zip(self.lo, self.hi))
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A tensor of this rank to fill: array `name`, placed at `box` of the global array."""
+
+    name: str
+    box: Box
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRead:
+    """The part of one saved chunk that this rank reads."""
+
+    name: str  # the array
+    index: tuple[int, ...]  # the chunk's grid index
+    rows: tuple[int, int]  # chunk-local rows of dim 0 that the requests need, [lo, hi)
+    requests: tuple[int, ...]  # indices (into the planned requests) of the tensors it fills
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A checksummed block of a chunk file: chunk-local rows [lo, hi) of dim 0."""
+
+    rows: tuple[int, int]
+    offset: int  # byte offset in the chunk file
+    nbytes: int
+    xxh3: str
+
+
+def overlap(a: Box, b: Box) -> Box | None:
+    """The intersection of two boxes, or None if it is empty."""
+    box = Box(tuple(map(max, a.lo, b.lo)), tuple(map(min, a.hi, b.hi)))
+    return None if box.empty else box
+
+
+def chunk_box(chunk: ChunkEntry) -> Box:
+    return Box.at(chunk.offsets, chunk.shape)
+
+
+def _touched(array: ArrayEntry, box: Box) -> list[tuple[int, ...]]:
+    """Grid indices of the chunks that overlap `box`."""
+    if not array.shape:
+        return [()]
+    if box.empty:
+        return []
+    ranges = [range(lo // c, (hi - 1) // c + 1) for lo, hi, c in zip(box.lo, box.hi, array.chunk_shape)]
+    return list(itertools.product(*ranges))
+
+
+def plan_reads(arrays: Mapping[str, ArrayEntry], requests: Sequence[Request]) -> list[ChunkRead]:
+    """Every chunk part the requests need, each chunk once (with all the requests it fills),
+    in grid order per array."""
+    needs: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for i, req in enumerate(requests):
+        for index in _touched(arrays[req.name], req.box):
+            needs.setdefault((req.name, index), []).append(i)
+    out = []
+    for (name, index), which in needs.items():
+        chunk = arrays[name].chunk_at(index)
+        out.append(ChunkRead(name, index, _rows(chunk, [requests[i].box for i in which]), tuple(which)))
+    return out
+
+
+def _rows(chunk: ChunkEntry, boxes: Sequence[Box]) -> tuple[int, int]:
+    """Chunk-local rows of dim 0 that the boxes need (0-d: (0, 1))."""
+    if not chunk.offsets:
+        return 0, 1
+    start, end = chunk.offsets[0], chunk.offsets[0] + chunk.shape[0]
+    lo = min(max(b.lo[0], start) for b in boxes) - start
+    hi = max(min(b.hi[0], end) for b in boxes) - start
+    return lo, hi
+
+
+def row_bytes(array: ArrayEntry) -> int:
+    """Bytes of one row of dim 0 of a chunk file."""
+    return math.prod(array.chunk_shape[1:]) * itemsize(array.data_type)
+
+
+def blocks(array: ArrayEntry, chunk: ChunkEntry, rows: tuple[int, int] | None = None) -> list[Block]:
+    """The chunk's checksummed blocks, or only those overlapping chunk-local `rows`."""
+    shape = array.chunk_shape or (1,)
+    if not chunk.blocks:
+        out = [Block((0, shape[0]), 0, chunk.nbytes, chunk.xxh3)]
+    else:
+        k, rb = array.block_rows, row_bytes(array)
+        out = [
+            Block((i * k, min(shape[0], (i + 1) * k)), i * k * rb, (min(shape[0], (i + 1) * k) - i * k) * rb, d)
+            for i, d in enumerate(chunk.blocks)
+        ]
+    if rows is None:
+        return out
+    return [b for b in out if b.rows[0] < rows[1] and b.rows[1] > rows[0]]
+
+
+def direct_rows(array: ArrayEntry, chunk: ChunkEntry, box: Box) -> tuple[int, int] | None:
+    """The chunk-local rows [lo, hi) that land as one contiguous byte range in a C-order
+    tensor at `box`, or None.
+
+    That is the case when the chunk and the box span the same full extent in every
+    dimension but the first (a split along dim 0 only, as DTensor Shard(0) or FSDP make):
+    those rows can be read straight into the tensor, with no bounce buffer and no copy.
+    (The tensor itself must also be a plain contiguous CPU tensor of the array's type:
+    the reader checks that.)
+    """
+    shape = array.chunk_shape
+    if (
+        not chunk.offsets
+        or tuple(chunk.shape[1:]) != tuple(shape[1:])  # no padding in the trailing dims
+        or any(o != 0 for o in chunk.offsets[1:])
+        or any(o != 0 for o in box.lo[1:])
+        or tuple(h - lo for lo, h in zip(box.lo[1:], box.hi[1:])) != tuple(shape[1:])
+    ):
+        return None
+    lo = max(box.lo[0], chunk.offsets[0]) - chunk.offsets[0]
+    hi = min(box.hi[0], chunk.offsets[0] + chunk.shape[0]) - chunk.offsets[0]
+    return (lo, hi) if lo < hi else None

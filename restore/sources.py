@@ -1,0 +1,93 @@
+"""The copies of one version a rank can read, and reading a chunk from the first good one.
+
+Each tier that holds (part of) a version is a `Source`. A chunk is read from the first
+source that holds it; a damaged copy (missing, short, failing its checksum) falls back to
+the next. A block that fails its checksum is read again before it counts as damaged: a
+body can arrive complete yet wrong where no transport checksum covers it (S3 range
+reads, plain-HTTP endpoints), and a local re-read costs little. A source that cannot be
+reached is not damage: when no source gave a good copy and one of them was unreachable,
+the read fails with TierUnavailableError, so no caller takes the version for corrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ckpt.store.errors import CorruptVersionError, TierUnavailableError
+from ckpt.store.manifest import ArrayEntry, ChunkEntry
+from ckpt.store.tier import Tier, join_key
+from ckpt.store.versions import version_dirname
+
+__all__ = ["Source", "REREADS", "from_first_good", "with_rereads"]
+
+log = logging.getLogger("ckpt")
+T = TypeVar("T")
+REREADS = 2  # reads of a block after the first, while it fails its checksum
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One tier's copy of a version, as reachable from this rank."""
+
+    tier: Tier
+    step: int
+    writers: frozenset[int]  # ranks whose chunks it holds
+
+    @property
+    def name(self) -> str:
+        return self.tier.location
+
+    @property
+    def always_verify(self) -> bool:
+        """Whether every read is checked whatever verify_on_restore says: bytes from anywhere
+        but this machine's files may arrive complete yet wrong where no transport checksum
+        covers them (S3 range reads carry none)."""
+        return not self.tier.capabilities.local_files
+
+    def holds(self, chunk: ChunkEntry) -> bool:
+        return chunk.inline is not None or chunk.writer in self.writers
+
+    def key(self, array: ArrayEntry, chunk: ChunkEntry) -> str:
+        return join_key(version_dirname(self.step), array.chunk_path(chunk))
+
+
+def with_rereads(read: Callable[[], T]) -> T:
+    """read(), again while it fails a checksum (CorruptVersionError with an `actual` digest)."""
+    for attempt in range(REREADS + 1):
+        try:
+            return read()
+        except CorruptVersionError as e:
+            if not e.actual or attempt == REREADS:
+                raise
+            log.warning("%s; reading it again", e)
+    raise AssertionError("unreachable")
+
+
+def from_first_good(sources: Sequence[Source], array: ArrayEntry, chunk: ChunkEntry, read: Callable[[Source], T]) -> T:
+    """read(source) for the first source that holds the chunk and gives a good copy."""
+    damaged: list[str] = []
+    unreachable: list[TierUnavailableError] = []
+    for src in sources:
+        if not src.holds(chunk):
+            continue
+        try:
+            result = with_rereads(lambda src=src: read(src))  # type: ignore[misc]
+        except CorruptVersionError as e:
+            damaged.append(str(e))
+            continue
+        except TierUnavailableError as e:
+            unreachable.append(e)
+            continue
+        if damaged or unreachable:
+            why = damaged[-1] if damaged else str(unreachable[-1])
+            log.warning("%s: used the copy on %s after: %s", array.name, src.name, why)
+        return result
+    if unreachable:
+        detail = "; ".join([*damaged, *map(str, unreachable)])
+        raise TierUnavailableError(unreachable[0].errno, f"{array.name} chunk {list(chunk.index)}: {detail}")
+    if not damaged:
+        raise CorruptVersionError(f"{array.name} chunk {list(chunk.index)} is on no reachable tier", path=array.path)
+    raise CorruptVersionError("; ".join(damaged), path=array.path)

@@ -1,0 +1,204 @@
+"""`LocalTier`: a directory of this machine's filesystem (a plain path or a `file://` URL).
+
+Writes go to a temp file beside the target, are fsynced and renamed into place, so a
+reader sees the old object or the whole new one; `put_if_absent` links the temp file to
+its name (link(2) fails if the name exists: atomic create-only). Reads open each path
+component beneath the tier with O_NOFOLLOW, so no symlink planted in a version can lead
+a reader elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Callable, Iterable
+
+from ckpt.store.errors import CorruptVersionError, TierUnavailableError
+from ckpt.store.fsio import FILE_MODE, fsync_dir, fsync_dirs, makedirs
+from ckpt.store.lanes import run_lanes
+from ckpt.store.tier import Capabilities, ObjectInfo, Tier
+
+__all__ = ["LocalTier", "open_beneath"]
+
+READ_PIECE = 4 << 20  # pread in small pieces: 1-4 MiB reads measured ~5x faster than 64 MiB here
+_CAPABILITIES = Capabilities(atomic_rename=True, range_reads=True, direct_io=True, local_files=True)
+
+
+def open_beneath(top: str, rel: str) -> int:
+    """Open `top/rel` for reading, refusing '..' and symlinks anywhere in `rel`, and anything
+    but a regular file (CorruptVersionError). The final open does not block, so a FIFO
+    planted in a version cannot stall it. A missing file is FileNotFoundError."""
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise CorruptVersionError(f"unsafe path {rel!r}", path=rel)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for p in parts[:-1]:
+            nxt = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        out = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            path = os.path.join(top, rel)
+            raise CorruptVersionError(f"{path} is or passes through a symlink", path=path) from None
+        raise
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(out).st_mode):
+        os.close(out)
+        raise CorruptVersionError(f"{os.path.join(top, rel)} is not a regular file", path=rel)
+    return out
+
+
+class _FileHandle:
+    def __init__(self, fd: int, path: str) -> None:
+        self._fd = fd
+        self.path = path
+        self.size = os.fstat(fd).st_size
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        view = out.cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done : done + READ_PIECE]], offset + done)
+            if n <= 0:
+                raise EOFError(f"{self.path} ends at {offset + done}, before {offset + len(view)}")
+            done += n
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class LocalTier(Tier):
+    """A root directory on a local filesystem (it is created on the first write)."""
+
+    capabilities = _CAPABILITIES
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.location = self.root
+
+    def local_path(self, key: str) -> str:
+        return os.path.join(self.root, key) if key else self.root
+
+    def get(self, key: str) -> bytes:
+        handle = self.open_read(key)
+        try:
+            out = bytearray(handle.size)
+            handle.read_into(0, memoryview(out))
+        finally:
+            handle.close()
+        return bytes(out)
+
+    def open_read(self, key: str) -> _FileHandle:
+        return _FileHandle(open_beneath(self.root, key), self.local_path(key))
+
+    def _write_atomic(self, key: str, write: Callable[[int], None], *, replace: bool) -> None:
+        path = self.local_path(key)
+        makedirs(os.path.dirname(path))
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        try:
+            try:
+                write(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if replace:
+                os.replace(tmp, path)
+            else:
+                os.link(tmp, path)  # EEXIST if the name exists: create-only, atomic
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._write_atomic(key, lambda fd: _write_all(fd, memoryview(data)), replace=True)
+
+    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> None:
+        def write(fd: int) -> None:
+            for block in blocks():
+                _write_all(fd, memoryview(block))
+
+        self._write_atomic(key, write, replace=True)
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        self._write_atomic(key, lambda fd: _write_all(fd, memoryview(data)), replace=False)
+        fsync_dir(os.path.dirname(self.local_path(key)))
+
+    def listdir(self, prefix: str = "") -> list[str]:
+        path = self.local_path(prefix)
+        try:
+            with os.scandir(path) as it:
+                return sorted(e.name for e in it)
+        except FileNotFoundError:
+            return []
+        except OSError as e:  # not a directory (a dead mount), an I/O error: no listing is no answer
+            raise TierUnavailableError(e.errno, f"cannot list {path}: {e.strerror}") from None
+
+    def find(self, prefix: str) -> list[ObjectInfo]:
+        top = self.local_path(prefix)
+        out = []
+        for d, _, names in os.walk(top):
+            for n in names:
+                path = os.path.join(d, n)
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    key = os.path.relpath(path, self.root).replace(os.sep, "/")
+                    out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return sorted(out, key=lambda o: o.key)
+
+    def exists(self, key: str) -> bool:
+        return os.path.lexists(self.local_path(key))
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.local_path(key))
+
+    def delete_tree(self, prefix: str) -> None:
+        def gone_already(fn: object, path: str, exc_info: tuple[type[BaseException], BaseException, object]) -> None:
+            if not isinstance(exc_info[1], FileNotFoundError):
+                raise exc_info[1]
+
+        shutil.rmtree(self.local_path(prefix), onerror=gone_already)
+
+    def rename(self, src: str, dst: str) -> None:
+        target = self.local_path(dst)
+        makedirs(os.path.dirname(target))
+        os.rename(self.local_path(src), target)
+        fsync_dirs({os.path.dirname(self.local_path(src)), os.path.dirname(target)})
+
+    def sync(self, prefix: str) -> None:
+        top = self.local_path(prefix)
+        dirs = [d for d, _, _ in os.walk(top)]
+        if dirs:
+            dirs.append(os.path.dirname(top))
+        fsync_dirs(dirs)
+
+    def warm(self, keys: Iterable[str]) -> None:
+        """On a cold cache each chunk's open walks ~6 directory levels, and each level's inode
+        and directory block is a small read. Interleaved with the data reads those small reads
+        queue behind multi-MiB ones, and readers stall on them (40% of the readers' time,
+        py-spy, 876 chunk files). Done first, in parallel, they take ~0.15 s for the same files."""
+        paths = [self.local_path(k) for k in keys]
+        if len(paths) >= 8:
+            run_lanes(paths, _lstat_quietly, 16, name="ckpt-stat")
+
+
+def _lstat_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):  # reported by the read itself
+        os.lstat(path)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    view = view.cast("B")
+    while view:
+        view = view[os.write(fd, view) :]

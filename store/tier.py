@@ -1,0 +1,179 @@
+"""The one storage interface: a place holding objects under relative keys
+(`v000000000100/state/model/w/c.0.0`), on a local filesystem or anything fsspec reaches.
+
+Restore, replication, export and GC read, write and delete through a `Tier`; only the
+save path writes a local root directly (store.commit, store.fsio: O_DIRECT, fsync
+discipline). What a tier can do is declared in `capabilities`, never inferred from
+its type. Keys are '/'-separated, relative, without '.' or '..' components.
+
+Call order: `open_tier(location)`; then any of the operations, from any thread. A
+missing key raises FileNotFoundError; an unreachable store TierUnavailableError (after
+the retries of store.retry, for the fsspec backend); refused access PermissionError.
+
+Semantics every backend keeps (the conformance suite in tests/store/test_tier.py checks
+them against a local directory, `file://` and S3 on a moto server):
+- `put`, `put_stream`: readers see the old object or the whole new one, never a part;
+  an interrupted upload leaves nothing behind;
+- `put_if_absent`: atomic create-only: of two concurrent callers exactly one succeeds,
+  the other gets FileExistsError; durable on return;
+- `listdir(prefix)`: the names directly beneath `prefix`, fresh (no stale cache);
+- `delete`, `delete_many`: no error for keys already gone;
+- `sync(prefix)`: everything put beneath `prefix` is durable once it returns.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ckpt.store.errors import TierUnavailableError
+from ckpt.store.retry import DEFAULT_POLICY, RetryPolicy
+
+__all__ = ["Capabilities", "ObjectInfo", "ReadHandle", "Tier", "open_tier", "is_url", "join_key"]
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def is_url(location: str) -> bool:
+    return bool(_URL.match(location))
+
+
+def join_key(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    atomic_rename: bool
+    """Directories rename atomically: a version is unpublished with one rename into the
+    trash. Without it (object stores) the manifest is the commit marker, written
+    create-only, and a deletion carries a `.deleting` marker until it is finished."""
+    range_reads: bool
+    """A ReadHandle reads any byte range without fetching the rest of the object."""
+    direct_io: bool
+    """Files can be written with O_DIRECT from aligned buffers (the save path's writer)."""
+    local_files: bool
+    """Keys are files of this machine's filesystem (`local_path`): readers may pin them
+    against GC with flocks, and warm their directory entries before reading."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str  # relative to the tier
+    size: int  # bytes
+    mtime: float  # unix time of its last write; 0.0 where the backend says nothing
+
+
+class ReadHandle(Protocol):
+    """An open object: positional reads of any range, until `close()`."""
+
+    size: int
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill `out` from `offset`; an object that ends first is an EOFError."""
+
+    def close(self) -> None: ...
+
+
+class Tier(ABC):
+    """A storage location (a checkpoint root, a replica directory, a remote prefix)."""
+
+    location: str  # as given, credentials scrubbed: for messages and logs
+    capabilities: Capabilities
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object."""
+
+    @abstractmethod
+    def open_read(self, key: str) -> ReadHandle:
+        """The object for range reads. Local tiers refuse symlinks anywhere below the tier
+        and anything but a regular file (ckpt.store.errors.CorruptVersionError)."""
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes from `offset`."""
+        out = bytearray(length)
+        handle = self.open_read(key)
+        try:
+            handle.read_into(offset, memoryview(out))
+        finally:
+            handle.close()
+        return bytes(out)
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Create or replace the object, atomically for readers."""
+
+    @abstractmethod
+    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> None:
+        """Create or replace the object from the blocks `blocks()` yields (`size` bytes in
+        all), atomically for readers; `blocks` is called again for each attempt. An exception
+        raised by the blocks (a stop request) abandons the upload and propagates. A block may
+        be a view of a buffer the iterator reuses: it is consumed before the next one."""
+
+    @abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        """Create the object only if no object has that key: FileExistsError otherwise.
+        Atomic and durable on return: the commit marker of object stores."""
+
+    @abstractmethod
+    def listdir(self, prefix: str = "") -> list[str]:
+        """Names (not keys) directly beneath `prefix`, sorted; [] if there are none."""
+
+    @abstractmethod
+    def find(self, prefix: str) -> list[ObjectInfo]:
+        """Every object beneath `prefix`, at any depth (keys relative to the tier)."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove one object; no error if it is gone already."""
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
+    @abstractmethod
+    def delete_tree(self, prefix: str) -> None:
+        """Remove everything beneath `prefix` (and the directory itself where there is one)."""
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move a directory or object in one atomic step, durably. Only where
+        `capabilities.atomic_rename`; elsewhere it is refused with TierUnavailableError."""
+        raise TierUnavailableError(f"{self.location} cannot rename {src} atomically")
+
+    def sync(self, prefix: str) -> None:
+        """Make everything put beneath `prefix` durable (directories included)."""
+        return None
+
+    def local_path(self, key: str) -> str | None:
+        """The file behind `key` where `capabilities.local_files`, else None."""
+        return None
+
+    def warm(self, keys: Iterable[str]) -> None:
+        """A hint that these objects are about to be read (a local tier reads their inodes
+        and directory entries ahead, many at once); no effect elsewhere."""
+        return None
+
+
+def open_tier(
+    location: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    retry: RetryPolicy = DEFAULT_POLICY,
+) -> Tier:
+    """A tier for a local path or `file://` URL (a directory of this machine's filesystem,
+    which need not exist yet), or for any other fsspec URL (`s3://bucket/prefix`),
+    configured by `storage_options` or, for S3, the standard AWS_* variables and files."""
+    if not is_url(location) or location.startswith("file://"):
+        from ckpt.store._local import LocalTier
+
+        return LocalTier(location[len("file://") :] if location.startswith("file://") else location)
+    from ckpt.store._fsspec import FsspecTier
+
+    return FsspecTier(location, storage_options, retry=retry)

@@ -1,0 +1,245 @@
+"""Committed versions on any tier: their names, listing, manifests and root info, and their
+crash-safe deletion.
+
+A version of step N is the directory `v<N:012d>/`; it is committed once it holds a
+manifest (on a local root the directory appears whole, by one rename; on an object store
+the manifest is written last, create-only, and is the commit marker). What a tier holds
+of a version is in its `root.json` (RootInfo): a multi-root job's tier holds only the
+chunks of some ranks.
+
+Deleting depends on the tier's capabilities:
+- atomic rename (local): one rename of `v<N>/` into `.trash/` unpublishes it, then its
+  files are deleted; a crash leaves only trash, which `finish_deletions` empties;
+- no rename (object stores): a `.deleting` marker is written, then the manifest removed
+  (the version is invisible from then on), then the rest, the marker last; a killed
+  deletion leaves a marked directory that `finish_deletions` completes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ckpt.store.errors import CorruptVersionError, ManifestError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.faults import fault_point
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, SAVE_ID, Manifest, parse_manifest
+from ckpt.store.tier import Tier, join_key, open_tier
+
+__all__ = [
+    "TRASH_NAME",
+    "DELETING_MARKER",
+    "COMMIT_CLAIM",
+    "Candidate",
+    "RootInfo",
+    "as_tier",
+    "version_dirname",
+    "parse_version_dirname",
+    "committed_steps",
+    "committed",
+    "read_manifest",
+    "read_root_info",
+    "delete_version",
+    "delete_uncommitted",
+    "remove_marked",
+    "finish_deletions",
+    "marked_for_deletion",
+]
+
+log = logging.getLogger("ckpt")
+TRASH_NAME = ".trash"
+DELETING_MARKER = ".deleting"
+COMMIT_CLAIM = ".commit"
+"""In a version directory of an object store: written create-only by whoever commits the
+version (its save_id) or collects it as an abandoned upload ("gc"), so the two exclude
+each other."""
+_VERSION = re.compile(r"^v(\d{12})$")
+
+
+def version_dirname(step: int) -> str:
+    return f"v{step:012d}"
+
+
+def parse_version_dirname(name: str) -> int | None:
+    m = _VERSION.match(name)
+    return int(m.group(1)) if m else None
+
+
+def as_tier(where: Tier | str | os.PathLike[str]) -> Tier:
+    return where if isinstance(where, Tier) else open_tier(os.fspath(where))
+
+
+@dataclass(frozen=True, slots=True)
+class RootInfo:
+    """`root.json`: what one tier holds of a version."""
+
+    save_id: str
+    step: int
+    world_size: int
+    writers: tuple[int, ...]  # ranks whose chunks this tier holds
+
+    def to_json(self) -> bytes:
+        doc = {"save_id": self.save_id, "step": self.step, "world_size": self.world_size, "writers": list(self.writers)}
+        return json.dumps(doc).encode()
+
+
+def parse_root_info(raw: bytes) -> RootInfo | None:
+    """The root info, or None where it is not one (a torn or foreign file)."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    save_id, step, world, writers = doc.get("save_id"), doc.get("step"), doc.get("world_size"), doc.get("writers")
+    if not (isinstance(save_id, str) and SAVE_ID.fullmatch(save_id)):
+        return None
+    if type(world) is not int or world < 1 or not isinstance(writers, list):
+        return None
+    if not all(type(w) is int and 0 <= w < world for w in writers):
+        return None
+    return RootInfo(save_id, step if type(step) is int else -1, world, tuple(writers))
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A committed version as one tier sees it."""
+
+    step: int
+    save_id: str
+    world_size: int  # ranks that saved it
+    writers: tuple[int, ...]  # ranks whose chunks this tier holds
+
+
+def _version_names(tier: Tier) -> Iterator[tuple[int, str]]:
+    for name in tier.listdir(""):
+        step = parse_version_dirname(name)
+        if step is not None:
+            yield step, name
+
+
+def committed_steps(where: Tier | str | os.PathLike[str]) -> list[int]:
+    """Steps with a version directory holding a manifest, oldest first. On an object store
+    a directory that carries the `.deleting` marker is no longer listed: its deletion was
+    decided (a GC killed before removing the manifest leaves it so)."""
+    tier = as_tier(where)
+    marked = tier.capabilities.atomic_rename is False
+    return [
+        step
+        for step, name in _version_names(tier)
+        if tier.exists(join_key(name, MANIFEST_NAME)) and not (marked and tier.exists(join_key(name, DELETING_MARKER)))
+    ]
+
+
+def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo | None:
+    """The version's root info on this tier; None if it has none or it does not parse."""
+    tier = as_tier(where)
+    try:
+        raw = tier.get(join_key(version_dirname(step), ROOT_INFO_NAME))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, CorruptVersionError):
+        return None
+    return parse_root_info(raw)
+
+
+def committed(where: Tier | str | os.PathLike[str]) -> list[Candidate]:
+    """Committed versions with a valid root info, oldest first (a version without one is
+    skipped: its holders cannot be known, so it cannot be chosen for a restore)."""
+    tier = as_tier(where)
+    out = []
+    for step in committed_steps(tier):
+        info = read_root_info(tier, step)
+        if info is not None:
+            out.append(Candidate(step, info.save_id, info.world_size, info.writers))
+    return out
+
+
+def read_manifest(where: Tier | str | os.PathLike[str], step: int) -> Manifest:
+    """The parsed, validated manifest of `step`. VersionNotFoundError if it is not committed,
+    ManifestError (a CorruptVersionError) if the manifest is damaged, TierUnavailableError
+    if it cannot be read (an I/O error, a store that does not answer)."""
+    tier = as_tier(where)
+    key = join_key(version_dirname(step), MANIFEST_NAME)
+    try:
+        raw = tier.get(key)
+    except (FileNotFoundError, NotADirectoryError):
+        raise VersionNotFoundError(f"step {step} is not committed in {tier.location}") from None
+    except CorruptVersionError as e:  # a symlink, a FIFO: planted, not a failing disk
+        raise ManifestError(str(e), path=e.path) from None
+    except (TierUnavailableError, ManifestError):
+        raise
+    except OSError as e:
+        raise TierUnavailableError(e.errno, f"cannot read {tier.location}/{key}: {e.strerror or e}") from None
+    manifest = parse_manifest(raw)
+    if manifest.step != step:
+        raise ManifestError(f"{tier.location}/{key} describes step {manifest.step}, not {step}", path=key)
+    return manifest
+
+
+def marked_for_deletion(where: Tier | str | os.PathLike[str]) -> list[str]:
+    """Version directories an interrupted deletion left: trash entries of local tiers,
+    `.deleting`-marked directories of object stores."""
+    tier = as_tier(where)
+    if tier.capabilities.atomic_rename:
+        return [join_key(TRASH_NAME, n) for n in tier.listdir(TRASH_NAME) if ".del-" in n]
+    return [name for _, name in _version_names(tier) if tier.exists(join_key(name, DELETING_MARKER))]
+
+
+def delete_version(where: Tier | str | os.PathLike[str], step: int) -> None:
+    """Unpublish, then delete: never a half-deleted version that still looks committed.
+    A version already gone (another GC deleted it first) is no error."""
+    tier = as_tier(where)
+    fault_point("gc-delete")  # decided; on an object store the marker comes next
+    _delete_dir(tier, version_dirname(step))
+
+
+def delete_uncommitted(where: Tier | str | os.PathLike[str], name: str) -> None:
+    """Delete a version directory that was never committed (an abandoned upload), with the
+    same crash safety as delete_version."""
+    _delete_dir(as_tier(where), name)
+
+
+def _delete_dir(tier: Tier, name: str) -> None:
+    if tier.capabilities.atomic_rename:
+        target = join_key(TRASH_NAME, f"{name}.del-{uuid.uuid4().hex[:12]}")
+        try:
+            tier.rename(name, target)
+        except FileNotFoundError:
+            return
+        fault_point("gc-mid-delete")  # unpublished, files not yet deleted
+        tier.delete_tree(target)
+        return
+    try:
+        tier.put_if_absent(join_key(name, DELETING_MARKER), b"")
+    except FileExistsError:
+        pass  # another GC (another node's replicator) is deleting it too: both finish it
+    fault_point("gc-marked")
+    remove_marked(tier, name)
+
+
+def remove_marked(tier: Tier, name: str) -> None:
+    """Delete an object-store version directory that carries the `.deleting` marker: the
+    manifest first (the version is no longer listed), the marker last. GCs racing on one
+    version (every node's replicator collects the shared remote) find objects already
+    deleted by the other, which is no error."""
+    tier.delete(join_key(name, MANIFEST_NAME))
+    rest = [o.key for o in tier.find(name) if o.key.rsplit("/", 1)[-1] != DELETING_MARKER]
+    tier.delete_many(rest)
+    fault_point("gc-mid-remove")
+    tier.delete(join_key(name, DELETING_MARKER))
+
+
+def finish_deletions(where: Tier | str | os.PathLike[str]) -> list[str]:
+    """Complete the deletions a killed GC left (see marked_for_deletion); what it finished."""
+    tier = as_tier(where)
+    done = marked_for_deletion(tier)
+    for key in done:
+        if tier.capabilities.atomic_rename:
+            tier.delete_tree(key)
+        else:
+            remove_marked(tier, key)
+        log.info("gc %s: finished an interrupted deletion of %s", tier.location, key)
+    return done
