@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ckpt.store.fsio import fsync_dir
+
 _MIB = 1 << 20
 _WRITE_BLOCK = 64 * _MIB  # one os.write per 64 MiB (no extra copies: views of the tensor)
 _READ_BLOCK = 1 * _MIB  # preadv size: copies out of the page cache run far faster in 1 MiB pieces than in 4+ MiB
@@ -110,14 +112,6 @@ def _write_file(path: str, tensors: list[torch.Tensor], early: bool) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file_direct(path: str, tensors: list[torch.Tensor]) -> None:
     """O_DIRECT straight from the tensors: no page-cache copy. O_DIRECT needs the memory
     address and the file offset on the same 4 KiB grid, so each tensor starts at a file
@@ -176,7 +170,7 @@ def write_floor(directory: str, rank: int, tensors: list[torch.Tensor], strategy
     else:
         with ThreadPoolExecutor(len(groups)) as pool:
             list(pool.map(lambda a: write(*a), zip(paths, groups)))
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return paths
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -39,11 +40,14 @@ def _remote(r: Row) -> str:
 
 def print_rows(location: str, rows: list[Row], console: Console) -> None:
     """The table of versions, then a line per row that needs explaining."""
-    table = Table(title=f"versions in {location}", title_justify="left", pad_edge=False)
+    console.print(f"versions in {location}", overflow="fold")
+    # No vertical rules: 7 columns of at most 12, 11, 10, 5, 10, 6 and 12 characters and
+    # their gaps fit 80 columns, so no cell is cut or wrapped.
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), show_edge=False)
     for col in ("step", "committed", "size", "ranks", "status", "copies", "remote"):
         table.add_column(col, justify="right" if col in ("step", "size", "ranks") else "left", no_wrap=True)
     for r in rows:
-        when = time.strftime("%m-%d %H:%M:%S", time.localtime(r.time)) if r.time is not None else "-"
+        when = time.strftime("%m-%d %H:%M", time.localtime(r.time)) if r.time is not None else "-"
         size = human(r.bytes) if r.bytes is not None else "-"
         world = str(r.world_size) if r.world_size is not None else "-"
         status = r.status + ("*" if r.milestone else "")
@@ -55,7 +59,7 @@ def print_rows(location: str, rows: list[Row], console: Console) -> None:
         console.print(f"{status}: {STATUS_HELP[status]}")
     for r in rows:
         if r.detail and r.status in ("damaged", "unreadable"):
-            console.print(f"step {r.step}: {r.detail}", soft_wrap=True)
+            console.print(f"step {r.step}: {r.detail}")
 
 
 def sharding(array: ArrayEntry, world: int) -> str:

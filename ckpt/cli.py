@@ -65,6 +65,13 @@ _STORAGE_OPTION = click.option(
     metavar="KEY=VALUE",
     help="fsspec option for URL roots, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable).",
 )
+_ABANDONED_OPTION = click.option(
+    "--abandoned-after",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ABANDON_AFTER_S,
+    show_default=True,
+    help="Remote: seconds without a write after which an upload that never committed is collected.",
+)
 _TIER_OPTION = click.option(
     "--tier", "tiers", multiple=True, type=click.Path(file_okay=False), help="Another root or copy to read from."
 )
@@ -259,13 +266,7 @@ def _policy(keep_last: int | None, milestone_every: int | None, milestones: tupl
 @click.option("--keep-last", type=click.IntRange(min=0), default=None, help="Keep the newest N versions.")
 @click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Keep every step divisible by K.")
 @click.option("--milestone", "milestones", type=int, multiple=True, help="Keep this step too (repeatable).")
-@click.option(
-    "--abandoned-after",
-    type=click.FloatRange(min=0, min_open=True),
-    default=ABANDON_AFTER_S,
-    show_default=True,
-    help="Seconds without a write after which an upload that never committed is collected (URL roots).",
-)
+@_ABANDONED_OPTION
 @click.option("--dry-run", is_flag=True, help="Only print what would be deleted.")
 @_STORAGE_OPTION
 @_errors_to_exit
@@ -316,13 +317,7 @@ def gc_cmd(
 @click.option("--keep-last", type=click.IntRange(min=0), default=None, help="Local retention: newest N.")
 @click.option("--remote-keep-last", type=click.IntRange(min=0), default=None, help="Remote retention: newest N.")
 @click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Remote: keep every K-th step.")
-@click.option(
-    "--abandoned-after",
-    type=click.FloatRange(min=0, min_open=True),
-    default=ABANDON_AFTER_S,
-    show_default=True,
-    help="Remote: seconds without a write after which an upload that never committed is collected.",
-)
+@_ABANDONED_OPTION
 @click.option("--no-readback", is_flag=True, help="Verify copies by size only, not by reading them back.")
 @click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None, help="Serve Prometheus metrics.")
 @_STORAGE_OPTION

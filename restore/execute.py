@@ -29,7 +29,7 @@ import xxhash
 from ckpt.restore.reshard import Block, Box, ChunkRead, Request, blocks, direct_rows, overlap, plan_reads, row_bytes
 from ckpt.restore.sources import Source, from_first_good
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
-from ckpt.store.chunk_read import open_chunk, read_exact
+from ckpt.store.chunk_read import check_digest, open_chunk, read_exact
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import CorruptVersionError
 from ckpt.store.lanes import run_lanes
@@ -123,14 +123,7 @@ def _read_block(handle: ReadHandle, block: Block, out: torch.Tensor, where: str,
         piece = view[start : start + _PIECE]
         read_exact(handle, piece, block.offset + start, where)
         hasher.update(piece)
-    got = hasher.hexdigest()
-    if got != block.xxh3:
-        raise CorruptVersionError(
-            f"chunk {where} rows {block.rows} fail their checksum (xxh3 {got}, manifest {block.xxh3})",
-            path=where,
-            expected=block.xxh3,
-            actual=got,
-        )
+    check_digest(hasher.hexdigest(), block.xxh3, f"chunk {where} rows {block.rows} fail their checksum", where)
 
 
 def _origin(chunk: ChunkEntry, row: int) -> list[int]:

@@ -132,22 +132,21 @@ class FsspecTier(Tier):
         path = self._path(key)
         self._call(f"create {key}", lambda: self.fs.pipe_file(path, data, mode="create"))
 
-    def listdir(self, prefix: str = "") -> list[str]:
+    def _listing(self, prefix: str, how: Callable[[str], T], empty: T) -> T:
+        """A fresh listing of `prefix` (`how(path)`), `empty` where there is nothing."""
         path = self._path(prefix)
         self._fresh(path)
         try:
-            names = self._call(f"list {prefix or '/'}", lambda: self.fs.ls(path, detail=False))
+            return self._call(f"list {prefix or '/'}", lambda: how(path))
         except FileNotFoundError:
-            return []
+            return empty
+
+    def listdir(self, prefix: str = "") -> list[str]:
+        names: list[str] = self._listing(prefix, lambda p: self.fs.ls(p, detail=False), [])
         return sorted({str(n).rstrip("/").rsplit("/", 1)[-1] for n in names} - {""})
 
     def find(self, prefix: str) -> list[ObjectInfo]:
-        path = self._path(prefix)
-        self._fresh(path)
-        try:
-            found = self._call(f"list {prefix}", lambda: self.fs.find(path, detail=True))
-        except FileNotFoundError:
-            return []
+        found: dict[str, dict[str, Any]] = self._listing(prefix, lambda p: self.fs.find(p, detail=True), {})
         base = self.fs._strip_protocol(self.prefix).rstrip("/")
         out = []
         for name, info in found.items():

@@ -24,7 +24,7 @@ from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.tier import ReadHandle, Tier, join_key
 from ckpt.store.versions import version_dirname
 
-__all__ = ["READ_BLOCK", "open_chunk", "read_exact", "read_chunk", "ChunkProblem", "verify_chunks"]
+__all__ = ["READ_BLOCK", "open_chunk", "read_exact", "read_chunk", "check_digest", "ChunkProblem", "verify_chunks"]
 
 READ_BLOCK = 4 << 20
 
@@ -76,12 +76,14 @@ def read_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry, out:
         finally:
             handle.close()
         got = chunk_digest(view[: chunk.nbytes], array.digest_block_bytes(chunk))
-    if got != chunk.xxh3:
+    check_digest(got, chunk.xxh3, f"chunk {where} fails its checksum", where)
+
+
+def check_digest(got: str, expected: str, what: str, where: str) -> None:
+    """CorruptVersionError (with both digests) unless they match."""
+    if got != expected:
         raise CorruptVersionError(
-            f"chunk {where} fails its checksum (xxh3 {got}, manifest {chunk.xxh3})",
-            path=where,
-            expected=chunk.xxh3,
-            actual=got,
+            f"{what} (xxh3 {got}, manifest {expected})", path=where, expected=expected, actual=got
         )
 
 

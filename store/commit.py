@@ -23,11 +23,10 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ckpt.store.errors import TierUnavailableError, VersionExistsError
-from ckpt.store.fsio import DIR_MODE, exchange_dirs, fsync_dir, fsync_dirs, write_durable
+from ckpt.store.errors import VersionExistsError
+from ckpt.store.fsio import DIR_MODE, entries, exchange_dirs, fsync_dir, fsync_dirs, write_durable
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
 from ckpt.store.versions import TRASH_NAME, RootInfo, parse_root_info, version_dirname
 
@@ -48,16 +47,6 @@ _OLD = re.compile(r"^(v\d{12})\.old-")
 
 def tmp_dirname(step: int, save_id: str) -> str:
     return f"{version_dirname(step)}.tmp-{save_id}"
-
-
-def _entries(root: str) -> Iterator[os.DirEntry[str]]:
-    try:
-        with os.scandir(root) as it:
-            yield from it
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise TierUnavailableError(e.errno, f"cannot list checkpoint root {root}: {e.strerror}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +73,7 @@ def prepared_versions(root: str) -> list[PreparedVersion]:
     forward, so a tmp directory counts as prepared only if its root info names its save.
     """
     out = []
-    for e in _entries(root):
+    for e in entries(root):
         m = _TMP.match(e.name)
         if m:
             info = _tmp_root_info(e.path) if os.path.isfile(os.path.join(e.path, MANIFEST_NAME)) else None
@@ -150,7 +139,7 @@ def empty_trash(root: str) -> None:
     """Finish interrupted deletions and overwrites (the caller holds the root lock): an
     overwrite that died between its two renames gets its old version back."""
     trash = os.path.join(root, TRASH_NAME)
-    for e in _entries(trash):
+    for e in entries(trash):
         m = _OLD.match(e.name)
         if m and not os.path.exists(os.path.join(root, m.group(1))):
             os.rename(e.path, os.path.join(root, m.group(1)))

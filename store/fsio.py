@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ckpt.store.digest import ChunkHasher
+from ckpt.store.errors import TierUnavailableError
 from ckpt.store.lanes import run_lanes
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "DIRECT_MIN_BYTES",
     "exchange_dirs",
     "makedirs",
+    "entries",
 ]
 
 FILE_MODE = 0o644  # never world-writable
@@ -66,6 +68,18 @@ def makedirs(path: str) -> None:
         makedirs(parent)
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, DIR_MODE)
+
+
+def entries(path: str) -> list[os.DirEntry[str]]:
+    """The entries of a directory; [] if it does not exist, TierUnavailableError if it
+    cannot be listed (an I/O error, a file where the directory should be)."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise TierUnavailableError(e.errno, f"cannot list {path}: {e.strerror}") from None
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

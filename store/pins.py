@@ -16,7 +16,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 
-from ckpt.store.fsio import FILE_MODE, makedirs
+from ckpt.store.errors import TierUnavailableError
+from ckpt.store.fsio import FILE_MODE, entries, makedirs
 from ckpt.store.tier import Tier
 
 __all__ = ["PINS_NAME", "pin_version", "pinned_steps", "deleting"]
@@ -26,12 +27,11 @@ _GC_WAIT_S = 2.0  # how long a reader waits for a GC's marker on the version it 
 _DELETING = "gc-"  # in PINS_NAME: gc-<step>.<pid>.<id>, held by a GC while it deletes step
 
 
-def _entries(d: str) -> Iterator[os.DirEntry[str]]:
+def _entries(d: str) -> list[os.DirEntry[str]]:
     try:
-        with os.scandir(d) as it:
-            yield from it
-    except OSError:
-        return
+        return entries(d)
+    except TierUnavailableError:  # a failing disk holds no pins anyone could act on
+        return []
 
 
 def _pins_dir(tier: Tier) -> str | None:
@@ -83,22 +83,9 @@ def pin_version(tier: Tier, step: int) -> Iterator[bool]:
     the pin and backed off), so a GC frozen mid-deletion blocks no reader for long. A
     version deleted before the pin stays deleted: readers check that it is still there
     once pinned."""
-    d = _pins_dir(tier)
-    if d is None:
-        yield True
-        return
-    try:
-        makedirs(d)
-        fd, path = _new_locked(d, f"{step}.{os.getpid()}.{uuid.uuid4().hex[:8]}", fcntl.LOCK_SH)
-    except OSError:  # a read-only root cannot be garbage-collected either
-        yield True
-        return
-    try:
-        yield _gc_gone(d, step)
-    finally:
-        os.close(fd)
-        with suppress(OSError):
-            os.unlink(path)
+    with _marker(tier, str(step), fcntl.LOCK_SH) as d:
+        # None: an object store, or a read-only root, which cannot be garbage-collected either
+        yield True if d is None else _gc_gone(d, step)
 
 
 def _gc_gone(pins_dir: str, step: int) -> bool:
@@ -122,18 +109,26 @@ def _gc_gone(pins_dir: str, step: int) -> bool:
 def deleting(tier: Tier, step: int) -> Iterator[bool]:
     """GC's side of pin_version: a marker held while `step` is deleted. Yields whether it
     may be deleted, False if a reader has pinned it."""
+    with _marker(tier, f"{_DELETING}{step}", fcntl.LOCK_EX):  # read-only: the deletion fails anyway
+        yield step not in pinned_steps(tier)
+
+
+@contextlib.contextmanager
+def _marker(tier: Tier, name: str, op: int) -> Iterator[str | None]:
+    """A flocked `.pins/<name>.<pid>.<id>` for the duration; yields the pins directory, or
+    None where none can be made (an object store, a read-only root)."""
     d = _pins_dir(tier)
     if d is None:
-        yield True
+        yield None
         return
     try:
         makedirs(d)
-        fd, path = _new_locked(d, f"{_DELETING}{step}.{os.getpid()}.{uuid.uuid4().hex[:8]}", fcntl.LOCK_EX)
-    except OSError:  # cannot mark (read-only): the deletion fails anyway
-        yield step not in pinned_steps(tier)
+        fd, path = _new_locked(d, f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}", op)
+    except OSError:
+        yield None
         return
     try:
-        yield step not in pinned_steps(tier)
+        yield d
     finally:
         os.close(fd)
         with suppress(OSError):

@@ -185,3 +185,25 @@ def test_a_checksummed_manifest_must_end_as_written(saved: tuple[Path, dict[str,
     assert stripped["schema_version"] == 2
     with pytest.raises(ManifestError, match="lacks its manifest_xxh3"):
         parse_manifest(json.dumps(stripped).encode())
+
+
+@pytest.mark.parametrize("save_id", ["../../../planted", "ABCDEF" * 6, "", 7, "0" * 31 + "/"], ids=str)
+def test_a_save_id_that_is_not_32_hex_digits_is_refused(saved: tuple[Path, dict[str, Any]], save_id: Any) -> None:
+    """The save_id becomes part of paths (tmp directories, replicator journals): a crafted
+    one is refused when the manifest is parsed, checksum or not."""
+    root, _ = saved
+    doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
+    parse_manifest(crafted(doc))
+    with pytest.raises(ManifestError, match="save_id"):
+        parse_manifest(crafted({**doc, "save_id": save_id}))
+
+
+def test_publishing_over_a_committed_step_is_version_exists(tmp_path: Path) -> None:
+    from ckpt import VersionExistsError
+    from ckpt.store import commit
+
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.ones(4)})
+    (tmp_path / commit.tmp_dirname(1, "a" * 32)).mkdir()
+    with pytest.raises(VersionExistsError, match="step 1 is already committed"):
+        commit.publish(str(tmp_path), commit.tmp_dirname(1, "a" * 32), 1, overwrite=False)

@@ -325,3 +325,26 @@ def test_restore_refuses_to_start_from_scratch_when_a_tier_cannot_be_read(tmp_pa
             ck.restore({"model": model})
     with Checkpointer(str(tmp_path / "empty2")) as ck:  # nothing anywhere: a fresh start
         assert ck.restore({"model": model}) is None
+
+
+def test_cli_ls_table_fits_80_columns(tmp_path):
+    """Each version is one line of the table at 80 columns, whatever its status (a version
+    held in part, a damaged one, a milestone with its replication states); explanations go
+    below the table, one line each."""
+    root = tmp_path / "a-rather-long-directory-name-for-a-checkpoint-root"
+    with Checkpointer(root, replicate_to=f"file://{tmp_path / 'remote'}") as ck:
+        for step in (1, 2, 10**11):
+            ck.save(step, _state(step), milestone=step == 2)
+    info = root / versions.version_dirname(1) / "root.json"
+    doc = json.loads(info.read_text())
+    info.write_text(json.dumps({**doc, "writers": []}))  # a root that holds another rank's part only
+    (root / versions.version_dirname(10**11) / "manifest.json").write_text("{not json")
+    out = CliRunner(env={"COLUMNS": "80"}).invoke(cli, ["ls", str(root)])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    rows = [line for line in lines if line.split()[:1] and line.split()[0].isdigit()]
+    assert [r.split()[0] for r in rows[:3]] == ["1", "2", str(10**11)], "\n".join(lines)
+    assert "partial" in rows[0] and "committed*" in rows[1] and "damaged" in rows[2]
+    assert any(line.startswith("partial: ") for line in lines)
+    assert any(line.startswith(f"step {10**11}: ") and "not valid JSON" in line for line in lines)
