@@ -101,8 +101,10 @@ def open_root(ctl: Comm, root: str) -> OpenedRoot:
         error = f"cannot use checkpoint root {root}: {e.strerror or e}"
     views = ctl.all_gather((key, error))
     failures = {r: err for r, (_, err) in enumerate(views) if err}
+    if ctl.rank in failures:
+        raise TierUnavailableError(failures[ctl.rank])
     if failures:
-        raise TierUnavailableError(failures.get(ctl.rank) or str(RankFailures(failures)))
+        raise RankFailures(failures)
     keys: list[str] = []
     for k, _ in views:
         if k not in keys:

@@ -26,12 +26,13 @@ import torch
 
 from ckpt._tensors import LocalPiece
 from ckpt.store.dtypes import itemsize
+from ckpt.store.errors import CkptError
 from ckpt.store.faults import fault_delay
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.lanes import LaneGroup
 from ckpt.store.layout import ArrayPlan, ChunkPlan
 
-__all__ = ["StageTask", "Arena", "Readiness", "StagingAborted", "assign_offsets", "slot_bytes", "stage"]
+__all__ = ["StageTask", "Arena", "Readiness", "assign_offsets", "slot_bytes", "stage"]
 
 _ALIGN = 64
 _MEMCPY_MIN = 1024  # elements; smaller copies stay with torch (no numpy round trip)
@@ -71,8 +72,9 @@ def assign_offsets(tasks: list[StageTask]) -> tuple[list[StageTask], int]:
     return out, -(-pos // _ALIGN) * _ALIGN
 
 
-class StagingAborted(Exception):
-    """A writer's chunk will never be staged: the copy failed (Readiness.result() says why)."""
+class _StagingAborted(CkptError):
+    """Internal: a writer's chunk will never be staged. Never reaches the user: the commit
+    raises the copy's own error (Readiness.result()) instead."""
 
 
 class Readiness:
@@ -109,10 +111,10 @@ class Readiness:
         self.done()
 
     def wait(self, task: StageTask) -> None:
-        """Block until the task is staged; raise StagingAborted if it never will be."""
+        """Block until the task is staged; raise _StagingAborted if it never will be."""
         self._marks[id(task)].wait()
         if self._error is not None:
-            raise StagingAborted(str(self._error))
+            raise _StagingAborted(str(self._error))
 
     def result(self) -> None:
         """Block until the copy is done; raise its error, if any."""

@@ -138,7 +138,11 @@ class LocalTier(Tier):
                 return sorted(e.name for e in it)
         except FileNotFoundError:
             return []
-        except OSError as e:  # not a directory (a dead mount), an I/O error: no listing is no answer
+        except NotADirectoryError:
+            if prefix:
+                return []  # a file where a directory would be: it holds no names
+            raise TierUnavailableError(errno.ENOTDIR, f"cannot list {path}: not a directory") from None
+        except OSError as e:  # an I/O error (a dead disk): no listing is no answer
             raise TierUnavailableError(e.errno, f"cannot list {path}: {e.strerror}") from None
 
     def find(self, prefix: str) -> list[ObjectInfo]:

@@ -10,7 +10,7 @@ Call order: `open_tier(location)`; then any of the operations, from any thread. 
 missing key raises FileNotFoundError; an unreachable store TierUnavailableError (after
 the retries of store.retry, for the fsspec backend); refused access PermissionError.
 
-Semantics every backend keeps (the conformance suite in tests/store/test_tier.py checks
+Semantics every backend keeps (the conformance suite in tests/store/test_tier_conformance.py checks
 them against a local directory, `file://` and S3 on a moto server):
 - `put`, `put_stream`: readers see the old object or the whole new one, never a part;
   an interrupted upload leaves nothing behind;

@@ -127,12 +127,12 @@ def committed_steps(where: Tier | str | os.PathLike[str]) -> list[int]:
     a directory that carries the `.deleting` marker is no longer listed: its deletion was
     decided (a GC killed before removing the manifest leaves it so)."""
     tier = as_tier(where)
-    marked = tier.capabilities.atomic_rename is False
-    return [
-        step
-        for step, name in _version_names(tier)
-        if tier.exists(join_key(name, MANIFEST_NAME)) and not (marked and tier.exists(join_key(name, DELETING_MARKER)))
-    ]
+    out = []
+    for step, name in _version_names(tier):
+        inside = tier.listdir(name)  # one request per version on an object store
+        if MANIFEST_NAME in inside and DELETING_MARKER not in inside:
+            out.append(step)
+    return out
 
 
 def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo | None:
