@@ -1,11 +1,12 @@
 """Run a test scenario on N real processes joined by a gloo process group.
 
 The parent (pytest) calls `launch(module_file, "scenario_name", world, workdir, **kwargs)`.
-It starts `world` fresh Python processes running this file; each joins a gloo group
-through a FileStore under `workdir`, calls `scenario_name(ctx, **kwargs)` from
-`module_file`, and writes `workdir/<tag>.rank<r>.json` with the scenario's result and
-the failed checks. The parent raises AssertionError if any process failed, timed out,
-recorded a failed check or wrote no result, so a broken library fails the test.
+It starts `world` fresh Python processes running this module (`python -m tests._dist`,
+from the repository root); each joins a gloo group through a FileStore under `workdir`,
+calls `scenario_name(ctx, **kwargs)` from `module_file`, and writes
+`workdir/<tag>.rank<r>.json` with the scenario's result and the failed checks. The
+parent raises AssertionError if any process failed, timed out, recorded a failed check
+or wrote no result, so a broken library fails the test.
 
 Checks inside a scenario go through `ctx.check(cond, msg)`: a failed check is recorded
 and the scenario goes on, so no rank leaves the others hanging in a collective.
@@ -76,7 +77,9 @@ def launch(
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, spec, str(rank), str(world)],
+                # -m from the repository root, not this file's path: a script's folder (tests/)
+                # would come first on sys.path, and tests/ckpt/ would shadow the ckpt package.
+                [sys.executable, "-m", "tests._dist", spec, str(rank), str(world)],
                 cwd=REPO,
                 env=env,
                 stdout=log,

@@ -12,7 +12,7 @@ to import them on a small busy machine; a SIGKILL still kills one real process):
   saving) the xxh3 of every tensor it saves (tests/_harness_worker.py);
 - one replicator daemon per node, the `ckpt replicate` command (`ckpt replicate ROOT
   --replicas 2 --replica-root DIR/node<k>/disk1 --to file://DIR/remote --keep-last 3
-  --remote-keep-last 4 --milestone-every 10`): copies to the node's second disk and to
+  --remote-keep-last 4 --milestone-every 10 --abandoned-after 20`): copies to the node's second disk and to
   the shared remote, and deletes what retention allows (the job tags every 7th step as
   a milestone).
 
@@ -100,6 +100,7 @@ class HarnessConfig:
     """The daemons' local retention (roots and their replica copies)."""
     remote_keep_last: int = 4
     milestone_every: int = 10
+    abandoned_after_s: float = 20.0  # the daemons collect remote uploads idle this long (a live one writes every pass)
     """Remote: every multiple of this step is kept, and every tagged step."""
     tag_every: int = 7
     """The job saves every multiple of this step with milestone=True."""
@@ -255,7 +256,7 @@ class Harness:
             "replicate", lo.root(k), "--to", lo.remote_url,
             "--replicas", "2", "--replica-root", lo.disk(k, 1), "--interval", str(self.c.interval_s),
             "--keep-last", str(self.c.keep_last), "--remote-keep-last", str(self.c.remote_keep_last),
-            "--milestone-every", str(self.c.milestone_every),
+            "--milestone-every", str(self.c.milestone_every), "--abandoned-after", str(self.c.abandoned_after_s),
         ]  # fmt: skip
         self.daemons[k] = self.spawn("cli", cmd, f"daemon{k}.log", f"ckpt {' '.join(cmd)} (round {self.fig.rounds})")
 
@@ -710,7 +711,9 @@ def leftovers(layout: Layout, snap: Snapshot, keep_last: int) -> dict[str, int]:
     except FileNotFoundError:
         names = []
     out["remote: directories without a manifest"] = sum(
-        1 for n in names if not os.path.exists(os.path.join(layout.remote_dir, n, "manifest.json"))
+        1
+        for n in names
+        if n.startswith("v") and not os.path.exists(os.path.join(layout.remote_dir, n, "manifest.json"))
     )
     return out
 

@@ -3,7 +3,7 @@ s3fs exactly as production reaches S3 (fake AWS_* credentials, `endpoint_url` as
 storage option, `--storage-option endpoint_url=...` on the command line, or the
 AWS_ENDPOINT_URL variable).
 
-Fixtures (import them into a test module):
+Fixtures (tests/conftest.py registers them for every test, through pytest_plugins):
 
 - `moto_server` (session): the running server. Tests may `kill()` it (SIGKILL, like a
   crash) and `start()` it again on the same port; moto keeps everything in memory, so a

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ckpt import Checkpointer
+from tests._states import assert_bitwise
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -40,7 +41,7 @@ def test_cuda_round_trip_and_save_returns_after_copies(tmp_path):
             p.zero_()
     with Checkpointer(tmp_path) as ck:
         assert ck.restore(dst) == 1
-    for k, v in dst["model"].state_dict().items():
-        assert v.is_cuda and torch.equal(v.cpu(), expected[k]), k
-    assert torch.equal(dst["bf16"].cpu(), src["bf16"].cpu())
-    assert torch.equal(torch.randn(3, device="cuda"), after_save)  # CUDA RNG restored
+    assert all(v.is_cuda for v in dst["model"].state_dict().values())
+    assert_bitwise(dst["model"].state_dict(), expected, "model")  # compared on the CPU
+    assert_bitwise(dst["bf16"], src["bf16"], "bf16")
+    assert_bitwise(torch.randn(3, device="cuda"), after_save, "CUDA RNG draw")  # CUDA RNG restored

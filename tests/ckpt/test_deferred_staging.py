@@ -16,6 +16,7 @@ import torch
 import ckpt
 from ckpt import Checkpointer, Shard
 from tests._dist import Ctx, launch
+from tests._states import assert_bitwise, bitwise_diff
 
 
 def _trained(width: int = 1024, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -39,15 +40,6 @@ def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
     return copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()["state"]})
 
 
-def _assert_bitwise(expected: dict, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    got = _snapshot(model, opt)
-    for k, v in expected["model"].items():
-        assert torch.equal(v, got["model"][k]), k
-    for i, s in expected["optim"].items():
-        for k, v in s.items():
-            assert torch.equal(v, got["optim"][i][k]), (i, k)
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["copy-then-write", "overlap_writes"])
 def test_optimizer_step_right_after_save_waits_and_the_checkpoint_is_exact(tmp_path: Path, overlap: bool) -> None:
     model, opt = _trained(width=2048)  # ~50 MB of parameters and moments: the copy takes a while
@@ -62,7 +54,7 @@ def test_optimizer_step_right_after_save_waits_and_the_checkpoint_is_exact(tmp_p
         after = _snapshot(model, opt)
         fresh, fresh_opt = _trained(width=2048, seed=1)
         assert ck.restore({"model": fresh, "optim": fresh_opt}) == 1
-    _assert_bitwise(expected, fresh, fresh_opt)
+    assert_bitwise(_snapshot(fresh, fresh_opt), expected)
     assert not torch.equal(after["model"]["0.weight"], expected["model"]["0.weight"])  # training moved on
 
 
@@ -105,9 +97,11 @@ def test_in_place_change_before_the_copy_ends_fails_the_save(tmp_path: Path, ove
         assert ck.steps() == [1, 3]
         out = torch.nn.Parameter(torch.zeros_like(w))
         ck.restore({"w": out, "optim": torch.optim.SGD([out], lr=0.1)}, step=1)
-        assert torch.equal(out.detach(), saved)
+        assert_bitwise(out, saved, "w at step 1")
         ck.restore({"w": out, "optim": torch.optim.SGD([out], lr=0.1)}, step=3)
-        assert torch.equal(out.detach()[1:], saved[1:]) and out[0, 0] == saved[0, 0] + 1
+        changed = saved.clone()
+        changed[0, 0] += 1
+        assert_bitwise(out, changed, "w at step 3")
 
 
 def test_what_no_guarded_optimizer_owns_is_copied_before_save_returns(tmp_path: Path) -> None:
@@ -147,7 +141,7 @@ def test_what_no_guarded_optimizer_owns_is_copied_before_save_returns(tmp_path: 
         out["head_optim"] = torch.optim.Adam(out["head"].parameters())
         ck.restore(out)
     assert (out["arr"] == arr - 1).all()
-    _assert_bitwise(expected, out_model, out_opt)
+    assert_bitwise(_snapshot(out_model, out_opt), expected)
 
 
 def test_guard_covers_an_optimizer_the_state_holds_only_as_a_dict(tmp_path: Path) -> None:
@@ -160,7 +154,7 @@ def test_guard_covers_an_optimizer_the_state_holds_only_as_a_dict(tmp_path: Path
         ck.wait()
         fresh, fresh_opt = _trained(width=2048, seed=1)
         ck.restore({"model": fresh, "optim": fresh_opt})
-    _assert_bitwise(expected, fresh, fresh_opt)
+    assert_bitwise(_snapshot(fresh, fresh_opt), expected)
 
 
 class _Wrapper(torch.optim.Optimizer):
@@ -200,7 +194,7 @@ def test_a_wrapped_optimizer_is_guarded_through_the_one_it_wraps(tmp_path: Path)
         assert ck.stats()[-1].staged_s > ck.stats()[-1].stage_s  # its tensors were deferred
         fresh, fresh_inner = _trained(width=2048, seed=1)
         ck.restore({"model": fresh, "optim": _Wrapper(fresh_inner)})
-    _assert_bitwise(expected, fresh, fresh_inner)
+    assert_bitwise(_snapshot(fresh, fresh_inner), expected)
 
 
 def test_an_optimizer_of_an_earlier_save_does_not_defer_this_saves_tensors(tmp_path: Path) -> None:
@@ -218,7 +212,7 @@ def test_an_optimizer_of_an_earlier_save_does_not_defer_this_saves_tensors(tmp_p
         fresh, _ = _trained(width=2048, seed=1)
         fresh_sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9, fused=True)
         ck.restore({"model": fresh, "optim": fresh_sgd}, step=2)
-    _assert_bitwise(expected, fresh, fresh_sgd)
+    assert_bitwise(_snapshot(fresh, fresh_sgd), expected)
     del adam
 
 
@@ -245,7 +239,7 @@ def test_a_wait_interrupted_by_a_signal_still_waits_at_the_next_save(tmp_path: P
             assert ck.steps() == [1, 2] and [s.step for s in ck.stats()] == [1, 2]
             out = {"w": torch.zeros_like(w)}
             ck.restore(out, step=1)
-            assert torch.equal(out["w"], w)
+            assert_bitwise(out, {"w": w})
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -292,8 +286,8 @@ def race_on_one_rank(ctx: Ctx, root: str) -> dict:
         fresh, fresh_opt = _trained(width=1024, seed=9)
         ck.restore({"model": fresh, "optim": fresh_opt, "rank": None}, step=1)
         got = _snapshot(fresh, fresh_opt)
-        same = all(torch.equal(v, got["model"][k]) for k, v in expected["model"].items())
-        ctx.check(same, "the restored model is the one saved")
+        diffs = bitwise_diff(got["model"], expected["model"], "model")
+        ctx.check(not diffs, f"the restored model is the one saved: {diffs[:3]}")
     return {}
 
 
@@ -323,4 +317,4 @@ def test_cuda_deferred_copy_reads_the_values_of_the_save_call(tmp_path: Path) ->
         fresh(x).sum().backward()
         fresh_opt.step()
         ck.restore({"model": fresh, "optim": fresh_opt})
-    _assert_bitwise(expected, fresh, fresh_opt)
+    assert_bitwise(_snapshot(fresh, fresh_opt), expected)

@@ -19,7 +19,6 @@ import datetime
 import math
 import os
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +27,10 @@ import pytest
 import torch
 import zarr
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import launch
-
 from ckpt.store import versions
 from ckpt.store.manifest import STATE_PREFIX
+from tests._dist import launch
+from tests._states import assert_bitwise, bitwise_diff, draw_rng
 
 THIS = os.path.abspath(__file__)
 SPLIT_BYTES = 2048  # small, so the 16 KiB replicated "big" tensor is split over the ranks
@@ -45,32 +43,8 @@ TRAIN_TOTAL, TRAIN_FIRST_SAVE, TRAIN_SAVE_AT, TRAIN_STOP_AT = 15, 4, 8, 10
 # ---------------------------------------------------------------------------------------
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def _dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
-
-
-def same_bits(a: Any, b: Any) -> bool:
-    """Bitwise equality; DTensors: same placements, mesh shape and local piece."""
-    if _dtensor(a) or _dtensor(b):
-        return (
-            _dtensor(a)
-            and _dtensor(b)
-            and tuple(a.placements) == tuple(b.placements)
-            and a.device_mesh.shape == b.device_mesh.shape
-            and a.shape == b.shape
-            and same_bits(a.to_local(), b.to_local())
-        )
-    return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(_bits(a), _bits(b))
-    )
 
 
 def clone_tree(x: Any) -> Any:
@@ -83,37 +57,6 @@ def clone_tree(x: Any) -> Any:
     if isinstance(x, tuple):
         return tuple(clone_tree(v) for v in x)
     return x
-
-
-def diff_tree(a: Any, b: Any, path: str = "") -> list[str]:
-    """Bitwise for tensors, exact (type included) for everything else."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return [] if same_bits(a, b) else [f"{path}: tensors differ ({a!r:.80} vs {b!r:.80})"]
-    if type(a) is not type(b):
-        return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
-    if isinstance(a, dict):
-        if set(a) != set(b):
-            return [f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"]
-        return [d for k in a for d in diff_tree(a[k], b[k], f"{path}[{k!r}]")]
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in diff_tree(x, y, f"{path}[{i}]")]
-    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return []
-    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
-
-
-def draw_rng() -> list[Any]:
-    """One draw from each generator the checkpointer restores (Python, NumPy, torch CPU)."""
-    return [
-        random.random(),
-        random.gauss(0.0, 1.0),
-        np.random.standard_normal(3).tolist(),
-        np.random.randint(0, 1 << 30, size=2).tolist(),
-        _bits(torch.rand(4)).tolist(),
-        _bits(torch.randn(3, dtype=torch.float64)).tolist(),
-    ]
 
 
 def row_split(world: int) -> list[int]:
@@ -303,7 +246,7 @@ def roundtrip(ctx: Any, base: str, per_node: int | None, section: str) -> dict[s
         not fresh["optim"].state and not fresh["fsdp"]["optim"].state, "the fresh optimizers should have no state"
     )
     ctx.check(
-        any(not same_bits(a, b) for a, b in zip(fresh["model"].state_dict().values(), expected["model"].values())),
+        any(bitwise_diff(a, b) for a, b in zip(fresh["model"].state_dict().values(), expected["model"].values())),
         "the fresh model should differ from the saved one before restoring",
     )
     with ckpt.Checkpointer(root, **cfg) as ck:
@@ -316,11 +259,11 @@ def roundtrip(ctx: Any, base: str, per_node: int | None, section: str) -> dict[s
     ctx.check(all(everyone[i] != everyone[j] for i in range(W) for j in range(i)), "ranks' RNG streams should differ")
 
     m, o = fresh["model"], fresh["optim"]
-    for d in diff_tree(clone_tree(m.state_dict()), expected["model"], "model"):
+    for d in bitwise_diff(clone_tree(m.state_dict()), expected["model"], "model"):
         ctx.check(False, d)
-    for d in diff_tree(clone_tree(o.state_dict()), expected["optim"], "optim"):
+    for d in bitwise_diff(clone_tree(o.state_dict()), expected["optim"], "optim"):
         ctx.check(False, d)
-    for d in diff_tree(clone_tree(fresh["sched"].state_dict()), expected["sched"], "sched"):
+    for d in bitwise_diff(clone_tree(fresh["sched"].state_dict()), expected["sched"], "sched"):
         ctx.check(False, d)
     ctx.check(o.param_groups[0]["lr"] == expected["optim"]["param_groups"][0]["lr"], "optimizer lr")
     params = list(m.parameters())
@@ -330,22 +273,24 @@ def roundtrip(ctx: Any, base: str, per_node: int | None, section: str) -> dict[s
         "the optimizer no longer holds the model's parameters",
     )
     ctx.check(set(o.state) == set(params), "optimizer state is not keyed by the model's parameters")
-    for d in diff_tree(fresh["sampler"].state_dict(), expected["sampler"], "sampler"):
+    for d in bitwise_diff(fresh["sampler"].state_dict(), expected["sampler"], "sampler"):
         ctx.check(False, d)
     fresh["sampler"].set_epoch(2)  # what a loader loop does first; keeps the resumed position
     ctx.check(list(fresh["sampler"]) == rest, f"sampler resumed {list(fresh['sampler'])}, expected {rest}")
     for k, v in fresh["shard"].items():
-        ctx.check(isinstance(v, ckpt.Shard) and same_bits(v.local_tensor, expected["shard"][k]), f"shard/{k} differs")
+        ctx.check(
+            isinstance(v, ckpt.Shard) and not bitwise_diff(v.local_tensor, expected["shard"][k]), f"shard/{k} differs"
+        )
     for k, v in fresh["dt"].items():
-        ctx.check(same_bits(v.to_local(), expected["dt"][k]), f"dt/{k}: local piece differs")
-        ctx.check(same_bits(v.full_tensor(), full[k]), f"dt/{k}: full tensor differs")
-    ctx.check(same_bits(fresh["big"], expected["big"]), "big differs")
-    for d in diff_tree(fresh["meta"], expected["meta"], "meta"):
+        ctx.check(not bitwise_diff(v.to_local(), expected["dt"][k]), f"dt/{k}: local piece differs")
+        ctx.check(not bitwise_diff(v.full_tensor(), full[k]), f"dt/{k}: full tensor differs")
+    ctx.check(not bitwise_diff(fresh["big"], expected["big"]), "big differs")
+    for d in bitwise_diff(fresh["meta"], expected["meta"], "meta"):
         ctx.check(False, d)
     fm, fo = fresh["fsdp"]["model"], fresh["fsdp"]["optim"]
-    for d in diff_tree(clone_tree(fm.state_dict()), expected["fsdp_model"], "fsdp model"):
+    for d in bitwise_diff(clone_tree(fm.state_dict()), expected["fsdp_model"], "fsdp model"):
         ctx.check(False, d)
-    for d in diff_tree(clone_tree(fo.state_dict()), expected["fsdp_optim"], "fsdp optim"):
+    for d in bitwise_diff(clone_tree(fo.state_dict()), expected["fsdp_optim"], "fsdp optim"):
         ctx.check(False, d)
     ctx.check(all(a is b for a, b in zip(fo.param_groups[0]["params"], fm.parameters())), "fsdp optimizer params")
     ctx.check(_dtensor(fm.weight) and _dtensor(fo.state[fm.weight]["exp_avg"]), "fsdp state is no longer DTensor")
@@ -356,9 +301,9 @@ def roundtrip(ctx: Any, base: str, per_node: int | None, section: str) -> dict[s
     ref["optim"].load_state_dict(clone_tree(expected["optim"]))
     for model_, opt_ in ((m, o), (ref["model"], ref["optim"])):
         one_step(model_, opt_, seed=99)
-    for d in diff_tree(clone_tree(m.state_dict()), clone_tree(ref["model"].state_dict()), "after-step model"):
+    for d in bitwise_diff(clone_tree(m.state_dict()), clone_tree(ref["model"].state_dict()), "after-step model"):
         ctx.check(False, d)
-    for d in diff_tree(clone_tree(o.state_dict()), clone_tree(ref["optim"].state_dict()), "after-step optim"):
+    for d in bitwise_diff(clone_tree(o.state_dict()), clone_tree(ref["optim"].state_dict()), "after-step optim"):
         ctx.check(False, d)
     ref["fsdp"]["model"].load_state_dict(expected["fsdp_model"])
     ref["fsdp"]["optim"].load_state_dict(clone_tree(expected["fsdp_optim"]))
@@ -366,7 +311,7 @@ def roundtrip(ctx: Any, base: str, per_node: int | None, section: str) -> dict[s
     fsdp_step(ref, seed=98)
     for k in ("model", "optim"):
         a, b = clone_tree(fresh["fsdp"][k].state_dict()), clone_tree(ref["fsdp"][k].state_dict())
-        for d in diff_tree(a, b, f"after-step fsdp {k}"):
+        for d in bitwise_diff(a, b, f"after-step fsdp {k}"):
             ctx.check(False, d)
     dist.barrier()
     return {"root": my_root, "bytes_written": bytes_written}
@@ -649,12 +594,11 @@ def test_training_resume_world2(world2: dict[str, Any]) -> None:
         assert first[rank]["first_losses"] == ref[:TRAIN_STOP_AT], f"rank {rank}: the saving run diverged"
         got = ref[:TRAIN_SAVE_AT] + resumed[rank]["rest_losses"]
         assert got == ref, f"rank {rank}: losses after resume differ:\n{got}\n{ref}"
-        a = torch.load(f"{base}.ref.rank{rank}.pt")
-        b = torch.load(f"{base}.resumed.rank{rank}.pt")
-        assert not diff_tree(a, b), diff_tree(a, b)
+        ref_state = torch.load(f"{base}.ref.rank{rank}.pt")
+        assert_bitwise(torch.load(f"{base}.resumed.rank{rank}.pt"), ref_state, f"rank {rank}: resumed")
     # Per-rank dropout makes the ranks' losses differ, so the RNG restored was each rank's own.
     assert first[0]["ref_losses"] != first[1]["ref_losses"]
     # Gradients are all-reduced, so both ranks end with the same weights.
     w0 = torch.load(f"{base}.resumed.rank0.pt")["model"]
     w1 = torch.load(f"{base}.resumed.rank1.pt")["model"]
-    assert not diff_tree(w0, w1)
+    assert_bitwise(w1, w0, "rank 1's weights vs rank 0's")

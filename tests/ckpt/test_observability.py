@@ -19,6 +19,8 @@ from ckpt import Checkpointer
 from ckpt.cli import main as cli
 from tests._dist import Ctx, launch
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -124,8 +126,7 @@ def test_inspect_shows_provenance(tmp_path: Path) -> None:
     meta = json.loads(out.output)["meta"]
     assert meta["torch_version"] == torch.__version__ and meta["ckpt_version"]
     assert meta["ranks"][0]["host"] and meta["ranks"][0]["cpu"]
-    repo = Path(__file__).resolve().parent.parent
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:  # the tests run inside the project's checkout
         assert meta["git"]["commit"] == head.stdout.strip()
     table = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
@@ -142,10 +143,9 @@ def test_daemon_metrics_endpoint(tmp_path: Path) -> None:
     with Checkpointer(root) as ck:
         ck.save(1, {"w": torch.randn(512, 512)})
     port = _free_port()
-    repo = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(repo))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "ckpt.cli", "replicate", str(root), "--to", f"file://{tmp_path / 'remote'}"]
-    proc = subprocess.Popen([*cmd, "--metrics-port", str(port)], env=env, cwd=repo)
+    proc = subprocess.Popen([*cmd, "--metrics-port", str(port)], env=env, cwd=REPO)
     try:
         samples: dict[str, float] = {}
         deadline = time.monotonic() + 60

@@ -8,7 +8,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_wheel_holds_only_ckpt_at_the_top_level(tmp_path: Path) -> None:

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _manifests import crafted
 
 import ckpt
 from ckpt import Checkpointer
 from ckpt.store import versions
 from ckpt.store.manifest import parse_manifest
+from tests._manifests import crafted
+from tests._states import assert_bitwise
 
 
 class WithExtraState(torch.nn.Module):
@@ -38,7 +39,7 @@ def test_module_extra_state_goes_through_load_state_dict(tmp_path: Path) -> None
     with Checkpointer(tmp_path) as ck:
         ck.restore({"m": dst})
     assert dst.scale.item() == 7.0
-    assert torch.equal(dst.lin.weight, src.lin.weight)
+    assert_bitwise(dst.state_dict(), src.state_dict(), "module")
 
 
 def test_fresh_optimizer_gets_state_only_where_the_checkpoint_has_it(tmp_path: Path) -> None:
@@ -58,7 +59,7 @@ def test_fresh_optimizer_gets_state_only_where_the_checkpoint_has_it(tmp_path: P
         ck.restore({"used": used2, "unused": unused2, "opt": opt2})
     assert len(opt2.state) == 2 and all(p in opt2.state for p in used2.parameters())
     assert used2.weight.grad is grad  # the user's gradients are left alone
-    assert torch.equal(unused2.weight, unused.weight)
+    assert_bitwise(unused2.state_dict(), unused.state_dict(), "unused")
 
 
 def test_lbfgs_restores(tmp_path: Path) -> None:
@@ -78,7 +79,8 @@ def test_lbfgs_restores(tmp_path: Path) -> None:
     opt2 = torch.optim.LBFGS(lin2.parameters())
     with Checkpointer(tmp_path) as ck:
         assert ck.restore({"lin": lin2, "opt": opt2}) == 1
-    assert torch.equal(lin2.weight, lin.weight)
+    assert_bitwise(lin2.state_dict(), lin.state_dict(), "lin")
+    assert_bitwise(opt2.state_dict(), opt.state_dict(), "LBFGS")
 
 
 def test_non_contiguous_ndarray_is_restored(tmp_path: Path) -> None:
@@ -88,7 +90,7 @@ def test_non_contiguous_ndarray_is_restored(tmp_path: Path) -> None:
     dst = np.asfortranarray(np.zeros((3, 4)))
     with Checkpointer(tmp_path) as ck:
         ck.restore({"a": dst})
-    assert np.array_equal(dst, src)
+    assert_bitwise(dst, src, "a")
 
 
 def _manifest(tmp_path: Path) -> dict:

@@ -17,6 +17,7 @@ from ckpt.cli import main as cli
 from ckpt.store import versions
 from ckpt.store.errors import ReshardError
 from ckpt.store.layout import ArraySpec, HeldRegion, plan_arrays
+from tests._states import assert_bitwise
 
 
 def _state(seed: int = 0) -> dict:
@@ -58,20 +59,14 @@ def test_round_trip_is_bitwise_and_fills_in_place(tmp_path):
     with Checkpointer(tmp_path) as ck:
         assert ck.steps() == [7] and ck.latest_step() == 7
         assert ck.restore(dst) == 7
-    assert (random.random(), np.random.rand()) == expected_rng[:2] and torch.equal(torch.rand(2), expected_rng[2])
+    assert (random.random(), np.random.rand()) == expected_rng[:2]
+    assert_bitwise(torch.rand(2), expected_rng[2], "torch RNG draw")
     assert dst["model"][0].weight is weight  # loaded in place
-    for k, v in src["model"].state_dict().items():
-        assert torch.equal(v, dst["model"].state_dict()[k]), k
-    so, do = src["optim"].state_dict(), dst["optim"].state_dict()
-    assert so["param_groups"] == do["param_groups"]
-    for i, s in so["state"].items():
-        for k in s:
-            assert torch.equal(s[k], do["state"][i][k]), (i, k)
-    assert src["sched"].state_dict() == dst["sched"].state_dict()
-    assert dst["epoch"] == 4 and dst["inf"] == float("inf")
-    assert torch.equal(dst["extra"]["bf16"], src["extra"]["bf16"]) and dst["extra"]["bf16"].dtype == torch.bfloat16
-    assert torch.equal(dst["extra"]["flags"], src["extra"]["flags"]) and dst["extra"]["t"] == (1, None, "x")
-    assert np.array_equal(dst["nd"], src["nd"])
+    for k in ("model", "optim", "sched"):
+        assert_bitwise(dst[k].state_dict(), src[k].state_dict(), k)
+    assert_bitwise(
+        {k: dst[k] for k in ("epoch", "inf", "extra", "nd")}, {k: src[k] for k in ("epoch", "inf", "extra", "nd")}
+    )
     # the sampler continues exactly where the saved one stood
     reference = list(DistributedSampler(list(range(50)), num_replicas=1, rank=0, seed=3))
     assert consumed == reference[:11]
@@ -93,14 +88,13 @@ def test_a_saved_state_dict_restores_into_the_object_and_an_object_into_its_stat
         state = {"model": fresh, "optim": fresh_opt}
         assert ck.restore(state, step=1) == 1
         assert state["model"] is fresh and state["optim"] is fresh_opt
-        assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
-        for p, q in zip(model.parameters(), fresh.parameters()):
-            for k in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(opt.state[p][k], fresh_opt.state[q][k]), k
+        assert_bitwise(fresh.state_dict(), model.state_dict(), "model")
+        assert_bitwise(fresh_opt.state_dict(), opt.state_dict(), "optim")
         into = {"weight": torch.zeros(8, 16), "bias": torch.zeros(8)}
         target = {"model": into, "optim": torch.optim.Adam(torch.nn.Linear(16, 8).parameters())}
         ck.restore(target, step=2)
-        assert target["model"] is into and torch.equal(into["weight"], model.weight)
+        assert target["model"] is into
+        assert_bitwise(into, model.state_dict(), "model into a dict")
 
 
 class _StatefulDict(dict):
@@ -124,9 +118,10 @@ def test_a_dict_that_has_state_dict_restores_through_it(tmp_path):
         ck.wait()
         target = _StatefulDict(w=torch.zeros(6))
         ck.restore({"box": target}, step=1)
-        assert torch.equal(target["w"], torch.arange(6.0)) and _StatefulDict.loads == 1
+        assert _StatefulDict.loads == 1
+        assert_bitwise(target, saved, "box")
         ck.restore({"box": target}, step=2)
-        assert torch.equal(target["w"], torch.arange(6.0) + 1)
+        assert_bitwise(target, {"w": torch.arange(6.0) + 1}, "box")
 
 
 def test_sampler_resumes_mid_epoch_and_reshuffles():

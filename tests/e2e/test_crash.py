@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from ckpt import Checkpointer
+from tests._states import assert_bitwise
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAULT_POINTS = ["after-stage", "after-write", "after-prepare", "after-publish"]
 
 
@@ -76,26 +77,6 @@ def _script(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / name
     path.write_text(header + "\n" + helpers + "\n\n" + textwrap.dedent(body))
     return path
-
-
-def assert_same(a: Any, b: Any, where: str = "state") -> None:
-    """Bitwise equality of nested state dicts (tensors compared with torch.equal and dtype)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{where}: {type(b).__name__} is not a tensor"
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        )
-        assert torch.equal(a, b), f"{where}: values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def tmp_dirs(root: Path) -> list[str]:
@@ -170,16 +151,16 @@ def test_sigkill_at_fault_point(tmp_path: Path, point: str, overlap: bool) -> No
         ck.wait()
         assert ck.steps() == list(range(1, want_step + 2))
     ref = torch.load(f"{expected}.{want_step}", weights_only=True)
-    assert_same(ref["model"], model.state_dict(), "model")
-    assert_same(ref["optim"], opt.state_dict(), "optim")
+    assert_bitwise(model.state_dict(), ref["model"], "model")
+    assert_bitwise(opt.state_dict(), ref["optim"], "optim")
     assert state["extra"] == ref["extra"]
     if point == "after-publish":  # the older version is still there and intact
         model1, opt1 = build(99)
         with Checkpointer(root) as ck:
             assert ck.restore({"model": model1, "optim": opt1, "extra": {}}, step=1) == 1
         ref1 = torch.load(f"{expected}.1", weights_only=True)
-        assert_same(ref1["model"], model1.state_dict(), "model")
-        assert_same(ref1["optim"], opt1.state_dict(), "optim")
+        assert_bitwise(model1.state_dict(), ref1["model"], "model")
+        assert_bitwise(opt1.state_dict(), ref1["optim"], "optim")
     assert tmp_dirs(root) == []
 
 
@@ -245,16 +226,11 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
                     k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()
                 }
                 assert ck.restore(target, step=step) == step
-                want = state_for(step)
-                for k, v in want.items():
-                    if isinstance(v, torch.Tensor):
-                        assert torch.equal(target[k], v), f"step {step} {k} differs"
-                    else:
-                        assert target[k] == v, f"step {step} {k}: {target[k]!r} vs {v!r}"
+                assert_bitwise(target, state_for(step), f"step {step}")
                 checked.add(step)
             latest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()}
             assert ck.restore(latest) == steps[-1]
-            assert torch.equal(latest["w"], state_for(steps[-1])["w"])
+            assert_bitwise(latest, state_for(steps[-1]), "latest")
         assert tmp_dirs(root) == []
     assert len(checked) >= 5
 
@@ -315,9 +291,5 @@ def test_sigkill_during_overwrite(tmp_path: Path, point: str) -> None:
         assert ck.steps() == [5]
         target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()}
         assert ck.restore(target) == 5
-    for k, v in want.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(target[k], v), f"{k} differs from the {'old' if want is state_for(1) else 'new'} version"
-        else:
-            assert target[k] == v
+    assert_bitwise(target, want, "the old version" if point in ("after-write", "after-prepare") else "the new version")
     assert not (root / ".trash").exists() or list((root / ".trash").iterdir()) == []

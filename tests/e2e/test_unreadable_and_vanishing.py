@@ -35,12 +35,14 @@ import torch
 from ckpt import Checkpointer
 from ckpt.replicator.placement import source_label
 from ckpt.store import versions
+from tests._states import assert_bitwise
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 COMMON = """
 import fcntl, json, os, struct, subprocess, sys, time
 import torch
+from tests._states import bitwise_diff
 
 def state_for(step):
     g = torch.Generator().manual_seed(step)
@@ -50,8 +52,7 @@ def blank():
     return {"w": torch.zeros(512, 1024), "b": torch.zeros(100, dtype=torch.int64), "step": 0}
 
 def same(got, step):
-    want = state_for(step)
-    return torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"]) and got["step"] == step
+    return not bitwise_diff(got, state_for(step))
 
 def report(tag, fn):
     try:
@@ -68,15 +69,6 @@ def state_for(step: int) -> dict[str, object]:
 
 def _blank() -> dict[str, object]:
     return {"w": torch.zeros(512, 1024), "b": torch.zeros(100, dtype=torch.int64), "step": 0}
-
-
-def _same(got: dict[str, object], step: int) -> bool:
-    want = state_for(step)
-    return (
-        torch.equal(got["w"], want["w"])  # type: ignore[arg-type]
-        and torch.equal(got["b"], want["b"])  # type: ignore[arg-type]
-        and got["step"] == step
-    )
 
 
 def _can_mount(fstype: str) -> bool:
@@ -293,11 +285,11 @@ def test_root_dies_mid_save(tmp_path: Path) -> None:
             got = _blank()
             with Checkpointer(tmp_path / "fresh", tiers=tiers) as ck:
                 assert ck.restore(got, step=step) == step
-            assert _same(got, step), (step, tiers)
+            assert_bitwise(got, state_for(step), f"step {step} from {tiers}")
     got = _blank()
     with Checkpointer(tmp_path / "out2") as ck:
         assert ck.restore(got) == 3
-    assert _same(got, 3)
+    assert_bitwise(got, state_for(3), "step 3 from out2")
 
 
 # -- 2. a replica disk vanishes mid-copy ----------------------------------------------------------
@@ -379,7 +371,7 @@ DISK_VANISHES = COMMON + textwrap.dedent(
     got = {**blank(), "big": {k: torch.zeros_like(v) for k, v in big().items()}}
     with Checkpointer(base + "/fresh", tiers=[replica]) as ck:
         step = ck.restore(got)
-    ok = same(got, 2) and all(torch.equal(got["big"][k], v) for k, v in big().items())
+    ok = not bitwise_diff(got, {**state_for(2), "big": big()})
     print("RESTORED_FROM_REPLICA", step, ok, flush=True)
     """
 )
@@ -423,7 +415,7 @@ def test_replica_disk_vanishes_mid_copy(tmp_path: Path) -> None:
     with Checkpointer(tmp_path / "fresh", tiers=[f"file://{tmp_path / 'remote'}"]) as ck:
         got = _blank()
         assert ck.restore(got, step=1) == 1
-    assert _same(got, 1)
+    assert_bitwise(got, state_for(1), "step 1 from the remote")
 
 
 def test_replica_directory_deleted_mid_copy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -474,7 +466,7 @@ def test_replica_directory_deleted_mid_copy(tmp_path: Path, caplog: pytest.LogCa
     got = {**_blank(), "big": {k: torch.zeros_like(v) for k, v in big.items()}}
     with Checkpointer(tmp_path / "fresh", tiers=[str(replica)]) as ck:
         assert ck.restore(got) == 1
-    assert _same(got, 1) and all(torch.equal(got["big"][k], v) for k, v in big.items())
+    assert_bitwise(got, {**state_for(1), "big": big}, "step 1 from the replica")
 
 
 # -- 5. a replica disk that is not mounted when the replicator starts ----------------------------

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 from click.testing import CliRunner
-from flaky_proxy import KINDS, FaultPlan, FlakyProxy, ProxyProcess
 
 from ckpt import Checkpointer, CorruptVersionError, TierUnavailableError
 from ckpt.cli import main as cli_main
@@ -43,13 +42,14 @@ from ckpt.store.manifest import parse_manifest
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed
+from tests._states import assert_bitwise, blank, save_steps
+from tests.flaky_proxy import KINDS, FaultPlan, FlakyProxy, ProxyProcess
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from s3_server import MotoServer, S3Place
+    from tests.s3_server import MotoServer, S3Place
 
-pytest_plugins = ["s3_server"]  # the moto_server and s3 fixtures
 
 READ_TIMEOUT = 1.0  # seconds; the proxy's stalls last longer
 STALL_S = 2.5
@@ -72,35 +72,6 @@ def make_state(step: int) -> dict[str, Any]:
         "step": step,
         "lr": 0.1 * step,
     }
-
-
-def blank(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    if isinstance(state, dict):
-        return {k: blank(v) for k, v in state.items()}
-    return None
-
-
-def assert_bitwise(got: Any, want: Any, where: str = "state") -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{where}: {type(got)}"
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{list(got.shape)}"
-        a, b = got.contiguous().view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
-        assert torch.equal(a, b), f"{where}: bytes differ"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), f"{where}: keys {sorted(got)} vs {sorted(want)}"
-        for k, v in want.items():
-            assert_bitwise(got[k], v, f"{where}[{k!r}]")
-    else:
-        assert got == want, f"{where}: {got!r} vs {want!r}"
-
-
-def save_steps(root: Path, states: dict[int, dict[str, Any]]) -> None:
-    with Checkpointer(root) as ck:
-        for step, state in states.items():
-            ck.save(step, state)
-        ck.wait()
 
 
 def options(proxy_endpoint: str, **config: Any) -> dict[str, Any]:

@@ -42,11 +42,11 @@ from ckpt.store import pins, versions
 from ckpt.store.manifest import parse_manifest
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import as_tier, committed
+from tests._states import assert_bitwise, blank, save_steps
 
 if TYPE_CHECKING:
-    from s3_server import MotoServer, S3Place
+    from tests.s3_server import MotoServer, S3Place
 
-pytest_plugins = ["s3_server"]  # the moto_server and s3 fixtures
 MiB = 1 << 20
 
 
@@ -73,34 +73,6 @@ def big_state(step: int, tensors: int = 10, mib_each: int = 4) -> dict[str, Any]
     """`tensors` float32 tensors of `mib_each` MiB: one chunk file each."""
     g = torch.Generator().manual_seed(1000 + step)
     return {f"t{i}": torch.randn(mib_each * MiB // 4, generator=g) for i in range(tensors)} | {"step": step}
-
-
-def blank(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    if isinstance(state, dict):
-        return {k: blank(v) for k, v in state.items()}
-    return None
-
-
-def assert_same(got: Any, want: Any, where: str = "state") -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{where}: {type(got)}"
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{got.shape}"
-        assert torch.equal(got, want), f"{where} differs"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), f"{where}: keys {sorted(got)} vs {sorted(want)}"
-        for k, v in want.items():
-            assert_same(got[k], v, f"{where}[{k!r}]")
-    else:
-        assert got == want, f"{where}: {got!r} vs {want!r}"
-
-
-def save_steps(root: Path, states: dict[int, dict[str, Any]], **kw: Any) -> None:
-    with Checkpointer(root, **kw) as ck:
-        for step, state in states.items():
-            ck.save(step, state)
-        ck.wait()
 
 
 def cli(*args: object) -> Any:
@@ -245,7 +217,7 @@ def test_cli_replicate_ls_verify_restore_from_s3(s3: S3Place, tmp_path: Path) ->
         r = cli("restore", s3.url, "--to-torch", out, *args, *s3.cli_options)
         assert r.exit_code == 0, r.output
         assert f"restored step {step}" in r.output
-        assert_same(torch.load(out, weights_only=True), states[step])
+        assert_bitwise(torch.load(out, weights_only=True), states[step])
 
     # A Checkpointer with nothing local: the root is deleted, the URL is the only tier.
     shutil.rmtree(root)
@@ -253,10 +225,10 @@ def test_cli_replicate_ls_verify_restore_from_s3(s3: S3Place, tmp_path: Path) ->
         assert ck.steps() == []
         target = blank(states[3])
         assert ck.restore(target) == 3
-        assert_same(target, states[3])
+        assert_bitwise(target, states[3])
         target = blank(states[1])
         assert ck.restore(target, step=1) == 1
-        assert_same(target, states[1])
+        assert_bitwise(target, states[1])
 
     # A damaged object on the remote makes verify fail (and name it).
     objs = chunk_objects(s3, 2)
@@ -289,7 +261,7 @@ def test_endpoint_from_aws_endpoint_url(s3: S3Place, tmp_path: Path, monkeypatch
         out = tmp_path / "r.pt"
         r = cli("restore", s3.url, "--to-torch", out)
         assert r.exit_code == 0, r.output
-        assert_same(torch.load(out, weights_only=True), states[5])
+        assert_bitwise(torch.load(out, weights_only=True), states[5])
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
     assert set(chunk_objects(s3, 5)) == set(local_chunks(root, 5))  # it really went to moto
@@ -330,7 +302,7 @@ def test_server_killed_mid_upload_daemon_retries(s3: S3Place, moto_server: MotoS
     with Checkpointer(root, tiers=[s3.url], storage_options=s3.options) as ck:
         target = blank(state)
         assert ck.restore(target) == 1
-        assert_same(target, state)
+        assert_bitwise(target, state)
 
 
 # -- 3. the daemon dies mid-upload and resumes ------------------------------------------------------
@@ -442,10 +414,10 @@ def test_replica_disk_deleted_restore_from_the_other(s3: S3Place, tmp_path: Path
         assert ck.steps() == []
         target = blank(states[3])
         assert ck.restore(target) == 3
-        assert_same(target, states[3])
+        assert_bitwise(target, states[3])
         target = blank(states[1])
         assert ck.restore(target, step=1) == 1
-        assert_same(target, states[1])
+        assert_bitwise(target, states[1])
 
 
 # -- 5. retention ---------------------------------------------------------------------------------
@@ -477,7 +449,7 @@ def _check_retention(d0: Path, d1: Path, s3: S3Place, local: list[int], remote: 
         for step in (remote[-2], remote[-1]):
             target = blank(tiny_state(step))
             assert ck.restore(target, step=step) == step
-            assert_same(target, tiny_state(step))
+            assert_bitwise(target, tiny_state(step))
 
 
 def test_retention_over_50_saves(s3: S3Place, tmp_path: Path) -> None:
@@ -532,7 +504,7 @@ def test_replica_copies_of_versions_gc_deleted_elsewhere_are_collected(tmp_path:
         target = blank(tiny_state(step))
         with Checkpointer(tmp_path / "reader", tiers=[replica]) as reader:
             assert reader.restore(target, step=step) == step
-        assert_same(target, tiny_state(step))
+        assert_bitwise(target, tiny_state(step))
 
 
 def test_replicas_of_a_lost_source_disk_are_kept(tmp_path: Path) -> None:
@@ -576,7 +548,7 @@ def test_replica_copies_the_remote_lacks_are_kept(tmp_path: Path) -> None:
     target = blank(tiny_state(1))
     with Checkpointer(tmp_path / "reader", tiers=[replica]) as reader:
         assert reader.restore(target, step=1) == 1
-    assert_same(target, tiny_state(1))
+    assert_bitwise(target, tiny_state(1))
 
 
 def test_retention_by_the_checkpointer_thread(s3: S3Place, tmp_path: Path) -> None:
@@ -703,11 +675,11 @@ def test_gc_killed_mid_run(s3: S3Place, tmp_path: Path) -> None:
     assert {k.split("/")[1] for k in s3.objects()} == {vname(4)}  # the interrupted one is finished too
     out_file = tmp_path / "r.pt"
     assert cli("restore", s3.url, "--to-torch", out_file, *s3.cli_options).exit_code == 0
-    assert_same(torch.load(out_file, weights_only=True), states[4])
+    assert_bitwise(torch.load(out_file, weights_only=True), states[4])
     with Checkpointer(root) as ck:  # reopening empties the local trash of the killed run
         target = blank(states[4])
         assert ck.restore(target) == 4
-        assert_same(target, states[4])
+        assert_bitwise(target, states[4])
     trash = root / versions.TRASH_NAME
     assert not trash.exists() or not list(trash.iterdir())
 
@@ -758,7 +730,7 @@ SECRETS = ("SEKRIT-xyz123", "SEKRIT-opt-456", "SEKRIT-tok-789", "AKIDSEKRIT0000"
 
 
 def test_credentials_never_logged(s3: S3Place, tmp_path: Path) -> None:
-    from s3_server import free_port
+    from tests.s3_server import free_port
 
     env = s3.env(AWS_SECRET_ACCESS_KEY="SEKRIT-xyz123", AWS_ACCESS_KEY_ID="AKIDSEKRIT0000")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there

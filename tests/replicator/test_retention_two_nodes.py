@@ -28,6 +28,9 @@ from ckpt.store import versions
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed
 from tests._dist import Ctx, launch
+from tests._states import assert_bitwise
+
+REPO = Path(__file__).resolve().parents[2]
 
 STEPS = 6
 
@@ -118,7 +121,7 @@ def test_remote_gc_killed_mid_deletion_leaves_only_trash(tmp_path: Path) -> None
     killed between unpublishing a version and deleting its files leaves it unlisted and in
     the trash; the next GC empties the trash."""
     remote = _remote_with_versions(tmp_path, 3)
-    env = {**os.environ, "CKPT_FAULT": "gc-mid-delete", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "CKPT_FAULT": "gc-mid-delete", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "ckpt.cli", "gc", remote, "--keep-last", "1"],
         env=env,
@@ -185,7 +188,7 @@ def test_abandoned_uploads_are_collected_once_provably_abandoned(tmp_path: Path)
     assert [c.step for c in committed(tier)] == [1, 2, 3]  # committed versions are never touched
     r = subprocess.run(
         [sys.executable, "-m", "ckpt.cli", "gc", remote, "--keep-last", "5", "--abandoned-after", "3600"],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         check=False,
@@ -205,7 +208,7 @@ def test_a_collector_and_a_committer_exclude_each_other(tmp_path: Path) -> None:
         ck.save(1, state)
     leftover = _abandoned_upload(root, remote_dir, 1, files=1)
     claim = leftover / versions.COMMIT_CLAIM
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "CKPT_DELAY": "gc-abandoned:0:4"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CKPT_DELAY": "gc-abandoned:0:4"}
     gc = subprocess.Popen(
         [sys.executable, "-m", "ckpt.cli", "gc", remote, "--keep-last", "5", "--abandoned-after", "0.001"],
         env=env,
@@ -233,4 +236,4 @@ def test_a_collector_and_a_committer_exclude_each_other(tmp_path: Path) -> None:
     got = {"a": torch.zeros(4096), "b": torch.zeros(32, dtype=torch.int64), "step": 0}
     with Checkpointer(tmp_path / "fresh", tiers=[remote]) as ck:
         assert ck.restore(got) == 1
-    assert torch.equal(got["a"].view(torch.int32), state["a"].view(torch.int32)) and torch.equal(got["b"], state["b"])
+    assert_bitwise(got, state)

@@ -14,6 +14,7 @@ from ckpt import Checkpointer, Shard
 from ckpt.cli import main as cli
 from ckpt.store import versions
 from tests._dist import Ctx, launch
+from tests._states import assert_bitwise
 
 
 def _state(seed: int) -> dict:
@@ -36,13 +37,12 @@ def test_restore_to_torch_and_to_dir_are_bitwise(tmp_path: Path) -> None:
     out = runner.invoke(cli, ["restore", str(root), "--step", "3", "--to-torch", str(tmp_path / "s3.pt")])
     assert out.exit_code == 0, out.output
     got = torch.load(tmp_path / "s3.pt", weights_only=True)
-    for k, v in src["model"].state_dict().items():
-        assert torch.equal(got["model"][k], v), k
-    for i, st in src["optim"].state_dict()["state"].items():
-        for k, v in st.items():
-            assert torch.equal(got["optim"]["state"][i][k], v), (i, k)
-    assert got["meta"] == {"epoch": 2, "pair": (1, 2.5)}
-    assert got["optim"]["param_groups"] == src["optim"].state_dict()["param_groups"]
+    want = {
+        "model": src["model"].state_dict(),
+        "optim": src["optim"].state_dict(),
+        "meta": {"epoch": 2, "pair": (1, 2.5)},
+    }
+    assert_bitwise(got, want, "step 3 through --to-torch")
 
     out = runner.invoke(cli, ["restore", str(root), "--to", str(tmp_path / "copy")])
     assert out.exit_code == 0, out.output
@@ -52,9 +52,8 @@ def test_restore_to_torch_and_to_dir_are_bitwise(tmp_path: Path) -> None:
     fresh = _state(1)
     with Checkpointer(tmp_path / "copy") as ck:
         assert ck.restore(fresh) == 4
-    for k, v in src["model"].state_dict().items():
-        assert torch.equal(fresh["model"].state_dict()[k], v), k
-    assert fresh["meta"]["epoch"] == 9
+    assert_bitwise(fresh["model"].state_dict(), src["model"].state_dict(), "model")
+    assert_bitwise(fresh["meta"], {"epoch": 9, "pair": (1, 2.5)}, "meta")
 
     usage = runner.invoke(cli, ["restore", str(root)])
     assert usage.exit_code == 2  # neither --to nor --to-torch
@@ -82,8 +81,7 @@ def test_restore_skips_a_corrupt_version_and_uses_a_tier(tmp_path: Path) -> None
     both = runner.invoke(cli, ["restore", str(root), "--tier", str(tier), "--to-torch", str(tmp_path / "b.pt")])
     assert both.exit_code == 0 and "restored step 2" in both.output, both.output
     got = torch.load(tmp_path / "b.pt", weights_only=True)
-    for k, v in src["model"].state_dict().items():
-        assert torch.equal(got["model"][k], v), k
+    assert_bitwise(got["model"], src["model"].state_dict(), "model")
 
 
 def save_two_nodes(ctx: Ctx, root: str) -> dict:
@@ -112,9 +110,9 @@ def test_multi_root_version_is_assembled_and_copied(tmp_path: Path) -> None:
     out = runner.invoke(cli, ["restore", str(node0), "--tier", str(node1), "--to", str(tmp_path / "all")])
     assert out.exit_code == 0, out.output
     version = tmp_path / "all" / "v000000000001"
-    assert torch.equal(torch.from_numpy(zarr.open_array(str(version / "state" / "w"))[:]), full)
+    w = torch.from_numpy(zarr.open_array(str(version / "state" / "w"))[:])
     rep = torch.from_numpy(zarr.open_array(str(version / "state" / "rep"))[:])
-    assert torch.equal(rep, torch.arange(40, dtype=torch.int64).reshape(8, 5))
+    assert_bitwise({"w": w, "rep": rep}, {"w": full, "rep": torch.arange(40, dtype=torch.int64).reshape(8, 5)})
     info = json.loads(runner.invoke(cli, ["inspect", str(version.parent), "--json"]).output)
     arrays = {a["name"]: a for a in info["arrays"]}
     assert info["world_size"] == 4 and arrays["w"]["shape"] == [12, 5]

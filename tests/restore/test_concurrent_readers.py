@@ -37,8 +37,9 @@ from ckpt import Checkpointer, VersionNotFoundError
 from ckpt.cli import main as cli
 from ckpt.store import pins, versions
 from ckpt.store.versions import as_tier
+from tests._states import assert_bitwise
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KEEP = 3
 
 
@@ -50,13 +51,6 @@ def state_for(step: int) -> dict[str, Any]:
 
 def _blank() -> dict[str, Any]:
     return {"t": {f"p{i}": torch.zeros(16384) for i in range(48)}, "step": 0}
-
-
-def _check(got: dict[str, Any], step: int, what: str) -> None:
-    want = state_for(step)
-    assert got["step"] == step, f"{what}: holds step {got['step']}, reported {step}"
-    for k, v in want["t"].items():
-        assert torch.equal(got["t"][k], v), f"{what}: step {step} tensor {k} differs"
 
 
 WRITER = textwrap.dedent(
@@ -168,7 +162,7 @@ def test_readers_see_a_consistent_set_while_writing_and_gc(tmp_path: Path) -> No
                 got = _blank()
                 step = ck.restore(got)  # the newest
                 assert step is not None
-                _check(got, step, "restore()")
+                assert_bitwise(got, state_for(step), f"restore() (step {step})")
                 restored.append(step)
                 listed = versions.committed_steps(str(root))
                 assert listed, "GC must never delete the newest version"
@@ -176,7 +170,7 @@ def test_readers_see_a_consistent_set_while_writing_and_gc(tmp_path: Path) -> No
                 got = _blank()
                 try:
                     assert ck.restore(got, step=older) == older
-                    _check(got, older, f"restore(step={older})")
+                    assert_bitwise(got, state_for(older), f"restore(step={older})")
                 except VersionNotFoundError:
                     # only because GC deleted it after the listing
                     assert older not in versions.committed_steps(str(root)), f"step {older} is listed but not found"
@@ -202,7 +196,7 @@ def test_readers_see_a_consistent_set_while_writing_and_gc(tmp_path: Path) -> No
         got = _blank()
         with Checkpointer(out_dir) as ck:
             assert ck.restore(got) == step
-        _check(got, step, f"ckpt restore --to {out_dir.name}")
+        assert_bitwise(got, state_for(step), f"ckpt restore --to {out_dir.name} (step {step})")
     assert versions.committed_steps(str(root)) == list(range(saved - KEEP + 1, saved + 1))
 
 
@@ -283,7 +277,7 @@ def test_a_gc_frozen_mid_deletion_blocks_no_reader(tmp_path: Path) -> None:
                 ck.restore(_blank(), step=1)
             got = _blank()
             assert ck.restore(got, step=2) == 2
-            _check(got, 2, "restore(step=2)")
+            assert_bitwise(got, state_for(2), "restore(step=2)")
     finally:
         gc.send_signal(signal.SIGCONT)
         out, _ = gc.communicate(timeout=60)

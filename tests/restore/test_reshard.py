@@ -33,7 +33,6 @@ import collections
 import datetime
 import os
 import random
-import sys
 import traceback
 import zlib
 from pathlib import Path
@@ -43,10 +42,9 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist import launch
-
 from ckpt.store import versions
+from tests._dist import launch
+from tests._states import bitwise_diff, draw_rng
 
 THIS = os.path.abspath(__file__)
 STEP = 5
@@ -173,22 +171,6 @@ def _dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def same_bits(a: Any, b: Any) -> bool:
-    return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and not _dtensor(a)
-        and not _dtensor(b)
-        and a.dtype == b.dtype
-        and tuple(a.shape) == tuple(b.shape)
-        and torch.equal(_bits(a), _bits(b))
-    )
-
-
 def source(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The global tensor `name`: the same in every process; floats carry -0.0, inf and a NaN payload."""
     key = f"{name}:{dtype}:{shape}"
@@ -294,26 +276,14 @@ def check_tensor(ctx: Any, name: str, got: Any, target: Any, full: torch.Tensor,
     local, offsets = local_piece(target)
     chk(
         ctx,
-        same_bits(local, expected_slice(full, local, offsets)),
+        not bitwise_diff(local, expected_slice(full, local, offsets)),
         f"{tag}: local piece at {offsets} {tuple(local.shape)} differs from the source "
         f"({local.reshape(-1)[:4].tolist()} vs {expected_slice(full, local, offsets).reshape(-1)[:4].tolist()})",
     )
     if isinstance(target, ckpt.Shard):
         chk(ctx, tuple(target.global_shape) == tuple(full.shape), f"{tag}: Shard global shape changed")
     if _dtensor(target):
-        chk(ctx, same_bits(target.full_tensor(), full), f"{tag}: full_tensor() differs from the source")
-
-
-def draw_rng() -> list[Any]:
-    """One draw from each generator the checkpointer restores (Python, NumPy, torch CPU)."""
-    return [
-        random.random(),
-        random.gauss(0.0, 1.0),
-        np.random.standard_normal(3).tolist(),
-        np.random.randint(0, 1 << 30, size=2).tolist(),
-        _bits(torch.rand(4)).tolist(),
-        _bits(torch.randn(3, dtype=torch.float64)).tolist(),
-    ]
+        chk(ctx, not bitwise_diff(target.full_tensor(), full), f"{tag}: full_tensor() differs from the source")
 
 
 class Net(torch.nn.Module):
@@ -456,7 +426,7 @@ def check_optim(ctx: Any, mode: str, meshes: dict[str, Any], net: Net, opt: torc
         chk(ctx, (tuple(p.placements) if _dtensor(p) else None) == want_pl, f"{name}: param placement changed")
         check_tensor(ctx, f"param {name}", p, p, ref["param"][name], mode)
         st = opt.state.get(p, {})
-        chk(ctx, same_bits(st.get("step"), ref["step"][name]), f"{name}: step {st.get('step')!r}")
+        chk(ctx, not bitwise_diff(st.get("step"), ref["step"][name]), f"{name}: step {st.get('step')!r}")
         for k in ("exp_avg", "exp_avg_sq"):
             v = st.get(k)
             if not chk(ctx, isinstance(v, torch.Tensor), f"{name}: no {k}"):
@@ -499,7 +469,7 @@ def check_optim(ctx: Any, mode: str, meshes: dict[str, Any], net: Net, opt: torc
         ]:
             chk(
                 ctx,
-                same_bits(local_piece(a)[0], local_piece(b)[0]),
+                not bitwise_diff(local_piece(a)[0], local_piece(b)[0]),
                 f"[{mode}] after a step: {name} {what} differs",
             )
 

@@ -11,7 +11,7 @@
 - a file that runs code under torch.load(weights_only=False) runs none here.
 
 (Single-tier corruption fallback and the manifest field checks are in
-test_format_and_errors.py.)
+tests/store/test_format_and_errors.py.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-from _manifests import crafted
 from click.testing import CliRunner
 
 import ckpt
@@ -42,6 +41,8 @@ import ckpt.restore.execute as execute_mod
 from ckpt import Checkpointer
 from ckpt.cli import main as cli
 from ckpt.store.manifest import parse_manifest
+from tests._manifests import crafted
+from tests._states import assert_bitwise, blank, save_steps
 
 BIG = "state/big/c.0.0"  # 2048 x 1024 float32 = 8 MiB: two checksummed 4 MiB blocks
 BIG_BYTES = 2048 * 1024 * 4
@@ -62,35 +63,6 @@ def make_state(step: int) -> dict[str, Any]:
         "model": {"weight": torch.randn(16, 8, generator=g), "bias": torch.randn(16, generator=g)},
         "meta": {"step": step},
     }
-
-
-def blank(state: Any) -> Any:
-    """A restore target shaped like `state`, all zeros."""
-    if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)
-    if isinstance(state, dict):
-        return {k: blank(v) for k, v in state.items()}
-    return None
-
-
-def assert_same(got: Any, want: Any, where: str = "state") -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert got.dtype == want.dtype and torch.equal(got, want), f"{where} differs"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), where
-        for k, v in want.items():
-            assert_same(got[k], v, f"{where}[{k!r}]")
-    else:
-        assert got == want, f"{where}: {got!r} vs {want!r}"
-
-
-def save_steps(root: Path, states: dict[int, dict[str, Any]]) -> None:
-    with Checkpointer(root) as ck:
-        for step, state in states.items():
-            ck.save(step, state)
-        ck.wait()
-        assert ck.steps() == sorted(states)
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -130,7 +102,7 @@ def two_tiers(tmp_path: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any
     """Steps 1 and 2 on `root`; a second tier holding a copy of step 2."""
     root, tier = tmp_path / "root", tmp_path / "tier"
     old, new = make_state(1), make_state(2)
-    save_steps(root, {1: old, 2: new})
+    assert save_steps(root, {1: old, 2: new}) == [1, 2]
     tier.mkdir()
     shutil.copytree(vdir(root, 2), vdir(tier, 2))
     big = json.loads((vdir(root, 2) / "manifest.json").read_bytes())["arrays"]["big"]
@@ -160,14 +132,14 @@ def test_bad_chunk_is_read_from_the_next_tier(
         got = blank(new)
         with caplog.at_level(logging.WARNING, logger="ckpt"):
             assert ck.restore(got) == 2  # the newest, not the older intact version
-        assert_same(got, new)
+        assert_bitwise(got, new)
         msgs = [m for m in warnings_of(caplog) if "used the copy on" in m]
         assert len(msgs) == 1, warnings_of(caplog)
         assert str(tier) in msgs[0] and f"{vdir(root, 2)}/{chunk}" in msgs[0] and why in msgs[0], msgs[0]
         assert not any("older version" in m for m in warnings_of(caplog))
         got = blank(new)
         assert ck.restore(got, step=2) == 2
-        assert_same(got, new)
+        assert_bitwise(got, new)
 
 
 @pytest.mark.parametrize(
@@ -189,12 +161,12 @@ def test_bad_manifest_is_read_from_the_next_tier(
         got = blank(new)
         with caplog.at_level(logging.WARNING, logger="ckpt"):
             assert ck.restore(got) == 2
-        assert_same(got, new)
+        assert_bitwise(got, new)
         assert any(m.startswith(f"manifest of step 2 on {root}: ") for m in warnings_of(caplog))
     with Checkpointer(root) as ck:  # without the tier the version is lost
         got = blank(old)
         assert ck.restore(got) == 1
-        assert_same(got, old)
+        assert_bitwise(got, old)
 
 
 def test_newest_only_on_the_second_tier(two_tiers: tuple[Path, Path, dict[str, Any], dict[str, Any]]) -> None:
@@ -204,10 +176,10 @@ def test_newest_only_on_the_second_tier(two_tiers: tuple[Path, Path, dict[str, A
         assert ck.steps() == [1]  # this rank's root
         got = blank(new)
         assert ck.restore(got) == 2
-        assert_same(got, new)
+        assert_bitwise(got, new)
         got = blank(old)
         assert ck.restore(got, step=1) == 1
-        assert_same(got, old)
+        assert_bitwise(got, old)
 
 
 def test_every_tier_corrupt_falls_back_to_older(
@@ -220,7 +192,7 @@ def test_every_tier_corrupt_falls_back_to_older(
         got = blank(old)
         with caplog.at_level(logging.WARNING, logger="ckpt"):
             assert ck.restore(got) == 1
-        assert_same(got, old)
+        assert_bitwise(got, old)
         assert any("step 2 is not intact" in m for m in warnings_of(caplog)), warnings_of(caplog)
         with pytest.raises(ckpt.CorruptVersionError) as info:
             ck.restore(blank(new), step=2)
@@ -242,15 +214,15 @@ def test_partial_reads_verify_the_blocks_they_read(
     with Checkpointer(root) as ck:
         got = target((0, 1024))  # the first block only: intact
         assert ck.restore(got) == 2
-        assert torch.equal(got["big"].local_tensor, new["big"][:1024])
+        assert_bitwise(got["big"].local_tensor, new["big"][:1024], "big[:1024]")
         got = target((1536, 2048))  # within the corrupt block, and no other tier
         assert ck.restore(got) == 1
-        assert torch.equal(got["big"].local_tensor, old["big"][1536:])
+        assert_bitwise(got["big"].local_tensor, old["big"][1536:], "big[1536:]")
     with Checkpointer(root, tiers=[tier]) as ck:
         got = target((1000, 1100))  # straddles both blocks
         assert ck.restore(got) == 2
-        assert torch.equal(got["big"].local_tensor, new["big"][1000:1100])
-        assert_same(got["model"], new["model"])
+        assert_bitwise(got["big"].local_tensor, new["big"][1000:1100], "big[1000:1100]")
+        assert_bitwise(got["model"], new["model"])
 
 
 def test_without_verification_only_sizes_are_checked(
@@ -264,12 +236,12 @@ def test_without_verification_only_sizes_are_checked(
         # The flipped byte is not detected: it is restored from the primary, as is.
         differs = (got["w"] != new["w"]).flatten().nonzero().flatten().tolist()
         assert differs == [600]
-        assert_same({k: v for k, v in got.items() if k != "w"}, {k: v for k, v in new.items() if k != "w"})
+        assert_bitwise({k: v for k, v in got.items() if k != "w"}, {k: v for k, v in new.items() if k != "w"})
         truncate(vdir(root, 2) / BIG)
         got = blank(new)
         with caplog.at_level(logging.WARNING, logger="ckpt"):
             assert ck.restore(got) == 2
-        assert torch.equal(got["big"], new["big"])  # a truncated chunk is still caught: read from the tier
+        assert_bitwise(got["big"], new["big"], "big")  # a truncated chunk is still caught: read from the tier
         assert any(f"has {BIG_BYTES // 2} bytes" in m and str(tier) in m for m in warnings_of(caplog))
 
 
@@ -296,7 +268,7 @@ def test_array_name_leaving_the_version_is_refused(tmp_path: Path, name: str) ->
     """The manifest points 'w' at a planted file outside, with its true checksum: nothing reads it."""
     root = tmp_path / "root"
     old, new = make_state(1), make_state(2)
-    save_steps(root, {1: old, 2: new})
+    assert save_steps(root, {1: old, 2: new}) == [1, 2]
     if name == "ABSOLUTE":
         name = str(tmp_path / "planted")
     else:  # it resolves to the planted file
@@ -323,10 +295,10 @@ def test_array_name_leaving_the_version_is_refused(tmp_path: Path, name: str) ->
             ck.restore(blank(new), step=2)
         got = blank(old)
         assert ck.restore(got) == 1
-        assert_same(got, old)
+        assert_bitwise(got, old)
         got = {}  # no live tensor for 'w': restore would create one from whatever it read
         assert ck.restore(got) == 1
-        assert torch.equal(got["w"], old["w"])
+        assert_bitwise(got["w"], old["w"], "w")
     result = cli_run("verify", str(root))
     assert result.exit_code == 1 and "step 2: BAD manifest" in result.output, result.output
     assert tree_outside(tmp_path, root) == before  # nothing outside opened for reading, created or changed
@@ -380,12 +352,12 @@ def test_symlinks_in_a_version_are_refused(
             if with_tier:  # the good copy on the tier is used, never the link
                 got = blank(new)
                 assert ck.restore(got) == 2
-                assert_same(got, new)
+                assert_bitwise(got, new)
                 assert any(str(tier) in m or str(root) in m and "manifest" in m for m in warnings_of(caplog))
             else:
                 got = blank(old)
                 assert ck.restore(got) == 1
-                assert_same(got, old)
+                assert_bitwise(got, old)
                 with pytest.raises(ckpt.CorruptVersionError, match="symbolic link|symlink"):
                     ck.restore(blank(new), step=2)
     result = cli_run("verify", str(root))
@@ -420,7 +392,7 @@ def test_absurd_sizes_are_refused_before_allocating(
 ) -> None:
     root = tmp_path / "root"
     old, new = make_state(1), make_state(2)
-    save_steps(root, {1: old, 2: new})
+    assert save_steps(root, {1: old, 2: new}) == [1, 2]
     craft(vdir(root, 2))
     with pytest.raises(ckpt.ManifestError, match="absurdly large|chunk_shape"):
         parse_manifest((vdir(root, 2) / "manifest.json").read_bytes())
@@ -445,7 +417,7 @@ def test_absurd_sizes_are_refused_before_allocating(
             ck.restore({}, step=2)  # no live 'w': restore would allocate it from the manifest's shape
         got: dict[str, Any] = {}
         assert ck.restore(got) == 1
-        assert_same(got, old)
+        assert_bitwise(got, old)
     assert asked and max(asked) < 1 << 30
 
 
@@ -483,7 +455,7 @@ def fifo_watchdog(paths: list[Path], after: float = 5.0) -> Iterator[list[bool]]
 def test_fifos_in_a_version_do_not_hang(tmp_path: Path, kind: str) -> None:
     root = tmp_path / "root"
     old, new = make_state(1), make_state(2)
-    save_steps(root, {1: old, 2: new})
+    assert save_steps(root, {1: old, 2: new}) == [1, 2]
     path = vdir(root, 2) / {"chunk": W, "manifest": "manifest.json", "root-info": "root.json"}[kind]
     path.unlink()
     os.mkfifo(path)
@@ -491,7 +463,7 @@ def test_fifos_in_a_version_do_not_hang(tmp_path: Path, kind: str) -> None:
         with Checkpointer(root) as ck:
             got = blank(old)
             assert ck.restore(got) == 1
-            assert_same(got, old)
+            assert_bitwise(got, old)
             with pytest.raises((ckpt.CorruptVersionError, ckpt.VersionNotFoundError)):
                 ck.restore(blank(new), step=2)
         verify = cli_run("verify", str(root), "--step", "2")
@@ -546,14 +518,14 @@ def test_crafted_files_run_no_code(tmp_path: Path, caplog: pytest.LogCaptureFixt
 
     root = tmp_path / "root"
     states = {s: make_state(s) for s in (1, 2, 3)}
-    save_steps(root, states)
+    assert save_steps(root, states) == sorted(states)
     (vdir(root, 2) / W).write_bytes(chunk_payload)
     (vdir(root, 3) / "manifest.json").write_bytes(manifest_payload)
     with Checkpointer(root) as ck:
         got = blank(states[1])
         with caplog.at_level(logging.WARNING, logger="ckpt"):
             assert ck.restore(got) == 1
-        assert_same(got, states[1])
+        assert_bitwise(got, states[1])
         msgs = warnings_of(caplog)
         assert any("step 3 is not intact" in m and "not valid JSON" in m for m in msgs), msgs
         assert any("step 2 is not intact" in m and W in m and "checksum" in m for m in msgs), msgs
@@ -581,6 +553,6 @@ def test_crafted_files_run_no_code(tmp_path: Path, caplog: pytest.LogCaptureFixt
         got = blank(states[2])
         assert ck.restore(got, step=2) == 2
     assert got["w"].numpy().tobytes() == chunk_payload
-    assert_same({k: v for k, v in got.items() if k != "w"}, {k: v for k, v in states[2].items() if k != "w"})
+    assert_bitwise({k: v for k, v in got.items() if k != "w"}, {k: v for k, v in states[2].items() if k != "w"})
     assert cli_run("verify", str(root), "--step", "2").exit_code == 0
     assert not marker.exists()

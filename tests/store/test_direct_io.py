@@ -23,8 +23,9 @@ from ckpt import Checkpointer
 from ckpt.cli import main as cli
 from ckpt.store.digest import chunk_digest
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES, write_chunk
+from tests._states import assert_bitwise
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def accepts_o_direct(directory: Path) -> bool:
@@ -106,8 +107,7 @@ def test_saves_restore_bitwise_with_and_without_o_direct(tmp_path: Path, direct_
         stats = ck.stats()[-1]
         got = _blank()
         assert ck.restore(got) == 1
-    for name, want in state.items():
-        assert torch.equal(got[name], want), name
+    assert_bitwise(got, state)
     large = [t.numel() * t.element_size() for t in state.values() if t.numel() * t.element_size() >= DIRECT_MIN_BYTES]
     expected = sum(n - n % DIRECT_ALIGN for n in large) if direct_io and accepts_o_direct(tmp_path) else 0
     assert stats.direct_bytes == expected and stats.bytes_written == sum(
@@ -124,9 +124,10 @@ def _can_mount() -> bool:
 
 
 _ON_RAMFS = """
-import json, sys, torch
+import json, sys
 from ckpt import Checkpointer
-from tests.test_direct_io import _blank, _state
+from tests._states import bitwise_diff
+from tests.store.test_direct_io import _blank, _state
 state = _state()
 with Checkpointer(sys.argv[1]) as ck:
     ck.save(1, state)
@@ -134,7 +135,7 @@ with Checkpointer(sys.argv[1]) as ck:
     got = _blank()
     step = ck.restore(got)
 print(json.dumps({"direct_bytes": ck.stats()[-1].direct_bytes, "step": step,
-                  "equal": all(torch.equal(got[k], v) for k, v in state.items())}))
+                  "equal": not bitwise_diff(got, state)}))
 """
 
 
@@ -158,7 +159,7 @@ _ON_4K_SECTORS = """
 import json, sys
 from ckpt.store.digest import chunk_digest
 import ckpt.store.fsio as fsio
-from tests.test_direct_io import aligned_bytes
+from tests.store.test_direct_io import aligned_bytes
 fsio.DIRECT_ALIGN = 512  # finer than the device's 4096-byte sectors: it refuses the last direct write
 fsio._DIRECT_WRITE = 1 << 20  # 1 MiB direct writes: three go through before the refused one
 n = 3 * (1 << 20) + 512 + 123

@@ -24,13 +24,14 @@ import pytest
 import tensorstore as ts
 import torch
 import zarr
-from _manifests import crafted
 
 import ckpt
 from ckpt import Checkpointer, CheckpointerConfig
 from ckpt.store.manifest import parse_manifest
+from tests._manifests import crafted
+from tests._states import assert_bitwise
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def vdir(root: Path, step: int) -> Path:
@@ -57,15 +58,6 @@ def plain_state(step: int) -> dict[str, Any]:
 
 def zeros_like_state(state: dict[str, Any]) -> dict[str, Any]:
     return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state.items()}
-
-
-def assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert set(got) == set(want)
-    for k, v in want.items():
-        if isinstance(v, torch.Tensor):
-            assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{k} differs"
-        else:
-            assert got[k] == v, f"{k}: {got[k]!r} vs {v!r}"
 
 
 def save_one(root: Path, step: int, state: dict[str, Any], **kw: Any) -> None:
@@ -106,7 +98,7 @@ def test_zarr_python_reads_a_version(saved_formats: tuple[Path, dict[str, torch.
         assert tuple(arr.shape) == tuple(want.shape), name
         got = torch.from_numpy(np.asarray(arr[...]).copy())
         assert got.dtype == want.dtype, f"{name}: {got.dtype} vs {want.dtype}"
-        assert torch.equal(got, want), f"{name} differs through zarr-python"
+        assert_bitwise(got, want, f"{name} through zarr-python")
     # The 0-d tensors have no chunk file: their value is the fill_value.
     for name in ("scalar", "count"):
         assert sorted(os.listdir(vdir(root, 3) / "state" / name)) == ["zarr.json"]
@@ -124,11 +116,11 @@ def test_tensorstore_reads_a_version(saved_formats: tuple[Path, dict[str, torch.
         if want.dtype == torch.bfloat16:
             assert str(got_np.dtype) == "bfloat16"
             bits = torch.from_numpy(np.array(got_np, order="C").view(np.int16))
-            assert torch.equal(bits, want.view(torch.int16)), f"{name} differs through tensorstore"
+            assert_bitwise(bits, want.view(torch.int16), f"{name} through tensorstore")
             continue
         got = torch.from_numpy(np.array(got_np, order="C"))  # not ascontiguousarray: it makes 0-d 1-d
         assert got.dtype == want.dtype, f"{name}: {got.dtype} vs {want.dtype}"
-        assert torch.equal(got, want), f"{name} differs through tensorstore"
+        assert_bitwise(got, want, f"{name} through tensorstore")
 
 
 def test_round_trip_through_ckpt(saved_formats: tuple[Path, dict[str, torch.Tensor]]) -> None:
@@ -138,11 +130,10 @@ def test_round_trip_through_ckpt(saved_formats: tuple[Path, dict[str, torch.Tens
     target.update({k: torch.zeros_like(v) for k, v in expected.items() if "/" not in k})
     with Checkpointer(root) as ck:
         assert ck.restore(target) == 3
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, expected[f"model/{k}"]), k
-    for k, v in expected.items():
-        if "/" not in k:
-            assert torch.equal(target[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
+    assert_bitwise(model.state_dict(), {k[6:]: v for k, v in expected.items() if k.startswith("model/")}, "model")
+    assert_bitwise(
+        {k: v for k, v in target.items() if k != "model"}, {k: v for k, v in expected.items() if "/" not in k}
+    )
 
 
 # -- bad inputs ---------------------------------------------------------------------------
@@ -235,21 +226,21 @@ def test_existing_step_and_overwrite(tmp_path: Path) -> None:
         assert ck.steps() == [5]
         got = zeros_like_state(first)
         assert ck.restore(got) == 5
-        assert_state_equal(got, first)
+        assert_bitwise(got, first)
 
         assert ck.save(5, second, overwrite=True) is True
         ck.wait()
         assert ck.steps() == [5]
         got = zeros_like_state(second)
         assert ck.restore(got) == 5
-        assert_state_equal(got, second)
+        assert_bitwise(got, second)
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["v000000000005"]
     assert not (root / ".trash").exists() or list((root / ".trash").iterdir()) == []
     assert not list(root.glob("*.tmp-*"))
     with Checkpointer(root) as ck:  # and it survives reopening
         got = zeros_like_state(second)
         assert ck.restore(got) == 5
-        assert_state_equal(got, second)
+        assert_bitwise(got, second)
 
 
 def test_restore_into_other_shapes(tmp_path: Path) -> None:
@@ -260,8 +251,7 @@ def test_restore_into_other_shapes(tmp_path: Path) -> None:
     with Checkpointer(root) as ck, pytest.raises(ckpt.StateMismatchError) as info:
         ck.restore(other)
     assert "state['model']['2.weight']" in str(info.value)
-    for k, v in other["model"].state_dict().items():  # nothing was half-loaded
-        assert torch.equal(v, before[k]), k
+    assert_bitwise(other["model"].state_dict(), before, "model")  # nothing was half-loaded
 
 
 def test_root_locked_in_process(tmp_path: Path) -> None:
@@ -370,7 +360,7 @@ def test_corrupt_newest_falls_back(tmp_path: Path, kind: str, caplog: pytest.Log
         got = zeros_like_state(old)
         with caplog.at_level(logging.WARNING, logger="ckpt"):
             assert ck.restore(got) == 1
-        assert_state_equal(got, old)
+        assert_bitwise(got, old)
         if 2 in ck.steps():
             assert any("step 2" in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
             with pytest.raises(ckpt.CorruptVersionError):
@@ -382,7 +372,7 @@ def test_corrupt_newest_falls_back(tmp_path: Path, kind: str, caplog: pytest.Log
         # The intact version is still restorable explicitly.
         got = zeros_like_state(old)
         assert ck.restore(got, step=1) == 1
-        assert_state_equal(got, old)
+        assert_bitwise(got, old)
 
 
 def test_all_versions_corrupt(tmp_path: Path) -> None:
@@ -449,7 +439,7 @@ def test_manifest_of_another_step_is_rejected(tmp_path: Path) -> None:
             ck.restore(zeros_like_state(old), step=2)
         got = zeros_like_state(old)
         assert ck.restore(got) == 1
-        assert_state_equal(got, old)
+        assert_bitwise(got, old)
 
 
 # -- bounded staging, if_busy -----------------------------------------------------------------
@@ -471,13 +461,8 @@ def test_bounded_staging_round_trips(tmp_path: Path) -> None:
         got["small"] = [torch.zeros(i + 1, dtype=torch.int32) for i in range(20)]
         got["model"] = fresh
         assert ck.restore(got) == 1
-    for k in ("w", "v", "i", "s", "big"):
-        assert torch.equal(got[k], state[k]), k
-    assert got["meta"] == state["meta"]
-    for a, b in zip(got["small"], state["small"]):
-        assert torch.equal(a, b)
-    for k, v in model.state_dict().items():
-        assert torch.equal(fresh.state_dict()[k], v), k
+    assert_bitwise({k: v for k, v in got.items() if k != "model"}, {k: v for k, v in state.items() if k != "model"})
+    assert_bitwise(fresh.state_dict(), model.state_dict(), "model")
     # The same bytes as an unbounded save.
     save_one(tmp_path / "unbounded", 1, state)
     a = json.loads((vdir(root, 1) / "manifest.json").read_bytes())["arrays"]
@@ -505,9 +490,9 @@ def test_if_busy_skip(tmp_path: Path) -> None:
         assert ck.steps() == [1, 3]
         got = zeros_like_state(plain_state(0))
         assert ck.restore(got, step=1) == 1
-        assert_state_equal(got, plain_state(1))
+        assert_bitwise(got, plain_state(1))
         assert ck.restore(got) == 3
-        assert_state_equal(got, plain_state(3))
+        assert_bitwise(got, plain_state(3))
 
 
 def test_if_busy_skip_unthrottled(tmp_path: Path) -> None:
@@ -522,4 +507,4 @@ def test_if_busy_skip_unthrottled(tmp_path: Path) -> None:
         for step in ck.steps():
             got = zeros_like_state(plain_state(0))
             assert ck.restore(got, step=step) == step
-            assert_state_equal(got, plain_state(step))
+            assert_bitwise(got, plain_state(step))

@@ -13,8 +13,6 @@ from ckpt.store.errors import TierUnavailableError
 from ckpt.store.tier import Tier, open_tier
 from tests.s3_server import S3Place
 
-pytest_plugins = ["s3_server"]  # the moto_server and s3 fixtures
-
 
 @pytest.fixture(params=["local", "file", "s3"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:

@@ -1,0 +1,1 @@
+"""The tests of ckpt; see tests/README.md for the layout."""

@@ -1,0 +1,1 @@
+"""Tests of the ckpt package itself (ckpt/): the Checkpointer, its save pipeline, the CLI, packaging."""

@@ -1,0 +1,1 @@
+"""Whole-system tests: real crashes, the crash harness, failing disks, the demo, permissions."""

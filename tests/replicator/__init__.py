@@ -1,0 +1,1 @@
+"""Tests of ckpt.replicator (replicator/): replication, placement, retention and GC."""

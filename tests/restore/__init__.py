@@ -1,0 +1,1 @@
+"""Tests of ckpt.restore (restore/): resharding, tier fallback, hostile checkpoints, readers."""

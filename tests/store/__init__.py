@@ -1,0 +1,1 @@
+"""Tests of ckpt.store (store/): the on-disk format and the storage layer."""
