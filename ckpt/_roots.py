@@ -155,7 +155,7 @@ def recover(ctl: Comm, ctx: RootContext, tier: Tier) -> None:
     error = None
     try:
         mine = [(c.step, c.save_id) for c in committed(tier)] if ctx.is_leader else []
-    except CkptError as e:
+    except (CkptError, OSError) as e:  # every rank raises it in agree(), none is left waiting
         error = e
     ctl.agree(error)
     published = {tuple(x) for view in ctl.all_gather(mine) for x in view}

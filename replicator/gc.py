@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ckpt.replicator.policy import Policy, VersionInfo, plan_deletions
 from ckpt.replicator.publish import GC_CLAIM
-from ckpt.store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.errors import CorruptVersionError, TierUnavailableError, UnsupportedSchemaError, VersionNotFoundError
 from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.pins import deleting, pinned_steps
@@ -64,13 +64,13 @@ def judge(tier: Tier, redundant: Iterable[int] | None = None) -> tuple[list[Vers
             m = read_manifest(tier, step)
         except VersionNotFoundError:
             continue  # deleted (another GC) since the listing
-        except CorruptVersionError:  # proven: a checksum or parse failure
-            versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
-            continue
-        except (TierUnavailableError, OSError) as e:
+        except (TierUnavailableError, OSError, UnsupportedSchemaError) as e:  # no proof of damage
             unjudged[step] = f"{type(e).__name__}: {e}"
             log.warning("gc %s: step %d cannot be read, kept: %s", tier.location, step, e)
             versions.append(VersionInfo(step, 0.0, None, False, ok is None or step in ok))
+            continue
+        except CorruptVersionError:  # proven: a checksum or parse failure
+            versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
             continue
         versions.append(VersionInfo(step, m.created, True, bool(m.meta.get("milestone")), ok is None or step in ok))
     return versions, unjudged
@@ -129,14 +129,31 @@ def collect_abandoned(
             out.append(step)
             continue
         claim = join_key(name, COMMIT_CLAIM)
+        listed = {o.key: (o.size, o.mtime) for o in objects if o.key != claim}
+        previous: bytes | None = None
         try:
             tier.put_if_absent(claim, GC_CLAIM)
         except FileExistsError:
-            # Claimed by a save whose committer died (its claim is as old as the rest), or
-            # by another collector: either way nobody commits it any more.
+            # Take over only a claim that was in the listing, as old as the rest (its
+            # committer died, or another collector holds it): one made since the listing is
+            # a live committer's, which this collector must not overwrite.
+            if claim not in {o.key for o in objects}:
+                continue
+            try:
+                previous = tier.get(claim)
+            except FileNotFoundError:
+                continue
             tier.put(claim, GC_CLAIM)
-        if tier.exists(join_key(name, MANIFEST_NAME)):
-            continue  # committed between the listing and the claim: not abandoned
+        # A committer writes its part record before it reads the claim: one that came back
+        # between the listing and this claim has written something since. Then back off,
+        # and hand the claim back as it was.
+        now_there = {o.key: (o.size, o.mtime) for o in tier.find(name) if o.key != claim}
+        if now_there != listed or tier.exists(join_key(name, MANIFEST_NAME)):
+            if previous is None:
+                tier.delete(claim)
+            elif previous != GC_CLAIM:
+                tier.put(claim, previous)
+            continue  # written or committed since the listing: not abandoned
         fault_delay("gc-abandoned")  # claimed, nothing deleted yet
         fault_point("gc-abandoned")
         delete_uncommitted(tier, name)

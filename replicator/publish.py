@@ -69,6 +69,23 @@ def _claim(tier: Tier, name: str, save_id: str) -> bool:
         return holder == save_id.encode()  # ours (a retried write, or another node of this save)
 
 
+def _other_save_committed(tier: Tier, name: str, save_id: str) -> bool:
+    """Whether the destination holds this step committed by another save (its manifest's save_id)."""
+    try:
+        return parse_manifest(tier.get(join_key(name, MANIFEST_NAME))).save_id != save_id
+    except FileNotFoundError:
+        return False
+    except ManifestError:
+        return True
+
+
+def _still_ours(tier: Tier, name: str, save_id: str) -> bool:
+    try:
+        return tier.get(join_key(name, COMMIT_CLAIM)) == save_id.encode()
+    except FileNotFoundError:
+        return False
+
+
 def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, int]) -> bool:
     """Commit the copied part; True once the destination holds the version committed (a
     replica: this part), False while other nodes' parts are missing or the destination is
@@ -110,6 +127,10 @@ def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, i
         t.journal.save()
         return False
     t.dest.check_disk()
+    if _other_save_committed(tier, name, m.save_id):
+        # Never rewrite root.json under another save's manifest: it would name this save.
+        log.warning("%s already holds step %d from another save; not replaced", t.dest.tier.location, t.step)
+        return False
     tier.put(join_key(name, ROOT_INFO_NAME), RootInfo(m.save_id, t.step, m.world_size, holders).to_json())
     if t.stop.is_set():
         raise StoppedError(f"stopped before committing {t.where()}")
@@ -122,6 +143,14 @@ def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, i
             existing = None
         if existing is None or existing.save_id != m.save_id:
             log.warning("%s already holds step %d from another save; not replaced", t.dest.tier.location, t.step)
+            return False
+    else:
+        if t.dest.kind == "shared" and not _still_ours(tier, name, m.save_id):
+            # A collector took the claim over while this committer was between its checks
+            # and the manifest (a pause longer than the abandon age): it may be deleting
+            # the files the manifest names. Unpublish; the next pass sends what is missing.
+            log.warning("%s: the commit claim was taken over; step %d unpublished", t.where(), t.step)
+            tier.delete(join_key(name, MANIFEST_NAME))
             return False
     tier.sync(name)
     t.journal.remove()

@@ -36,12 +36,13 @@ from ckpt.replicator.status import (
 )
 from ckpt.replicator.transfer import Transfer, copy_files, journal_for
 from ckpt.store import metrics
-from ckpt.store.errors import CkptError, StoppedError
-from ckpt.store.manifest import Manifest
+from ckpt.store.errors import CkptError, StoppedError, VersionExistsError
+from ckpt.store.manifest import MANIFEST_NAME, Manifest
+from ckpt.store.pins import deleting
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.storage_options import redact
-from ckpt.store.tier import Tier, open_tier
-from ckpt.store.versions import committed_steps, read_manifest, read_root_info
+from ckpt.store.tier import Tier, join_key, open_tier
+from ckpt.store.versions import committed_steps, delete_version, read_manifest, read_root_info, version_dirname
 
 __all__ = ["Replicator"]
 
@@ -248,6 +249,18 @@ class Replicator:
         if there is not None and there.save_id == manifest.save_id:
             if dest.kind == "shared" or set(writers) <= set(there.writers):
                 return True
+        elif dest.tier.exists(join_key(version_dirname(step), MANIFEST_NAME)):
+            # The destination holds step `step` committed from another save (the source was
+            # saved again with overwrite=True). Copying into it would replace the chunks a
+            # committed manifest names. A replica is a copy of this source alone: its stale
+            # version is unpublished first (crash-safe, under readers' pins). The shared
+            # remote's is not this node's to replace.
+            if dest.kind == "shared":
+                raise VersionExistsError(f"{self._redact(dest.url)} holds step {step} from another save; not replaced")
+            with deleting(dest.tier, step) as free:
+                if not free:
+                    return False  # being read: next pass
+                delete_version(dest.tier, step)
 
         def count(n: int) -> None:
             self.bytes_sent += n

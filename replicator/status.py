@@ -152,6 +152,8 @@ def write_status(root: str, status: Status) -> None:
     # os.open with an explicit mode: open() would create it 0o666 & ~umask
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "w") as f:
         json.dump(to_json(status), f)
+        f.flush()
+        os.fsync(f.fileno())  # a torn status would read as "no replicator ran": ckpt gc would require no copies
     os.replace(tmp, path)
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from ckpt.restore.discover import choose_step, partial_steps, reachable_steps
 from ckpt.restore.sources import Source
-from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.errors import CkptError, CorruptVersionError, RankFailures, TierUnavailableError, VersionNotFoundError
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
@@ -112,9 +112,24 @@ def restore_newest(
     excluded: set[int] = set()
     vanished: set[int] = set()  # deleted by GC since they were listed
     while True:
-        listed = list(tiers())
-        mine, unreachable = _list(listed, comm.rank)
-        views: list[list[Candidate]] = comm.all_gather([c for _, c in mine])
+        listed: list[Tier] = []
+        mine: list[tuple[int, Candidate]] = []
+        unreachable: list[str] = []
+        failure: Exception | None = None
+        try:
+            listed = list(tiers())
+            mine, unreachable = _list(listed, comm.rank)
+        except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
+            failure = e
+        gathered = comm.all_gather(
+            ([c for _, c in mine], None if failure is None else f"{type(failure).__name__}: {failure}")
+        )
+        failed = {r: why for r, (_, why) in enumerate(gathered) if why}
+        if failed:
+            if failure is not None:
+                raise failure
+            raise RankFailures(failed)
+        views: list[list[Candidate]] = [v for v, _ in gathered]
         chosen = choose_step(views, step, frozenset(excluded | vanished))
         if chosen is None:
             _nothing(comm, listed, views, step, excluded, vanished, unreachable, missing_ok)
@@ -127,12 +142,24 @@ def restore_newest(
         )
         try:
             with contextlib.ExitStack() as pins:
-                held = [pins.enter_context(pin_version(s.tier, chosen)) for s in sources]
                 # GC deleted it between the listing and the pin, or is deleting it: it is
-                # gone, not damaged; choose again. Pinned and still there, it stays.
-                key = join_key(version_dirname(chosen), MANIFEST_NAME)
-                gone = not all(held) or any(not s.tier.exists(key) for s in sources)
-                if any(comm.all_gather(gone)):
+                # gone, not damaged; choose again. Pinned and still there, it stays. The
+                # check reads every tier (a HEAD on an object store): a failure on one rank
+                # is every rank's, or the others would wait in the next collective.
+                gone, failure = True, None
+                try:
+                    held = [pins.enter_context(pin_version(s.tier, chosen)) for s in sources]
+                    key = join_key(version_dirname(chosen), MANIFEST_NAME)
+                    gone = not all(held) or any(not s.tier.exists(key) for s in sources)
+                except Exception as e:  # noqa: BLE001 - raised on every rank below
+                    failure = e
+                checks = comm.all_gather((gone, None if failure is None else f"{type(failure).__name__}: {failure}"))
+                failed = {r: why for r, (_, why) in enumerate(checks) if why}
+                if failed:
+                    if failure is not None and not isinstance(failure, CorruptVersionError):
+                        raise failure
+                    raise TierUnavailableError(errno.EIO, f"step {chosen}: copies could not be checked: {failed}")
+                if any(g for g, _ in checks):
                     vanished.add(chosen)
                     continue
                 return chosen, load(Located(chosen, save_id, sources))

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import fsspec
 
-from ckpt.store.errors import TierUnavailableError
+from ckpt.store.errors import CkptError, TierUnavailableError
 from ckpt.store.retry import DEFAULT_POLICY, RetryPolicy, retry
 from ckpt.store.storage_options import redact
 from ckpt.store.tier import Capabilities, ObjectInfo, Tier, join_key
@@ -31,14 +32,21 @@ __all__ = ["FsspecTier"]
 
 T = TypeVar("T")
 _MULTIPART = 16 << 20  # s3fs part size: objects of 32 MiB and more go up as multipart uploads
+_BACKENDS = frozenset({"botocore", "aiobotocore", "boto3", "s3fs", "aiohttp", "gcsfs", "google", "adlfs", "azure"})
 _CAPABILITIES = Capabilities(atomic_rename=False, range_reads=True, direct_io=False, local_files=False)
 
 
+READAHEAD = 32 << 20  # one GET brings this much: readers ask for 1 MiB pieces in order
+
+
 class _RangeHandle:
-    """Range reads of one object, each a GET of exactly the bytes asked for."""
+    """Range reads of one object. Readers go through a chunk in small pieces, in order; each
+    GET fetches up to READAHEAD bytes from the first one asked for, so the following pieces
+    are served from memory (one request per READAHEAD, not one per piece)."""
 
     def __init__(self, tier: FsspecTier, path: str, size: int) -> None:
         self._tier, self._path, self.size = tier, path, size
+        self._buf, self._at = b"", 0  # bytes [_at, _at + len(_buf)) of the object
 
     def read_into(self, offset: int, out: memoryview) -> None:
         view = out.cast("B")
@@ -47,14 +55,20 @@ class _RangeHandle:
             raise EOFError(f"{self._path} ends at {self.size}, before {end}")
         if not view:
             return
-        # keywords: s3fs's cat_file takes version_id second
-        data = self._tier._call(f"read {self._path}", lambda: self._tier.fs.cat_file(self._path, start=offset, end=end))
-        if len(data) != len(view):
-            raise EOFError(f"{self._path}: {len(data)} bytes at {offset}, wanted {len(view)}")
-        view[:] = data
+        if not (self._at <= offset and end <= self._at + len(self._buf)):
+            stop = min(self.size, max(end, offset + READAHEAD))
+            # keywords: s3fs's cat_file takes version_id second
+            data = self._tier._call(
+                f"read {self._path}", lambda: self._tier.fs.cat_file(self._path, start=offset, end=stop)
+            )
+            if len(data) != stop - offset:
+                raise EOFError(f"{self._path}: {len(data)} bytes at {offset}, wanted {stop - offset}")
+            self._buf, self._at = data, offset
+        start = offset - self._at
+        view[:] = self._buf[start : start + len(view)]
 
     def close(self) -> None:
-        return None
+        self._buf = b""
 
 
 class FsspecTier(Tier):
@@ -79,12 +93,23 @@ class FsspecTier(Tier):
         return join_key(self.prefix, key) if key else self.prefix
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        return retry(
-            fn,
-            f"{self.location}: {what}",
-            self.policy,
-            describe=lambda e: redact(f"{type(e).__name__}: {e}", self.options),
-        )
+        try:
+            return retry(
+                fn,
+                f"{self.location}: {what}",
+                self.policy,
+                describe=lambda e: redact(f"{type(e).__name__}: {e}", self.options),
+            )
+        except (CkptError, OSError):
+            raise
+        except Exception as e:
+            # The backend's own failures that are no OSError (botocore's NoCredentialsError,
+            # CredentialRetrievalError, EndpointResolutionError...): this tier cannot be
+            # used, which callers handle. Anything else (a TypeError) is a bug: as itself.
+            if type(e).__module__.split(".")[0] not in _BACKENDS:
+                raise
+            why = redact(f"{type(e).__name__}: {e}", self.options)
+            raise TierUnavailableError(errno.EIO, f"{self.location}: {what}: {why}") from None
 
     def _fresh(self, path: str) -> None:
         self.fs.invalidate_cache(path)
@@ -117,9 +142,13 @@ class FsspecTier(Tier):
                 for block in blocks():
                     out.write(block)
             except BaseException:
-                # Abandon the multipart upload: closing would publish a truncated object.
-                with contextlib.suppress(Exception):
-                    out.discard()
+                # Abandon the multipart upload: closing would publish a truncated object, and
+                # so would the file's __del__ if it were left open. Marked closed whatever the
+                # abort does (an abort that fails leaves parts for the bucket's lifecycle rule).
+                try:
+                    with contextlib.suppress(Exception):
+                        out.discard()
+                finally:
                     out.closed = True
                 raise
             out.close()

@@ -172,7 +172,12 @@ class LocalTier(Tier):
             if not isinstance(exc_info[1], FileNotFoundError):
                 raise exc_info[1]
 
-        shutil.rmtree(self.local_path(prefix), onerror=gone_already)
+        path = self.local_path(prefix)
+        if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a link (never followed) or a file where a directory was expected
+            return
+        shutil.rmtree(path, onerror=gone_already)
 
     def rename(self, src: str, dst: str) -> None:
         target = self.local_path(dst)

@@ -12,6 +12,7 @@ it is: nothing is skipped or deleted because a read failed once.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,29 @@ __all__ = ["READ_BLOCK", "open_chunk", "read_exact", "read_chunk", "check_digest
 READ_BLOCK = 4 << 20
 
 
+# Failures that say nothing about the bytes: refused access (an expired token, a changed
+# bucket policy, a permission), a mount that went away, a reader out of descriptors or memory.
+_NOT_DAMAGE = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOTCONN,
+        errno.ESTALE,
+        errno.ETIMEDOUT,
+        errno.ENODEV,
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ENOMEM,
+        errno.EINTR,
+        errno.EAGAIN,
+    }
+)
+
+
+def _unavailable(e: OSError) -> bool:
+    return isinstance(e, PermissionError) or e.errno in _NOT_DAMAGE
+
+
 def open_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry) -> ReadHandle:
     """The chunk's object, checked to have the manifest's size."""
     key = join_key(version_dirname(step), array.chunk_path(chunk))
@@ -40,6 +64,12 @@ def open_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry) -> R
     except FileNotFoundError:
         raise CorruptVersionError(f"chunk {where} is missing", path=where, expected=chunk.xxh3) from None
     except OSError as e:
+        # A remote store's refusal or unknown error is no proof of damage; a local file that
+        # cannot be opened (a bad sector, a planted directory) is, unless errno says otherwise.
+        if _unavailable(e) or (not tier.capabilities.local_files and not isinstance(e, IsADirectoryError)):
+            raise TierUnavailableError(
+                e.errno or errno.EIO, f"chunk {where} cannot be opened: {e.strerror or e}"
+            ) from None
         raise CorruptVersionError(f"chunk {where} cannot be opened: {e.strerror or e}", path=where) from None
     if handle.size != chunk.nbytes:
         handle.close()
@@ -58,6 +88,10 @@ def read_exact(handle: ReadHandle, out: memoryview, offset: int, where: str) -> 
     except EOFError:
         raise CorruptVersionError(f"chunk {where} ended early", path=where) from None
     except OSError as e:
+        if _unavailable(e):
+            raise TierUnavailableError(
+                e.errno or errno.EIO, f"chunk {where} cannot be read: {e.strerror or e}"
+            ) from None
         raise CorruptVersionError(f"chunk {where} cannot be read: {e.strerror or e}", path=where) from None
 
 

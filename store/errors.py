@@ -20,6 +20,7 @@ __all__ = [
     "UnsupportedStateError",
     "StateMismatchError",
     "ManifestError",
+    "UnsupportedSchemaError",
     "NonFiniteError",
     "StagingRaceError",
     "StoppedError",
@@ -62,6 +63,11 @@ class CorruptVersionError(CkptError):
 
 class ManifestError(CorruptVersionError, ValueError):
     """A manifest does not parse or fails validation (schema, paths, shapes, dtypes)."""
+
+
+class UnsupportedSchemaError(ManifestError):
+    """A manifest of a schema this ckpt does not read (written by a newer ckpt): no proof of
+    damage, so GC keeps such a version rather than judging it."""
 
 
 class TierUnavailableError(CkptError, OSError):

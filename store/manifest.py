@@ -21,7 +21,7 @@ import xxhash
 
 from ckpt.store.digest import combine_blocks
 from ckpt.store.dtypes import ITEMSIZE
-from ckpt.store.errors import CorruptVersionError, ManifestError
+from ckpt.store.errors import CorruptVersionError, ManifestError, UnsupportedSchemaError
 from ckpt.store.layout import CHUNK_SEPARATOR, chunk_file
 from ckpt.store.layout import block_rows as expected_block_rows
 
@@ -358,7 +358,9 @@ def parse_manifest(raw: bytes) -> Manifest:
         raise ManifestError("not a ckpt manifest")
     schema = doc.get("schema_version")
     if type(schema) is not int or schema not in READABLE_SCHEMAS:
-        raise ManifestError(f"manifest schema_version {schema!r} is not supported (this ckpt reads {READABLE_SCHEMAS})")
+        raise UnsupportedSchemaError(
+            f"manifest schema_version {schema!r} is not supported (this ckpt reads {READABLE_SCHEMAS})"
+        )
     _check_checksum(raw, doc, schema)
     save_id = doc.get("save_id")
     if not isinstance(save_id, str) or not SAVE_ID.fullmatch(save_id):

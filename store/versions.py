@@ -17,6 +17,7 @@ Deleting depends on the tier's capabilities:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -118,8 +119,12 @@ class Candidate:
 def _version_names(tier: Tier) -> Iterator[tuple[int, str]]:
     for name in tier.listdir(""):
         step = parse_version_dirname(name)
-        if step is not None:
-            yield step, name
+        if step is None:
+            continue
+        path = tier.local_path(name)
+        if path is not None and (os.path.islink(path) or not os.path.isdir(path)):
+            continue  # a version is a directory of the tier, never a link to elsewhere
+        yield step, name
 
 
 def committed_steps(where: Tier | str | os.PathLike[str]) -> list[int]:
@@ -138,9 +143,19 @@ def committed_steps(where: Tier | str | os.PathLike[str]) -> list[int]:
 def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo | None:
     """The version's root info on this tier; None if it has none or it does not parse."""
     tier = as_tier(where)
+    key = join_key(version_dirname(step), ROOT_INFO_NAME)
     try:
-        raw = tier.get(join_key(version_dirname(step), ROOT_INFO_NAME))
+        raw = tier.get(key)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, CorruptVersionError):
+        return None
+    except TierUnavailableError:
+        raise  # the store does not answer: the whole tier is unavailable, not this version
+    except OSError as e:
+        if not tier.capabilities.local_files:  # a refusal of the store: no version is readable
+            raise TierUnavailableError(e.errno or errno.EIO, f"cannot read {tier.location}/{key}: {e}") from None
+        # One version's file cannot be read (a bad sector, a permission): that version is
+        # skipped, as when its root info does not parse; the tier's other versions are not.
+        log.warning("%s/%s cannot be read; step %d skipped: %s", tier.location, key, step, e.strerror or e)
         return None
     return parse_root_info(raw)
 
