@@ -149,17 +149,20 @@ class Replicator:
         steps = committed_steps(tier)
         self._remote_listing = None
         failed: set[str] = set()  # destinations that failed in this pass: tried again in the next
+        written = time.monotonic()
         for step in steps:
             if self.stop.is_set():
                 raise StoppedError("replicator stopped")
+            info = read_root_info(tier, step)
+            entry = status.versions.get(step)
+            if info is not None and entry is not None and entry.save_id == info.save_id and self._done(entry, dests):
+                continue  # every copy is made: no manifest to read (a pass over many versions stays short)
             try:
                 manifest = read_manifest(tier, step)
             except CkptError as e:
                 log.warning("step %d on %s is unreadable, not replicated: %s", step, source, e)
                 continue
-            info = read_root_info(tier, step)
             writers = list(info.writers) if info is not None else []
-            entry = status.versions.get(step)
             if entry is None or entry.save_id != manifest.save_id:
                 entry = status.versions[step] = VersionStatus(manifest.save_id, manifest.created)
             for dest in dests:
@@ -177,11 +180,22 @@ class Replicator:
                 entry.copies[dest.url] = CopyState("verified" if ok else "pending", time.time())
             if self.remote is not None:
                 self._push_remote(source, step, manifest, writers, entry, state_dir, failed)
-            write_status(source, status)
+            if time.monotonic() - written > 1.0:  # progress for `ckpt ls`, without an fsync per version
+                write_status(source, status)
+                written = time.monotonic()
         for gone in set(status.versions) - set(steps):
             status.versions.pop(gone)
         self._gc(source, dests)
         write_status(source, status)
+
+    def _done(self, entry: VersionStatus, dests: list[Destination]) -> bool:
+        """Whether every copy of the version exists, verified (or expired on the remote)."""
+        if any((c := entry.copies.get(d.url)) is None or c.state != "verified" for d in dests):
+            return False
+        if self.remote is None:
+            return True
+        url = self._redact(self.remote.url)
+        return entry.remote is not None and entry.remote.state in REMOTE_DONE and entry.remote.url == url
 
     def _push_remote(
         self,

@@ -12,7 +12,7 @@ to import them on a small busy machine; a SIGKILL still kills one real process):
   saving) the xxh3 of every tensor it saves (tests/_harness_worker.py);
 - one replicator daemon per node, the `ckpt replicate` command (`ckpt replicate ROOT
   --replicas 2 --replica-root DIR/node<k>/disk1 --to file://DIR/remote --keep-last 3
-  --remote-keep-last 4 --milestone-every 10 --abandoned-after 20`): copies to the node's second disk and to
+  --remote-keep-last 4 --milestone-every 10 --abandoned-after 60`): copies to the node's second disk and to
   the shared remote, and deletes what retention allows (the job tags every 7th step as
   a milestone).
 
@@ -100,7 +100,7 @@ class HarnessConfig:
     """The daemons' local retention (roots and their replica copies)."""
     remote_keep_last: int = 4
     milestone_every: int = 10
-    abandoned_after_s: float = 20.0  # the daemons collect remote uploads idle this long (a live one writes every pass)
+    abandoned_after_s: float = 60.0  # the daemons collect remote uploads idle this long (a live one writes every pass)
     """Remote: every multiple of this step is kept, and every tagged step."""
     tag_every: int = 7
     """The job saves every multiple of this step with milestone=True."""
