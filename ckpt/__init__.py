@@ -6,10 +6,11 @@ with Checkpointer("/nvme/ckpt/run1") as ck:
     ck.save(step, state)
 """
 
-from ckpt.checkpointer import Checkpointer
-from ckpt.config import CheckpointerConfig
-from ckpt.sampler import DistributedSampler
-from ckpt.shard import Shard
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ckpt.store.errors import (
     CkptError,
     CorruptVersionError,
@@ -27,6 +28,31 @@ from ckpt.store.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
+
+if TYPE_CHECKING:
+    from ckpt.checkpointer import Checkpointer
+    from ckpt.config import CheckpointerConfig
+    from ckpt.sampler import DistributedSampler
+    from ckpt.shard import Shard
+
+# Imported on first use: they import torch (about 2 s), which `ckpt --help`, `ckpt ls`
+# and `ckpt verify` never need.
+_LAZY = {
+    "Checkpointer": "ckpt.checkpointer",
+    "CheckpointerConfig": "ckpt.config",
+    "DistributedSampler": "ckpt.sampler",
+    "Shard": "ckpt.shard",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Checkpointer",

@@ -2,7 +2,8 @@
 
 Every version directory gets a row, whatever state it is in: a manifest that cannot be
 read (a failing disk, a store that does not answer) marks that row `unreadable` and the
-listing goes on; one that fails its checks marks it `damaged`. On a local root, the tmp
+listing goes on; one that fails its checks, or a version directory that lost its manifest
+(store.versions.damaged_entries), marks it `damaged`. On a local root, the tmp
 directories a dead writer left are listed as `incomplete` (a live writer's are saves in
 flight, not versions).
 """
@@ -19,14 +20,14 @@ from ckpt.store.errors import CorruptVersionError, TierUnavailableError, Version
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.root import writer_active
 from ckpt.store.tier import Tier, join_key
-from ckpt.store.versions import committed_steps, read_manifest, read_root_info, version_dirname
+from ckpt.store.versions import committed_steps, damaged_entries, read_manifest, read_root_info, version_dirname
 
 __all__ = ["Row", "version_rows"]
 
 Status = Literal["committed", "partial", "damaged", "unreadable", "incomplete"]
 STATUS_HELP = {
     "partial": "this root holds some ranks' chunks; the other ranks' are on other roots",
-    "damaged": "its manifest fails its checks",
+    "damaged": "its manifest fails its checks, or it has none (gc removes it, a save of its step replaces it)",
     "unreadable": "its manifest could not be read",
     "incomplete": "a save that never committed (removed when a writer opens the root)",
 }
@@ -121,6 +122,7 @@ def version_rows(tier: Tier) -> list[Row]:
         if not row.writers_here and not tier.exists(join_key(version_dirname(step), MANIFEST_NAME)):
             continue  # GC unpublished it between the manifest and the root info: gone, not partial
         rows.append(row if root is None else _with_status(row, root, m.save_id, m.created))
+    rows += [Row(d.step, "damaged", d.why) for d in damaged_entries(tier)]
     if root is not None and not writer_active(root):
         rows += [Row(p.step, "incomplete", p.dirname) for p in commit.prepared_versions(root)]
     return sorted(rows, key=lambda r: r.step)

@@ -54,8 +54,10 @@ def _agreed_manifest(ctl: Comm, located: Located) -> Manifest:
     return found
 
 
-def load_version(ctl: Comm, config: CheckpointerConfig, located: Located, state: Mapping[str, Any]) -> None:
-    """Fill `state` in place from the located version (collective)."""
+def load_version(
+    ctl: Comm, config: CheckpointerConfig, located: Located, state: Mapping[str, Any], *, strict: bool = True
+) -> None:
+    """Fill `state` in place from the located version (collective); `strict`: see ckpt._tree.bind."""
     with no_cyclic_gc():  # thousands of manifest objects: see ckpt/_gc.py
         manifest = _agreed_manifest(ctl, located)
         saved_world = manifest.world_size
@@ -64,7 +66,7 @@ def load_version(ctl: Comm, config: CheckpointerConfig, located: Located, state:
         requests: list[ReadRequest] = []
         error: BaseException | None = None
         try:
-            bound = bind(manifest.trees[entry.tree], state)
+            bound = bind(manifest.trees[entry.tree], state, strict=strict)
             for leaf in bound.leaves:
                 array = manifest.arrays.get(leaf.name)
                 if array is None:

@@ -1,19 +1,22 @@
-"""Text the CLI prints: sizes, the `ckpt ls` table (readable at 80 columns: long
-explanations go below the table, not into its cells), and `ckpt inspect`'s report."""
+"""Text the CLI prints: sizes, the `ckpt ls` table, and `ckpt inspect`'s report.
+
+Plain text, no colours or boxes. `ls` fits 80 columns: every cell has a bounded width,
+and long explanations go below the table, wrapped. `inspect` never cuts a tensor name (a
+pipe into grep must find it): one line per tensor, as wide as the longest name; in a
+terminal too narrow for that, the other columns go on a line of their own below the name.
+"""
 
 from __future__ import annotations
 
+import textwrap
 import time
+from collections.abc import Sequence
 from typing import Any
-
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from ckpt._listing import STATUS_HELP, Row
 from ckpt.store.manifest import ArrayEntry, Manifest
 
-__all__ = ["human", "print_rows", "print_inspect", "sharding"]
+__all__ = ["human", "duration", "table", "ls_lines", "inspect_lines", "inspect_rows", "sharding"]
 
 
 def human(n: float) -> str:
@@ -24,42 +27,68 @@ def human(n: float) -> str:
     return str(n)
 
 
+def duration(seconds: float) -> str:
+    """`45s`, `12m`, `5h`, `3d`: at most 5 characters below 1000 days."""
+    for unit, size, limit in (("s", 1, 120), ("m", 60, 120 * 60), ("h", 3600, 48 * 3600)):
+        if seconds < limit:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds / 86400:.0f}d"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
+    """Aligned columns two spaces apart, a rule under the header, no trailing spaces; a
+    cell is never cut."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, max(width, 20), subsequent_indent="  ", break_on_hyphens=False) or [""]
+
+
 def _copies(r: Row) -> str:
+    """Verified copies over the copies the replicator makes ("-": no replicator ran)."""
     if r.copies is None:
         return "-"
     ok = sum(1 for c in r.copies.values() if c.state == "verified")
-    return f"{ok}/{len(r.copies)}" if r.copies else "none"
+    return f"{ok}/{len(r.copies)}"
 
 
 def _remote(r: Row) -> str:
+    """The upload's state and the time from the commit to it (or to now, if not done)."""
     if r.remote is None:
         return "-"
     state = {"waiting for other nodes": "waiting"}.get(r.remote.state, r.remote.state)
-    return state + (f" {r.lag_s:.0f}s" if r.lag_s is not None else "")
+    return state + (f" {duration(r.lag_s)}" if r.lag_s is not None else "")
 
 
-def print_rows(location: str, rows: list[Row], console: Console) -> None:
-    """The table of versions, then a line per row that needs explaining."""
-    console.print(f"versions in {location}", overflow="fold")
-    # No vertical rules: 7 columns of at most 12, 11, 10, 5, 10, 6 and 12 characters and
-    # their gaps fit 80 columns, so no cell is cut or wrapped.
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), show_edge=False)
-    for col in ("step", "committed", "size", "ranks", "status", "copies", "remote"):
-        table.add_column(col, justify="right" if col in ("step", "size", "ranks") else "left", no_wrap=True)
+def ls_lines(location: str, rows: list[Row], width: int = 80) -> list[str]:
+    """The table of versions, then a line per row that needs explaining, each wrapped at
+    `width`. The cells are at most 12, 11, 10, 5, 10, 5 and 12 characters wide: with their
+    gaps, a row is under 80 columns."""
+    out = _wrap(f"versions in {location}", width)
+    cells = []
     for r in rows:
         when = time.strftime("%m-%d %H:%M", time.localtime(r.time)) if r.time is not None else "-"
         size = human(r.bytes) if r.bytes is not None else "-"
         world = str(r.world_size) if r.world_size is not None else "-"
         status = r.status + ("*" if r.milestone else "")
-        table.add_row(str(r.step), when, size, world, status, _copies(r), _remote(r))
-    console.print(table)
+        cells.append([str(r.step), when, size, world, status, _copies(r), _remote(r)])
+    out += table(("step", "committed", "size", "ranks", "status", "copies", "remote"), cells, right=(0, 2, 3))
+    notes = []
     if any(r.milestone for r in rows):
-        console.print("*: a milestone (milestone retention keeps it)")
-    for status in sorted({r.status for r in rows} & set(STATUS_HELP)):
-        console.print(f"{status}: {STATUS_HELP[status]}")
-    for r in rows:
-        if r.detail and r.status in ("damaged", "unreadable"):
-            console.print(f"step {r.step}: {r.detail}")
+        notes.append("*: a milestone (milestone retention keeps it)")
+    notes += [f"{status}: {STATUS_HELP[status]}" for status in sorted({r.status for r in rows} & set(STATUS_HELP))]
+    notes += [f"step {r.step}: {r.detail}" for r in rows if r.detail and r.status in ("damaged", "unreadable")]
+    for note in notes:
+        out += _wrap(note, width)
+    return out
 
 
 def sharding(array: ArrayEntry, world: int) -> str:
@@ -91,30 +120,51 @@ def inspect_rows(manifest: Manifest) -> list[dict[str, Any]]:
     ]
 
 
-def print_inspect(manifest: Manifest, console: Console) -> None:
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] as `0-2, 5`."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def inspect_lines(manifest: Manifest, width: int | None = None) -> list[str]:
+    """The version's provenance, then its tensors: one line each, whatever the names'
+    length. `width`: the terminal's, when the output is one (None: a pipe or a file, never
+    wrapped); a table wider than that puts each tensor's other columns on a line below it."""
     rows = inspect_rows(manifest)
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
-    console.print(
-        f"step {manifest.step}  saved {when}  world size {manifest.world_size}  roots {len(manifest.roots)}  "
-        f"{len(rows)} tensors, {human(manifest.total_bytes)}"
-    )
+    roots = len(manifest.roots)
+    out = [
+        f"step {manifest.step}, saved {when}",
+        f"{len(rows)} tensors, {human(manifest.total_bytes)}; world size {manifest.world_size}, "
+        f"{roots} root{'s' if roots != 1 else ''}",
+    ]
     for key in ("ckpt_version", "torch_version", "python", "cuda"):
         if manifest.meta.get(key):
-            console.print(f"  {key}: {manifest.meta[key]}")
+            out.append(f"  {key}: {manifest.meta[key]}")
     git = manifest.meta.get("git")
     if isinstance(git, dict):
         dirty = " (dirty)" if git.get("dirty") else ""
-        console.print(f"  training code: {git.get('path')} @ {git.get('commit')}{dirty}")
+        out.append(f"  training code: {git.get('path')} @ {git.get('commit')}{dirty}")
     hosts: dict[tuple[str, str, str], list[int]] = {}
     for rank, p in enumerate(manifest.meta.get("ranks", [])):
         if isinstance(p, dict):
             where = (str(p.get("host")), str(p.get("cpu")), ", ".join(p.get("gpus") or []) or "no GPU")
             hosts.setdefault(where, []).append(rank)
     for (host, cpu, gpus), ranks in hosts.items():
-        console.print(f"  ranks {ranks}: {host}, {cpu}, {gpus}")
-    table = Table()
-    for col in ("tensor", "dtype", "shape", "chunks", "size", "sharding"):
-        table.add_column(col, justify="right" if col in ("chunks", "size") else "left")
-    for r in rows:
-        table.add_row(r["name"], r["dtype"], str(r["shape"]), str(r["chunks"]), human(r["bytes"]), r["sharding"])
-    console.print(table)
+        out.append(f"  ranks [{_ranges(ranks)}]: {host}, {cpu}, {gpus}")
+    out.append("")
+    headers = ("tensor", "dtype", "shape", "chunks", "size", "sharding")
+    cells = [[r["name"], r["dtype"], str(r["shape"]), str(r["chunks"]), human(r["bytes"]), r["sharding"]] for r in rows]
+    lines = table(headers, cells, right=(3, 4))
+    if width is None or max(map(len, lines)) <= width:
+        return out + lines
+    details = table(headers[1:], [c[1:] for c in cells], right=(2, 3))
+    out += ["tensor", "    " + details[0], "    " + details[1]]
+    for name, detail in zip((c[0] for c in cells), details[2:]):
+        out += [name, "    " + detail]
+    return out

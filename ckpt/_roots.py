@@ -22,7 +22,7 @@ from ckpt.replicator.daemon import lock_root
 from ckpt.store import commit
 from ckpt.store.errors import CkptError, RankFailures, RootLockedError, TierUnavailableError
 from ckpt.store.fsio import makedirs
-from ckpt.store.root import RootLock, root_id
+from ckpt.store.root import RootLock, root_id, version_above
 from ckpt.store.tier import Tier, is_url, open_tier
 from ckpt.store.versions import committed
 
@@ -92,15 +92,21 @@ def open_root(ctl: Comm, root: str) -> OpenedRoot:
     """Create and identify the root, group the ranks that share it, and lock it (its leader)."""
     key: str | None = None
     error = None
-    try:
-        makedirs(root)
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise PermissionError(f"{root} is not writable")
-        key = root_id(root)
-    except OSError as e:
-        error = f"cannot use checkpoint root {root}: {e.strerror or e}"
+    inside = version_above(root)
+    if inside is not None:
+        error = f"checkpoint root {root} lies inside the version directory {inside}; choose a root outside it"
+    else:
+        try:
+            makedirs(root)
+            if not os.access(root, os.W_OK | os.X_OK):
+                raise PermissionError(f"{root} is not writable")
+            key = root_id(root)
+        except OSError as e:
+            error = f"cannot use checkpoint root {root}: {e.strerror or e}"
     views = ctl.all_gather((key, error))
     failures = {r: err for r, (_, err) in enumerate(views) if err}
+    if inside is not None and error is not None:
+        raise ValueError(error)
     if ctl.rank in failures:
         raise TierUnavailableError(failures[ctl.rank])
     if failures:

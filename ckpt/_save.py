@@ -91,8 +91,18 @@ def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]
 class Saver:
     """save(), wait() and their state: the staging buffer, the plan cache, the threads."""
 
-    def __init__(self, config: CheckpointerConfig, ctl: Comm, data: Comm, ctx: RootContext, tier: Tier) -> None:
+    def __init__(
+        self,
+        config: CheckpointerConfig,
+        ctl: Comm,
+        data: Comm,
+        ctx: RootContext,
+        tier: Tier,
+        *,
+        on_commit: Callable[[int], None] | None = None,
+    ) -> None:
         self.config, self._ctl, self._data, self._ctx, self._tier = config, ctl, data, ctx, tier
+        self._on_commit = on_commit  # called with the step after each commit that succeeded
         self.rank = ctl.rank
         self._pending: Future[SaveStats] | None = None
         self.stats: list[SaveStats] = []
@@ -247,6 +257,9 @@ class Saver:
     def _queue(self, job: SaveJob) -> None:
         """Queue the job's commit; again is harmless (run_once)."""
         self._committer.submit(run_once, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold)
+        if self._on_commit is not None:
+            on_commit, step = self._on_commit, job.step
+            job.outcome.add_done_callback(lambda f: None if f.cancelled() or f.exception() else on_commit(step))
         fault_delay("queued", self.rank)
         self._pending = job.outcome
 

@@ -50,6 +50,17 @@ def _dtensor_offsets(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, .
     return tuple(int(o) for o in offsets)
 
 
+def _refuse_unusual(data: torch.Tensor, key: str) -> None:
+    if data.is_nested:
+        raise UnsupportedStateError(f"{key}: nested tensors cannot be checkpointed; save their components")
+    if data.layout != torch.strided:
+        raise UnsupportedStateError(f"{key}: {data.layout} tensors cannot be checkpointed; save a dense copy")
+    if data.is_quantized:
+        raise UnsupportedStateError(f"{key}: quantized tensors cannot be checkpointed; save int_repr() and the scales")
+    if data.device.type == "meta":
+        raise UnsupportedStateError(f"{key}: a meta tensor has no data to checkpoint")
+
+
 def describe(value: Any, key: str) -> LocalPiece:
     """The local piece of a tensor, DTensor, Shard or ndarray; refuses what cannot be stored."""
     if isinstance(value, Shard):
@@ -71,11 +82,11 @@ def describe(value: Any, key: str) -> LocalPiece:
             raise UnsupportedStateError(f"{key}: numpy dtype {value.dtype} cannot be checkpointed") from None
         shape, offsets = tuple(data.shape), (0,) * data.dim()
     elif isinstance(value, torch.Tensor):
+        _refuse_unusual(value, key)  # before .shape, which a nested tensor does not have
         data, shape, offsets = value, tuple(value.shape), (0,) * value.dim()
     else:
         raise UnsupportedStateError(f"{key}: not a tensor")
-    if data.layout != torch.strided or data.is_quantized or data.device.type == "meta":
-        raise UnsupportedStateError(f"{key}: {data.layout} / quantized / meta tensors cannot be checkpointed")
+    _refuse_unusual(data, key)
     if data.dtype not in TORCH_TO_ZARR:
         raise UnsupportedStateError(f"{key}: dtype {data.dtype} is not supported")
     return LocalPiece(data.detach(), TORCH_TO_ZARR[data.dtype], shape, offsets)

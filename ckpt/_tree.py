@@ -140,17 +140,46 @@ def _init_optimizer_state(opt: torch.optim.Optimizer, saved_state: Any) -> None:
             opt.state.pop(p, None)
 
 
-def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
-    """Pair the saved tree with the live state; raise StateMismatchError on structural differences."""
+def _kind(v: Any) -> str:
+    """What a slot of the live state holds, for the rule that a restore fills a slot only with
+    its own kind: a tensor, a dict, a list or a scalar (None takes any saved value)."""
+    if is_tensor_like(v):
+        return "a tensor"
+    if isinstance(v, Mapping) or _has_state_dict(v):
+        return "a dict"
+    if isinstance(v, (list, tuple)):
+        return "a list"
+    return "a scalar"
+
+
+def _saved_kind(s: Any) -> str:
+    if isinstance(s, dict) and (TENSOR in s or NDARRAY in s):
+        return "a tensor"
+    if isinstance(s, dict) and TUPLE in s or isinstance(s, list):
+        return "a list"
+    if isinstance(s, dict) and FLOAT not in s:
+        return "a dict"
+    return "a scalar"
+
+
+def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound:
+    """Pair the saved tree with the live state; raise StateMismatchError on structural differences.
+
+    A slot of the live state takes only a saved value of its kind (a tensor, a dict, a
+    list, a scalar; None takes anything). With `strict`, every dict of the state has
+    exactly the saved keys; without it, keys on one side only are left alone: a state key
+    the checkpoint lacks keeps its value, a saved key the state lacks is not loaded. Inside
+    an object's state_dict() the object's load_state_dict judges the keys.
+    """
     out = Bound()
 
-    def b(s: Any, t: Any, path: tuple[Any, ...]) -> Callable[[], Any]:
+    def b(s: Any, t: Any, path: tuple[Any, ...], in_object: bool) -> Callable[[], Any]:
         key = _key_str(path)
+        if t is not None and _kind(t) != _saved_kind(s):
+            raise StateMismatchError(f"{key}: the checkpoint has {_saved_kind(s)} here, the state has {_what(t)}")
         if isinstance(s, dict) and (TENSOR in s or NDARRAY in s):
             name = str(s.get(TENSOR, s.get(NDARRAY)))
             is_array = NDARRAY in s
-            if t is not None and not is_tensor_like(t):
-                raise StateMismatchError(f"{key}: the checkpoint has a tensor here, the state has {type(t).__name__}")
             out.leaves.append(Leaf(name, key, t))
             if is_array:
                 return lambda: _to_ndarray(out.results[name], t)
@@ -159,7 +188,7 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
         if plain and _has_state_dict(t) and not isinstance(t, Mapping):
             s = {OBJECT: s}  # a saved state_dict() restores into the live object, through load_state_dict
         if isinstance(s, dict) and OBJECT in s and isinstance(t, Mapping) and not _has_state_dict(t):
-            return b(s[OBJECT], t, path)  # a saved object restores into a plain state dict, in place
+            return b(s[OBJECT], t, path, in_object)  # a saved object restores into a plain state dict, in place
         if isinstance(s, dict) and OBJECT in s:
             if not _has_state_dict(t):
                 raise StateMismatchError(
@@ -168,7 +197,7 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
             if isinstance(t, torch.optim.Optimizer) and _tree_has_tensor(s[OBJECT]):
                 _init_optimizer_state(t, s[OBJECT].get("state") if isinstance(s[OBJECT], dict) else None)
             sd = t.state_dict()
-            sub = b(s[OBJECT], sd, path)
+            sub = b(s[OBJECT], sd, path, True)
 
             def finish_object() -> Any:
                 # Always through load_state_dict: extra state, hooks, strict key checks and
@@ -179,12 +208,20 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
             return finish_object
         if isinstance(s, dict) and (DICT in s or not (_MARKERS & s.keys())):
             items = [(k, v) for k, v in s[DICT]] if DICT in s else list(s.items())
-            t_map = t if isinstance(t, Mapping) else {}
-            missing = [k for k in t_map if k not in {k for k, _ in items}] if isinstance(t, Mapping) else []
-            tensor_missing = [k for k in missing if is_tensor_like(t_map[k]) or _has_state_dict(t_map[k])]
-            if tensor_missing:
-                raise StateMismatchError(f"{key}: {tensor_missing[:5]} are in the state but not in the checkpoint")
-            subs = [(k, b(v, t_map.get(k), path + (k,))) for k, v in items]
+            t_map: Mapping[Any, Any] = t if isinstance(t, Mapping) else {}
+            saved_keys = {k for k, _ in items}
+            if isinstance(t, Mapping) and not in_object:
+                only_state = [k for k in t_map if k not in saved_keys]
+                only_saved = [k for k, _ in items if k not in t_map]
+                if strict and (only_state or only_saved):
+                    raise StateMismatchError(_key_mismatch(key, only_state, only_saved))
+                items = [(k, v) for k, v in items if k in t_map]
+            elif isinstance(t, Mapping):
+                missing = [k for k in t_map if k not in saved_keys]
+                tensor_missing = [k for k in missing if is_tensor_like(t_map[k]) or _has_state_dict(t_map[k])]
+                if tensor_missing:
+                    raise StateMismatchError(f"{key}: {tensor_missing[:5]} are in the state but not in the checkpoint")
+            subs = [(k, b(v, t_map.get(k), path + (k,), in_object)) for k, v in items]
 
             def finish_dict() -> Any:
                 if isinstance(t, dict):
@@ -196,11 +233,11 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
             return finish_dict
         if isinstance(s, dict) and TUPLE in s:
             t_seq = t if isinstance(t, (tuple, list)) and len(t) == len(s[TUPLE]) else [None] * len(s[TUPLE])
-            subs_t = [b(v, tv, path + (i,)) for i, (v, tv) in enumerate(zip(s[TUPLE], t_seq))]
+            subs_t = [b(v, tv, path + (i,), in_object) for i, (v, tv) in enumerate(zip(s[TUPLE], t_seq))]
             return lambda: tuple(f() for f in subs_t)
         if isinstance(s, list):
             t_list = t if isinstance(t, list) and len(t) == len(s) else None
-            subs_l = [b(v, t_list[i] if t_list else None, path + (i,)) for i, v in enumerate(s)]
+            subs_l = [b(v, t_list[i] if t_list else None, path + (i,), in_object) for i, v in enumerate(s)]
 
             def finish_list() -> Any:
                 if t_list is not None:
@@ -214,8 +251,23 @@ def bind(saved: Any, target: Mapping[str, Any]) -> Bound:
             return lambda: value
         return lambda: s
 
-    out.finish = b(saved, target, ())
+    if not isinstance(saved, dict):
+        raise StateMismatchError(f"the checkpoint's state is {_saved_kind(saved)}, not a dict")
+    out.finish = b(saved, target, (), False)
     return out
+
+
+def _key_mismatch(key: str, only_state: list[Any], only_saved: list[Any]) -> str:
+    parts = []
+    if only_state:
+        parts.append(f"{only_state[:5]} are in the state but not in the checkpoint")
+    if only_saved:
+        parts.append(f"{only_saved[:5]} are in the checkpoint but not in the state")
+    return f"{key}: " + "; ".join(parts) + " (restore(..., strict=False) loads only the keys both have)"
+
+
+def _what(v: Any) -> str:
+    return f"{_kind(v)} ({type(v).__name__})"
 
 
 def _to_ndarray(filled: Any, target: Any) -> Any:

@@ -13,7 +13,7 @@ from ckpt.store.errors import CkptError, TierUnavailableError, VersionNotFoundEr
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
-from ckpt.store.versions import committed_steps, read_manifest, read_root_info, version_dirname
+from ckpt.store.versions import committed_steps, damaged_entries, read_manifest, read_root_info, version_dirname
 
 __all__ = ["Checked", "verify_tier"]
 
@@ -45,15 +45,19 @@ def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
 
 def verify_tier(tier: Tier, step: int | None = None) -> Iterator[Checked]:
     """Each version's check (or only `step`'s), oldest first."""
-    steps = [step] if step is not None else committed_steps(tier)
-    if not steps:
+    damaged = {d.step: d for d in damaged_entries(tier) if step is None or d.step == step}
+    steps = [step] if step is not None and step not in damaged else [] if step is not None else committed_steps(tier)
+    if not steps and not damaged:
         raise CkptError(f"no committed versions in {tier.location}")
+    for d in sorted(damaged.values(), key=lambda d: d.step):
+        yield Checked(d.step, (f"BAD {d.name}: {d.why}",), "")
     for s in steps:
         with pin_version(tier, s) as held:  # GC leaves it alone while it is checked
             there = held and tier.exists(join_key(version_dirname(s), MANIFEST_NAME))  # or a GC deleted it meanwhile
             if not there:
                 if step is not None:
-                    raise VersionNotFoundError(f"step {s} is not committed in {tier.location} (or is being deleted)")
+                    why = "does not exist" if held else "is being deleted (by a GC)"
+                    raise VersionNotFoundError(f"step {s} {why} in {tier.location}")
                 continue
             checked = _check(tier, s, asked=step is not None)
         if checked is not None:

@@ -20,6 +20,7 @@ from ckpt import _roots
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._job import SaveStats
 from ckpt._load import load_version
+from ckpt._retention import Retention
 from ckpt._roots import PathSpec, RootSpec
 from ckpt._save import Saver
 from ckpt.config import CheckpointerConfig
@@ -27,9 +28,9 @@ from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.service import Replicator
 from ckpt.restore.locate import restore_newest
 from ckpt.store import metrics
-from ckpt.store.errors import CkptError, CorruptVersionError
+from ckpt.store.errors import CkptError, CorruptVersionError, UnsupportedStateError
 from ckpt.store.tier import Tier, is_url, open_tier
-from ckpt.store.versions import committed_steps
+from ckpt.store.versions import check_step, committed_steps
 
 __all__ = ["Checkpointer", "RootSpec"]
 
@@ -67,6 +68,11 @@ class Checkpointer:
         self._ctx, self._lock = opened.ctx, opened.lock
         self._tier = open_tier(self.root)
         replication = _roots.replication_config(replication, replicate_to, storage_options, self.root, disks)
+        policy = self.config.retention()
+        if policy is not None and replication is not None:
+            if replication.local_policy is not None:
+                raise ValueError("give keep_last or the replicator's local_policy, not both")
+            replication, policy = replace(replication, local_policy=policy), None  # it also waits for the copies
         extra = list(tiers) + ([replication.remote] if replication and replication.remote else [])
         self._tiers = [self._tier, *_roots.open_tiers(extra, self.rank, storage_options)]
         self._disks = [r for r in (disks or [self.root]) if not is_url(r)]
@@ -86,7 +92,15 @@ class Checkpointer:
             self._replicator_thread.start()
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
-        self._saver = Saver(self.config, self._ctl, self._data, self._ctx, self._tier)
+        self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
+        self._saver = Saver(
+            self.config,
+            self._ctl,
+            self._data,
+            self._ctx,
+            self._tier,
+            on_commit=None if self._retention is None else self._retention.committed,
+        )
         self._closed = False
 
     # -- saving ----------------------------------------------------------------------
@@ -99,8 +113,7 @@ class Checkpointer:
         Raises a previous save's error, VersionExistsError, UnsupportedStateError.
         """
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        check_step(step)
         return self._saver.save(step, state, overwrite=overwrite, milestone=milestone)
 
     def wait_staged(self) -> float:
@@ -132,8 +145,13 @@ class Checkpointer:
         """Timings of this rank's completed saves, oldest first."""
         return list(self._saver.stats)
 
-    def restore(self, state: Mapping[str, Any], step: int | None = None) -> int | None:
+    def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
         """Load the newest intact committed step (or `step`) into `state` in place; None if none.
+
+        `state` is a dict shaped like the saved one: every slot takes only a saved value of
+        its kind (a tensor, a dict, a list), and with `strict` every dict has exactly the
+        saved keys (StateMismatchError names the difference). `strict=False` loads the keys
+        both sides have and leaves the rest alone.
 
         Every configured tier is searched (this rank's root first, then the replicator's
         copies on this node's disks, then `tiers` and the remote). A version that turns out
@@ -142,6 +160,10 @@ class Checkpointer:
         another world size or sharding than the one that saved it.
         """
         self._check_open()
+        if not isinstance(state, Mapping):
+            raise UnsupportedStateError(f"state must be a dict to restore into, got {type(state).__name__}")
+        if step is not None:
+            check_step(step)
         self._saver.wait()
 
         def tiers() -> list[Tier]:
@@ -149,7 +171,10 @@ class Checkpointer:
 
         try:
             found = restore_newest(
-                self._ctl, tiers, lambda located: load_version(self._ctl, self.config, located, state), step=step
+                self._ctl,
+                tiers,
+                lambda located: load_version(self._ctl, self.config, located, state, strict=strict),
+                step=step,
             )
         except CorruptVersionError:
             metrics.VERIFY_ERRORS.inc()
@@ -163,7 +188,9 @@ class Checkpointer:
             raise CkptError("this Checkpointer is closed")
 
     def close(self) -> None:
-        """Wait for pending saves (raising their error), then release the root."""
+        """Wait for pending saves (raising their error), let the replicator make its last
+        pass (at most `drain_timeout_s`; versions left unreplicated are reported, not
+        raised), then release the root."""
         if self._closed:
             return
         try:
@@ -178,15 +205,18 @@ class Checkpointer:
                 os.close(self._replicator_lock)
                 self._replicator_lock = None
             self._saver.close()
+            if self._retention is not None:
+                self._retention.close()
             if self._lock is not None:
                 self._lock.release()
             destroy_comms(self._ctl, self._data)
 
     def _drain_replicator(self, replicator: Replicator) -> None:
-        """One last pass so the final versions reach their copies and the remote before exit."""
-        replicator.stop.clear()
+        """One last pass so the final versions reach their copies and the remote before exit,
+        for at most `ReplicatorConfig.drain_timeout_s`; the versions it leaves behind are
+        reported (Replicator.drain: a warning naming the steps, a metric, the status)."""
         try:
-            replicator.run_once()
+            replicator.drain()
         except Exception as e:  # noqa: BLE001 - close() must still release the root; the pass is logged
             log.warning("rank %d: final replication pass failed: %s: %s", self.rank, type(e).__name__, e)
 

@@ -1,59 +1,81 @@
 """The `ckpt` command line: thin click commands over ckpt.store, ckpt.restore and
 ckpt.replicator (listing: ckpt._listing, checks: ckpt._verify, text: ckpt._render).
 
-Exit codes: 0 success, 1 verification found bad chunks, 2 usage error (click),
-3 any other ckpt error (one readable line on stderr), 4 `ckpt gc` kept versions it could
-not read (a transient error is no proof of damage: run it again).
+Exit codes: 0 success, 1 damage (verification found bad chunks, or the version asked for
+is corrupt), 2 usage error (click), 3 any other error (one readable line on stderr, never
+a traceback), 4 `ckpt gc` kept versions it could not read (a transient error is no proof
+of damage: run it again).
+
+Starting fast: `ckpt --help`, `ls` and `verify` never import torch (about 2 s) nor rich's
+progress bars; `inspect` and `restore` import them when they run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import wraps
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from ckpt._dist import Comm
 from ckpt._listing import version_rows
-from ckpt._render import human, inspect_rows, print_inspect, print_rows
+from ckpt._render import human, inspect_lines, inspect_rows, ls_lines
 from ckpt._verify import verify_tier
-from ckpt.replicator.config import ReplicatorConfig
-from ckpt.replicator.daemon import run_daemon
-from ckpt.replicator.gc import collect
+from ckpt.replicator.placement import DISK_MARKER
 from ckpt.replicator.policy import KeepLast, KeepMilestones, Policy, Union
-from ckpt.replicator.status import read_status, redundant_steps
-from ckpt.restore.export import assemble, copy_version
-from ckpt.restore.locate import Located, first_manifest, restore_newest
+from ckpt.replicator.status import STATE_DIR
 from ckpt.store.errors import CkptError, CorruptVersionError
-from ckpt.store.fsio import FILE_MODE
-from ckpt.store.manifest import Manifest
+from ckpt.store.pins import PINS_NAME
+from ckpt.store.root import LOCK_NAME, ROOT_ID_NAME, version_above
 from ckpt.store.storage_options import parse_storage_options, redact
 from ckpt.store.tier import Tier, is_url, open_tier
+from ckpt.store.versions import MAX_STEP, TRASH_NAME, committed_steps, parse_version_dirname
+
+if TYPE_CHECKING:
+    from ckpt.restore.locate import Located
+    from ckpt.store.manifest import Manifest
 
 __all__ = ["main"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 EXIT_BAD_CHUNKS = 1
 EXIT_CKPT_ERROR = 3
 EXIT_UNJUDGED = 4
 ABANDON_AFTER_S = 6 * 3600.0
 
 
+def _fail(message: str, code: int) -> None:
+    click.echo(f"ckpt: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _os_error(e: OSError) -> str:
+    """An OSError as one line: `No such file or directory: /x/y` (its path, not its repr)."""
+    if e.strerror and e.filename is not None:
+        return f"{e.strerror}: {e.filename}"
+    return str(e)
+
+
 def _errors_to_exit(fn: F) -> F:
+    """Every failure as one line on stderr and its exit code (see the module docstring)."""
+
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (CkptError, PermissionError) as e:
-            click.echo(f"ckpt: error: {e}", err=True)
-            sys.exit(EXIT_CKPT_ERROR)
+        except CorruptVersionError as e:  # a damaged version: as `verify`'s bad chunks
+            _fail(str(e), EXIT_BAD_CHUNKS)
+        except CkptError as e:
+            _fail(str(e), EXIT_CKPT_ERROR)
+        except OSError as e:  # a path given to the command: missing, not a directory, read-only, full
+            _fail(_os_error(e), EXIT_CKPT_ERROR)
 
     return wrapper  # type: ignore[return-value]
 
@@ -78,47 +100,104 @@ _TIER_OPTION = click.option(
 
 
 def _options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    for pair in pairs:
+        key, sep, _ = pair.partition("=")
+        if sep and not all(part.strip() for part in key.split(".")):
+            raise click.UsageError(f"--storage-option {pair!r}: the key is empty (give KEY=VALUE)")
     try:
         return parse_storage_options(pairs)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
 
+def _is_directory(tier: Tier) -> bool:
+    """False for a local path or file:// URL that is no directory (a typo is no empty root)."""
+    path = tier.local_path("")
+    return path is None or os.path.isdir(path)
+
+
 def _root(location: str, options: dict[str, Any]) -> Tier:
-    """The tier of a ROOT argument: a local directory must exist (a typo is no empty root)."""
-    if not is_url(location) and not os.path.isdir(location):
+    """The tier of a ROOT argument: a local one (a path or a file:// URL) must exist."""
+    tier = open_tier(location, options)
+    if not _is_directory(tier):
         raise CkptError(f"{location} is not a directory")
-    return open_tier(location, options)
+    return tier
 
 
 def _tiers(root: str, extra: tuple[str, ...], options: dict[str, Any]) -> list[Tier]:
-    usable = [p for p in (root, *extra) if is_url(p) or os.path.isdir(p)]
-    for path in (root, *extra):
+    tiers = {p: open_tier(p, options) for p in (root, *extra)}
+    usable = [p for p, t in tiers.items() if _is_directory(t)]
+    for path in tiers:
         if path not in usable:
             if not extra or not usable:
                 raise CkptError(f"{path} is not a directory")
             click.echo(f"ckpt: warning: {path} is not a directory; reading the other tiers", err=True)
-    return [open_tier(p, options) for p in usable]
+    return [tiers[p] for p in usable]
 
 
-def _progress(description: str, total: int) -> Progress:
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
+_OWN_NAMES = frozenset({LOCK_NAME, ROOT_ID_NAME, TRASH_NAME, PINS_NAME, STATE_DIR, DISK_MARKER, "replicas"})
+"""What ckpt itself may have left in a directory that holds no version yet."""
+
+
+def _writable_root(path: str, shown: str | None = None) -> None:
+    """Refuse, before anything is written, a directory that is neither empty nor a checkpoint
+    root (one with a root id, versions, or only ckpt's own files): an ordinary directory
+    given by mistake. And refuse one inside a version (store.root.version_above)."""
+    above = version_above(path)
+    if above is not None:
+        raise CkptError(f"{shown or path} is inside the version {above}: give a directory of its own")
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return  # created by the command
+    if ROOT_ID_NAME in names or set(names) <= _OWN_NAMES:
+        return
+    if any(parse_version_dirname(n.partition(".tmp-")[0]) is not None for n in names):
+        return
+    held = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+    raise CkptError(f"{shown or path} is neither empty nor a checkpoint root (it holds {held}): not touching it")
+
+
+@contextlib.contextmanager
+def _progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on a terminal's stderr, gone once it stops (so no stale bar is left
+    above the next message); nothing when stderr is no terminal."""
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
     )
-    bar.add_task(description, total=total)
-    return bar
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True))
+    more = (TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, *more, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        _WARNINGS.console = bar.console
+        try:
+            yield lambda n: bar.advance(task, n)
+        finally:
+            _WARNINGS.console = None
 
 
 class _ToStderr(logging.Handler):
-    """ckpt's warnings as `ckpt: warning: ...` lines on the command's stderr."""
+    """ckpt's warnings as `ckpt: warning: ...` lines on the command's stderr (above the
+    progress bar while one is shown)."""
+
+    console: Any = None  # the progress bar's rich Console, while it is shown
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"ckpt: {record.levelname.lower()}: {record.getMessage()}", err=True)
+        line = f"ckpt: {record.levelname.lower()}: {record.getMessage()}"
+        if self.console is not None:
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            click.echo(line, err=True)
 
 
 _WARNINGS = _ToStderr(logging.WARNING)
@@ -130,6 +209,9 @@ def main() -> None:
     """Inspect, verify and restore ckpt checkpoint roots."""
     if _WARNINGS not in logging.getLogger("ckpt").handlers:
         logging.getLogger("ckpt").addHandler(_WARNINGS)
+
+
+_STEP_OPTION = click.IntRange(min=0, max=MAX_STEP)
 
 
 @main.command("ls")
@@ -144,12 +226,13 @@ def ls_cmd(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     if as_json:
         click.echo(json.dumps([r.to_json() for r in rows], indent=2, default=lambda o: o.__dict__))
         return
-    print_rows(redact(root, options), rows, Console())
+    for line in ls_lines(redact(root, options), rows, shutil.get_terminal_size().columns):
+        click.echo(line)
 
 
 @main.command("verify")
 @click.argument("root")
-@click.option("--step", type=int, default=None, help="Verify only this step (default: every committed step).")
+@click.option("--step", type=_STEP_OPTION, default=None, help="Verify only this step (default: every committed step).")
 @_STORAGE_OPTION
 @_errors_to_exit
 def verify_cmd(root: str, step: int | None, storage_options: tuple[str, ...]) -> None:
@@ -162,22 +245,35 @@ def verify_cmd(root: str, step: int | None, storage_options: tuple[str, ...]) ->
             click.echo(f"step {checked.step}: {checked.summary}")
         bad += len(checked.problems)
     if bad:
-        click.echo(f"{bad} bad chunk(s)", err=True)
+        click.echo(f"{bad} bad chunk{'s' if bad != 1 else ''}", err=True)
         sys.exit(EXIT_BAD_CHUNKS)
 
 
 def _manifest_of(located: Located) -> Manifest:
+    from ckpt.restore.locate import first_manifest
+
     manifest = first_manifest(located)
     if manifest is None:
         raise CorruptVersionError(f"no readable manifest of step {located.step}")
     return manifest
 
 
+def _newest(sources: list[Tier], load: Callable[[Located], T], step: int | None) -> tuple[int, T]:
+    """restore.locate's choice of version (the newest intact one, or `step`), loaded."""
+    from ckpt._dist import Comm  # imports torch
+    from ckpt.restore.locate import restore_newest
+
+    found = restore_newest(Comm.solo(), lambda: sources, load, step=step, missing_ok=False)
+    assert found is not None  # missing_ok=False: VersionNotFoundError instead
+    return found
+
+
 @main.command("restore")
 @click.argument("root")
-@click.option("--step", type=int, default=None, help="The step (default: the newest intact one).")
+@click.option("--step", type=_STEP_OPTION, default=None, help="The step (default: the newest intact one).")
 @click.option("--to", "to_dir", type=click.Path(file_okay=False), help="Copy the verified version into this root.")
 @click.option("--to-torch", "to_torch", type=click.Path(dir_okay=False), help="Write one torch.save state dict.")
+@click.option("--force", is_flag=True, help="--to-torch: replace an existing regular file.")
 @_TIER_OPTION
 @_STORAGE_OPTION
 @_errors_to_exit
@@ -186,46 +282,48 @@ def restore_cmd(
     step: int | None,
     to_dir: str | None,
     to_torch: str | None,
+    force: bool,
     tiers: tuple[str, ...],
     storage_options: tuple[str, ...],
 ) -> None:
-    """Copy a verified version out of ROOT (a path or URL; and --tier copies), or assemble it into one file."""
+    """Copy a verified version out of ROOT (a path or URL; and --tier copies), or assemble it into one file.
+
+    --to-torch never replaces an existing file without --force, nor anything that is not a
+    regular file (a device, a directory) even with it.
+    """
+    from ckpt.restore.export import TorchFile, assemble, copy_version
+
     if (to_dir is None) == (to_torch is None):
         raise click.UsageError("give exactly one of --to DIR or --to-torch FILE")
-    sources = _tiers(root, tiers, _options(storage_options))
+    if force and to_torch is None:
+        raise click.UsageError("--force applies to --to-torch only")
+    if to_dir is not None:
+        _writable_root(to_dir)
+    with contextlib.ExitStack() as stack:
+        # created before anything is read: a target that cannot be written fails at once
+        out = None if to_torch is None else stack.enter_context(TorchFile(to_torch, force=force))
+        sources = _tiers(root, tiers, _options(storage_options))
 
-    def export(located: Located) -> tuple[int, str]:
-        manifest = _manifest_of(located)
-        total = manifest.total_bytes if to_dir else sum(a.nbytes for a in manifest.arrays.values())
-        with _progress(f"step {located.step}", total) as bar:
-            task = bar.task_ids[0]
+        def export(located: Located) -> tuple[int, str]:
+            manifest = _manifest_of(located)
+            total = manifest.total_bytes if out is None else sum(a.nbytes for a in manifest.arrays.values())
+            with _progress(f"step {located.step}", total) as advance:
+                if to_dir is not None:
+                    return total, copy_version(manifest, located.sources, to_dir, advance)
+                from ckpt._dist import Comm
 
-            def advance(n: int) -> None:
-                bar.advance(task, n)
+                state = assemble(Comm.solo(), manifest, located.sources, advance)
+            assert out is not None
+            out.write(state)
+            return total, out.path
 
-            if to_dir is not None:
-                return total, copy_version(manifest, located.sources, to_dir, advance)
-            assert to_torch is not None
-            import torch
-
-            state = assemble(Comm.solo(), manifest, located.sources, advance)
-            tmp = f"{to_torch}.tmp-{os.getpid()}"
-            # an explicit mode: torch.save(path) would create it 0o666 & ~umask
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-            with os.fdopen(os.open(tmp, flags, FILE_MODE), "wb") as f:
-                torch.save(state, f)
-            os.replace(tmp, str(to_torch))
-            return total, str(to_torch)
-
-    found = restore_newest(Comm.solo(), lambda: sources, export, step=step, missing_ok=False)
-    assert found is not None
-    chosen, (total, where) = found
+        chosen, (total, where) = _newest(sources, export, step)
     click.echo(f"restored step {chosen} ({human(total)}) to {where}")
 
 
 @main.command("inspect")
 @click.argument("root")
-@click.option("--step", type=int, default=None, help="The step (default: the newest).")
+@click.option("--step", type=_STEP_OPTION, default=None, help="The step (default: the newest).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @_TIER_OPTION
 @_STORAGE_OPTION
@@ -233,11 +331,9 @@ def restore_cmd(
 def inspect_cmd(
     root: str, step: int | None, as_json: bool, tiers: tuple[str, ...], storage_options: tuple[str, ...]
 ) -> None:
-    """List a version's tensors with their dtypes, shapes and sharding."""
+    """List a version's tensors with their dtypes, shapes and sharding (names are never cut)."""
     sources = _tiers(root, tiers, _options(storage_options))
-    found = restore_newest(Comm.solo(), lambda: sources, _manifest_of, step=step, missing_ok=False)
-    assert found is not None
-    manifest = found[1]
+    manifest = _newest(sources, _manifest_of, step)[1]
     if as_json:
         doc = {
             "step": manifest.step,
@@ -247,7 +343,9 @@ def inspect_cmd(
         }
         click.echo(json.dumps(doc))
         return
-    print_inspect(manifest, Console())
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    for line in inspect_lines(manifest, width):
+        click.echo(line)
 
 
 def _policy(keep_last: int | None, milestone_every: int | None, milestones: tuple[int, ...]) -> Policy | None:
@@ -261,11 +359,50 @@ def _policy(keep_last: int | None, milestone_every: int | None, milestones: tupl
     return parts[0] if len(parts) == 1 else Union(tuple(parts))
 
 
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _gc_policy(
+    keep_last: int | None, every: int | None, steps: tuple[int, ...], all_but_milestones: bool
+) -> tuple[Policy, str]:
+    """`ckpt gc`'s policy, and what it keeps in words. The versions saved with
+    milestone=True are always kept. Milestones add to --keep-last: alone they would delete
+    everything else, so that must be said (--all-but-milestones)."""
+    milestones = every is not None or bool(steps)
+    if all_but_milestones and keep_last is not None:
+        raise click.UsageError("--all-but-milestones keeps no newest versions: give it without --keep-last")
+    if keep_last is None and not all_but_milestones:
+        if milestones:
+            raise click.UsageError(
+                "--milestone and --milestone-every only add versions to keep: give --keep-last N as well, "
+                "or --all-but-milestones to delete every other version"
+            )
+        raise click.UsageError(
+            "give --keep-last N (and --milestone-every K / --milestone STEP), or --all-but-milestones"
+        )
+    policy: Policy = KeepMilestones(every, frozenset(steps))
+    if keep_last is not None:
+        policy = Union((KeepLast(keep_last), policy))
+    kept = [] if not keep_last else ["the newest version"] if keep_last == 1 else [f"the newest {keep_last} versions"]
+    if every is not None:
+        kept.append(f"every step divisible by {every}")
+    if steps:
+        kept.append(f"step{'s' if len(set(steps)) > 1 else ''} {_listed([str(x) for x in sorted(set(steps))])}")
+    kept += ["the versions saved with milestone=True", "the newest intact version"]
+    return policy, f"policy: keep {_listed(kept)}; delete the rest"
+
+
 @main.command("gc")
 @click.argument("root")
 @click.option("--keep-last", type=click.IntRange(min=0), default=None, help="Keep the newest N versions.")
 @click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Keep every step divisible by K.")
-@click.option("--milestone", "milestones", type=int, multiple=True, help="Keep this step too (repeatable).")
+@click.option("--milestone", "milestones", type=_STEP_OPTION, multiple=True, help="Keep this step too (repeatable).")
+@click.option(
+    "--all-but-milestones",
+    is_flag=True,
+    help="Keep only the milestones (and the newest intact version); no --keep-last.",
+)
 @_ABANDONED_OPTION
 @click.option("--dry-run", is_flag=True, help="Only print what would be deleted.")
 @_STORAGE_OPTION
@@ -275,20 +412,32 @@ def gc_cmd(
     keep_last: int | None,
     milestone_every: int | None,
     milestones: tuple[int, ...],
+    all_but_milestones: bool,
     abandoned_after: float,
     dry_run: bool,
     storage_options: tuple[str, ...],
 ) -> None:
     """Delete the versions of ROOT (a path or URL) that the policy does not keep.
 
-    Never deletes the newest intact version, a milestone, a version it cannot read (exit 4),
-    or (where a replicator runs) a version whose copies are not verified yet.
+    The policy is --keep-last N (and milestones: --milestone-every K, --milestone STEP),
+    or --all-but-milestones; it is printed first. Never deletes a version saved with
+    milestone=True, the newest intact version, a version it cannot read (exit 4), or (where
+    a replicator runs) a version whose copies are not verified yet.
     """
-    policy = _policy(keep_last, milestone_every, milestones)
-    if policy is None:
-        raise click.UsageError("give --keep-last and/or --milestone-every / --milestone")
+    from ckpt.replicator.gc import collect
+    from ckpt.replicator.status import read_status, redundant_steps
+
+    policy, said = _gc_policy(keep_last, milestone_every, milestones, all_but_milestones)
     tier = _root(root, _options(storage_options))
-    status = None if is_url(root) else read_status(root)
+    local = tier.local_path("")
+    if local is not None:
+        _writable_root(local, root)
+    click.echo(said)
+    unknown = sorted(set(milestones) - set(committed_steps(tier)))
+    if unknown:
+        what = "these steps" if len(unknown) > 1 else "this step"
+        click.echo(f"ckpt: warning: --milestone {', '.join(map(str, unknown))}: no version of {what}", err=True)
+    status = None if local is None else read_status(local)
     result = collect(
         tier,
         policy,
@@ -300,8 +449,12 @@ def gc_cmd(
     click.echo(f"{verb} {len(result.deleted)} version(s): {result.deleted}; kept {result.kept}")
     if result.abandoned:
         click.echo(f"{verb} {len(result.abandoned)} abandoned upload(s): {result.abandoned}")
+    if result.damaged:
+        click.echo(
+            f"{verb} {len(result.damaged)} damaged entr{'y' if len(result.damaged) == 1 else 'ies'}: {result.damaged}"
+        )
     for step, why in result.unjudged.items():
-        click.echo(f"ckpt: step {step} could not be read and was kept: {why}", err=True)
+        click.echo(f"ckpt: warning: step {step} could not be read and was kept: {why}", err=True)
     if result.unjudged:
         sys.exit(EXIT_UNJUDGED)
 
@@ -339,13 +492,17 @@ def replicate_cmd(
     storage_options: tuple[str, ...],
 ) -> None:
     """Copy ROOT's committed versions to other disks and to a remote; runs until SIGTERM."""
+    from ckpt.replicator.config import ReplicatorConfig
+    from ckpt.replicator.daemon import run_daemon
+
+    if not os.path.isdir(root):
+        raise CkptError(f"{root} is not a directory")
+    _writable_root(root)
+    options = _options(storage_options)
     if metrics_port is not None:
         from ckpt.store.metrics import serve
 
         serve(metrics_port)
-    if not os.path.isdir(root):
-        raise CkptError(f"{root} is not a directory")
-    options = _options(storage_options)
     try:
         config = ReplicatorConfig(
             replicas=replicas,
@@ -363,10 +520,10 @@ def replicate_cmd(
         raise click.UsageError(str(e)) from None
     logging.getLogger("ckpt").removeHandler(_WARNINGS)  # the daemon logs everything, with times
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    target = redact(remote, options) if remote else "no remote"
-    logging.getLogger("ckpt.replicator").info(
-        "replicating %s to %s, %d copies over %s", root, target, replicas, list(replica_roots)
-    )
+    places = ", ".join(redact(r, options) for r in replica_roots) or "none given"
+    copies = "no replicas" if replicas == 1 else f"{replicas} copies of each chunk (replica roots: {places})"
+    target = redact(remote, options) if remote else "none"
+    logging.getLogger("ckpt.replicator").info("replicating %s: %s; remote: %s", root, copies, target)
     rep = run_daemon([root], config, once=once)
     click.echo(f"replicator stopped; {human(rep.bytes_sent)} sent")
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from ckpt.replicator.policy import KeepLast, KeepMilestones, Policy, Union
+
 __all__ = ["CheckpointerConfig"]
 
 
@@ -69,8 +71,23 @@ class CheckpointerConfig:
     straggler_threshold: float = 0.3
     """Warn (and count in a metric) when a rank's write time exceeds the ranks' median by this fraction."""
 
+    keep_last: int | None = None
+    """Retention of the root: after each commit, delete all but the newest `keep_last`
+    versions, and the milestones (save(milestone=True), and every `keep_every`-th step);
+    never the newest intact version nor one a restore reads (the rules of `ckpt gc`).
+    None keeps every version."""
+
+    keep_every: int | None = None
+    """With keep_last: also keep every step that is a multiple of this (milestones)."""
+
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1 at this port plus the local rank."""
+
+    def retention(self) -> Policy | None:
+        """The policy keep_last and keep_every describe; None keeps everything."""
+        if self.keep_last is None:
+            return None
+        return Union((KeepLast(self.keep_last), KeepMilestones(every=self.keep_every)))
 
     def __post_init__(self) -> None:
         if self.if_busy not in ("wait", "skip"):
@@ -83,5 +100,9 @@ class CheckpointerConfig:
             raise ValueError("deferred_staging needs the whole state staged at once (max_staging_bytes=None)")
         if self.split_bytes < 1:
             raise ValueError("split_bytes must be positive")
+        if self.keep_last is not None and (isinstance(self.keep_last, bool) or self.keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None, not {self.keep_last!r}")
+        if self.keep_every is not None and (self.keep_last is None or self.keep_every < 1):
+            raise ValueError("keep_every needs keep_last, and must be positive")
         if self.straggler_threshold <= 0:
             raise ValueError("straggler_threshold must be positive")

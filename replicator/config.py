@@ -31,6 +31,11 @@ class ReplicatorConfig:
     """Retention of the source roots (and their replicas); None keeps everything."""
     remote_policy: Policy | None = None
     """Retention of the remote; None keeps everything."""
+    drain_timeout_s: float = 120.0
+    """The last pass a Checkpointer's close() makes ends after this long (and a request in
+    flight within its timeout); what it did not copy or upload is reported (a warning naming
+    the steps, `ckpt_versions_not_replicated`, `ckpt ls`) and left to the next replicator
+    run. An unreachable remote ends it sooner: a dead endpoint fails within a few seconds."""
     abandon_after_s: float = 6 * 3600.0
     """A remote version directory without a manifest in which nothing was written for this
     long is an upload no replicator is working on (a live one rewrites its part record every
@@ -47,3 +52,5 @@ class ReplicatorConfig:
             raise ValueError("threads and interval_s must be positive")
         if self.abandon_after_s <= 0:
             raise ValueError("abandon_after_s must be positive")
+        if not self.drain_timeout_s > 0:
+            raise ValueError("drain_timeout_s must be positive")

@@ -28,11 +28,14 @@ from ckpt.store.errors import CorruptVersionError, TierUnavailableError, Unsuppo
 from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.pins import deleting, pinned_steps
+from ckpt.store.root import writer_active
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import (
     COMMIT_CLAIM,
     DELETING_MARKER,
     committed_steps,
+    damaged_entries,
+    delete_damaged,
     delete_uncommitted,
     delete_version,
     finish_deletions,
@@ -40,7 +43,7 @@ from ckpt.store.versions import (
     read_manifest,
 )
 
-__all__ = ["GcResult", "judge", "collect", "collect_abandoned"]
+__all__ = ["GcResult", "judge", "collect", "collect_abandoned", "collect_damaged"]
 
 log = logging.getLogger("ckpt.replicator")
 
@@ -51,6 +54,7 @@ class GcResult:
     deleted: list[int]
     unjudged: dict[int, str] = field(default_factory=dict)  # versions that could not be read, and why (all kept)
     abandoned: list[int] = field(default_factory=list)  # uncommitted upload directories collected
+    damaged: list[int] = field(default_factory=list)  # entries named like versions that are none, collected
 
 
 def judge(tier: Tier, redundant: Iterable[int] | None = None) -> tuple[list[VersionInfo], dict[int, str]]:
@@ -104,7 +108,25 @@ def collect(
         deleted.append(step)
         log.info("gc %s: deleted step %d", tier.location, step)
     abandoned = [] if abandon_after_s is None else collect_abandoned(tier, abandon_after_s, dry_run=dry_run)
-    return GcResult([v.step for v in judged if v.step not in deleted], deleted, unjudged, abandoned)
+    damaged = collect_damaged(tier, dry_run=dry_run)
+    return GcResult([v.step for v in judged if v.step not in deleted], deleted, unjudged, abandoned, damaged)
+
+
+def collect_damaged(tier: Tier, *, dry_run: bool = False) -> list[int]:
+    """Delete the entries of a local root named like versions that are none (see
+    versions.damaged_entries), while no writer holds the root: a running job replaces
+    such an entry when it saves that step. The steps collected."""
+    root = tier.local_path("")
+    if root is None or writer_active(root):
+        return []
+    out = []
+    for entry in damaged_entries(tier):
+        if dry_run or delete_damaged(tier, entry):
+            out.append(entry.step)
+            log.info(
+                "gc %s: %s %s (%s)", tier.location, "would remove" if dry_run else "removed", entry.name, entry.why
+            )
+    return out
 
 
 def collect_abandoned(

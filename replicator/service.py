@@ -2,7 +2,10 @@
 to the shared remote, verifies the copies, records a status, and applies retention.
 
 Runs as the `ckpt replicate` daemon or as a thread of the Checkpointer. One pass
-(`run_once`) is idempotent and resumable; `run` repeats it until stopped.
+(`run_once`) is idempotent and resumable; `run` repeats it until stopped; `drain` is the
+Checkpointer's last pass at close(), bounded in time, and reports what it left undone.
+A destination that fails is not tried again in the same pass (its other versions are
+recorded `failed` too), so one pass meets an unreachable remote once.
 
 Placement: each chunk must exist on `replicas` distinct disks, the source's included.
 The part a source root holds is copied to `<replica root>/replicas/<source label>/`
@@ -30,8 +33,10 @@ from ckpt.replicator.status import (
     State,
     Status,
     VersionStatus,
+    copies_done,
     read_status,
     redundant_steps,
+    remote_done,
     write_status,
 )
 from ckpt.replicator.transfer import Transfer, copy_files, journal_for
@@ -66,6 +71,8 @@ class Replicator:
         self._remote_listing: list[VersionInfo] | None = None  # the remote's versions, listed once per pass
         self.errors: list[str] = []  # copies that failed in the last pass
         self._last_error: dict[str, str] = {}
+        self._failed_dests: set[str] = set()  # destinations that failed in this pass: tried again in the next
+        self._dests: dict[str, list[Destination]] = {}  # each source's replica destinations, last pass
 
     def _tier(self, location: str) -> Tier:
         return open_tier(location, self.config.storage_options, retry=self._retry)
@@ -104,12 +111,97 @@ class Replicator:
         """One pass over every committed version of every source; returns the status."""
         started, sent = time.monotonic(), self.bytes_sent
         self.errors = []
+        self._failed_dests = set()
         for source in self.sources:
             self._pass(source)
         if self.bytes_sent > sent:
             metrics.UPLOAD_THROUGHPUT.set((self.bytes_sent - sent) / max(time.monotonic() - started, 1e-6))
         metrics.REPLICATION_LAG.set(self.lag())
+        metrics.NOT_REPLICATED.set(sum(len(self.not_replicated(s)) for s in self.sources))
         return self._status
+
+    def not_replicated(self, source: str) -> list[int]:
+        """Steps of `source`'s status that are not on every required copy and the remote yet."""
+        status = self._status[source]
+        return sorted(set(status.versions) - redundant_steps(status))
+
+    def drain(self) -> dict[str, list[int]]:
+        """The last pass (a Checkpointer's close()), then a report of what it left undone.
+
+        The pass ends after `drain_timeout_s`: the stop ends the retry waits and the copy
+        loops at once, and a request in flight within its own timeout. Then, per source, the
+        committed versions that are not on every copy are recorded in the status (a copy
+        never tried as `pending`; `ckpt ls` shows it), logged in one warning naming the steps,
+        and counted in `ckpt_versions_not_replicated`. Returns those steps by source.
+        """
+        self.stop.clear()
+        timer = threading.Timer(self.config.drain_timeout_s, self.stop.set)
+        timer.daemon = True
+        timer.start()
+        try:
+            self.run_once()
+        except StoppedError:
+            log.warning("the final replication pass stopped after drain_timeout_s=%gs", self.config.drain_timeout_s)
+        except (CkptError, OSError) as e:
+            metrics.REPLICATION_FAILURES.inc()
+            log.warning("the final replication pass failed: %s", self._redact(f"{type(e).__name__}: {e}"))
+        finally:
+            timer.cancel()
+            self.stop.set()
+        left: dict[str, list[int]] = {}
+        for source in self.sources:
+            self._note_unreached(source)
+            write_status(source, self._status[source])
+            left[source] = self.not_replicated(source)
+            self._report(source)
+        metrics.NOT_REPLICATED.set(sum(len(steps) for steps in left.values()))
+        return left
+
+    def _note_unreached(self, source: str) -> None:
+        """Give every committed version of `source` that a stopped pass did not reach an entry,
+        with its missing copies `pending`, so the status names each copy still owed."""
+        status = self._status[source]
+        tier = self._source_tiers[source]
+        now = time.time()
+        for step in committed_steps(tier):
+            if step in status.versions:
+                continue
+            try:
+                manifest = read_manifest(tier, step)
+            except CkptError:
+                continue  # unreadable: the pass logs it
+            status.versions[step] = VersionStatus(manifest.save_id, manifest.created)
+        remote = self._redact(self.config.remote) if self.config.remote is not None else None
+        for entry in status.versions.values():
+            for dest in self._dests.get(source, []):
+                entry.copies.setdefault(dest.url, CopyState("pending", now))
+            if remote is not None and (entry.remote is None or entry.remote.url != remote):
+                entry.remote = CopyState("pending", now, url=remote)
+
+    def _report(self, source: str) -> None:
+        """One warning per kind of copy that some versions of `source` lack."""
+        status = self._status[source]
+        if status.remote is not None:
+            missing = [step for step, v in sorted(status.versions.items()) if not remote_done(status, v)]
+            if missing:
+                why = self._last_error.get(self.remote.url, "") if self.remote is not None else ""
+                log.warning(
+                    "%s not uploaded to %s: %s%s; the next replicator run on %s uploads them",
+                    _count(len(missing), "version"),
+                    status.remote,
+                    _steps(missing),
+                    f" (last error: {why})" if why else "",
+                    source,
+                )
+        short = [step for step, v in sorted(status.versions.items()) if not copies_done(status, v)]
+        if short:
+            log.warning(
+                "%s without their %s on other disks: %s; the next replicator run on %s makes them",
+                _count(len(short), "version"),
+                _count(status.required_copies, "replica copy", "replica copies"),
+                _steps(short),
+                source,
+            )
 
     def lag(self) -> float:
         """Seconds since the oldest committed version that has not reached every copy yet (0: none)."""
@@ -145,10 +237,10 @@ class Replicator:
         status = self._status[source]
         tier = self._source_tiers[source]
         state_dir = os.path.join(source, STATE_DIR)
-        dests = self._replica_dests(source)
+        dests = self._dests[source] = self._replica_dests(source)
         steps = committed_steps(tier)
         self._remote_listing = None
-        failed: set[str] = set()  # destinations that failed in this pass: tried again in the next
+        failed = self._failed_dests
         written = time.monotonic()
         for step in steps:
             if self.stop.is_set():
@@ -167,7 +259,11 @@ class Replicator:
                 entry = status.versions[step] = VersionStatus(manifest.save_id, manifest.created)
             for dest in dests:
                 copy = entry.copies.get(dest.url)
-                if (copy is not None and copy.state == "verified") or dest.url in failed:
+                if copy is not None and copy.state == "verified":
+                    continue
+                if dest.url in failed:
+                    if copy is None or copy.state == "pending":
+                        entry.copies[dest.url] = CopyState("failed", time.time(), error=self._not_tried(dest))
                     continue
                 try:
                     ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
@@ -211,7 +307,11 @@ class Replicator:
         url = self._redact(self.remote.url)
         done = entry.remote
         # verified for *this* remote: a status left by a run with another --to does not count
-        if (done is not None and done.state in REMOTE_DONE and done.url == url) or self.remote.url in failed:
+        if done is not None and done.state in REMOTE_DONE and done.url == url:
+            return
+        if self.remote.url in failed:
+            if done is None or done.url != url or done.state == "pending":
+                entry.remote = CopyState("failed", time.time(), url=url, error=self._not_tried(self.remote))
             return
         if self._expired_on_remote(entry, manifest):
             entry.remote = CopyState("expired", time.time(), url=url)
@@ -294,6 +394,10 @@ class Replicator:
         sizes = copy_files(transfer, count)
         return publish(transfer, writers, part, sizes)
 
+    def _not_tried(self, dest: Destination) -> str:
+        """The error recorded for a copy skipped because its destination failed in this pass."""
+        return f"not tried: {self._redact(dest.url)} failed in this pass ({self._last_error.get(dest.url, '')})"
+
     def _failed(self, step: int, dest: Destination, error: Exception) -> str:
         """Count and log a failed copy (once per destination until its error changes); the message."""
         metrics.REPLICATION_FAILURES.inc()
@@ -313,7 +417,11 @@ class Replicator:
             for step in result.deleted:
                 status.versions.pop(step, None)
             self._gc_replicas(source, dests, policy)
-        if self.remote is not None and self.config.remote_policy is not None:
+        if (
+            self.remote is not None
+            and self.config.remote_policy is not None
+            and self.remote.url not in self._failed_dests
+        ):
             result = collect(self.remote.tier, self.config.remote_policy, abandon_after_s=self.config.abandon_after_s)
             for step, why in result.unjudged.items():
                 log.warning("gc of the remote kept step %d, which it could not read: %s", step, self._redact(why))
@@ -345,7 +453,19 @@ class Replicator:
         """Of `versions`, the steps the remote is not done with: neither there nor expired."""
         if self.remote is None:
             return set()
+        if self.remote.url in self._failed_dests:  # not listed again in this pass: all kept
+            return {v.step for v in versions}
         listing = self._remote_now()
         there = {v.step for v in listing}
         policy = self.config.remote_policy
         return {v.step for v in versions if v.step not in there and (policy is None or not expired(listing, v, policy))}
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def _steps(steps: list[int], most: int = 12) -> str:
+    """`step 3` / `steps 2, 4, 6` (the first `most` of a long list, then how many in all)."""
+    shown = ", ".join(map(str, steps[:most])) + (f", ... ({len(steps)} in all)" if len(steps) > most else "")
+    return ("step " if len(steps) == 1 else "steps ") + shown

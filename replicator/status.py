@@ -28,10 +28,17 @@ __all__ = [
     "read_status",
     "write_status",
     "redundant_steps",
+    "copies_done",
+    "remote_done",
 ]
 
 STATE_DIR = ".replicator"
 State = Literal["verified", "pending", "failed", "waiting for other nodes", "expired"]
+"""verified: made and read back; pending: not made yet (the destination was busy being read,
+or a pass stopped before it: a Checkpointer's close() at drain_timeout_s); failed: the last
+try failed, or was not made because its destination failed earlier in the pass (`error`
+says which); waiting for other nodes: this node's part is on the remote; expired: the
+remote's retention deleted it. Anything but verified and expired is tried again."""
 REMOTE_DONE: frozenset[str] = frozenset({"verified", "expired"})
 """Remote states of a version that need nothing more: its remote copy is verified, or the
 remote's retention deleted it (or would delete it on arrival) while this node's part waited."""
@@ -157,16 +164,21 @@ def write_status(root: str, status: Status) -> None:
     os.replace(tmp, path)
 
 
+def copies_done(status: Status, v: VersionStatus) -> bool:
+    """Whether the version has at least `required_copies` verified replica copies."""
+    return sum(1 for c in v.copies.values() if c.state == "verified") >= status.required_copies
+
+
+def remote_done(status: Status, v: VersionStatus) -> bool:
+    """Whether the version needs nothing more from the remote: none is required, or its copy
+    on *this* remote is verified (or expired there)."""
+    return status.remote is None or (
+        v.remote is not None and v.remote.state in REMOTE_DONE and v.remote.url == status.remote
+    )
+
+
 def redundant_steps(status: Status) -> set[int]:
     """Steps whose required copies all exist, verified: at least `required_copies` verified
     replica copies, and the remote's copy verified (or expired there) where a remote is
     required. The one rule, for the replicator's GC and for `ckpt gc` alike."""
-    out = set()
-    for step, v in status.versions.items():
-        copies = sum(1 for c in v.copies.values() if c.state == "verified")
-        remote_ok = status.remote is None or (
-            v.remote is not None and v.remote.state in REMOTE_DONE and v.remote.url == status.remote
-        )
-        if copies >= status.required_copies and remote_ok:
-            out.add(step)
-    return out
+    return {step for step, v in status.versions.items() if copies_done(status, v) and remote_done(status, v)}

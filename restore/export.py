@@ -1,5 +1,6 @@
 """Whole-version exports: copy a version into a local root, or assemble it into one plain
-state dict. The version is chosen by restore.locate like any restore.
+state dict (and write it as one torch.save file, TorchFile). The version is chosen by
+restore.locate like any restore.
 
 Single-process: every chunk is read (and verified) from the first tier that holds a good
 copy, so a version split over several node-local roots, or damaged on one of them, can
@@ -8,27 +9,34 @@ still be exported from the rest.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
+import stat
+import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from ckpt.restore.execute import Comm, ReadRequest, full_tensor, load_arrays
 from ckpt.restore.sources import Source, from_first_good
 from ckpt.store import commit
 from ckpt.store.chunk_read import read_chunk
-from ckpt.store.errors import CorruptVersionError, VersionExistsError
-from ckpt.store.fsio import DIR_MODE, fsync_dirs, makedirs, write_chunk
+from ckpt.store.errors import CkptError, CorruptVersionError, VersionExistsError
+from ckpt.store.fsio import DIR_MODE, FILE_MODE, fsync_dir, fsync_dirs, makedirs, write_chunk
 from ckpt.store.manifest import Manifest
 from ckpt.store.root import RootLock
 from ckpt.store.versions import committed_steps, version_dirname
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
-__all__ = ["copy_version", "assemble", "decode_tree"]
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.restore.execute import Comm
+
+__all__ = ["copy_version", "assemble", "decode_tree", "TorchFile"]
 
 log = logging.getLogger("ckpt")
 Progress = Callable[[int], None]
@@ -97,6 +105,8 @@ def assemble(
 ) -> dict[str, Any]:
     """Every array as one full CPU tensor, placed in rank 0's state tree (objects become their
     state dicts). `comm`: a single process's (ckpt._dist.Comm.solo())."""
+    from ckpt.restore.execute import ReadRequest, full_tensor, load_arrays  # torch: only where tensors are built
+
     tensors: dict[str, torch.Tensor] = {}
     for array in manifest.arrays.values():
         dest = full_tensor(array)
@@ -125,3 +135,86 @@ def decode_tree(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if "__float__" in node:
         return float(node["__float__"])
     return {k: decode_tree(v, tensors) for k, v in node.items()}
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device")):
+        if test(mode):
+            return name
+    return "a device" if stat.S_ISBLK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+
+
+class TorchFile:
+    """The file `ckpt restore --to-torch` writes, made whole or not at all.
+
+    Checked and started before anything is read: the directory must exist, and a
+    temporary file is created in it at once (so a directory that takes no files, such as
+    /proc, fails in a second, not after the whole read), to be renamed onto the path once
+    written and fsynced. What is at the path is replaced only if it is a regular file and
+    `force` was given; a device, a directory, a link or a FIFO never is. A file that
+    appears at the path meanwhile is not replaced either (a hard link, create-only).
+
+    Use: `with TorchFile(path, force=...) as out: out.write(state)`; leaving the block
+    without write() (an error) removes the temporary file."""
+
+    def __init__(self, path: str, *, force: bool) -> None:
+        self.path = path
+        self.force = force
+        full = os.path.abspath(path)
+        self._dir = os.path.dirname(full)
+        if not os.path.isdir(self._dir):
+            raise CkptError(f"cannot write {path}: {self._dir} is not a directory")
+        self._check()
+        self._tmp = os.path.join(self._dir, f".{os.path.basename(full)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        except OSError as e:
+            raise CkptError(f"cannot write {path}: {e.strerror} (creating a file in {self._dir})") from None
+        self._target = full
+
+    def _check(self) -> None:
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(mode):
+            raise CkptError(f"{self.path} is {_kind(mode)}, not a regular file: not replacing it")
+        if not self.force:
+            raise CkptError(f"{self.path} exists: give --force to replace it")
+
+    def write(self, state: Any) -> None:
+        import torch
+
+        assert self._fd is not None
+        fd, self._fd = self._fd, None
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self._check()  # again: something may have appeared there during the read
+        if self.force:
+            os.replace(self._tmp, self._target)
+        else:
+            try:
+                os.link(self._tmp, self._target)  # create-only
+            except FileExistsError:
+                raise CkptError(f"{self.path} exists: give --force to replace it") from None
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                os.replace(self._tmp, self._target)  # a filesystem without hard links
+            else:
+                os.unlink(self._tmp)
+        fsync_dir(self._dir)
+
+    def __enter__(self) -> TorchFile:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            os.unlink(self._tmp)
+        except FileNotFoundError:
+            pass

@@ -34,7 +34,7 @@ from ckpt.store.errors import CkptError, CorruptVersionError, RankFailures, Tier
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
-from ckpt.store.versions import Candidate, committed, read_manifest, version_dirname
+from ckpt.store.versions import Candidate, committed, damaged_entries, read_manifest, version_dirname
 
 __all__ = ["Located", "restore_newest", "first_manifest"]
 
@@ -86,12 +86,17 @@ def first_manifest(located: Located) -> Manifest | None:
     return None
 
 
-def _list(tiers: Sequence[Tier], rank: int) -> tuple[list[tuple[int, Candidate]], list[str]]:
+def _list(tiers: Sequence[Tier], rank: int, warned: set[str]) -> tuple[list[tuple[int, Candidate]], list[str]]:
     found: list[tuple[int, Candidate]] = []
     unreachable: list[str] = []
     for i, tier in enumerate(tiers):
         try:
             found += [(i, c) for c in committed(tier)]
+            for d in damaged_entries(tier):
+                where = f"{tier.location}/{d.name}"
+                if where not in warned:
+                    warned.add(where)
+                    log.warning("rank %d: step %d skipped, %s is damaged: %s", rank, d.step, where, d.why)
         except (CkptError, OSError) as e:
             unreachable.append(f"{tier.location}: {e}")
             log.warning("rank %d: tier %s is unavailable: %s", rank, tier.location, e)
@@ -111,6 +116,7 @@ def restore_newest(
     VersionNotFoundError too). Collective: every rank of `comm` calls it."""
     excluded: set[int] = set()
     vanished: set[int] = set()  # deleted by GC since they were listed
+    warned: set[str] = set()  # damaged entries already reported
     while True:
         listed: list[Tier] = []
         mine: list[tuple[int, Candidate]] = []
@@ -118,7 +124,7 @@ def restore_newest(
         failure: Exception | None = None
         try:
             listed = list(tiers())
-            mine, unreachable = _list(listed, comm.rank)
+            mine, unreachable = _list(listed, comm.rank, warned)
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
         gathered = comm.all_gather(

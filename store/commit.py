@@ -96,6 +96,11 @@ def publish(root: str, tmp_name: str, step: int, *, overwrite: bool) -> None:
     VersionExistsError if v<N> exists and `overwrite` is not asked for."""
     tmp = os.path.join(root, tmp_name)
     final = os.path.join(root, version_dirname(step))
+    if os.path.lexists(final) and not _is_version(final):
+        # Damaged (see versions.damaged_entries): no restore can use it, and leaving it would
+        # block this step forever. It goes into the trash like any deletion.
+        log.warning("%s: replacing %s, which is no committed version", root, version_dirname(step))
+        _discard(root, final)
     if os.path.isdir(final):
         if not overwrite:
             raise VersionExistsError(f"step {step} is already committed in {root}")
@@ -115,6 +120,10 @@ def publish(root: str, tmp_name: str, step: int, *, overwrite: bool) -> None:
     fsync_dir(root)
 
 
+def _is_version(path: str) -> bool:
+    return not os.path.islink(path) and os.path.isdir(path) and os.path.lexists(os.path.join(path, MANIFEST_NAME))
+
+
 def remove_tmp(root: str, tmp_name: str) -> None:
     """Best effort: it runs while a failed save unwinds, where an error of its own (the disk
     is gone) would replace the save's error; what it cannot remove, the next open does."""
@@ -126,12 +135,15 @@ def remove_tmp(root: str, tmp_name: str) -> None:
 
 def _discard(root: str, path: str) -> None:
     """Move into the trash with one rename, then delete: a crash mid-delete leaves only trash."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return
     trash = os.path.join(root, TRASH_NAME)
     os.makedirs(trash, mode=DIR_MODE, exist_ok=True)
     target = os.path.join(trash, f"{os.path.basename(path)}.del-{uuid.uuid4().hex[:12]}")
-    os.rename(path, target)
+    os.rename(path, target)  # a link moves itself, never its target
+    if os.path.islink(target) or not os.path.isdir(target):
+        os.unlink(target)
+        return
     shutil.rmtree(target, ignore_errors=True)
 
 
@@ -144,5 +156,8 @@ def empty_trash(root: str) -> None:
         if m and not os.path.exists(os.path.join(root, m.group(1))):
             os.rename(e.path, os.path.join(root, m.group(1)))
             fsync_dir(root)
+            continue
+        if os.path.islink(e.path) or not os.path.isdir(e.path):
+            os.unlink(e.path)
             continue
         shutil.rmtree(e.path, ignore_errors=True)

@@ -35,7 +35,6 @@ __all__ = [
     "RankEntry",
     "Manifest",
     "escape_component",
-    "unescape_component",
     "parse_manifest",
     "with_checksum",
 ]
@@ -49,6 +48,8 @@ STATE_PREFIX = "state"
 MAX_ARRAY_BYTES = 1 << 48  # 256 TiB: anything larger is a crafted manifest
 MAX_NDIM = 32
 MAX_ROW_BYTES = 1 << 30  # one row of a chunk is the smallest unit a reader buffers
+MAX_COMPONENT = 128  # characters of one array path component (file names stop at 255 bytes)
+_RESERVED = frozenset({"zarr.json"})  # names a group directory holds besides its children
 _COMPONENT = re.compile(r"^[A-Za-z0-9_.~%+-]+$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 SAVE_ID = re.compile(r"[0-9a-f]{32}")
@@ -57,17 +58,20 @@ SAVE_ID = re.compile(r"[0-9a-f]{32}")
 
 @functools.lru_cache(maxsize=1 << 16)  # called for every key of every save
 def escape_component(key: str) -> str:
-    """A state key as a safe zarr node name: percent-encoded, never '.', '..' or '__'-prefixed."""
+    """A state key as a safe zarr node name: percent-encoded, never '.', '..', '__'-prefixed
+    or a name the format uses (zarr.json), and at most MAX_COMPONENT characters: a longer
+    one keeps its start and ends in '~' and the xxh3 of the whole (the manifest's tree keeps
+    the real key; the array name only has to be unique, which encode_state checks)."""
     out = urllib.parse.quote(key, safe="")
     if out in ("", ".", ".."):
         out = "".join(f"%{ord(c):02X}" for c in out) or "%00"
     if out.startswith("__"):
         out = "%5F" + out[1:]
+    if out in _RESERVED:
+        out = out.replace(".", "%2E")
+    if len(out) > MAX_COMPONENT:
+        out = f"{out[: MAX_COMPONENT - 17]}~{xxhash.xxh3_64_hexdigest(out.encode())}"
     return out
-
-
-def unescape_component(name: str) -> str:
-    return "" if name == "%00" else urllib.parse.unquote(name)
 
 
 def _check_name(name: str) -> None:

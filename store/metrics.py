@@ -22,6 +22,10 @@ __all__ = [
     "UPLOAD_BYTES",
     "UPLOAD_THROUGHPUT",
     "REPLICATION_FAILURES",
+    "NOT_REPLICATED",
+    "RETENTION_DELETED",
+    "ROOT_FREE_BYTES",
+    "LOW_SPACE_WARNINGS",
     "serve",
 ]
 
@@ -41,6 +45,18 @@ REPLICATION_LAG = Gauge("ckpt_replication_lag_seconds", "Age of the newest commi
 UPLOAD_BYTES = Counter("ckpt_upload_bytes_total", "Bytes the replicator copied or uploaded", ["tier"])
 UPLOAD_THROUGHPUT = Gauge("ckpt_upload_throughput_bytes_per_second", "Throughput of the last replication pass")
 REPLICATION_FAILURES = Counter("ckpt_replication_failures_total", "Replication attempts that failed")
+NOT_REPLICATED = Gauge(
+    "ckpt_versions_not_replicated",
+    "Committed versions not yet on every required copy and the remote, after the last replication pass",
+)
+RETENTION_DELETED = Counter("ckpt_retention_deleted_total", "Versions the Checkpointer's own retention deleted")
+ROOT_FREE_BYTES = Gauge(
+    "ckpt_root_free_bytes", "Free bytes on the filesystem of this process's root, after its last commit"
+)
+LOW_SPACE_WARNINGS = Counter(
+    "ckpt_low_space_warnings_total",
+    "Commits after which the root's filesystem had room for fewer than two more versions",
+)
 
 _served: dict[int, object] = {}
 _lock = threading.Lock()

@@ -8,7 +8,10 @@ a missing object (FileNotFoundError), refused access (a 403: PermissionError), a
 OSErrors whose `__cause__` is botocore's ClientError, so the HTTP status and the error
 code are read from there, never from the message text.
 
-A transient failure that outlasts the policy becomes TierUnavailableError.
+A transient failure that outlasts the policy becomes TierUnavailableError. A request the
+endpoint never answered (refused, a connect or read timeout, an unknown host) gets fewer
+tries than one it answered with "again" (503, 429, a cut body): a dead or blackholed
+endpoint does not come back within the backoff, and each of its tries costs a timeout.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, TypeVar
 
 from ckpt.store.errors import CkptError, StoppedError, TierUnavailableError
 
-__all__ = ["RetryPolicy", "is_transient", "retry"]
+__all__ = ["RetryPolicy", "is_transient", "is_unanswered", "retry"]
 
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
@@ -85,6 +88,44 @@ def _backend_transient_types() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+_NO_ANSWER_ERRNOS = frozenset(
+    {errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN}
+)
+
+
+def _backend_unanswered_types() -> tuple[type[BaseException], ...]:
+    """The backends' types for a request that got no answer at all: no connection (refused,
+    connect timeout, unknown host, proxy or TLS failure) or no reply within the read timeout."""
+    found: list[type[BaseException]] = []
+    bc = sys.modules.get("botocore.exceptions")
+    if bc is not None:
+        # botocore's ConnectionError: EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError, SSLError
+        found += [
+            t
+            for t in (getattr(bc, "ConnectionError", None), getattr(bc, "ReadTimeoutError", None))
+            if isinstance(t, type)
+        ]
+    aio = sys.modules.get("aiohttp")
+    if aio is not None:
+        found.append(aio.ClientConnectorError)
+    return tuple(found)
+
+
+def is_unanswered(e: BaseException) -> bool:
+    """Whether `e` (or an error it was raised from) is a request the endpoint never answered."""
+    backend = _backend_unanswered_types()
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, (ConnectionRefusedError, TimeoutError)) or isinstance(cur, backend):
+            return True
+        if isinstance(cur, OSError) and cur.errno in _NO_ANSWER_ERRNOS:
+            return True
+        cur = cur.__cause__
+    return False
+
+
 def _http_status(e: BaseException) -> tuple[int, str] | None:
     """(status, code) of a botocore ClientError (`response` is its documented structured answer)."""
     response = getattr(e, "response", None)
@@ -123,6 +164,11 @@ class RetryPolicy:
     attempts: int = 8
     """Tries in all (1: no retry). With the defaults the waits add up to about 16 s. The
     fsspec tier switches the backend's own retries off: this is the one policy."""
+    no_answer_attempts: int = 3
+    """Of those, the most that may go unanswered (is_unanswered: refused, connect or read
+    timeout, unknown host) before the endpoint is given up: a refused endpoint fails in
+    under a second, a blackholed one in 3 connect timeouts (the S3 tier's: 2 s each) plus
+    0.6 s of waits, where the full budget took a minute."""
     first_wait_s: float = 0.2
     max_wait_s: float = 5.0
     stop: threading.Event | None = field(default=None, compare=False)
@@ -131,6 +177,8 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.first_wait_s < 0 or self.max_wait_s < self.first_wait_s:
             raise ValueError("RetryPolicy needs attempts >= 1 and 0 <= first_wait_s <= max_wait_s")
+        if self.no_answer_attempts < 1:
+            raise ValueError("RetryPolicy needs no_answer_attempts >= 1")
 
 
 DEFAULT_POLICY = RetryPolicy()
@@ -147,6 +195,7 @@ def retry(
     a transient one that outlasts the policy as TierUnavailableError(`what`: cause).
     `describe` renders an error for messages (the fsspec tier scrubs credentials there)."""
     wait = policy.first_wait_s
+    unanswered = 0
     for attempt in range(policy.attempts):
         if policy.stop is not None and policy.stop.is_set():
             raise StoppedError(f"stopped before {what}")
@@ -156,9 +205,11 @@ def retry(
             if not is_transient(e):
                 raise
             cause: Any = describe(e)
-            if attempt == policy.attempts - 1:
+            unanswered += is_unanswered(e)
+            if attempt == policy.attempts - 1 or unanswered == policy.no_answer_attempts:
                 err = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
-                raise TierUnavailableError(err, f"{what}: {cause}") from None
+                tries = "1 try" if attempt == 0 else f"{attempt + 1} tries"
+                raise TierUnavailableError(err, f"{what}: {cause} ({tries})") from None
             log.warning("%s failed (%s); trying again in %.1fs", what, str(cause)[:200], wait)
             if policy.stop is not None:
                 if policy.stop.wait(wait):

@@ -5,16 +5,34 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import uuid
 from contextlib import suppress
 
 from ckpt.store.errors import RootLockedError
 from ckpt.store.fsio import fsync_dir, write_durable
 
-__all__ = ["LOCK_NAME", "ROOT_ID_NAME", "RootLock", "root_id", "writer_active"]
+__all__ = ["LOCK_NAME", "ROOT_ID_NAME", "RootLock", "root_id", "writer_active", "version_above"]
 
 LOCK_NAME = ".ckpt.lock"
 ROOT_ID_NAME = ".ckpt-root-id"
+
+
+_VERSION_OR_TMP = re.compile(r"^v\d{12}(\.tmp-[0-9a-f]{32})?$")
+
+
+def version_above(path: str) -> str | None:
+    """The version directory (or unpublished save) that `path` lies in, if any: a root
+    there would write into a committed version, and a deletion of that version would take
+    the root with it."""
+    here = os.path.realpath(path)
+    while True:
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        if _VERSION_OR_TMP.match(os.path.basename(here)):
+            return here
+        here = parent
 
 
 def writer_active(root: str) -> bool:

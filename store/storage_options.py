@@ -16,7 +16,8 @@ SECRET_KEYS = ("key", "secret", "token", "password", "aws_secret_access_key", "a
 def parse_storage_options(pairs: Iterable[str]) -> dict[str, Any]:
     """`key=value` strings (the CLI's --storage-option) into fsspec keyword arguments.
 
-    Dotted keys nest (`client_kwargs.region_name=us-east-1`); true/false/ints are typed.
+    Dotted keys nest (`client_kwargs.region_name=us-east-1`); true/false, ints and decimal
+    numbers are typed (`config_kwargs.connect_timeout=0.5`).
     """
     out: dict[str, Any] = {}
     for pair in pairs:
@@ -28,6 +29,8 @@ def parse_storage_options(pairs: Iterable[str]) -> dict[str, Any]:
             typed = value.lower() == "true"
         elif re.fullmatch(r"-?\d+", value):
             typed = int(value)
+        elif re.fullmatch(r"-?(\d+\.\d*|\.\d+)", value):
+            typed = float(value)
         node = out
         parts = key.split(".")
         for p in parts[:-1]:

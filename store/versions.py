@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,23 +30,29 @@ from dataclasses import dataclass
 from ckpt.store.errors import CorruptVersionError, ManifestError, TierUnavailableError, VersionNotFoundError
 from ckpt.store.faults import fault_point
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, SAVE_ID, Manifest, parse_manifest
+from ckpt.store.root import ROOT_ID_NAME
 from ckpt.store.tier import Tier, join_key, open_tier
 
 __all__ = [
+    "MAX_STEP",
     "TRASH_NAME",
     "DELETING_MARKER",
     "COMMIT_CLAIM",
     "Candidate",
+    "Damaged",
     "RootInfo",
     "as_tier",
     "version_dirname",
     "parse_version_dirname",
+    "check_step",
     "committed_steps",
     "committed",
+    "damaged_entries",
     "read_manifest",
     "read_root_info",
     "delete_version",
     "delete_uncommitted",
+    "delete_damaged",
     "remove_marked",
     "finish_deletions",
     "marked_for_deletion",
@@ -59,6 +66,17 @@ COMMIT_CLAIM = ".commit"
 version (its save_id) or collects it as an abandoned upload ("gc"), so the two exclude
 each other."""
 _VERSION = re.compile(r"^v(\d{12})$")
+MAX_STEP = 10**12 - 1
+"""The largest step: a version directory's name holds 12 digits."""
+
+
+def check_step(step: object) -> int:
+    """`step` if it is a step (an int in 0..MAX_STEP); ValueError otherwise."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"step must be an int, not {type(step).__name__} {step!r}")
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be in 0..{MAX_STEP}, not {step}")
+    return step
 
 
 def version_dirname(step: int) -> str:
@@ -125,6 +143,56 @@ def _version_names(tier: Tier) -> Iterator[tuple[int, str]]:
         if path is not None and (os.path.islink(path) or not os.path.isdir(path)):
             continue  # a version is a directory of the tier, never a link to elsewhere
         yield step, name
+
+
+@dataclass(frozen=True, slots=True)
+class Damaged:
+    """An entry of a local tier named like a version that is no committed version."""
+
+    step: int
+    name: str
+    why: str
+
+
+def damaged_entries(where: Tier | str | os.PathLike[str]) -> list[Damaged]:
+    """Entries named like versions that are none, on a local tier: a file or a link where a
+    version directory belongs, and, on a Checkpointer's root (it has a root id), a version
+    directory without a manifest: such a root publishes a version whole, by one rename, so
+    a directory without its manifest lost it. Elsewhere (a replica disk, the remote) such a
+    directory is a copy in progress. Absence is proven by the filesystem only: an entry
+    that cannot be examined (a permission, an I/O error) is not listed here."""
+    tier = as_tier(where)
+    root = tier.local_path("")
+    if root is None:
+        return []
+    whole = os.path.exists(os.path.join(root, ROOT_ID_NAME))
+    out = []
+    for name in tier.listdir(""):
+        step = parse_version_dirname(name)
+        if step is None:
+            continue
+        path = os.path.join(root, name)
+        try:
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                why = "a symbolic link where a version directory belongs"
+            elif not stat.S_ISDIR(mode):
+                why = "a file where a version directory belongs"
+            elif not whole:
+                continue
+            else:
+                try:
+                    os.lstat(os.path.join(path, MANIFEST_NAME))
+                    continue
+                except FileNotFoundError:
+                    os.lstat(path)  # still there: not deleted (moved into the trash) meanwhile
+                why = f"a version directory without {MANIFEST_NAME}"
+        except FileNotFoundError:
+            continue  # deleted since the listing
+        except OSError:
+            continue  # cannot be examined: proves nothing
+        out.append(Damaged(step, name, why))
+    return out
 
 
 def committed_steps(where: Tier | str | os.PathLike[str]) -> list[int]:
@@ -212,9 +280,26 @@ def delete_version(where: Tier | str | os.PathLike[str], step: int) -> None:
 
 
 def delete_uncommitted(where: Tier | str | os.PathLike[str], name: str) -> None:
-    """Delete a version directory that was never committed (an abandoned upload), with the
-    same crash safety as delete_version."""
+    """Delete a version directory that was never committed (an abandoned upload, a damaged
+    entry), with the same crash safety as delete_version."""
     _delete_dir(as_tier(where), name)
+
+
+def delete_damaged(where: Tier | str | os.PathLike[str], entry: Damaged) -> bool:
+    """Move a damaged entry into the trash and delete it; False if what was moved turned out
+    to be a committed version (a save of that step published it meanwhile): it goes back."""
+    tier = as_tier(where)
+    target = join_key(TRASH_NAME, f"{entry.name}.del-{uuid.uuid4().hex[:12]}")
+    try:
+        tier.rename(entry.name, target)
+    except FileNotFoundError:
+        return True
+    moved = tier.local_path(target)
+    if moved is not None and not os.path.islink(moved) and os.path.isfile(os.path.join(moved, MANIFEST_NAME)):
+        tier.rename(target, entry.name)
+        return False
+    tier.delete_tree(target)
+    return True
 
 
 def _delete_dir(tier: Tier, name: str) -> None:

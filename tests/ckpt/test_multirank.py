@@ -130,7 +130,7 @@ def build_state(ctx: Any, *, fresh: bool) -> dict[str, Any]:
             "rep": distribute_tensor(piece(full_rep), mesh, [Replicate()], src_data_rank=None),
         },
         "big": piece(big),
-        "meta": {"epoch": 0, "name": ""}
+        "meta": {"epoch": 0, "name": "", "frac": None, "nested": None}
         if fresh
         else {"epoch": 3, "name": "run", "frac": 0.1, "nested": [1, (2, "x")]},
     }

@@ -55,7 +55,7 @@ def test_round_trip_is_bitwise_and_fills_in_place(tmp_path):
     dst = _state(1)
     weight = dst["model"][0].weight
     dst_sampler = DistributedSampler(list(range(50)), num_replicas=1, rank=0, seed=0)
-    dst.update(sampler=dst_sampler, epoch=0, extra={}, nd=np.zeros((2, 3), np.int32), inf=0.0)
+    dst.update(sampler=dst_sampler, epoch=0, extra=None, nd=np.zeros((2, 3), np.int32), inf=0.0)
     with Checkpointer(tmp_path) as ck:
         assert ck.steps() == [7] and ck.latest_step() == 7
         assert ck.restore(dst) == 7

@@ -144,7 +144,7 @@ def test_sigkill_at_fault_point(tmp_path: Path, point: str, overlap: bool) -> No
         assert ck.steps() == ([1, 2] if point == "after-publish" else [1])
         assert ck.latest_step() == want_step
         model, opt = build(1234)  # other initial values, no optimizer state yet
-        state: dict[str, Any] = {"model": model, "optim": opt, "extra": {}}
+        state: dict[str, Any] = {"model": model, "optim": opt, "extra": {"step": 0, "note": ""}}
         assert ck.restore(state) == want_step
         # The root takes new saves, also of the step whose save was torn.
         assert ck.save(want_step + 1, state) is True
@@ -157,7 +157,7 @@ def test_sigkill_at_fault_point(tmp_path: Path, point: str, overlap: bool) -> No
     if point == "after-publish":  # the older version is still there and intact
         model1, opt1 = build(99)
         with Checkpointer(root) as ck:
-            assert ck.restore({"model": model1, "optim": opt1, "extra": {}}, step=1) == 1
+            assert ck.restore({"model": model1, "optim": opt1, "extra": None}, step=1) == 1
         ref1 = torch.load(f"{expected}.1", weights_only=True)
         assert_bitwise(model1.state_dict(), ref1["model"], "model")
         assert_bitwise(opt1.state_dict(), ref1["optim"], "optim")
@@ -223,12 +223,12 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
             assert steps == list(range(1, steps[-1] + 1)), f"steps must be contiguous: {steps}"
             for step in steps:
                 target = {
-                    k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()
+                    k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state_for(0).items()
                 }
                 assert ck.restore(target, step=step) == step
                 assert_bitwise(target, state_for(step), f"step {step}")
                 checked.add(step)
-            latest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()}
+            latest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state_for(0).items()}
             assert ck.restore(latest) == steps[-1]
             assert_bitwise(latest, state_for(steps[-1]), "latest")
         assert tmp_dirs(root) == []
@@ -289,7 +289,7 @@ def test_sigkill_during_overwrite(tmp_path: Path, point: str) -> None:
     with Checkpointer(root) as ck:
         assert tmp_dirs(root) == [], "recovery must remove unfinished saves"
         assert ck.steps() == [5]
-        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state_for(0).items()}
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state_for(0).items()}
         assert ck.restore(target) == 5
     assert_bitwise(target, want, "the old version" if point in ("after-write", "after-prepare") else "the new version")
     assert not (root / ".trash").exists() or list((root / ".trash").iterdir()) == []

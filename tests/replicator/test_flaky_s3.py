@@ -466,7 +466,7 @@ def test_gc_keeps_a_version_it_could_not_read(s3: S3Place, proxy: FlakyProxy, tm
     proxy.set_plan(FaultPlan(rate=1.0, weights={"slowdown503": 1.0}, only=rf"^GET /[^?]*/{vname(5)}/manifest\.json"))
     quick = cli_options(proxy.endpoint)
     t0 = time.monotonic()
-    r = CliRunner().invoke(cli_main, ["gc", s3.url, "--milestone-every", "2", *quick])
+    r = CliRunner().invoke(cli_main, ["gc", s3.url, "--milestone-every", "2", "--all-but-milestones", *quick])
     print(f"gc with a 503 took {time.monotonic() - t0:.1f}s")
     assert r.exit_code == 4, r.output
     assert "step 5 could not be read and was kept" in r.stderr and "reduce your request rate" in r.stderr, r.output
@@ -481,7 +481,7 @@ def test_gc_keeps_a_version_it_could_not_read(s3: S3Place, proxy: FlakyProxy, tm
     assert remote_steps(s3) == [2, 4, 5]
     assert proxy.faults()["slowdown503"] >= 12  # every try of both GCs, s3fs's own retries on top
     proxy.set_plan(FaultPlan(rate=0.0))
-    r = CliRunner().invoke(cli_main, ["gc", s3.url, "--milestone-every", "2", *quick])
+    r = CliRunner().invoke(cli_main, ["gc", s3.url, "--milestone-every", "2", "--all-but-milestones", *quick])
     assert r.exit_code == 0, r.output
     assert remote_steps(s3) == [2, 4, 5]  # v5 is the newest intact version: kept
 

@@ -517,7 +517,7 @@ def restore_pair(ctx: Any, base: str, old: int, saved: list[dict[str, Any]], mes
         targets = dict(tensors)
         net, opt = make_fsdp(meshes, OPT_RESTORE if W > 1 else None, seed=77, lrs=FRESH_LRS)
         sampler = ckpt.DistributedSampler(DATASET, num_replicas=W, rank=r, seed=99)
-        meta: dict[str, Any] = {"rank": -1}
+        meta: dict[str, Any] = {"rank": -1, "world": None, "tag": None, "nested": None, "inf": None}
         state = {"t": tensors, "fsdp": {"model": net, "optim": opt}, "sampler": sampler, "meta": meta}
         error = None
         try:

@@ -296,7 +296,7 @@ def test_array_name_leaving_the_version_is_refused(tmp_path: Path, name: str) ->
         got = blank(old)
         assert ck.restore(got) == 1
         assert_bitwise(got, old)
-        got = {}  # no live tensor for 'w': restore would create one from whatever it read
+        got = dict.fromkeys(old)  # no live tensor for 'w': restore would create one from whatever it read
         assert ck.restore(got) == 1
         assert_bitwise(got["w"], old["w"], "w")
     result = cli_run("verify", str(root))
@@ -414,8 +414,8 @@ def test_absurd_sizes_are_refused_before_allocating(
     monkeypatch.setattr(execute_mod._Bounce, "get", get)
     with Checkpointer(root) as ck:
         with pytest.raises(ckpt.ManifestError):
-            ck.restore({}, step=2)  # no live 'w': restore would allocate it from the manifest's shape
-        got: dict[str, Any] = {}
+            ck.restore(dict.fromkeys(new), step=2)  # no live 'w': restore would allocate it from the manifest's shape
+        got: dict[str, Any] = dict.fromkeys(old)
         assert ck.restore(got) == 1
         assert_bitwise(got, old)
     assert asked and max(asked) < 1 << 30

@@ -29,7 +29,7 @@ import ckpt
 from ckpt import Checkpointer, CheckpointerConfig
 from ckpt.store.manifest import parse_manifest
 from tests._manifests import crafted
-from tests._states import assert_bitwise
+from tests._states import assert_bitwise, blank
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def plain_state(step: int) -> dict[str, Any]:
 
 
 def zeros_like_state(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {} for k, v in state.items()}
+    return blank(state)
 
 
 def save_one(root: Path, step: int, state: dict[str, Any], **kw: Any) -> None:

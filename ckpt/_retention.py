@@ -1,0 +1,87 @@
+"""The Checkpointer's own retention: after each commit, its root's leader deletes what the
+policy does not keep (with the safety rules of `ckpt gc`: replicator.gc.collect), and warns
+when the root's filesystem has room for fewer than two more versions.
+
+It runs on its own thread, one pass at a time (commits that land during a pass are
+covered by the next one), so neither save() nor the commit waits for a deletion. Where a
+replicator runs in the Checkpointer, the policy is the replicator's local policy instead
+(it also waits for the required copies); this then only watches the free space.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ckpt.replicator.gc import collect
+from ckpt.replicator.policy import Policy
+from ckpt.store import metrics
+from ckpt.store.tier import Tier
+from ckpt.store.versions import version_dirname
+
+__all__ = ["Retention"]
+
+log = logging.getLogger("ckpt")
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+class Retention:
+    def __init__(self, tier: Tier, root: str, policy: Policy | None) -> None:
+        self._tier, self._root, self._policy = tier, root, policy
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retention")
+        self._lock = threading.Lock()
+        self._queued: Future[None] | None = None
+        self._newest = -1
+
+    def committed(self, step: int) -> None:
+        """Called after each commit of this root; queues a pass unless one is still queued."""
+        with self._lock:
+            self._newest = max(self._newest, step)
+            if self._queued is None or self._queued.running() or self._queued.done():
+                self._queued = self._pool.submit(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            step = self._newest
+        try:
+            if self._policy is not None:
+                result = collect(self._tier, self._policy)
+                metrics.RETENTION_DELETED.inc(len(result.deleted))
+                if result.deleted:
+                    log.info("%s: retention deleted steps %s", self._root, result.deleted)
+                for kept, why in result.unjudged.items():
+                    log.warning("%s: retention kept step %d, which it could not read: %s", self._root, kept, why)
+            self._check_space(step)
+        except Exception as e:  # noqa: BLE001 - retention must never fail a save; the next pass retries
+            log.warning("%s: retention pass failed: %s: %s", self._root, type(e).__name__, e)
+
+    def _check_space(self, step: int) -> None:
+        free = shutil.disk_usage(self._root).free
+        metrics.ROOT_FREE_BYTES.set(free)
+        size = _tree_bytes(os.path.join(self._root, version_dirname(step)))
+        if free < 2 * size:
+            metrics.LOW_SPACE_WARNINGS.inc()
+            log.warning(
+                "%s: %d MiB free, room for fewer than two more versions of %d MiB; "
+                "set keep_last= (or a replicator's local_policy) or free space",
+                self._root,
+                free >> 20,
+                size >> 20,
+            )
+
+    def close(self) -> None:
+        """Let a queued pass finish (the last versions' retention), then stop."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,309 @@
+"""Careless and hostile use of the API: the edges where data was lost silently (issue 18).
+
+Steps beyond the 12-digit range, version directories that lost their manifest (or files
+named like versions), restore into something that is not a state or with a state of
+another shape, state keys that collide with the format's names or exceed file-name
+limits, roots inside versions, retention without a replicator, and tensors ckpt refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import zarr
+from click.testing import CliRunner
+
+from ckpt import Checkpointer
+from ckpt._listing import version_rows
+from ckpt.cli import main as cli
+from ckpt.store.errors import StateMismatchError, UnsupportedStateError
+from ckpt.store.manifest import MANIFEST_NAME
+from ckpt.store.tier import open_tier
+from ckpt.store.versions import MAX_STEP, committed_steps, version_dirname
+from tests._states import assert_bitwise
+
+
+def _save(root: Path, *steps: int, **config: object) -> None:
+    with Checkpointer(root, **config) as ck:  # type: ignore[arg-type]
+        for s in steps:
+            ck.save(s, {"w": torch.full((4,), float(s)), "step": s})
+
+
+# -- the step range -----------------------------------------------------------------------
+
+
+def test_steps_beyond_twelve_digits_are_refused_up_front(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(ValueError, match="0..999999999999"):
+            ck.save(MAX_STEP + 1, {"w": torch.ones(2)})
+        with pytest.raises(ValueError):
+            ck.restore({"w": torch.ones(2)}, step=MAX_STEP + 1)
+    assert sorted(os.listdir(tmp_path)) == [".ckpt-root-id", ".ckpt.lock"]  # nothing written, no tmp left
+
+
+def test_the_largest_step_round_trips(tmp_path: Path) -> None:
+    _save(tmp_path, 1, MAX_STEP)
+    assert committed_steps(tmp_path) == [1, MAX_STEP]
+    got = {"w": torch.zeros(4), "step": 0}
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(got) == MAX_STEP
+    assert_bitwise(got, {"w": torch.full((4,), float(MAX_STEP)), "step": MAX_STEP})
+    result = CliRunner().invoke(cli, ["gc", str(tmp_path), "--keep-last", "1"])
+    assert result.exit_code == 0, result.output
+    assert committed_steps(tmp_path) == [MAX_STEP]
+
+
+# -- version directories that are no versions ----------------------------------------------
+
+
+@pytest.fixture(params=["lost-manifest", "stray-file", "dangling-link"])
+def damaged_root(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, int]:
+    """A root with steps 1 and 2 committed, and step 3's entry damaged."""
+    root = tmp_path / "root"
+    _save(root, 1, 2, 3)
+    v3 = root / version_dirname(3)
+    if request.param == "lost-manifest":
+        (v3 / MANIFEST_NAME).unlink()
+    else:
+        shutil.rmtree(v3)
+        if request.param == "stray-file":
+            v3.write_bytes(b"not a version")
+        else:
+            v3.symlink_to(tmp_path / "nowhere")
+    return root, 3
+
+
+def test_a_damaged_entry_is_listed_verified_and_warned_about(
+    damaged_root: tuple[Path, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    root, step = damaged_root
+    rows = {r.step: r for r in version_rows(open_tier(str(root)))}
+    assert rows[step].status == "damaged" and rows[step].detail, rows
+    assert [rows[1].status, rows[2].status] == ["committed", "committed"]
+    ls = CliRunner().invoke(cli, ["ls", str(root), "--json"])
+    assert ls.exit_code == 0, ls.output
+    assert {r["step"]: r["status"] for r in json.loads(ls.output)}[step] == "damaged"
+    verify = CliRunner().invoke(cli, ["verify", str(root)])
+    assert verify.exit_code == 1, verify.output
+    assert version_dirname(step) in verify.output
+    got = {"w": torch.zeros(4), "step": 0}
+    with caplog.at_level(logging.WARNING, logger="ckpt"), Checkpointer(root) as ck:
+        assert ck.restore(got) == 2
+    assert any(version_dirname(step) in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records)
+
+
+def test_saving_the_step_again_replaces_a_damaged_entry(damaged_root: tuple[Path, int]) -> None:
+    root, step = damaged_root
+    _save(root, step)
+    assert committed_steps(root) == [1, 2, step]
+    got = {"w": torch.zeros(4), "step": 0}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got) == step
+    assert_bitwise(got, {"w": torch.full((4,), float(step)), "step": step})
+    assert os.listdir(root / ".trash") == []  # moved aside, then deleted
+    assert (root.parent / "nowhere").exists() is False  # a link's target is never touched
+
+
+def test_gc_collects_a_damaged_entry_but_not_while_a_writer_holds_the_root(damaged_root: tuple[Path, int]) -> None:
+    root, step = damaged_root
+    with Checkpointer(root):
+        held = CliRunner().invoke(cli, ["gc", str(root), "--keep-last", "5"])
+        assert held.exit_code == 0, held.output
+        assert os.path.lexists(root / version_dirname(step))  # the writer replaces it when it saves that step
+    result = CliRunner().invoke(cli, ["gc", str(root), "--keep-last", "5"])
+    assert result.exit_code == 0, result.output
+    assert "damaged" in result.output
+    assert not os.path.lexists(root / version_dirname(step))
+    assert committed_steps(root) == [1, 2]
+
+
+def test_a_replica_directory_without_a_manifest_is_a_copy_in_progress(tmp_path: Path) -> None:
+    """Only a Checkpointer's root publishes by rename; a replica fills v<N>/ in place."""
+    replica = tmp_path / "replica"
+    (replica / version_dirname(4) / "state").mkdir(parents=True)
+    assert [r.status for r in version_rows(open_tier(str(replica)))] == []
+
+
+# -- what restore() accepts -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [[torch.zeros(4)], (torch.zeros(4),), None, 42])
+def test_restore_refuses_a_state_that_is_not_a_dict(tmp_path: Path, state: object) -> None:
+    _save(tmp_path, 5)
+    with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedStateError, match="must be a dict"):
+        ck.restore(state)  # type: ignore[arg-type]
+
+
+def test_restore_checks_the_type_of_step(tmp_path: Path) -> None:
+    _save(tmp_path, 5)
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(ValueError, match="must be an int, not str"):
+            ck.restore({"w": torch.zeros(4), "step": 0}, step="5")  # type: ignore[arg-type]
+        assert ck.restore({"w": torch.zeros(4), "step": 0}, step=5) == 5
+
+
+def test_restore_is_strict_both_ways_by_default(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.ones(3), "opt": {"lr": 0.1, "m": torch.ones(2)}, "n": 7})
+        ck.wait()
+        with pytest.raises(StateMismatchError, match=r"\['n'\] are in the checkpoint but not in the state"):
+            ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}})
+        with pytest.raises(StateMismatchError, match=r"\['x'\] are in the state but not in the checkpoint"):
+            ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}, "n": 0, "x": 1})
+        with pytest.raises(StateMismatchError, match=r"\['m'\] are in the checkpoint"):
+            ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0}, "n": 0})
+        target = {"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}, "n": 0}
+        assert ck.restore(target) == 1
+    assert_bitwise(target, {"w": torch.ones(3), "opt": {"lr": 0.1, "m": torch.ones(2)}, "n": 7})
+
+
+def test_a_slot_takes_only_a_saved_value_of_its_kind(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"a": 5, "b": [1, 2], "c": torch.ones(2), "d": {"k": 1}})
+        ck.wait()
+        live = {"a": 0, "b": [], "c": torch.zeros(2), "d": {"k": 0}}
+        for key, wrong in [("a", torch.zeros(2)), ("b", {"x": 1}), ("d", [1]), ("c", 3)]:
+            with pytest.raises(StateMismatchError, match=rf"state\['{key}'\]"):
+                ck.restore({**live, key: wrong})
+        swapped = {"a": 0, "b": [], "c": torch.zeros(2), "d": {"k": 0}}
+        assert ck.restore(swapped) == 1  # a list of another length, scalars: values
+        assert swapped["b"] == [1, 2] and swapped["a"] == 5
+        placeholder = {"a": None, "b": None, "c": None, "d": None}  # None takes anything
+        assert ck.restore(placeholder) == 1
+        assert_bitwise(placeholder, {"a": 5, "b": [1, 2], "c": torch.ones(2), "d": {"k": 1}})
+
+
+def test_strict_false_loads_the_keys_both_sides_have(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.ones(3), "opt": {"m": torch.ones(2)}, "n": 7})
+        ck.wait()
+        partial = {"w": torch.zeros(3), "mine": torch.full((2,), 9.0)}
+        assert ck.restore(partial, strict=False) == 1
+    assert_bitwise(partial, {"w": torch.ones(3), "mine": torch.full((2,), 9.0)})  # nothing added, nothing lost
+
+
+# -- state keys ------------------------------------------------------------------------
+
+
+def test_keys_that_collide_with_the_format_or_exceed_name_limits_round_trip(tmp_path: Path) -> None:
+    long = "k" * 300
+    state = {
+        "zarr.json": torch.arange(3.0),
+        "g": {"zarr.json": torch.arange(4.0), long: torch.arange(5.0), "c.0": torch.arange(2.0)},
+        long + "x": torch.arange(6.0),
+        long + "y": {"n": 1},
+    }
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state)
+        ck.wait()
+        got = {
+            "zarr.json": torch.zeros(3),
+            "g": {"zarr.json": torch.zeros(4), long: torch.zeros(5), "c.0": torch.zeros(2)},
+            long + "x": torch.zeros(6),
+            long + "y": {"n": 0},
+        }
+        assert ck.restore(got) == 1
+    assert_bitwise(got, state)
+    for _, dirs, files in os.walk(tmp_path):
+        assert all(len(n.encode()) <= 255 for n in dirs + files)
+    # zarr-python reads every array of the version through the zarr.json documents
+    group = zarr.open_group(str(tmp_path / version_dirname(1) / "state"), mode="r")
+    arrays = sorted(float(a[...].sum()) for _, a in group.arrays())
+    assert arrays == [3.0, 15.0], arrays  # state/zarr.json and the long-named one at the top
+    assert CliRunner().invoke(cli, ["verify", str(tmp_path)]).exit_code == 0
+
+
+# -- roots -----------------------------------------------------------------------------
+
+
+def test_a_root_inside_a_version_is_refused(tmp_path: Path) -> None:
+    _save(tmp_path, 5)
+    inside = tmp_path / version_dirname(5) / "inner"
+    with pytest.raises(ValueError, match="inside the version directory"):
+        Checkpointer(inside)
+    assert not inside.exists()
+    assert CliRunner().invoke(cli, ["verify", str(tmp_path)]).exit_code == 0
+
+
+# -- retention without a replicator -----------------------------------------------------
+
+
+def test_keep_last_applies_after_each_commit_and_keeps_milestones(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, keep_last=2, keep_every=5) as ck:
+        for s in range(1, 13):
+            ck.save(s, {"w": torch.full((4,), float(s))}, milestone=s == 3)
+    assert committed_steps(tmp_path) == [3, 5, 10, 11, 12]
+    with pytest.raises(ValueError, match="keep_every needs keep_last"):
+        Checkpointer(tmp_path, keep_every=5)
+    with pytest.raises(ValueError, match="keep_last must be"):
+        Checkpointer(tmp_path, keep_last=0)
+
+
+def test_keep_last_never_deletes_the_newest_intact_version(tmp_path: Path) -> None:
+    _save(tmp_path, 1, 2)
+    (tmp_path / version_dirname(2) / "state" / "w" / "c.0").write_bytes(b"garbage!" * 2)
+    with Checkpointer(tmp_path, keep_last=1) as ck:
+        ck.save(3, {"w": torch.ones(4), "step": 3})
+    # 3 is the newest; the damaged 2 goes; 1 goes as well: 3 is intact
+    assert committed_steps(tmp_path) == [3]
+    (tmp_path / version_dirname(3) / "state" / "w" / "c.0").write_bytes(b"garbage!" * 2)
+    with Checkpointer(tmp_path, keep_last=1) as ck:
+        ck.save(4, {"w": torch.ones(4), "step": 4})
+    assert committed_steps(tmp_path) == [4]
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare(1)")
+def test_low_free_space_is_warned_about(tmp_path: Path) -> None:
+    """On a real 4 MiB tmpfs (in a private mount namespace), a 1.5 MiB version leaves room
+    for fewer than two more."""
+    script = textwrap.dedent(
+        f"""
+        import logging, torch
+        from ckpt import Checkpointer
+        from ckpt.store import metrics
+        logging.basicConfig(level=logging.WARNING)
+        with Checkpointer({str(tmp_path / "small")!r}, direct_io=False) as ck:
+            ck.save(1, {{"w": torch.ones(3 << 17)}})
+        print("warnings", metrics.LOW_SPACE_WARNINGS._value.get())
+        """
+    )
+    (tmp_path / "small").mkdir()
+    cmd = f'mount -t tmpfs -o size=4m tmpfs {tmp_path / "small"} && exec {sys.executable} -c "$0"'
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd, script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=str(Path(__file__).parents[2]),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "room for fewer than two more versions" in out.stderr
+    assert "warnings 1.0" in out.stdout
+
+
+# -- tensors ckpt refuses ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensors"),
+        (lambda: torch.ones(2, device="meta"), "meta tensor"),
+        (lambda: torch.ones(2, 2).to_sparse(), "sparse_coo tensors"),
+        (lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8), "quantized"),
+    ],
+)
+def test_unsupported_tensors_raise_the_documented_type(tmp_path: Path, value: object, why: str) -> None:
+    with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedStateError, match=why) as info:
+        ck.save(1, {"t": value()})  # type: ignore[operator]
+    assert "torch.strided" not in str(info.value)

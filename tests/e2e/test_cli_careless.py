@@ -1,0 +1,291 @@
+"""The CLI used carelessly: targets that must not be replaced or written into, one-line
+errors with their exit codes, an explicit GC policy, a fast start, and output that cuts
+no tensor name (issue 18). Real roots made by the Checkpointer; the CLI through click's
+CliRunner, or a subprocess where the interpreter's own state is what is checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from ckpt import Checkpointer
+from ckpt._listing import Row
+from ckpt.cli import main as cli
+from ckpt.replicator.status import CopyState
+from ckpt.store import versions
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "meta": {"seed": seed}}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Steps 1, 2 and 3."""
+    where = tmp_path / "root"
+    with Checkpointer(where) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, _state(step))
+    return where
+
+
+def run(*args: str) -> Result:
+    return CliRunner(env={"COLUMNS": "80"}).invoke(cli, [str(a) for a in args])
+
+
+def one_line_error(r: Result, code: int, *words: str) -> str:
+    """The result failed with `code` and exactly one `ckpt: error:` line on stderr, no traceback."""
+    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckpt: error: "), r.stderr
+    assert "Traceback" not in r.output
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def flip_last_byte(root: Path, step: int) -> None:
+    chunk = next((root / versions.version_dirname(step) / "state" / "model").rglob("c.*"))
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 1
+    chunk.write_bytes(bytes(raw))
+
+
+# 1. --to-torch replaces nothing by accident
+
+
+def test_to_torch_refuses_an_existing_file_unless_forced(root: Path, tmp_path: Path) -> None:
+    target = tmp_path / "weights.pt"
+    target.write_bytes(b"precious")
+    one_line_error(run("restore", root, "--to-torch", target), 3, "--force")
+    assert target.read_bytes() == b"precious"
+    r = run("restore", root, "--step", "2", "--to-torch", target, "--force")
+    assert r.exit_code == 0, r.output
+    assert torch.load(target, weights_only=True)["meta"] == {"seed": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root", "weights.pt"]  # no temporary file left
+
+
+def test_to_torch_never_replaces_what_is_not_a_regular_file(root: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    real = tmp_path / "real.pt"
+    real.write_bytes(b"keep")
+    link = tmp_path / "link.pt"
+    link.symlink_to(real)
+    for target, kind in ((fifo, "a FIFO"), (link, "a symbolic link")):
+        one_line_error(run("restore", root, "--to-torch", target, "--force"), 3, kind, "not a regular file")
+    assert fifo.is_fifo() and link.is_symlink() and real.read_bytes() == b"keep"
+    assert run("restore", root, "--to-torch", tmp_path, "--force").exit_code == 2  # a directory: click refuses it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.pt", "real.pt", "root"]
+
+
+def test_to_torch_into_a_missing_directory_or_proc_is_one_line(root: Path, tmp_path: Path) -> None:
+    one_line_error(run("restore", root, "--to-torch", tmp_path / "nope" / "x.pt"), 3, "is not a directory")
+    one_line_error(run("restore", root, "--to-torch", "/proc/ckpt-test.pt"), 3, "/proc/ckpt-test.pt")
+    one_line_error(run("restore", root, "--to-torch", "/proc/self/status", "--force"), 3, "/proc/self/status")
+
+
+# 2. every failure one line and its exit code
+
+
+def test_restore_into_its_own_root_or_a_version_is_one_line(root: Path) -> None:
+    r = run("restore", root, "--to", root)
+    one_line_error(r, 3, "step 3 is already committed")
+    assert "bytes" not in r.output  # no progress bar left behind
+    before = sorted(p.name for p in (root / versions.version_dirname(3)).iterdir())
+    for inside in (root / versions.version_dirname(3), root / versions.version_dirname(3) / "sub"):
+        one_line_error(run("restore", root, "--to", inside), 3, "inside the version")
+    assert sorted(p.name for p in (root / versions.version_dirname(3)).iterdir()) == before
+    assert run("verify", root).exit_code == 0
+
+
+def test_restore_of_a_corrupt_step_exits_1_like_verify(root: Path, tmp_path: Path) -> None:
+    flip_last_byte(root, 3)
+    assert run("verify", root, "--step", "3").exit_code == 1
+    r = run("restore", root, "--step", "3", "--to-torch", tmp_path / "x.pt")
+    assert r.exit_code == 1, r.output
+    assert r.stderr.splitlines()[-1].startswith("ckpt: error: ") and "Traceback" not in r.output
+    assert not (tmp_path / "x.pt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["root"]  # no temporary file left
+
+
+def test_verify_of_a_step_that_never_existed_says_so(root: Path) -> None:
+    one_line_error(run("verify", root, "--step", "7"), 3, "step 7 does not exist")
+
+
+def test_a_missing_file_url_and_an_empty_storage_option_key(tmp_path: Path, root: Path) -> None:
+    plain = run("ls", tmp_path / "nonexistent")
+    url = run("ls", f"file://{tmp_path / 'nonexistent'}")
+    one_line_error(plain, 3, "is not a directory")
+    one_line_error(url, 3, "is not a directory")
+    for bad in ("=x", ".a=x", "a..b=x"):
+        r = run("ls", root, "--storage-option", bad)
+        assert r.exit_code == 2 and "key is empty" in r.output, r.output
+
+
+# 4. gc says what it keeps
+
+
+def test_gc_milestones_alone_are_refused_and_the_policy_is_printed(root: Path) -> None:
+    for alone in (["--milestone", "1"], ["--milestone-every", "2"]):
+        r = run("gc", root, *alone)
+        assert r.exit_code == 2 and "--all-but-milestones" in r.output, r.output
+    assert versions.committed_steps(str(root)) == [1, 2, 3]
+    r = run("gc", root, "--keep-last", "1", "--milestone", "1", "--milestone", "9")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0] == (
+        "policy: keep the newest version, steps 1 and 9, the versions saved with milestone=True "
+        "and the newest intact version; delete the rest"
+    )
+    warned = [line for line in r.stderr.splitlines() if line.startswith("ckpt: warning: ")]
+    assert len(warned) == 1 and "--milestone 9" in warned[0], r.stderr
+    assert versions.committed_steps(str(root)) == [1, 3]
+    r = run("gc", root, "--all-but-milestones")
+    assert r.exit_code == 0 and r.stdout.startswith("policy: keep the versions saved with milestone=True"), r.output
+    assert versions.committed_steps(str(root)) == [3]
+    assert run("gc", root, "--all-but-milestones", "--keep-last", "2").exit_code == 2
+
+
+def test_gc_keeps_the_versions_saved_as_milestones(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "r") as ck:
+        for step in (1, 2, 3):
+            ck.save(step, _state(step), milestone=step == 1)
+    r = run("gc", tmp_path / "r", "--keep-last", "1")
+    assert r.exit_code == 0, r.output
+    assert "the versions saved with milestone=True" in r.stdout.splitlines()[0]
+    assert versions.committed_steps(str(tmp_path / "r")) == [1, 3]
+
+
+# 5. commands that write refuse ordinary directories
+
+
+def test_commands_that_write_refuse_an_ordinary_directory(root: Path, tmp_path: Path) -> None:
+    ordinary = tmp_path / "home"
+    ordinary.mkdir()
+    (ordinary / "notes.txt").write_text("mine")
+    one_line_error(run("replicate", ordinary, "--once"), 3, "neither empty nor a checkpoint root")
+    one_line_error(run("restore", root, "--to", ordinary), 3, "neither empty nor a checkpoint root")
+    one_line_error(run("gc", ordinary, "--keep-last", "1"), 3, "neither empty nor a checkpoint root")
+    assert [p.name for p in ordinary.iterdir()] == ["notes.txt"]  # nothing written: no .replicator, no lock
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run("restore", root, "--to", empty).exit_code == 0
+    assert run("restore", root, "--step", "2", "--to", empty).exit_code == 0  # a checkpoint root now
+    assert versions.committed_steps(str(empty)) == [2, 3]
+    assert run("replicate", root, "--once").exit_code == 0  # a root
+
+
+# 6. a fast start: no torch for --help, ls and verify
+
+
+def test_the_cli_starts_without_torch(root: Path) -> None:
+    check = f"""
+import sys
+import ckpt, ckpt.cli
+assert "torch" not in sys.modules, "import ckpt.cli"
+from click.testing import CliRunner
+for args in (["--help"], ["ls", {str(root)!r}], ["ls", {str(root)!r}, "--json"], ["verify", {str(root)!r}]):
+    r = CliRunner().invoke(ckpt.cli.main, args)
+    assert r.exit_code == 0, (args, r.output)
+    assert "torch" not in sys.modules, args
+    assert "rich.progress" not in sys.modules, args
+from ckpt import Checkpointer, Shard
+assert Checkpointer.__name__ == "Checkpointer" and "torch" in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+# 7. output: names never cut, rows never wrapped
+
+
+LONG = "model/transformer/layers/11/self_attention/q_proj/weight"
+
+
+def test_inspect_never_cuts_a_tensor_name(tmp_path: Path) -> None:
+    from ckpt._render import inspect_lines
+
+    state = _state(0)
+    state["transformer"] = {"layers": {"11": {"self_attention": {"q_proj": {"weight": torch.ones(3, 2)}}}}}
+    with Checkpointer(tmp_path / "r") as ck:
+        ck.save(5, {"model": state})
+    r = run("inspect", tmp_path / "r")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    for name in (LONG, "model/optim/state/0/exp_avg", "model/optim/state/0/exp_avg_sq"):
+        assert any(line.split()[:2] == [name, "float32"] for line in lines), r.stdout  # `| grep name` finds it
+    assert not any(c in r.stdout for c in "…│┃━"), r.stdout  # plain text into a pipe: no boxes
+    assert "step 5, saved " in lines[0] and "world size 1, 1 root" in lines[1], lines[:2]  # no value cut in two
+    manifest = versions.read_manifest(str(tmp_path / "r"), 5)
+    narrow = inspect_lines(manifest, width=60)  # a terminal too narrow for the table
+    assert LONG in narrow and "model/optim/state/0/exp_avg_sq" in narrow
+    table = narrow[narrow.index("tensor") :]
+    assert all(len(line) <= 60 for line in table if line != LONG), "\n".join(narrow)
+
+
+def test_ls_rows_fit_80_columns_in_every_state(root: Path) -> None:
+    from ckpt._render import ls_lines
+
+    r = run("ls", root)
+    assert r.exit_code == 0
+    assert all(line == line.rstrip() and len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
+    old = time.time() - 40 * 86400
+    rows = [
+        Row(
+            10**12 - 1,
+            "committed",
+            time=old,
+            bytes=1023 * 2**30,
+            world_size=16384,
+            milestone=True,
+            copies={"a": CopyState("verified", old), "b": CopyState("pending", old)},
+            remote=CopyState("waiting for other nodes", old),
+            lag_s=40 * 86400.0,
+        ),
+        Row(5, "unreadable", "an I/O error " * 10),
+        Row(6, "incomplete", "v000000000006.tmp-0123456789abcdef"),
+    ]
+    lines = ls_lines("/some/root", rows, 80)
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    table = [line for line in lines if line.split()[:1] and line.split()[0].isdigit()]
+    assert [t.split()[0] for t in table] == [str(10**12 - 1), "5", "6"], "\n".join(lines)
+    assert "waiting 40d" in table[0] and "1/2" in table[0] and "…" not in "".join(lines)
+
+
+def test_no_progress_bar_text_before_a_fallback_message(root: Path, tmp_path: Path) -> None:
+    flip_last_byte(root, 3)
+    r = run("restore", root, "--to-torch", tmp_path / "x.pt")
+    assert r.exit_code == 0, r.output
+    warning = next(i for i, line in enumerate(r.stderr.splitlines()) if "is not intact" in line)
+    assert not any("bytes" in line for line in r.stderr.splitlines()[:warning]), r.stderr
+    assert "restored step 2" in r.stdout
+
+
+# 8. wording
+
+
+def test_replicate_says_what_it_does_in_words(root: Path) -> None:
+    r = run("replicate", root, "--once")
+    assert r.exit_code == 0, r.output
+    assert "copies over" not in r.output and "1 copies" not in r.output, r.output
+    listing = run("ls", root)
+    assert "none" not in listing.stdout and " 0/0 " in listing.stdout, listing.stdout
+    rows = json.loads(run("ls", root, "--json").stdout)
+    assert [row["copies"] for row in rows] == [{}, {}, {}]
