@@ -62,6 +62,15 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def any(self, flag: bool) -> bool:
+        """Whether any rank's flag is set: one all-reduce of a single int (no pickling, O(1)
+        bytes per rank), cheap enough to call every training step."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
     def gather(self, obj: Any) -> list[Any] | None:
         """To rank 0; others get None."""
         if self.world == 1:

@@ -11,7 +11,7 @@ flight, not versions).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from ckpt.replicator.status import CopyState, read_status
@@ -44,6 +44,7 @@ class Row:
     arrays: int | None = None
     writers_here: tuple[int, ...] = ()
     milestone: bool = False
+    keys: tuple[str, ...] | None = None  # the top-level keys it holds, when not every key (params-only)
     timings: tuple[dict[str, Any], ...] = ()  # per rank, with the commit time derived
     copies: dict[str, CopyState] | None = None  # the replicator's copies (None: no replicator ran)
     remote: CopyState | None = None
@@ -53,6 +54,7 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["writers_here"] = list(self.writers_here)
+        doc["keys"] = None if self.keys is None else list(self.keys)
         doc["timings"] = list(self.timings)
         return doc
 
@@ -83,8 +85,15 @@ def _committed_row(tier: Tier, step: int, m: Manifest) -> Row:
         arrays=len(m.arrays),
         writers_here=writers,
         milestone=bool(m.meta.get("milestone")),
+        keys=m.keys,
         timings=_timings(m),
     )
+
+
+def _only_some_keys(rows: list[Row]) -> list[Row]:
+    """Rows keep `keys` only where they hold fewer than every key any row holds."""
+    every = {k for r in rows if r.keys is not None for k in r.keys}
+    return [r if r.keys is None or set(r.keys) < every else replace(r, keys=None) for r in rows]
 
 
 def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
@@ -125,4 +134,4 @@ def version_rows(tier: Tier) -> list[Row]:
     rows += [Row(d.step, "damaged", d.why) for d in damaged_entries(tier)]
     if root is not None and not writer_active(root):
         rows += [Row(p.step, "incomplete", p.dirname) for p in commit.prepared_versions(root)]
-    return sorted(rows, key=lambda r: r.step)
+    return sorted(_only_some_keys(rows), key=lambda r: r.step)

@@ -78,12 +78,15 @@ def ls_lines(location: str, rows: list[Row], width: int = 80) -> list[str]:
         when = time.strftime("%m-%d %H:%M", time.localtime(r.time)) if r.time is not None else "-"
         size = human(r.bytes) if r.bytes is not None else "-"
         world = str(r.world_size) if r.world_size is not None else "-"
-        status = r.status + ("*" if r.milestone else "")
+        status = r.status + ("*" if r.milestone else "") + ("~" if r.keys is not None else "")
         cells.append([str(r.step), when, size, world, status, _copies(r), _remote(r)])
     out += table(("step", "committed", "size", "ranks", "status", "copies", "remote"), cells, right=(0, 2, 3))
     notes = []
     if any(r.milestone for r in rows):
         notes.append("*: a milestone (milestone retention keeps it)")
+    for keys in sorted({r.keys for r in rows if r.keys is not None}):
+        steps = ", ".join(str(r.step) for r in rows if r.keys == keys)
+        notes.append(f"~: step {steps} holds only {', '.join(keys)} (a params-only version; the others hold all keys)")
     notes += [f"{status}: {STATUS_HELP[status]}" for status in sorted({r.status for r in rows} & set(STATUS_HELP))]
     notes += [f"step {r.step}: {r.detail}" for r in rows if r.detail and r.status in ("damaged", "unreadable")]
     for note in notes:
@@ -143,6 +146,8 @@ def inspect_lines(manifest: Manifest, width: int | None = None) -> list[str]:
         f"{len(rows)} tensors, {human(manifest.total_bytes)}; world size {manifest.world_size}, "
         f"{roots} root{'s' if roots != 1 else ''}",
     ]
+    if manifest.keys is not None:
+        out.append(f"  keys: {', '.join(manifest.keys)}")
     for key in ("ckpt_version", "torch_version", "python", "cuda"):
         if manifest.meta.get(key):
             out.append(f"  {key}: {manifest.meta[key]}")

@@ -20,6 +20,7 @@ from ckpt import _roots
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._job import SaveStats
 from ckpt._load import load_version
+from ckpt._preemption import PreemptionWatch
 from ckpt._retention import Retention
 from ckpt._roots import PathSpec, RootSpec
 from ckpt._save import Saver
@@ -60,19 +61,21 @@ class Checkpointer:
         **overrides: Any,
     ) -> None:
         self.config = replace(config or CheckpointerConfig(), **overrides)
+        if self.config.preemption_signals and threading.current_thread() is not threading.main_thread():
+            raise ValueError("preemption_signals: signal handlers can only be installed from the main thread")
         self._ctl, self._data = make_comms(self.config.timeout)
         self.rank, self.world = self._ctl.rank, self._ctl.world
         self._closed = True
         self.root, disks = _roots.choose_root(self._ctl, root)
-        opened = _roots.open_root(self._ctl, self.root)
-        self._ctx, self._lock = opened.ctx, opened.lock
-        self._tier = open_tier(self.root)
         replication = _roots.replication_config(replication, replicate_to, storage_options, self.root, disks)
         policy = self.config.retention()
         if policy is not None and replication is not None:
             if replication.local_policy is not None:
                 raise ValueError("give keep_last or the replicator's local_policy, not both")
             replication, policy = replace(replication, local_policy=policy), None  # it also waits for the copies
+        opened = _roots.open_root(self._ctl, self.root)
+        self._ctx, self._lock = opened.ctx, opened.lock
+        self._tier = open_tier(self.root)
         extra = list(tiers) + ([replication.remote] if replication and replication.remote else [])
         self._tiers = [self._tier, *_roots.open_tiers(extra, self.rank, storage_options)]
         self._disks = [r for r in (disks or [self.root]) if not is_url(r)]
@@ -92,6 +95,8 @@ class Checkpointer:
             self._replicator_thread.start()
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
+        self._preemption = PreemptionWatch(self.config.preemption_signals) if self.config.preemption_signals else None
+        self._saves = 0  # save() calls that staged a version: the full_every schedule counts them
         self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
         self._saver = Saver(
             self.config,
@@ -105,16 +110,59 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any], *, overwrite: bool = False, milestone: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        overwrite: bool = False,
+        milestone: bool = False,
+        only: Sequence[str] | None = None,
+    ) -> bool:
         """Stage `state` and return; the commit goes on in the background.
 
         Returns False when the save was skipped (if_busy="skip" and a save in flight).
         `milestone=True` tags the version: milestone retention policies always keep it.
+        `only`: save just these top-level keys (a params-only version, say ("model",));
+        with `full_every`, the schedule chooses. A milestone is always full.
         Raises a previous save's error, VersionExistsError, UnsupportedStateError.
         """
         self._check_open()
         check_step(step)
-        return self._saver.save(step, state, overwrite=overwrite, milestone=milestone)
+        if not isinstance(state, Mapping):
+            raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
+        keys = self._keys_to_save(state, only, milestone)
+        if keys is not None:
+            state = {k: state[k] for k in keys}
+        saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone)
+        self._saves += saved
+        return saved
+
+    def _keys_to_save(
+        self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool
+    ) -> tuple[str, ...] | None:
+        """The top-level keys this save holds; None: all of them."""
+        if only is not None:
+            if milestone:
+                raise ValueError("a milestone is always a full version: give milestone=True without only=")
+            keys = (only,) if isinstance(only, str) else tuple(only)
+        elif self.config.full_every is not None and not milestone and self._saves % self.config.full_every:
+            assert self.config.partial_keys is not None
+            keys = self.config.partial_keys
+        else:
+            return None
+        missing = [k for k in keys if k not in state]
+        if missing or not keys:
+            raise ValueError(f"only= / partial_keys name keys the state does not have: {missing or '(none given)'}")
+        return keys
+
+    def reached_preemption(self) -> bool:
+        """Collective, once per training step on every rank: True on every rank, at the same
+        step, from the first call after any rank received one of `preemption_signals`. Then
+        save(), wait() and exit. One all-reduce of an int per call; False (and no
+        collective) without preemption_signals."""
+        self._check_open()
+        return self._preemption is not None and self._preemption.reached(self._ctl)
 
     def wait_staged(self) -> float:
         """Block until the last save's tensors are copied (deferred staging), after which
@@ -148,6 +196,10 @@ class Checkpointer:
     def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
         """Load the newest intact committed step (or `step`) into `state` in place; None if none.
 
+        With `strict` (and no `step`), only versions that hold every top-level key of
+        `state` are candidates: newer params-only versions are passed over (one log line
+        each); if versions exist but none holds every key, VersionNotFoundError says so.
+
         `state` is a dict shaped like the saved one: every slot takes only a saved value of
         its kind (a tensor, a dict, a list), and with `strict` every dict has exactly the
         saved keys (StateMismatchError names the difference). `strict=False` loads the keys
@@ -175,6 +227,7 @@ class Checkpointer:
                 tiers,
                 lambda located: load_version(self._ctl, self.config, located, state, strict=strict),
                 step=step,
+                needs=frozenset(str(k) for k in state) if strict and step is None else None,
             )
         except CorruptVersionError:
             metrics.VERIFY_ERRORS.inc()
@@ -207,6 +260,8 @@ class Checkpointer:
             self._saver.close()
             if self._retention is not None:
                 self._retention.close()
+            if self._preemption is not None:
+                self._preemption.close()
             if self._lock is not None:
                 self._lock.release()
             destroy_comms(self._ctl, self._data)

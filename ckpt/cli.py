@@ -28,7 +28,7 @@ from ckpt._listing import version_rows
 from ckpt._render import human, inspect_lines, inspect_rows, ls_lines
 from ckpt._verify import verify_tier
 from ckpt.replicator.placement import DISK_MARKER
-from ckpt.replicator.policy import KeepLast, KeepMilestones, Policy, Union
+from ckpt.replicator.policy import KeepLast, KeepLastFull, KeepLastPartial, KeepMilestones, Policy, Union
 from ckpt.replicator.status import STATE_DIR
 from ckpt.store.errors import CkptError, CorruptVersionError
 from ckpt.store.pins import PINS_NAME
@@ -38,7 +38,7 @@ from ckpt.store.tier import Tier, is_url, open_tier
 from ckpt.store.versions import MAX_STEP, TRASH_NAME, committed_steps, parse_version_dirname
 
 if TYPE_CHECKING:
-    from ckpt.restore.locate import Located
+    from ckpt.restore.locate import AllKeys, Located
     from ckpt.store.manifest import Manifest
 
 __all__ = ["main"]
@@ -258,12 +258,14 @@ def _manifest_of(located: Located) -> Manifest:
     return manifest
 
 
-def _newest(sources: list[Tier], load: Callable[[Located], T], step: int | None) -> tuple[int, T]:
-    """restore.locate's choice of version (the newest intact one, or `step`), loaded."""
+def _newest(
+    sources: list[Tier], load: Callable[[Located], T], step: int | None, needs: frozenset[str] | AllKeys | None = None
+) -> tuple[int, T]:
+    """restore.locate's choice of version (the newest intact one holding `needs`, or `step`), loaded."""
     from ckpt._dist import Comm  # imports torch
     from ckpt.restore.locate import restore_newest
 
-    found = restore_newest(Comm.solo(), lambda: sources, load, step=step, missing_ok=False)
+    found = restore_newest(Comm.solo(), lambda: sources, load, step=step, missing_ok=False, needs=needs)
     assert found is not None  # missing_ok=False: VersionNotFoundError instead
     return found
 
@@ -274,6 +276,13 @@ def _newest(sources: list[Tier], load: Callable[[Located], T], step: int | None)
 @click.option("--to", "to_dir", type=click.Path(file_okay=False), help="Copy the verified version into this root.")
 @click.option("--to-torch", "to_torch", type=click.Path(dir_okay=False), help="Write one torch.save state dict.")
 @click.option("--force", is_flag=True, help="--to-torch: replace an existing regular file.")
+@click.option(
+    "--keys",
+    default=None,
+    help="Top-level state keys to restore, comma-separated (e.g. model): the newest version holding "
+    "them (a params-only one too); --to-torch writes only them. Default: every key, so params-only "
+    "versions are passed over.",
+)
 @_TIER_OPTION
 @_STORAGE_OPTION
 @_errors_to_exit
@@ -283,6 +292,7 @@ def restore_cmd(
     to_dir: str | None,
     to_torch: str | None,
     force: bool,
+    keys: str | None,
     tiers: tuple[str, ...],
     storage_options: tuple[str, ...],
 ) -> None:
@@ -291,7 +301,12 @@ def restore_cmd(
     --to-torch never replaces an existing file without --force, nor anything that is not a
     regular file (a device, a directory) even with it.
     """
-    from ckpt.restore.export import TorchFile, assemble, copy_version
+    from ckpt.restore.export import TorchFile, assemble, copy_version, selected
+    from ckpt.restore.locate import ALL_KEYS
+
+    wanted = None if keys is None else frozenset(k for k in keys.split(",") if k)
+    if wanted is not None and not wanted:
+        raise click.UsageError("--keys names no key")
 
     if (to_dir is None) == (to_torch is None):
         raise click.UsageError("give exactly one of --to DIR or --to-torch FILE")
@@ -306,18 +321,23 @@ def restore_cmd(
 
         def export(located: Located) -> tuple[int, str]:
             manifest = _manifest_of(located)
-            total = manifest.total_bytes if out is None else sum(a.nbytes for a in manifest.arrays.values())
+            names = selected(manifest, wanted)[1]
+            total = (
+                manifest.total_bytes
+                if out is None
+                else sum(manifest.arrays[n].nbytes for n in names if n in manifest.arrays)
+            )
             with _progress(f"step {located.step}", total) as advance:
                 if to_dir is not None:
                     return total, copy_version(manifest, located.sources, to_dir, advance)
                 from ckpt._dist import Comm
 
-                state = assemble(Comm.solo(), manifest, located.sources, advance)
+                state = assemble(Comm.solo(), manifest, located.sources, advance, wanted)
             assert out is not None
             out.write(state)
             return total, out.path
 
-        chosen, (total, where) = _newest(sources, export, step)
+        chosen, (total, where) = _newest(sources, export, step, None if step is not None else wanted or ALL_KEYS)
     click.echo(f"restored step {chosen} ({human(total)}) to {where}")
 
 
@@ -364,12 +384,31 @@ def _listed(items: list[str]) -> str:
 
 
 def _gc_policy(
-    keep_last: int | None, every: int | None, steps: tuple[int, ...], all_but_milestones: bool
+    keep_last: int | None,
+    every: int | None,
+    steps: tuple[int, ...],
+    all_but_milestones: bool,
+    keep_full: int | None = None,
+    keep_partial: int | None = None,
 ) -> tuple[Policy, str]:
     """`ckpt gc`'s policy, and what it keeps in words. The versions saved with
-    milestone=True are always kept. Milestones add to --keep-last: alone they would delete
-    everything else, so that must be said (--all-but-milestones)."""
+    milestone=True are always kept. Milestones add to --keep-last (or --keep-last-full /
+    --keep-last-partial): alone they would delete everything else, so that must be said
+    (--all-but-milestones)."""
     milestones = every is not None or bool(steps)
+    by_kind = keep_full is not None or keep_partial is not None
+    if by_kind and keep_last is not None:
+        raise click.UsageError("give --keep-last, or --keep-last-full and --keep-last-partial, not both")
+    if by_kind:
+        full, partial = keep_full or 0, keep_partial or 0
+        policy: Policy = Union((KeepLastFull(full), KeepLastPartial(partial), KeepMilestones(every, frozenset(steps))))
+        kept = [f"the newest {full} full version(s)", f"the newest {partial} params-only version(s)"]
+        if every is not None:
+            kept.append(f"every step divisible by {every}")
+        if steps:
+            kept.append(f"steps {_listed([str(x) for x in sorted(set(steps))])}")
+        kept += ["the versions saved with milestone=True", "the newest intact version and the newest full one"]
+        return policy, f"policy: keep {_listed(kept)}; delete the rest"
     if all_but_milestones and keep_last is not None:
         raise click.UsageError("--all-but-milestones keeps no newest versions: give it without --keep-last")
     if keep_last is None and not all_but_milestones:
@@ -381,7 +420,7 @@ def _gc_policy(
         raise click.UsageError(
             "give --keep-last N (and --milestone-every K / --milestone STEP), or --all-but-milestones"
         )
-    policy: Policy = KeepMilestones(every, frozenset(steps))
+    policy = KeepMilestones(every, frozenset(steps))
     if keep_last is not None:
         policy = Union((KeepLast(keep_last), policy))
     kept = [] if not keep_last else ["the newest version"] if keep_last == 1 else [f"the newest {keep_last} versions"]
@@ -389,13 +428,22 @@ def _gc_policy(
         kept.append(f"every step divisible by {every}")
     if steps:
         kept.append(f"step{'s' if len(set(steps)) > 1 else ''} {_listed([str(x) for x in sorted(set(steps))])}")
-    kept += ["the versions saved with milestone=True", "the newest intact version"]
+    kept += ["the versions saved with milestone=True", "the newest intact version and the newest full one"]
     return policy, f"policy: keep {_listed(kept)}; delete the rest"
 
 
 @main.command("gc")
 @click.argument("root")
 @click.option("--keep-last", type=click.IntRange(min=0), default=None, help="Keep the newest N versions.")
+@click.option(
+    "--keep-last-full", type=click.IntRange(min=0), default=None, help="Keep the newest N versions of the whole state."
+)
+@click.option(
+    "--keep-last-partial",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Keep the newest M versions that hold only some keys (params-only).",
+)
 @click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Keep every step divisible by K.")
 @click.option("--milestone", "milestones", type=_STEP_OPTION, multiple=True, help="Keep this step too (repeatable).")
 @click.option(
@@ -410,6 +458,8 @@ def _gc_policy(
 def gc_cmd(
     root: str,
     keep_last: int | None,
+    keep_last_full: int | None,
+    keep_last_partial: int | None,
     milestone_every: int | None,
     milestones: tuple[int, ...],
     all_but_milestones: bool,
@@ -419,15 +469,19 @@ def gc_cmd(
 ) -> None:
     """Delete the versions of ROOT (a path or URL) that the policy does not keep.
 
-    The policy is --keep-last N (and milestones: --milestone-every K, --milestone STEP),
-    or --all-but-milestones; it is printed first. Never deletes a version saved with
-    milestone=True, the newest intact version, a version it cannot read (exit 4), or (where
-    a replicator runs) a version whose copies are not verified yet.
+    The policy is --keep-last N, or --keep-last-full N and --keep-last-partial M (params-only
+    versions), with milestones (--milestone-every K, --milestone STEP), or
+    --all-but-milestones; it is printed first. Never deletes a version saved with
+    milestone=True, the newest intact version, the newest intact full version (a full-state
+    restore needs it), a version it cannot read (exit 4), or (where a replicator runs) a
+    version whose copies are not verified yet.
     """
     from ckpt.replicator.gc import collect
     from ckpt.replicator.status import read_status, redundant_steps
 
-    policy, said = _gc_policy(keep_last, milestone_every, milestones, all_but_milestones)
+    policy, said = _gc_policy(
+        keep_last, milestone_every, milestones, all_but_milestones, keep_last_full, keep_last_partial
+    )
     tier = _root(root, _options(storage_options))
     local = tier.local_path("")
     if local is not None:

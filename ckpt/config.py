@@ -80,6 +80,19 @@ class CheckpointerConfig:
     keep_every: int | None = None
     """With keep_last: also keep every step that is a multiple of this (milestones)."""
 
+    full_every: int | None = None
+    """A schedule of params-only versions: the first save of this Checkpointer and every
+    `full_every`-th after it hold the whole state (as does every milestone); the others hold
+    only `partial_keys`. Restore picks the newest version holding every key it needs, and
+    retention always keeps the newest full one."""
+
+    partial_keys: tuple[str, ...] | None = None
+    """The top-level keys of the state a params-only version holds, e.g. ("model",)."""
+
+    preemption_signals: tuple[int, ...] = ()
+    """Signals (e.g. signal.SIGTERM) that announce a preemption: see
+    Checkpointer.reached_preemption. The handlers chain to the ones installed before."""
+
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1 at this port plus the local rank."""
 
@@ -104,5 +117,10 @@ class CheckpointerConfig:
             raise ValueError(f"keep_last must be a positive int or None, not {self.keep_last!r}")
         if self.keep_every is not None and (self.keep_last is None or self.keep_every < 1):
             raise ValueError("keep_every needs keep_last, and must be positive")
+        if self.full_every is not None and (self.full_every < 1 or not self.partial_keys):
+            raise ValueError("full_every needs partial_keys (the keys a params-only version holds), and must be >= 1")
+        keys: object = self.partial_keys  # a str would pass as a tuple of one-letter keys
+        if isinstance(keys, str) or (keys is not None and not keys):
+            raise ValueError("partial_keys is a non-empty tuple of keys, e.g. ('model',)")
         if self.straggler_threshold <= 0:
             raise ValueError("straggler_threshold must be positive")

@@ -76,7 +76,10 @@ def judge(tier: Tier, redundant: Iterable[int] | None = None) -> tuple[list[Vers
         except CorruptVersionError:  # proven: a checksum or parse failure
             versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
             continue
-        versions.append(VersionInfo(step, m.created, True, bool(m.meta.get("milestone")), ok is None or step in ok))
+        keys = None if m.keys is None else frozenset(m.keys)
+        versions.append(
+            VersionInfo(step, m.created, True, bool(m.meta.get("milestone")), ok is None or step in ok, keys)
+        )
     return versions, unjudged
 
 

@@ -11,7 +11,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["VersionInfo", "Policy", "KeepLast", "KeepMilestones", "KeepAll", "Union", "plan_deletions", "expired"]
+__all__ = [
+    "VersionInfo",
+    "Policy",
+    "KeepLast",
+    "KeepLastFull",
+    "KeepLastPartial",
+    "KeepMilestones",
+    "KeepAll",
+    "Union",
+    "full_steps",
+    "plan_deletions",
+    "expired",
+]
 
 
 @dataclass(frozen=True)
@@ -23,6 +35,14 @@ class VersionInfo:
     intact: bool | None = True  # manifest valid (True), proven damaged (False), or unread: a transient error (None)
     tagged: bool = False  # the user marked it as a milestone
     redundant: bool = True  # every required copy exists and is verified
+    keys: frozenset[str] | None = None  # the state's top-level keys it holds (None: all, or unknown)
+
+
+def full_steps(versions: Sequence[VersionInfo]) -> set[int]:
+    """Steps of versions that hold every top-level key any of `versions` holds: the ones a
+    full-state restore can use (params-only versions hold fewer)."""
+    every = frozenset(k for v in versions if v.keys is not None for k in v.keys)
+    return {v.step for v in versions if v.keys is None or v.keys >= every}
 
 
 class Policy(Protocol):
@@ -43,6 +63,37 @@ class KeepLast:
 
     def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
         steps = sorted(v.step for v in versions)
+        return set(steps[max(0, len(steps) - self.n) :]) if self.n else set()
+
+
+@dataclass(frozen=True)
+class KeepLastFull:
+    """The newest `n` full versions (see full_steps)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ValueError("KeepLastFull.n must be >= 0")
+
+    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
+        steps = sorted(full_steps(versions))
+        return set(steps[max(0, len(steps) - self.n) :]) if self.n else set()
+
+
+@dataclass(frozen=True)
+class KeepLastPartial:
+    """The newest `n` versions that hold only some of the state's keys (params-only)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ValueError("KeepLastPartial.n must be >= 0")
+
+    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
+        full = full_steps(versions)
+        steps = sorted(v.step for v in versions if v.step not in full)
         return set(steps[max(0, len(steps) - self.n) :]) if self.n else set()
 
 
@@ -87,16 +138,22 @@ class Union:
 def plan_deletions(
     versions: Iterable[VersionInfo], policy: Policy, *, pinned: Iterable[int] = (), require_redundant: bool = True
 ) -> list[int]:
-    """Steps GC may delete: not kept by the policy, never the newest intact version, never
-    a version that could not be judged (intact None: it may be the newest intact one, and
-    so may the newest proven intact one, which is kept too), never a pinned one, and (for
-    tiers whose copies are required) never one whose copies do not exist yet. Oldest first."""
+    """Steps GC may delete: not kept by the policy, never the newest intact version nor the
+    newest intact full one (a full-state restore needs it when params-only versions are
+    newer), never a version that could not be judged (intact None: it may be the newest
+    intact one, and so may the newest proven intact one, which is kept too), never a
+    pinned one, and (for tiers whose copies are required) never one whose copies do not
+    exist yet. Oldest first."""
     vs = sorted(versions, key=lambda v: v.step)
     keep = set(policy.keep(vs)) | set(pinned)
     keep |= {v.step for v in vs if v.intact is None}
     intact = [v.step for v in vs if v.intact]
     if intact:
         keep.add(intact[-1])
+    full = full_steps(vs)
+    intact_full = [s for s in intact if s in full]
+    if intact_full:
+        keep.add(intact_full[-1])
     if require_redundant:
         keep |= {v.step for v in vs if v.intact is not False and not v.redundant}
     return [v.step for v in vs if v.step not in keep]

@@ -336,7 +336,8 @@ class Replicator:
         policy = self.config.remote_policy
         if policy is None or self.remote is None or entry.remote is None or entry.remote.state != WAITING:
             return False
-        candidate = VersionInfo(manifest.step, manifest.created, True, bool(manifest.meta.get("milestone")))
+        keys = None if manifest.keys is None else frozenset(manifest.keys)
+        candidate = VersionInfo(manifest.step, manifest.created, True, bool(manifest.meta.get("milestone")), keys=keys)
         return expired(self._remote_now(), candidate, policy)
 
     def _remote_now(self) -> list[VersionInfo]:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from ckpt.restore.execute import Comm
 
-__all__ = ["copy_version", "assemble", "decode_tree", "TorchFile"]
+__all__ = ["copy_version", "assemble", "selected", "decode_tree", "TorchFile"]
 
 log = logging.getLogger("ckpt")
 Progress = Callable[[int], None]
@@ -101,19 +101,47 @@ def _with_parents(dirs: set[str], top: str) -> set[str]:
 
 
 def assemble(
-    comm: Comm, manifest: Manifest, sources: Sequence[Source], progress: Progress = lambda n: None
+    comm: Comm,
+    manifest: Manifest,
+    sources: Sequence[Source],
+    progress: Progress = lambda n: None,
+    keys: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """Every array as one full CPU tensor, placed in rank 0's state tree (objects become their
-    state dicts). `comm`: a single process's (ckpt._dist.Comm.solo())."""
+    state dicts); with `keys`, only those top-level keys (and only their arrays are read).
+    `comm`: a single process's (ckpt._dist.Comm.solo())."""
     from ckpt.restore.execute import ReadRequest, full_tensor, load_arrays  # torch: only where tensors are built
 
+    tree, wanted = selected(manifest, keys)
     tensors: dict[str, torch.Tensor] = {}
     for array in manifest.arrays.values():
+        if array.name not in wanted:
+            continue
         dest = full_tensor(array)
         load_arrays(comm, sources, manifest, [ReadRequest(array, dest, (0,) * len(array.shape))])
         tensors[array.name] = dest
         progress(math.prod(array.shape) * dest.element_size())
-    return decode_tree(manifest.trees[manifest.ranks[0].tree], tensors)  # type: ignore[no-any-return]
+    return decode_tree(tree, tensors)  # type: ignore[no-any-return]
+
+
+def selected(manifest: Manifest, keys: frozenset[str] | None) -> tuple[Any, set[str]]:
+    """Rank 0's state tree (only its `keys`, if given) and the arrays it refers to."""
+    tree = manifest.trees[manifest.ranks[0].tree]
+    if keys is not None and isinstance(tree, dict):
+        tree = {k: v for k, v in tree.items() if k in keys}
+    return tree, referenced_arrays(tree)
+
+
+def referenced_arrays(node: Any) -> set[str]:
+    """The array names a saved JSON tree refers to."""
+    if isinstance(node, list):
+        return {n for v in node for n in referenced_arrays(v)}
+    if not isinstance(node, dict):
+        return set()
+    for marker in ("__tensor__", "__ndarray__"):
+        if marker in node:
+            return {str(node[marker])}
+    return {n for v in node.values() for n in referenced_arrays(v)}
 
 
 def decode_tree(node: Any, tensors: dict[str, torch.Tensor]) -> Any:

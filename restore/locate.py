@@ -36,7 +36,7 @@ from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import Candidate, committed, damaged_entries, read_manifest, version_dirname
 
-__all__ = ["Located", "restore_newest", "first_manifest"]
+__all__ = ["ALL_KEYS", "AllKeys", "Located", "restore_newest", "first_manifest"]
 
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
@@ -110,11 +110,17 @@ def restore_newest(
     *,
     step: int | None = None,
     missing_ok: bool = True,
+    needs: frozenset[str] | AllKeys | None = None,
 ) -> tuple[int, T] | None:
     """load(the chosen version); (its step, what load returned). None when no version is
     committed anywhere and every tier could be read (with `missing_ok`; otherwise that is
-    VersionNotFoundError too). Collective: every rank of `comm` calls it."""
+    VersionNotFoundError too). Collective: every rank of `comm` calls it.
+
+    `needs`: the state's top-level keys a version must hold to be chosen (ALL_KEYS: every
+    key any listed version holds); newer versions that hold fewer are passed over, each
+    said in one log line."""
     excluded: set[int] = set()
+    passed: set[int] = set()  # versions already reported as passed over
     vanished: set[int] = set()  # deleted by GC since they were listed
     warned: set[str] = set()  # damaged entries already reported
     while True:
@@ -136,8 +142,13 @@ def restore_newest(
                 raise failure
             raise RankFailures(failed)
         views: list[list[Candidate]] = [v for v, _ in gathered]
-        chosen = choose_step(views, step, frozenset(excluded | vanished))
+        needed = _needed(views, needs)
+        usable = views if needed is None else [[c for c in v if c.holds(needed)] for v in views]
+        chosen = choose_step(usable, step, frozenset(excluded | vanished))
+        _report_passed(comm, views, usable, chosen, needed, excluded | vanished, passed)
         if chosen is None:
+            if needed is not None and step is None and reachable_steps(views) and not reachable_steps(usable):
+                _lacking(views, needed, listed)
             _nothing(comm, listed, views, step, excluded, vanished, unreachable, missing_ok)
             return None
         save_id = reachable_steps(views)[chosen]
@@ -174,6 +185,62 @@ def restore_newest(
                 raise
             log.warning("rank %d: step %d is not intact (%s); trying an older version", comm.rank, chosen, e)
             excluded.add(chosen)
+
+
+class AllKeys:
+    """`needs` of a restore with no state to go by (an export): every key any version holds."""
+
+
+ALL_KEYS = AllKeys()
+
+
+def _needed(views: list[list[Candidate]], needs: frozenset[str] | AllKeys | None) -> frozenset[str] | None:
+    if not isinstance(needs, AllKeys):
+        return needs
+    return frozenset(k for v in views for c in v if c.keys is not None for k in c.keys)
+
+
+def _holds(views: list[list[Candidate]]) -> dict[int, frozenset[str] | None]:
+    """Each listed step's keys (every copy of one save holds the same)."""
+    return {c.step: c.keys for v in views for c in v}
+
+
+def _report_passed(
+    comm: _Comm,
+    views: list[list[Candidate]],
+    usable: list[list[Candidate]],
+    chosen: int | None,
+    needed: frozenset[str] | None,
+    skip: set[int],
+    passed: set[int],
+) -> None:
+    """One line per newer version passed over for lack of keys (rank 0; each once)."""
+    if needed is None or comm.rank != 0:
+        return
+    holds = _holds(views)
+    fewer = set(reachable_steps(views)) - set(reachable_steps(usable)) - skip - passed
+    for s in sorted((s for s in fewer if chosen is None or s > chosen), reverse=True):
+        passed.add(s)
+        have = sorted(holds.get(s) or ())
+        log.warning(
+            "step %d holds only %s, not %s: passed over%s",
+            s,
+            have,
+            sorted(needed - set(have)),
+            "" if chosen is None else f" for step {chosen}",
+        )
+
+
+def _lacking(views: list[list[Candidate]], needed: frozenset[str], tiers: Sequence[Tier]) -> None:
+    """Versions exist, but none holds every key the state needs: no silent fresh start."""
+    holds = _holds(views)
+    steps = sorted(reachable_steps(views))
+    where = ", ".join(t.location for t in tiers)
+    raise VersionNotFoundError(
+        f"no version in {where} holds every key of the state {sorted(needed)}: steps {steps} hold only "
+        f"{sorted({k for s in steps for k in (holds.get(s) or ())})}; restore(state, strict=False) loads "
+        "such a version into the keys it has"
+    )
 
 
 def _nothing(

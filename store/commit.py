@@ -84,7 +84,7 @@ def prepared_versions(root: str) -> list[PreparedVersion]:
 
 def prepare(tmp_dir: str, manifest: Manifest, writers: list[int], dirs: list[str]) -> None:
     """Phase 2 on one root: make the root info and the manifest durable, manifest last."""
-    info = RootInfo(manifest.save_id, manifest.step, manifest.world_size, tuple(writers))
+    info = RootInfo(manifest.save_id, manifest.step, manifest.world_size, tuple(writers), manifest.keys)
     write_durable(os.path.join(tmp_dir, ROOT_INFO_NAME), info.to_json())
     fsync_dirs(dirs)
     write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest.to_json())

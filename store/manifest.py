@@ -35,6 +35,7 @@ __all__ = [
     "RankEntry",
     "Manifest",
     "escape_component",
+    "keys_of",
     "parse_manifest",
     "with_checksum",
 ]
@@ -79,6 +80,13 @@ def _check_name(name: str) -> None:
     for p in parts:
         if not _COMPONENT.match(p) or p in (".", "..") or p.startswith("__"):
             raise ManifestError(f"array name {name!r} is not a safe relative path", path=name)
+
+
+def keys_of(value: Any) -> tuple[str, ...] | None:
+    """A recorded list of top-level state keys, or None where there is none (or it is not one)."""
+    if isinstance(value, list) and all(isinstance(k, str) for k in value):
+        return tuple(value)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +173,12 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(c.nbytes for a in self.arrays.values() for c in a.chunks)
+
+    @property
+    def keys(self) -> tuple[str, ...] | None:
+        """The top-level keys of the saved state (meta "keys"); None where not recorded
+        (versions of older ckpts, which always held the whole state)."""
+        return keys_of(self.meta.get("keys"))
 
     def to_json(self) -> bytes:
         doc = {

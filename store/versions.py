@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ckpt.store.errors import CorruptVersionError, ManifestError, TierUnavailableError, VersionNotFoundError
 from ckpt.store.faults import fault_point
-from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, SAVE_ID, Manifest, parse_manifest
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, SAVE_ID, Manifest, keys_of, parse_manifest
 from ckpt.store.root import ROOT_ID_NAME
 from ckpt.store.tier import Tier, join_key, open_tier
 
@@ -100,9 +100,17 @@ class RootInfo:
     step: int
     world_size: int
     writers: tuple[int, ...]  # ranks whose chunks this tier holds
+    keys: tuple[str, ...] | None = None  # the state's top-level keys the version holds (None: all)
 
     def to_json(self) -> bytes:
-        doc = {"save_id": self.save_id, "step": self.step, "world_size": self.world_size, "writers": list(self.writers)}
+        doc: dict[str, object] = {
+            "save_id": self.save_id,
+            "step": self.step,
+            "world_size": self.world_size,
+            "writers": list(self.writers),
+        }
+        if self.keys is not None:
+            doc["keys"] = list(self.keys)
         return json.dumps(doc).encode()
 
 
@@ -121,7 +129,7 @@ def parse_root_info(raw: bytes) -> RootInfo | None:
         return None
     if not all(type(w) is int and 0 <= w < world for w in writers):
         return None
-    return RootInfo(save_id, step if type(step) is int else -1, world, tuple(writers))
+    return RootInfo(save_id, step if type(step) is int else -1, world, tuple(writers), keys_of(doc.get("keys")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +140,10 @@ class Candidate:
     save_id: str
     world_size: int  # ranks that saved it
     writers: tuple[int, ...]  # ranks whose chunks this tier holds
+    keys: frozenset[str] | None = None  # the state's top-level keys it holds (None: all)
+
+    def holds(self, needs: frozenset[str]) -> bool:
+        return self.keys is None or needs <= self.keys
 
 
 def _version_names(tier: Tier) -> Iterator[tuple[int, str]]:
@@ -236,7 +248,8 @@ def committed(where: Tier | str | os.PathLike[str]) -> list[Candidate]:
     for step in committed_steps(tier):
         info = read_root_info(tier, step)
         if info is not None:
-            out.append(Candidate(step, info.save_id, info.world_size, info.writers))
+            keys = None if info.keys is None else frozenset(info.keys)
+            out.append(Candidate(step, info.save_id, info.world_size, info.writers, keys))
     return out
 
 

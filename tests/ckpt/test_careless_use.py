@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from ckpt import Checkpointer
 from ckpt._listing import version_rows
 from ckpt.cli import main as cli
-from ckpt.store.errors import StateMismatchError, UnsupportedStateError
+from ckpt.store.errors import StateMismatchError, UnsupportedStateError, VersionNotFoundError
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import MAX_STEP, committed_steps, version_dirname
@@ -157,8 +157,10 @@ def test_restore_is_strict_both_ways_by_default(tmp_path: Path) -> None:
         ck.wait()
         with pytest.raises(StateMismatchError, match=r"\['n'\] are in the checkpoint but not in the state"):
             ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}})
-        with pytest.raises(StateMismatchError, match=r"\['x'\] are in the state but not in the checkpoint"):
+        with pytest.raises(VersionNotFoundError, match=r"holds every key of the state \['n', 'opt', 'w', 'x'\]"):
             ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}, "n": 0, "x": 1})
+        with pytest.raises(StateMismatchError, match=r"\['x'\] are in the state but not in the checkpoint"):
+            ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}, "n": 0, "x": 1}, step=1)
         with pytest.raises(StateMismatchError, match=r"\['m'\] are in the checkpoint"):
             ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0}, "n": 0})
         target = {"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}, "n": 0}

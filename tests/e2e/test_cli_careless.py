@@ -151,7 +151,7 @@ def test_gc_milestones_alone_are_refused_and_the_policy_is_printed(root: Path) -
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines()[0] == (
         "policy: keep the newest version, steps 1 and 9, the versions saved with milestone=True "
-        "and the newest intact version; delete the rest"
+        "and the newest intact version and the newest full one; delete the rest"
     )
     warned = [line for line in r.stderr.splitlines() if line.startswith("ckpt: warning: ")]
     assert len(warned) == 1 and "--milestone 9" in warned[0], r.stderr

@@ -1,0 +1,67 @@
+"""Preemption notices: signal handlers that note one, and the ranks' agreement on it.
+
+A scheduler preempts a job with a signal (SIGTERM, then a grace period; SIGUSR1 for
+requeue) that may reach only some ranks. The handler only sets a flag (it runs between
+two bytecodes of the training thread, where nothing else is safe), then calls the handler
+that was installed before it, if that one is a Python callable. `reached()` is the
+collective: every rank calls it once per step, and from the first call at which any rank
+had the notice, it returns True on every rank (latched), so all ranks save the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
+
+from ckpt._dist import Comm
+
+__all__ = ["PreemptionWatch"]
+
+log = logging.getLogger("ckpt")
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class PreemptionWatch:
+    def __init__(self, signals: Sequence[int]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("preemption_signals: signal handlers can only be installed from the main thread")
+        self.noticed_at: float | None = None  # time.monotonic() of the first notice on this rank
+        self.reached_at: float | None = None  # of the call at which the ranks agreed
+        self._signum: int | None = None
+        self._reached = False
+        self._previous: dict[int, _Handler] = {}
+        for sig in signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.noticed_at is None:
+            self.noticed_at, self._signum = time.monotonic(), signum
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def reached(self, comm: Comm) -> bool:
+        """Collective (every rank, at the same point of each step): True on every rank from
+        the first call after any rank had a notice."""
+        if self._reached:
+            return True
+        if comm.any(self.noticed_at is not None):
+            self._reached = True
+            self.reached_at = time.monotonic()
+            if self.noticed_at is not None:
+                name = signal.Signals(self._signum).name if self._signum is not None else "a signal"
+                log.warning("rank %d: preemption notice (%s); the ranks agreed to stop", comm.rank, name)
+        return self._reached
+
+    def close(self) -> None:
+        """Put the previous handlers back (where ours is still the one installed)."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle and threading.current_thread() is threading.main_thread():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()

@@ -1,0 +1,178 @@
+"""Params-only intermediate versions between full ones (issue 20).
+
+A version may hold a subset of the state's top-level keys (`save(..., only=...)`, or a
+`full_every` schedule). Restore picks the newest version that holds every key of the
+state and says which newer ones it passed over; retention never deletes the newest full
+version, so a job can always resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpt import Checkpointer
+from ckpt.cli import main as cli
+from ckpt.store.errors import StateMismatchError
+from ckpt.store.versions import committed_steps
+from tests._dist import launch
+from tests._states import bitwise_diff
+
+THIS = os.path.abspath(__file__)
+
+
+def _build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(4, 6)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def full_then_params_only(ctx: Any, root: str) -> dict[str, Any]:
+    model, opt = _build(0)  # data-parallel replicas: the same on every rank
+    refs: dict[int, Any] = {}
+    with Checkpointer(root) as ck:
+        for step in (2, 3, 4):
+            _train(model, opt, 100 * step)
+            state = {"model": model, "optim": opt, "step": step}
+            if step == 2:
+                ck.save(step, state)
+            else:
+                ck.save(step, state, only=("model",))
+            ck.wait()
+            refs[step] = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+            if step == 2:
+                refs[step]["optim"] = opt.state_dict()
+                refs[step]["optim"]["state"] = {
+                    k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()
+                }
+
+    lines = _Lines()
+    logging.getLogger("ckpt").addHandler(lines)
+    m2, o2 = _build(99)
+    full = {"model": m2, "optim": o2, "step": 0}
+    with Checkpointer(root) as ck:
+        got_full = ck.restore(full)
+        ctx.check(full["step"] == 2, f"step key {full['step']}")
+        diff = bitwise_diff({"model": m2.state_dict(), "optim": o2.state_dict()}, refs[2])
+        ctx.check(not diff, f"full restore differs: {diff[:3]}")
+        m3, _ = _build(98)
+        got_model = ck.restore({"model": m3})
+        diff = bitwise_diff(m3.state_dict(), refs[4]["model"])
+        ctx.check(not diff, f"model-only restore differs: {diff[:3]}")
+        try:
+            ck.restore({"model": _build(97)[0], "optim": _build(97)[1], "step": 0}, step=4)
+            ctx.check(False, "a full restore of the params-only step 4 did not raise")
+        except StateMismatchError as e:
+            ctx.check("optim" in str(e), f"unexpected message: {e}")
+    logging.getLogger("ckpt").removeHandler(lines)
+    passed = [line for line in lines.lines if "passed over" in line]
+    return {"full": got_full, "model": got_model, "passed": passed}
+
+
+def test_restore_picks_the_newest_version_with_every_key_and_gc_keeps_it(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    results, failures = launch(THIS, "full_then_params_only", 2, tmp_path, root=root)
+    assert not failures, failures
+    assert [r["full"] for r in results] == [2, 2]
+    assert [r["model"] for r in results] == [4, 4]
+    skipped = results[0]["passed"]
+    assert len(skipped) == 2 and "step 4" in skipped[0] and "step 3" in skipped[1], skipped
+    ls = CliRunner().invoke(cli, ["ls", root, "--json"])
+    assert ls.exit_code == 0, ls.output
+    keys = {r["step"]: r["keys"] for r in json.loads(ls.output)}
+    assert keys == {2: None, 3: ["model"], 4: ["model"]}, keys  # None: every key
+    table = CliRunner().invoke(cli, ["ls", root])
+    assert "committed~" in table.output and "step 3, 4 holds only model" in table.output, table.output
+    inspect = CliRunner().invoke(cli, ["inspect", root, "--step", "3"])
+    assert inspect.exit_code == 0 and "keys: model" in inspect.output, inspect.output
+    out = Path(root).parent / "model.pt"
+    export = CliRunner().invoke(cli, ["restore", root, "--keys", "model", "--to-torch", str(out)])
+    assert export.exit_code == 0 and "restored step 4" in export.output, export.output
+    assert list(torch.load(out, weights_only=True)) == ["model"]
+    export = CliRunner().invoke(cli, ["restore", root, "--to-torch", str(out), "--force"])
+    assert export.exit_code == 0 and "restored step 2" in export.output, export.output  # every key: the full one
+    gc = CliRunner().invoke(cli, ["gc", root, "--keep-last", "1"])
+    assert gc.exit_code == 0, gc.output
+    assert committed_steps(root) == [2, 4]  # 2: the newest a full restore can use
+    gc = CliRunner().invoke(cli, ["gc", root, "--keep-last-full", "1", "--keep-last-partial", "0"])
+    assert gc.exit_code == 0, gc.output
+    assert committed_steps(root) == [2, 4]  # 4: the newest intact version is never deleted
+
+
+def _kinds(root: Path) -> dict[int, Any]:
+    ls = CliRunner().invoke(cli, ["ls", str(root), "--json"])
+    assert ls.exit_code == 0, ls.output
+    return {r["step"]: r["keys"] for r in json.loads(ls.output)}
+
+
+def test_full_every_schedule_and_retention_keep_resume_possible(tmp_path: Path) -> None:
+    model, opt = _build(0)
+    state = {"model": model, "optim": opt, "step": 0}
+    with Checkpointer(tmp_path, full_every=3, partial_keys=("model",)) as ck:
+        for step in range(1, 9):
+            _train(model, opt, step)
+            state["step"] = step
+            ck.save(step, state, milestone=step == 5)
+    kinds = _kinds(tmp_path)
+    full = sorted(s for s, k in kinds.items() if k is None)
+    assert full == [1, 4, 5, 7], kinds  # the first save, every 3rd after it, and the milestone
+    assert all(k == ["model"] for s, k in kinds.items() if s not in full)
+
+    root2 = tmp_path / "kept"
+    with Checkpointer(root2, full_every=3, partial_keys=("model",), keep_last=1) as ck:
+        for step in range(1, 9):
+            ck.save(step, state, milestone=step == 5)
+    assert committed_steps(root2) == [5, 7, 8]  # newest, newest full, the milestone
+
+    m2, o2 = _build(1)
+    with Checkpointer(root2) as ck:
+        assert ck.restore({"model": m2, "optim": o2, "step": 0}) == 7
+
+
+def test_a_milestone_is_never_partial_and_only_names_real_keys(tmp_path: Path) -> None:
+    state = {"model": torch.nn.Linear(2, 2), "step": 1}
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(ValueError, match="milestone"):
+            ck.save(1, state, only=("model",), milestone=True)
+        with pytest.raises(ValueError, match="nope"):
+            ck.save(1, state, only=("nope",))
+    with pytest.raises(ValueError, match="partial_keys"):
+        Checkpointer(tmp_path, full_every=3)
+
+
+def test_strict_false_loads_a_params_only_version_into_a_full_state(tmp_path: Path) -> None:
+    model, opt = _build(0)
+    _train(model, opt, 1)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+        _train(model, opt, 2)
+        ck.save(2, {"model": model, "optim": opt}, only=("model",))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    m2, o2 = _build(5)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": m2, "optim": o2}, strict=False) == 2
+    assert not bitwise_diff(m2.state_dict(), want)
+    assert not o2.state  # the params-only version has no optimizer state: left as it was

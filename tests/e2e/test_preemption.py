@@ -1,0 +1,110 @@
+"""A save on preemption: a real SIGTERM reaches one rank of a 2-rank gloo job; every rank
+sees `reached_preemption()` at the same step, saves it, commits and exits 0; a restart
+restores that step bitwise. Also with the signal landing while a save is in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests._dist import launch
+from tests._states import bitwise_diff
+
+THIS = os.path.abspath(__file__)
+STEPS = 400  # the signal comes at step 5; a job that missed it would train on to the end
+
+
+def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train_until_preempted(ctx: Any, root: str, save_every: int, slow_save: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ckpt import Checkpointer
+
+    pids = [None] * ctx.world
+    dist.all_gather_object(pids, os.getpid())
+    model, opt = _model(0)  # data-parallel replicas: the same on every rank
+    state = {"model": model, "optim": opt, "step": 0}
+    if slow_save:
+        os.environ["CKPT_DELAY"] = f"write:{ctx.rank}:1.5"  # the signal lands while step 4 is written
+    handled: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: handled.append(s))  # chained by the Checkpointer
+    stopped_at, signalled_at, committed_s = None, None, None
+    with Checkpointer(root, preemption_signals=(signal.SIGTERM,)) as ck:
+        for step in range(1, STEPS + 1):
+            torch.manual_seed(1000 * step)
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state["step"] = step
+            if step % save_every == 0:
+                ck.save(step, state)
+            if step == 5 and ctx.rank == 0:
+                signalled_at = time.monotonic()
+                os.kill(pids[1], signal.SIGTERM)  # rank 1 only
+            if ck.reached_preemption():
+                if step % save_every:
+                    ck.save(step, state)
+                ck.wait()
+                committed_s = None if signalled_at is None else time.monotonic() - signalled_at
+                stopped_at = step
+                break
+            time.sleep(0.02)  # a training step takes time: the signal arrives within a few
+        steps = ck.steps()
+    signal.signal(signal.SIGTERM, previous)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{root}.ref.{ctx.rank}")
+    return {"stopped_at": stopped_at, "steps": steps, "handled": handled, "committed_s": committed_s}
+
+
+def resume(ctx: Any, root: str) -> dict[str, Any]:
+    from ckpt import Checkpointer
+
+    model, opt = _model(99)
+    state = {"model": model, "optim": opt, "step": 0}
+    with Checkpointer(root) as ck:
+        got = ck.restore(state)
+    ref = torch.load(f"{root}.ref.{ctx.rank}", weights_only=True)
+    diff = bitwise_diff({"model": model.state_dict(), "optim": opt.state_dict()}, ref)
+    ctx.check(not diff, f"restored state differs: {diff[:3]}")
+    return {"restored": got, "step": state["step"]}
+
+
+def _run(tmp_path: Path, save_every: int, slow_save: bool) -> list[dict[str, Any]]:
+    root = str(tmp_path / "root")
+    results, failures = launch(
+        THIS, "train_until_preempted", 2, tmp_path, root=root, save_every=save_every, slow_save=slow_save
+    )
+    assert not failures, failures
+    stops = [r["stopped_at"] for r in results]
+    assert stops[0] is not None and stops[0] == stops[1], stops  # the same step on every rank
+    assert 5 <= stops[0] < STEPS
+    assert results[1]["handled"] == [signal.SIGTERM] and results[0]["handled"] == []  # the old handler ran too
+    assert results[0]["steps"][-1] == stops[0]
+    assert not [n for n in os.listdir(root) if ".tmp-" in n]  # nothing half-written
+    resumed, failures = launch(THIS, "resume", 2, tmp_path, root=root)
+    assert not failures, failures
+    assert [r["restored"] for r in resumed] == [stops[0]] * 2
+    assert [r["step"] for r in resumed] == [stops[0]] * 2
+    return results
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_one_committed_step(tmp_path: Path) -> None:
+    results = _run(tmp_path, save_every=1000, slow_save=False)
+    assert results[0]["steps"] == [results[0]["stopped_at"]]
+    print(f"signal to committed version: {results[0]['committed_s']:.3f} s")
+
+
+def test_sigterm_during_a_save_in_flight_still_ends_with_a_committed_version(tmp_path: Path) -> None:
+    results = _run(tmp_path, save_every=4, slow_save=True)
+    steps, stop = results[0]["steps"], results[0]["stopped_at"]
+    assert 4 in steps and steps[-1] == stop, steps  # the save in flight committed, then the preemption's
