@@ -18,24 +18,22 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from ckpt._cli_console import WARNINGS, progress
+from ckpt._cli_policies import gc_policy, replicate_policy
+from ckpt._cli_targets import check_writable_root
 from ckpt._listing import version_rows
 from ckpt._render import human, inspect_lines, inspect_rows, ls_lines
 from ckpt._verify import verify_tier
-from ckpt.replicator.placement import DISK_MARKER
-from ckpt.replicator.policy import KeepLast, KeepLastFull, KeepLastPartial, KeepMilestones, Policy, Union
-from ckpt.replicator.status import STATE_DIR
 from ckpt.store.errors import CkptError, CorruptVersionError
-from ckpt.store.pins import PINS_NAME
-from ckpt.store.root import LOCK_NAME, ROOT_ID_NAME, version_above
 from ckpt.store.storage_options import parse_storage_options, redact
 from ckpt.store.tier import Tier, is_url, open_tier
-from ckpt.store.versions import MAX_STEP, TRASH_NAME, committed_steps, parse_version_dirname
+from ckpt.store.versions import MAX_STEP, committed_steps
 
 if TYPE_CHECKING:
     from ckpt.restore.locate import AllKeys, Located
@@ -135,80 +133,12 @@ def _tiers(root: str, extra: tuple[str, ...], options: dict[str, Any]) -> list[T
     return [tiers[p] for p in usable]
 
 
-_OWN_NAMES = frozenset({LOCK_NAME, ROOT_ID_NAME, TRASH_NAME, PINS_NAME, STATE_DIR, DISK_MARKER, "replicas"})
-"""What ckpt itself may have left in a directory that holds no version yet."""
-
-
-def _writable_root(path: str, shown: str | None = None) -> None:
-    """Refuse, before anything is written, a directory that is neither empty nor a checkpoint
-    root (one with a root id, versions, or only ckpt's own files): an ordinary directory
-    given by mistake. And refuse one inside a version (store.root.version_above)."""
-    above = version_above(path)
-    if above is not None:
-        raise CkptError(f"{shown or path} is inside the version {above}: give a directory of its own")
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        return  # created by the command
-    if ROOT_ID_NAME in names or set(names) <= _OWN_NAMES:
-        return
-    if any(parse_version_dirname(n.partition(".tmp-")[0]) is not None for n in names):
-        return
-    held = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
-    raise CkptError(f"{shown or path} is neither empty nor a checkpoint root (it holds {held}): not touching it")
-
-
-@contextlib.contextmanager
-def _progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A progress bar on a terminal's stderr, gone once it stops (so no stale bar is left
-    above the next message); nothing when stderr is no terminal."""
-    if not sys.stderr.isatty():
-        yield lambda n: None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True))
-    more = (TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, *more, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        _WARNINGS.console = bar.console
-        try:
-            yield lambda n: bar.advance(task, n)
-        finally:
-            _WARNINGS.console = None
-
-
-class _ToStderr(logging.Handler):
-    """ckpt's warnings as `ckpt: warning: ...` lines on the command's stderr (above the
-    progress bar while one is shown)."""
-
-    console: Any = None  # the progress bar's rich Console, while it is shown
-
-    def emit(self, record: logging.LogRecord) -> None:
-        line = f"ckpt: {record.levelname.lower()}: {record.getMessage()}"
-        if self.console is not None:
-            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
-        else:
-            click.echo(line, err=True)
-
-
-_WARNINGS = _ToStderr(logging.WARNING)
-
-
 @click.group()
 @click.version_option(package_name="ckpt")
 def main() -> None:
     """Inspect, verify and restore ckpt checkpoint roots."""
-    if _WARNINGS not in logging.getLogger("ckpt").handlers:
-        logging.getLogger("ckpt").addHandler(_WARNINGS)
+    if WARNINGS not in logging.getLogger("ckpt").handlers:
+        logging.getLogger("ckpt").addHandler(WARNINGS)
 
 
 _STEP_OPTION = click.IntRange(min=0, max=MAX_STEP)
@@ -313,7 +243,7 @@ def restore_cmd(
     if force and to_torch is None:
         raise click.UsageError("--force applies to --to-torch only")
     if to_dir is not None:
-        _writable_root(to_dir)
+        check_writable_root(to_dir)
     with contextlib.ExitStack() as stack:
         # created before anything is read: a target that cannot be written fails at once
         out = None if to_torch is None else stack.enter_context(TorchFile(to_torch, force=force))
@@ -327,7 +257,7 @@ def restore_cmd(
                 if out is None
                 else sum(manifest.arrays[n].nbytes for n in names if n in manifest.arrays)
             )
-            with _progress(f"step {located.step}", total) as advance:
+            with progress(f"step {located.step}", total) as advance:
                 if to_dir is not None:
                     return total, copy_version(manifest, located.sources, to_dir, advance)
                 from ckpt._dist import Comm
@@ -366,70 +296,6 @@ def inspect_cmd(
     width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
     for line in inspect_lines(manifest, width):
         click.echo(line)
-
-
-def _policy(keep_last: int | None, milestone_every: int | None, milestones: tuple[int, ...]) -> Policy | None:
-    parts: list[Policy] = []
-    if keep_last is not None:
-        parts.append(KeepLast(keep_last))
-    if milestone_every is not None or milestones:
-        parts.append(KeepMilestones(milestone_every, frozenset(milestones)))
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else Union(tuple(parts))
-
-
-def _listed(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def _gc_policy(
-    keep_last: int | None,
-    every: int | None,
-    steps: tuple[int, ...],
-    all_but_milestones: bool,
-    keep_full: int | None = None,
-    keep_partial: int | None = None,
-) -> tuple[Policy, str]:
-    """`ckpt gc`'s policy, and what it keeps in words. The versions saved with
-    milestone=True are always kept. Milestones add to --keep-last (or --keep-last-full /
-    --keep-last-partial): alone they would delete everything else, so that must be said
-    (--all-but-milestones)."""
-    milestones = every is not None or bool(steps)
-    by_kind = keep_full is not None or keep_partial is not None
-    if by_kind and keep_last is not None:
-        raise click.UsageError("give --keep-last, or --keep-last-full and --keep-last-partial, not both")
-    if by_kind:
-        full, partial = keep_full or 0, keep_partial or 0
-        policy: Policy = Union((KeepLastFull(full), KeepLastPartial(partial), KeepMilestones(every, frozenset(steps))))
-        kept = [f"the newest {full} full version(s)", f"the newest {partial} params-only version(s)"]
-        if every is not None:
-            kept.append(f"every step divisible by {every}")
-        if steps:
-            kept.append(f"steps {_listed([str(x) for x in sorted(set(steps))])}")
-        kept += ["the versions saved with milestone=True", "the newest intact version and the newest full one"]
-        return policy, f"policy: keep {_listed(kept)}; delete the rest"
-    if all_but_milestones and keep_last is not None:
-        raise click.UsageError("--all-but-milestones keeps no newest versions: give it without --keep-last")
-    if keep_last is None and not all_but_milestones:
-        if milestones:
-            raise click.UsageError(
-                "--milestone and --milestone-every only add versions to keep: give --keep-last N as well, "
-                "or --all-but-milestones to delete every other version"
-            )
-        raise click.UsageError(
-            "give --keep-last N (and --milestone-every K / --milestone STEP), or --all-but-milestones"
-        )
-    policy = KeepMilestones(every, frozenset(steps))
-    if keep_last is not None:
-        policy = Union((KeepLast(keep_last), policy))
-    kept = [] if not keep_last else ["the newest version"] if keep_last == 1 else [f"the newest {keep_last} versions"]
-    if every is not None:
-        kept.append(f"every step divisible by {every}")
-    if steps:
-        kept.append(f"step{'s' if len(set(steps)) > 1 else ''} {_listed([str(x) for x in sorted(set(steps))])}")
-    kept += ["the versions saved with milestone=True", "the newest intact version and the newest full one"]
-    return policy, f"policy: keep {_listed(kept)}; delete the rest"
 
 
 @main.command("gc")
@@ -479,13 +345,16 @@ def gc_cmd(
     from ckpt.replicator.gc import collect
     from ckpt.replicator.status import read_status, redundant_steps
 
-    policy, said = _gc_policy(
-        keep_last, milestone_every, milestones, all_but_milestones, keep_last_full, keep_last_partial
-    )
+    try:
+        policy, said = gc_policy(
+            keep_last, milestone_every, milestones, all_but_milestones, keep_last_full, keep_last_partial
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     tier = _root(root, _options(storage_options))
     local = tier.local_path("")
     if local is not None:
-        _writable_root(local, root)
+        check_writable_root(local, root)
     click.echo(said)
     unknown = sorted(set(milestones) - set(committed_steps(tier)))
     if unknown:
@@ -551,7 +420,7 @@ def replicate_cmd(
 
     if not os.path.isdir(root):
         raise CkptError(f"{root} is not a directory")
-    _writable_root(root)
+    check_writable_root(root)
     options = _options(storage_options)
     if metrics_port is not None:
         from ckpt.store.metrics import serve
@@ -566,13 +435,13 @@ def replicate_cmd(
             bwlimit_mbps=bwlimit,
             interval_s=interval,
             readback=not no_readback,
-            local_policy=_policy(keep_last, None, ()),
-            remote_policy=_policy(remote_keep_last, milestone_every, ()),
+            local_policy=replicate_policy(keep_last, None),
+            remote_policy=replicate_policy(remote_keep_last, milestone_every),
             abandon_after_s=abandoned_after,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    logging.getLogger("ckpt").removeHandler(_WARNINGS)  # the daemon logs everything, with times
+    logging.getLogger("ckpt").removeHandler(WARNINGS)  # the daemon logs everything, with times
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     places = ", ".join(redact(r, options) for r in replica_roots) or "none given"
     copies = "no replicas" if replicas == 1 else f"{replicas} copies of each chunk (replica roots: {places})"

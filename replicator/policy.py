@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 __all__ = [
     "VersionInfo",
     "Policy",
     "KeepLast",
-    "KeepLastFull",
-    "KeepLastPartial",
     "KeepMilestones",
     "KeepAll",
     "Union",
@@ -53,47 +51,23 @@ class Policy(Protocol):
 
 @dataclass(frozen=True)
 class KeepLast:
-    """The newest `n` versions."""
+    """The newest `n` versions; of="full": of the versions holding every key (full_steps),
+    of="partial": of the others (params-only versions)."""
 
     n: int
+    of: Literal["all", "full", "partial"] = "all"
 
     def __post_init__(self) -> None:
         if self.n < 0:
             raise ValueError("KeepLast.n must be >= 0")
+        if self.of not in ("all", "full", "partial"):
+            raise ValueError(f"KeepLast.of must be 'all', 'full' or 'partial', not {self.of!r}")
 
     def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
         steps = sorted(v.step for v in versions)
-        return set(steps[max(0, len(steps) - self.n) :]) if self.n else set()
-
-
-@dataclass(frozen=True)
-class KeepLastFull:
-    """The newest `n` full versions (see full_steps)."""
-
-    n: int
-
-    def __post_init__(self) -> None:
-        if self.n < 0:
-            raise ValueError("KeepLastFull.n must be >= 0")
-
-    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
-        steps = sorted(full_steps(versions))
-        return set(steps[max(0, len(steps) - self.n) :]) if self.n else set()
-
-
-@dataclass(frozen=True)
-class KeepLastPartial:
-    """The newest `n` versions that hold only some of the state's keys (params-only)."""
-
-    n: int
-
-    def __post_init__(self) -> None:
-        if self.n < 0:
-            raise ValueError("KeepLastPartial.n must be >= 0")
-
-    def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
-        full = full_steps(versions)
-        steps = sorted(v.step for v in versions if v.step not in full)
+        if self.of != "all":
+            full = full_steps(versions)
+            steps = [s for s in steps if (s in full) == (self.of == "full")]
         return set(steps[max(0, len(steps) - self.n) :]) if self.n else set()
 
 

@@ -11,6 +11,10 @@ Placement: each chunk must exist on `replicas` distinct disks, the source's incl
 The part a source root holds is copied to `<replica root>/replicas/<source label>/`
 on replica roots whose disk differs from the source's and from each other's, and whose
 disk is still the one first recorded there (replicator.placement).
+
+Over 450 lines on purpose: the pass, the drain and the retention order share one set of
+bookkeeping (statuses, destinations failed in this pass, the remote's listing), which
+would otherwise travel between modules as arguments.
 """
 
 from __future__ import annotations
