@@ -1,6 +1,8 @@
 """Params-only intermediate versions and the save on preemption, measured.
 
-    python bench/partial_and_preemption.py [--params 50e6] [--reps 3] [--dir DIR]
+    python bench/partial_and_preemption.py [--params 50e6] [--reps 3] [--dir DIR] [--out FILE]
+
+(bench/run.py runs it too, and puts its figures in latest.json and latest.md.)
 
 - storage: the bytes of a full version (model + Adam state after one step) and of a
   params-only version (`save(..., only=("model",))`) of the same model, from their
@@ -10,7 +12,7 @@
   then save() and wait()), against the time of a plain save()+wait() of the same state
   measured side by side (the floor: the save itself).
 
-Writes bench/results/partial_and_preemption.json and prints a table.
+Writes FILE (default bench/results/partial_and_preemption.json) and prints a table.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +52,7 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "partial_and_preemption.json"))
     args = ap.parse_args()
     model, opt = _model(args.params)
     state = {"model": model, "optim": opt, "step": 0}
@@ -79,15 +83,25 @@ def main() -> None:
             ck.wait()
             preempt.append(time.perf_counter() - sent)
     out.update(save_wait_s=statistics.median(plain), signal_to_committed_s=preempt[0])
-    results = Path(__file__).resolve().parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "partial_and_preemption.json").write_text(json.dumps(out, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print("\n".join(markdown(out)))
+
+
+def markdown(out: dict[str, Any]) -> list[str]:
+    """The figures as a markdown table (bench/run.py appends it to latest.md)."""
     mib = 1 << 20
-    print(f"parameters                        {out['params']:,}")
-    print(f"full version (model + Adam)       {full / mib:,.1f} MiB")
-    print(f"params-only version               {params_only / mib:,.1f} MiB ({100 * params_only / full:.1f}% of full)")
-    print(f"save()+wait() of the full state   {out['save_wait_s']:.3f} s (median of {args.reps})")
-    print(f"SIGTERM to committed version      {preempt[0]:.3f} s")
+    full, part = out["full_bytes"], out["params_only_bytes"]
+    return [
+        f"### Params-only versions and the save on preemption ({out['params']:,} parameters, Adam)",
+        "",
+        "| figure | value |",
+        "| --- | --- |",
+        f"| full version (model + Adam state) | {full / mib:,.1f} MiB |",
+        f"| params-only version | {part / mib:,.1f} MiB ({100 * part / full:.1f}% of full) |",
+        f"| save() + wait() of the full state (median) | {out['save_wait_s']:.3f} s |",
+        f"| SIGTERM to a committed version | {out['signal_to_committed_s']:.3f} s |",
+    ]
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ repetition), ratios taken within a repetition, then the median:
   layout (1->1, 2->2), and resharded 2->1 and 2->3 (ckpt and DCP);
 - replication: ckpt's replicator (default config) vs a plain s3fs put of the same
   files, to a moto server on 127.0.0.1 (`--replicate-mb`, moto manages ~0.1 GB/s);
-- extra peak RSS of each operation (VmHWM reset through /proc/self/clear_refs).
+- extra peak RSS of each operation (VmHWM reset through /proc/self/clear_refs);
+- params-only versions and the save on preemption (bench/partial_and_preemption.py, at
+  most 50e6 parameters): the bytes of a full and a params-only version, and the time from
+  a SIGTERM to a committed version against a plain save and wait.
 
 Writes bench/results/latest.json (targets, each {name, value, target, pass}, and every raw
 measurement with medians and ranges), latest.md (tables) and latest.png (a plot).
@@ -54,6 +57,7 @@ sys.path.insert(0, HERE)
 
 import _report  # noqa: E402
 import _sys  # noqa: E402
+import partial_and_preemption  # noqa: E402
 
 
 def free_port() -> int:
@@ -242,6 +246,19 @@ def main() -> None:
             )
         finally:
             moto.stop()
+    extra = os.path.join(args.dir, "partial_and_preemption.json")
+    phase(
+        "partial_and_preemption",
+        lambda: subprocess.run(
+            [
+                sys.executable,
+                os.path.join(HERE, "partial_and_preemption.py"),
+                *("--params", str(min(args.params, 50e6)), "--reps", str(args.reps)),
+                *("--dir", args.dir, "--out", extra),
+            ],
+            check=True,
+        ),
+    )
     wall = time.time() - started
     with open(results) as f:
         records = [json.loads(line) for line in f if line.strip()]
@@ -264,10 +281,17 @@ def main() -> None:
         **_report.versions(),
     }
     report = _report.build(records, meta, env)
+    with open(extra) as f:
+        report["partial_and_preemption"] = json.load(f)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "latest.json"), "w") as f:
         json.dump(report, f, indent=1)
-    md = _report.markdown(report)
+    md = (
+        _report.markdown(report)
+        + "\n"
+        + "\n".join(partial_and_preemption.markdown(report["partial_and_preemption"]))
+        + "\n"
+    )
     with open(os.path.join(args.out, "latest.md"), "w") as f:
         f.write(md)
     _report.plot(report, os.path.join(args.out, "latest.png"))
