@@ -93,7 +93,7 @@ def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, w
         "ranks": [p.provenance for p in reports],
         "timings": [p.timings.to_json() for p in reports],
         "milestone": req.milestone,
-        "keys": sorted(str(k) for k in reports[0].tree) if isinstance(reports[0].tree, dict) else None,
+        "keys": sorted({str(k) for p in reports if isinstance(p.tree, dict) for k in p.tree}),  # every rank's
     }
     return Manifest(
         step=req.step,

@@ -11,6 +11,7 @@ had the notice, it returns True on every rank (latched), so all ranks save the s
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -34,15 +35,29 @@ class PreemptionWatch:
         self.reached_at: float | None = None  # of the call at which the ranks agreed
         self._signum: int | None = None
         self._reached = False
+        self._closed = False
         self._previous: dict[int, _Handler] = {}
-        for sig in signals:
-            self._previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._handle)
+        try:
+            for sig in signals:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        except (ValueError, OSError, TypeError) as e:  # not a signal, or one that cannot be caught
+            self.close()
+            raise ValueError(f"preemption_signals: cannot handle {sig!r}: {e}") from None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._previous.get(signum)
+        if self._closed:
+            # Still installed after close() (another handler was put on top, or close() ran
+            # off the main thread): behave as the handler before this one would.
+            if previous == signal.SIG_DFL or previous is None:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            elif callable(previous):
+                previous(signum, frame)
+            return
         if self.noticed_at is None:
             self.noticed_at, self._signum = time.monotonic(), signum
-        previous = self._previous.get(signum)
         if callable(previous):
             previous(signum, frame)
 
@@ -60,8 +75,10 @@ class PreemptionWatch:
         return self._reached
 
     def close(self) -> None:
-        """Put the previous handlers back (where ours is still the one installed)."""
-        for sig, previous in self._previous.items():
-            if signal.getsignal(sig) == self._handle and threading.current_thread() is threading.main_thread():
+        """Put the previous handlers back where ours is still the one installed (from the
+        main thread); where it cannot be, ours forwards to them from now on."""
+        self._closed = True
+        main = threading.current_thread() is threading.main_thread()
+        for sig, previous in list(self._previous.items()):
+            if main and signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()

@@ -5,7 +5,9 @@ when the root's filesystem has room for fewer than two more versions.
 It runs on its own thread, one pass at a time (commits that land during a pass are
 covered by the next one), so neither save() nor the commit waits for a deletion. Where a
 replicator runs in the Checkpointer, the policy is the replicator's local policy instead
-(it also waits for the required copies); this then only watches the free space.
+(it also waits for the required copies); this then only watches the free space. A
+replicator daemon's status on the root is honoured the same way: a version whose copies
+it has not verified is kept.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
+from ckpt.replicator.status import read_status, redundant_steps
 from ckpt.store import metrics
 from ckpt.store.tier import Tier
 from ckpt.store.versions import version_dirname
@@ -58,7 +61,11 @@ class Retention:
             step = self._newest
         try:
             if self._policy is not None:
-                result = collect(self._tier, self._policy)
+                # A replicator daemon on this root: keep what it has not copied yet, as `ckpt gc` does.
+                status = read_status(self._root)
+                result = collect(
+                    self._tier, self._policy, redundant=None if status is None else redundant_steps(status)
+                )
                 metrics.RETENTION_DELETED.inc(len(result.deleted))
                 if result.deleted:
                     log.info("%s: retention deleted steps %s", self._root, result.deleted)

@@ -166,10 +166,12 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
     """Pair the saved tree with the live state; raise StateMismatchError on structural differences.
 
     A slot of the live state takes only a saved value of its kind (a tensor, a dict, a
-    list, a scalar; None takes anything). With `strict`, every dict of the state has
-    exactly the saved keys; without it, keys on one side only are left alone: a state key
-    the checkpoint lacks keeps its value, a saved key the state lacks is not loaded. Inside
-    an object's state_dict() the object's load_state_dict judges the keys.
+    list, a scalar; None takes anything). The state's top-level keys choose what is
+    restored (saved keys beyond them are not loaded); with `strict`, each of them must be
+    saved, and every dict below has exactly the saved keys; without it, keys on one side
+    only are left alone: a state key the checkpoint lacks keeps its value, a saved key the
+    state lacks is not loaded. Inside an object's state_dict() the object's
+    load_state_dict judges the keys.
     """
     out = Bound()
 
@@ -212,7 +214,9 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
             saved_keys = {k for k, _ in items}
             if isinstance(t, Mapping) and not in_object:
                 only_state = [k for k in t_map if k not in saved_keys]
-                only_saved = [k for k, _ in items if k not in t_map]
+                # At the top, the state's keys choose what is restored: {"model": m} loads
+                # the model of a version that holds more. Below, the shapes must match.
+                only_saved = [k for k, _ in items if k not in t_map] if path else []
                 if strict and (only_state or only_saved):
                     raise StateMismatchError(_key_mismatch(key, only_state, only_saved))
                 items = [(k, v) for k, v in items if k in t_map]

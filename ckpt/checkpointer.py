@@ -61,8 +61,23 @@ class Checkpointer:
         **overrides: Any,
     ) -> None:
         self.config = replace(config or CheckpointerConfig(), **overrides)
-        if self.config.preemption_signals and threading.current_thread() is not threading.main_thread():
-            raise ValueError("preemption_signals: signal handlers can only be installed from the main thread")
+        # Installed first: a signal that cannot be handled fails before any root is locked.
+        self._preemption = PreemptionWatch(self.config.preemption_signals) if self.config.preemption_signals else None
+        try:
+            self._open(root, tiers, storage_options, replicate_to, replication)
+        except BaseException:
+            if self._preemption is not None:
+                self._preemption.close()
+            raise
+
+    def _open(
+        self,
+        root: RootSpec,
+        tiers: Sequence[PathSpec | Tier],
+        storage_options: Mapping[str, Any] | None,
+        replicate_to: str | None,
+        replication: ReplicatorConfig | None,
+    ) -> None:
         self._ctl, self._data = make_comms(self.config.timeout)
         self.rank, self.world = self._ctl.rank, self._ctl.world
         self._closed = True
@@ -95,7 +110,6 @@ class Checkpointer:
             self._replicator_thread.start()
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
-        self._preemption = PreemptionWatch(self.config.preemption_signals) if self.config.preemption_signals else None
         self._saves = 0  # save() calls that staged a version: the full_every schedule counts them
         self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
         self._saver = Saver(
@@ -131,7 +145,7 @@ class Checkpointer:
         check_step(step)
         if not isinstance(state, Mapping):
             raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
-        keys = self._keys_to_save(state, only, milestone)
+        keys = self._keys_to_save(state, only, milestone, step)
         if keys is not None:
             state = {k: state[k] for k in keys}
         saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone)
@@ -139,22 +153,31 @@ class Checkpointer:
         return saved
 
     def _keys_to_save(
-        self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool
+        self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool, step: int
     ) -> tuple[str, ...] | None:
-        """The top-level keys this save holds; None: all of them."""
+        """The top-level keys this save holds; None: all of them. The schedule saves a
+        milestone (tagged, or a step keep_every keeps) in full."""
+        every = self.config.keep_every
         if only is not None:
             if milestone:
                 raise ValueError("a milestone is always a full version: give milestone=True without only=")
             keys = (only,) if isinstance(only, str) else tuple(only)
-        elif self.config.full_every is not None and not milestone and self._saves % self.config.full_every:
+        elif (
+            self.config.full_every is not None
+            and not milestone
+            and not (every and step % every == 0)
+            and self._saves % self.config.full_every
+        ):
             assert self.config.partial_keys is not None
             keys = self.config.partial_keys
         else:
             return None
         missing = [k for k in keys if k not in state]
-        if missing or not keys:
+        if not keys or (missing and self.world == 1):
             raise ValueError(f"only= / partial_keys name keys the state does not have: {missing or '(none given)'}")
-        return keys
+        if missing:  # ranks may hold different trees (pipeline stages): this one saves what it has
+            log.info("rank %d: no %s in this rank's state; its params-only version holds the rest", self.rank, missing)
+        return tuple(k for k in keys if k in state)
 
     def reached_preemption(self) -> bool:
         """Collective, once per training step on every rank: True on every rank, at the same
@@ -227,12 +250,18 @@ class Checkpointer:
                 tiers,
                 lambda located: load_version(self._ctl, self.config, located, state, strict=strict),
                 step=step,
-                needs=frozenset(str(k) for k in state) if strict and step is None else None,
+                needs=self._needed_keys(state) if strict and step is None else None,
             )
         except CorruptVersionError:
             metrics.VERIFY_ERRORS.inc()
             raise
         return None if found is None else found[0]
+
+    def _needed_keys(self, state: Mapping[str, Any]) -> frozenset[str]:
+        """The top-level keys a version must hold: every rank's (ranks may hold different
+        trees), so that every rank chooses the same version."""
+        mine = sorted(str(k) for k in state)
+        return frozenset(k for keys in self._ctl.all_gather(mine) for k in keys)
 
     # -- lifecycle -------------------------------------------------------------------
 

@@ -24,11 +24,17 @@ from dataclasses import dataclass, field
 
 from ckpt.replicator.policy import Policy, VersionInfo, plan_deletions
 from ckpt.replicator.publish import GC_CLAIM
-from ckpt.store.errors import CorruptVersionError, TierUnavailableError, UnsupportedSchemaError, VersionNotFoundError
+from ckpt.store.errors import (
+    CorruptVersionError,
+    RootLockedError,
+    TierUnavailableError,
+    UnsupportedSchemaError,
+    VersionNotFoundError,
+)
 from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.pins import deleting, pinned_steps
-from ckpt.store.root import writer_active
+from ckpt.store.root import RootLock
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import (
     COMMIT_CLAIM,
@@ -117,19 +123,26 @@ def collect(
 
 def collect_damaged(tier: Tier, *, dry_run: bool = False) -> list[int]:
     """Delete the entries of a local root named like versions that are none (see
-    versions.damaged_entries), while no writer holds the root: a running job replaces
-    such an entry when it saves that step. The steps collected."""
+    versions.damaged_entries), holding the root's lock: never while a writer holds it (a
+    running job replaces such an entry when it saves that step). The steps collected."""
     root = tier.local_path("")
-    if root is None or writer_active(root):
+    if root is None:
         return []
-    out = []
-    for entry in damaged_entries(tier):
-        if dry_run or delete_damaged(tier, entry):
-            out.append(entry.step)
-            log.info(
-                "gc %s: %s %s (%s)", tier.location, "would remove" if dry_run else "removed", entry.name, entry.why
-            )
-    return out
+    lock = RootLock(root)
+    try:
+        lock.acquire()  # no writer opens the root (and publishes one of those steps) meanwhile
+    except (RootLockedError, OSError):
+        return []  # a writer holds it, or the lock file cannot be made (a read-only root)
+    try:
+        out = []
+        for entry in damaged_entries(tier):
+            if dry_run or delete_damaged(tier, entry):
+                out.append(entry.step)
+                what = "would remove" if dry_run else "removed"
+                log.info("gc %s: %s %s (%s)", tier.location, what, entry.name, entry.why)
+        return out
+    finally:
+        lock.release()
 
 
 def collect_abandoned(

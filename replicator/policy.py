@@ -19,6 +19,7 @@ __all__ = [
     "KeepAll",
     "Union",
     "full_steps",
+    "resumable_steps",
     "plan_deletions",
     "expired",
 ]
@@ -47,6 +48,20 @@ class Policy(Protocol):
     def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
         """Steps to keep, out of `versions` (sorted by step)."""
         ...
+
+
+def resumable_steps(versions: Sequence[VersionInfo]) -> set[int]:
+    """Intact versions some restore would choose: a restore that needs keys K takes the
+    newest intact version holding K, so a version is never chosen only when a newer intact
+    one holds all its keys. These are the newest version, the newest holding every key,
+    and (where the state's keys changed) the newest of each key set no newer one covers."""
+    out: set[int] = set()
+    covers: set[frozenset[str] | None] = set()  # key sets of newer intact versions (None: every key)
+    for v in sorted((v for v in versions if v.intact), key=lambda v: v.step, reverse=True):
+        if None not in covers and (v.keys is None or not any(c is not None and v.keys <= c for c in covers)):
+            out.add(v.step)
+        covers.add(v.keys)
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,22 +127,16 @@ class Union:
 def plan_deletions(
     versions: Iterable[VersionInfo], policy: Policy, *, pinned: Iterable[int] = (), require_redundant: bool = True
 ) -> list[int]:
-    """Steps GC may delete: not kept by the policy, never the newest intact version nor the
-    newest intact full one (a full-state restore needs it when params-only versions are
-    newer), never a version that could not be judged (intact None: it may be the newest
-    intact one, and so may the newest proven intact one, which is kept too), never a
-    pinned one, and (for tiers whose copies are required) never one whose copies do not
-    exist yet. Oldest first."""
+    """Steps GC may delete: not kept by the policy, never a version some restore would
+    choose (resumable_steps: the newest intact version, and the newest intact full one
+    when params-only versions are newer), never a version that could not be judged
+    (intact None: it may be the newest intact one, and so may the newest proven intact
+    one, which is kept too), never a pinned one, and (for tiers whose copies are required)
+    never one whose copies do not exist yet. Oldest first."""
     vs = sorted(versions, key=lambda v: v.step)
     keep = set(policy.keep(vs)) | set(pinned)
     keep |= {v.step for v in vs if v.intact is None}
-    intact = [v.step for v in vs if v.intact]
-    if intact:
-        keep.add(intact[-1])
-    full = full_steps(vs)
-    intact_full = [s for s in intact if s in full]
-    if intact_full:
-        keep.add(intact_full[-1])
+    keep |= resumable_steps(vs)
     if require_redundant:
         keep |= {v.step for v in vs if v.intact is not False and not v.redundant}
     return [v.step for v in vs if v.step not in keep]

@@ -140,7 +140,10 @@ def _discard(root: str, path: str) -> None:
     trash = os.path.join(root, TRASH_NAME)
     os.makedirs(trash, mode=DIR_MODE, exist_ok=True)
     target = os.path.join(trash, f"{os.path.basename(path)}.del-{uuid.uuid4().hex[:12]}")
-    os.rename(path, target)  # a link moves itself, never its target
+    try:
+        os.rename(path, target)  # a link moves itself, never its target
+    except FileNotFoundError:
+        return  # removed meanwhile
     if os.path.islink(target) or not os.path.isdir(target):
         os.unlink(target)
         return

@@ -176,3 +176,56 @@ def test_strict_false_loads_a_params_only_version_into_a_full_state(tmp_path: Pa
         assert ck.restore({"model": m2, "optim": o2}, strict=False) == 2
     assert not bitwise_diff(m2.state_dict(), want)
     assert not o2.state  # the params-only version has no optimizer state: left as it was
+
+
+# -- found by a review: retention when the state's keys change, schedules, selection ------
+
+
+def test_retention_keeps_the_newest_version_of_each_key_set_a_restore_could_choose() -> None:
+    from ckpt.replicator.policy import KeepLast, VersionInfo, plan_deletions
+
+    def v(step: int, *keys: str) -> VersionInfo:
+        return VersionInfo(step, keys=frozenset(keys))
+
+    # the job dropped its grad scaler at step 10: step 10 is what a restore of today's state takes
+    versions = [v(0, "m", "o", "scaler"), v(10, "m", "o"), v(11, "m"), v(12, "m"), v(13, "m")]
+    assert plan_deletions(versions, KeepLast(2)) == [11]
+    # two full versions of different key sets, then a params-only one: neither full goes
+    versions = [v(1, "m", "o", "sched"), v(2, "m", "o", "ema"), v(3, "m")]
+    assert plan_deletions(versions, KeepLast(1)) == []
+    # a smaller dict saved without only= (the example) does not make step 2 expendable
+    versions = [v(2, "model", "optim", "step"), v(3, "model", "step")]
+    assert plan_deletions(versions, KeepLast(1)) == []
+
+
+def test_keep_every_steps_are_saved_in_full_by_the_schedule(tmp_path: Path) -> None:
+    model, opt = _build(0)
+    state = {"model": model, "optim": opt, "step": 0}
+    with Checkpointer(tmp_path, full_every=3, partial_keys=("model",), keep_last=2, keep_every=4) as ck:
+        for step in range(1, 10):
+            ck.save(step, state)
+    kinds = _kinds(tmp_path)
+    assert kinds[4] is None and kinds[8] is None, kinds  # the milestones retention keeps are full
+    assert committed_steps(tmp_path) == [4, 8, 9], kinds  # the milestone 4, and the newest two (8 full)
+
+
+def test_a_model_only_state_restores_from_a_full_version(tmp_path: Path) -> None:
+    model, opt = _build(0)
+    _train(model, opt, 1)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": opt, "step": 1})
+    m2, _ = _build(3)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": m2}) == 1
+    assert not bitwise_diff(m2.state_dict(), model.state_dict())
+
+
+def test_keep_last_keeps_what_a_replicator_daemon_has_not_copied(tmp_path: Path) -> None:
+    from ckpt.replicator.status import Status, write_status
+
+    tmp_path.mkdir(exist_ok=True)
+    write_status(str(tmp_path), Status(required_copies=1))  # a daemon that has verified nothing yet
+    with Checkpointer(tmp_path, keep_last=1) as ck:
+        for step in range(1, 5):
+            ck.save(step, {"w": torch.full((3,), float(step))})
+    assert committed_steps(tmp_path) == [1, 2, 3, 4]

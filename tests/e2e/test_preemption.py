@@ -108,3 +108,30 @@ def test_sigterm_during_a_save_in_flight_still_ends_with_a_committed_version(tmp
     results = _run(tmp_path, save_every=4, slow_save=True)
     steps, stop = results[0]["steps"], results[0]["stopped_at"]
     assert 4 in steps and steps[-1] == stop, steps  # the save in flight committed, then the preemption's
+
+
+def test_a_handler_left_installed_after_close_passes_the_signal_on(tmp_path: Path) -> None:
+    """Two Checkpointers closed out of order: the first one's handler cannot be taken off
+    (the second's is on top) and is put back by the second's close(). It must not swallow
+    the signal: the process dies of it, as it would without ckpt."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from ckpt import Checkpointer
+        a = Checkpointer({str(tmp_path / "a")!r}, preemption_signals=(signal.SIGUSR1,))
+        b = Checkpointer({str(tmp_path / "b")!r}, preemption_signals=(signal.SIGUSR1,))
+        a.close()
+        b.close()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)
+        print("survived")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
+    )
+    assert out.returncode == -signal.SIGUSR1, (out.returncode, out.stdout, out.stderr[-2000:])
