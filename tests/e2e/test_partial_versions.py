@@ -229,3 +229,21 @@ def test_keep_last_keeps_what_a_replicator_daemon_has_not_copied(tmp_path: Path)
         for step in range(1, 5):
             ck.save(step, {"w": torch.full((3,), float(step))})
     assert committed_steps(tmp_path) == [1, 2, 3, 4]
+
+
+def stages(ctx: Any, root: str) -> dict[str, Any]:
+    """Pipeline-like ranks: each holds its own top-level keys besides the common ones."""
+    mine = f"stage{ctx.rank}"
+    with Checkpointer(root) as ck:
+        ck.save(1, {mine: torch.full((3,), float(ctx.rank + 1)), "step": 1})
+    got = {mine: torch.zeros(3), "step": 0}
+    with Checkpointer(root) as ck:
+        step = ck.restore(got)
+    ctx.check(not bitwise_diff(got, {mine: torch.full((3,), float(ctx.rank + 1)), "step": 1}), f"rank {ctx.rank}")
+    return {"step": step}
+
+
+def test_ranks_with_different_top_level_keys_choose_the_same_version(tmp_path: Path) -> None:
+    results, failures = launch(THIS, "stages", 2, tmp_path, root=str(tmp_path / "root"), timeout=90)
+    assert not failures, failures
+    assert [r["step"] for r in results] == [1, 1]
