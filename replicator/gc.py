@@ -18,6 +18,7 @@ commit it while it is deleted (replicator.publish checks again under that claim)
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from ckpt.store.errors import (
 from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.pins import deleting, pinned_steps
-from ckpt.store.root import RootLock
+from ckpt.store.root import ROOT_ID_NAME, RootLock
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import (
     COMMIT_CLAIM,
@@ -126,8 +127,8 @@ def collect_damaged(tier: Tier, *, dry_run: bool = False) -> list[int]:
     versions.damaged_entries), holding the root's lock: never while a writer holds it (a
     running job replaces such an entry when it saves that step). The steps collected."""
     root = tier.local_path("")
-    if root is None:
-        return []
+    if root is None or not os.path.exists(os.path.join(root, ROOT_ID_NAME)):
+        return []  # only a Checkpointer's root: its lock is what a writer takes (a replica or remote has none)
     lock = RootLock(root)
     try:
         lock.acquire()  # no writer opens the root (and publishes one of those steps) meanwhile
