@@ -129,6 +129,8 @@ def collect_damaged(tier: Tier, *, dry_run: bool = False) -> list[int]:
     root = tier.local_path("")
     if root is None or not os.path.exists(os.path.join(root, ROOT_ID_NAME)):
         return []  # only a Checkpointer's root: its lock is what a writer takes (a replica or remote has none)
+    if not damaged_entries(tier):
+        return []  # the usual case: no lock taken, so no writer opening the root meets it
     lock = RootLock(root)
     try:
         lock.acquire()  # no writer opens the root (and publishes one of those steps) meanwhile
