@@ -22,6 +22,7 @@ from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
 from ckpt.replicator.status import read_status, redundant_steps
 from ckpt.store import metrics
+from ckpt.store.errors import CkptError
 from ckpt.store.tier import Tier
 from ckpt.store.versions import version_dirname
 
@@ -72,8 +73,10 @@ class Retention:
                 for kept, why in result.unjudged.items():
                     log.warning("%s: retention kept step %d, which it could not read: %s", self._root, kept, why)
             self._check_space(step)
-        except Exception as e:  # noqa: BLE001 - retention must never fail a save; the next pass retries
+        except (CkptError, OSError) as e:  # a disk or a listing that failed: the next pass retries
             log.warning("%s: retention pass failed: %s: %s", self._root, type(e).__name__, e)
+        except Exception:  # a bug: with its traceback, but never failing a save (it runs on its own thread)
+            log.exception("%s: retention pass failed", self._root)
 
     def _check_space(self, step: int) -> None:
         free = shutil.disk_usage(self._root).free
