@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt._dist import Comm, describe_error
+from ckpt._exchange import exchange
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import ChunkRecord, RankReport, RankTimings, SaveJob, SaveStats
 from ckpt._write import metadata_documents, write_tasks
@@ -162,9 +163,12 @@ def run_commit(
             copier.join()  # the arena is free for the next save only once the copy has stopped
 
 
-def _write(job: SaveJob, ctx: RootContext, tmp_dir: str, pool: ThreadPoolExecutor) -> BaseException | None:
-    """WRITE: this rank's chunks into the tmp directory, durably; the failure, if any."""
+def _write(job: SaveJob, ctx: RootContext, tmp_dir: str, pool: ThreadPoolExecutor, comm: Comm) -> BaseException | None:
+    """WRITE: the sliver exchange (every rank, whatever its staging did), then this rank's
+    chunks into the tmp directory, durably; the failure, if any."""
     try:
+        if not job.request.exchange.empty:
+            job.received = exchange(comm, job.request.exchange, job.tasks, job.arena, job.ready)
         if job.error is not None:
             return job.error
         os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
@@ -218,7 +222,7 @@ def _commit(
 ) -> SaveStats:
     tmp_name = commit_mod.tmp_dirname(job.step, job.request.save_id)
     tmp_dir = os.path.join(ctx.root, tmp_name)
-    error = _write(job, ctx, tmp_dir, pool)
+    error = _write(job, ctx, tmp_dir, pool, comm)
     t_commit = time.perf_counter()
     prepared_everywhere = False
     try:

@@ -7,6 +7,7 @@ never interleave with the other's. Training's own group (NCCL or gloo) is never 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -85,6 +86,21 @@ class Comm:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
+
+    def exchange(
+        self, sends: Sequence[tuple[int, int, torch.Tensor]], recvs: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None:
+        """Point-to-point: send each (peer, tag, tensor) and receive into each (peer, tag,
+        tensor), all posted at once, then waited for (no pair of ranks can block each other)."""
+        if self.world == 1:
+            if sends or recvs:
+                raise ValueError("a single process has no peer to exchange with")
+            return
+        works = [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
+        works += [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
+        for w in works:
+            if w is not None:
+                w.wait()
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         if self.world > 1:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ckpt._exchange import ChunkKey, Schedule
 from ckpt._staging import Readiness, StageTask
 from ckpt.store.layout import ArrayPlan
 
@@ -53,6 +54,7 @@ class SaveRequest:
     overwrite: bool
     milestone: bool  # tagged for milestone retention
     plans: Sequence[ArrayPlan]  # the chunk layout, the same on every rank
+    exchange: Schedule  # the slivers this rank sends and receives (straddling chunks)
     tree: Any  # this rank's JSON state tree
     rng: dict[str, Any] | None  # this rank's RNG state
     check_finite: bool  # refuse NaN/Inf in floating tensors
@@ -92,6 +94,7 @@ class SaveJob:
     deferred: Callable[[SaveJob], None] | None = None  # the copy left to the commit thread (deferred staging)
     overlap: bool = False  # the writers start while the copy goes on (CheckpointerConfig.overlap_writes)
     error: BaseException | None = None  # a failure while staging, reported through the commit
+    received: dict[ChunkKey, list[torch.Tensor]] = field(default_factory=dict)  # slivers for this rank's chunks
     written: Written = field(default_factory=Written)
     stats: SaveStats = field(init=False)
     outcome: Future[SaveStats] = field(default_factory=Future)  # what wait() waits for

@@ -27,6 +27,7 @@ import torch
 from ckpt._commit import RootContext, run_once
 from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
 from ckpt._dist import Comm
+from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import SaveJob, SaveRequest, SaveStats
 from ckpt._staging import Arena, Readiness, StageTask, assign_offsets, slot_bytes, stage
@@ -75,16 +76,20 @@ def _staging_error(e: BaseException, step: int, root: str) -> BaseException:
 
 
 def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]:
+    """Batches of at most `limit` staged bytes, written one after another; the tasks of the
+    sliver exchange all go in the last one, which the commit thread writes after the
+    exchange (each is at most a chunk of GRID_BYTES, so they add little to it)."""
     if limit is None:
         return [tasks]
     out: list[list[StageTask]] = [[]]
     size = 0
-    for t in tasks:
+    for t in [t for t in tasks if not t.exchanged]:
         if out[-1] and size + slot_bytes(t) > limit:
             out.append([])
             size = 0
         out[-1].append(t)
         size += slot_bytes(t)
+    out[-1].extend(t for t in tasks if t.exchanged)
     return out
 
 
@@ -107,6 +112,7 @@ class Saver:
         self._pending: Future[SaveStats] | None = None
         self.stats: list[SaveStats] = []
         self._plans: list[ArrayPlan] = []
+        self._exchange = Schedule((), ())
         self._plan_sigs: list[int] | None = None
         self._arena = Arena()
         self.gate = StagingGate()
@@ -162,6 +168,7 @@ class Saver:
         sigs = [s for s, _, _ in info]
         if sigs != self._plan_sigs:
             self._plans = plan_arrays(_merge_specs(self._ctl.all_gather(local)), split_bytes=self.config.split_bytes)
+            self._exchange = schedule(self._plans, self.rank)
             self._plan_sigs = sigs
         request = SaveRequest(
             step=step,
@@ -169,6 +176,7 @@ class Saver:
             overwrite=overwrite,
             milestone=milestone,
             plans=self._plans,
+            exchange=self._exchange,
             tree=tree,
             rng=rng,
             check_finite=self.config.check_finite,
@@ -206,6 +214,14 @@ class Saver:
             for chunk in plan.chunks
             if chunk.writer == self.rank
         ]
+        if not self._exchange.empty:  # the parts of other ranks' chunks that this rank sends
+            tasks += [
+                StageTask(plan, chunk, pieces[plan.spec.name], sliver=s)
+                for plan in self._plans
+                for chunk in plan.chunks
+                for s in chunk.slivers
+                if s.rank == self.rank
+            ]
         pin = any(t.piece.data.is_cuda for t in tasks)
         batches = _batches(tasks, self.config.max_staging_bytes)
         now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
@@ -222,7 +238,8 @@ class Saver:
                     continue
                 job.ready = Readiness(placed)
                 now = [t for t in placed if t.array.spec.name not in deferrable]
-                later = [t for t in placed if t.array.spec.name in deferrable]
+                # Slivers are copied now: the exchange sends them before any chunk is written.
+                later = [t for t in placed if t.array.spec.name in deferrable and t.sliver is None]
                 if later:  # the rest now; the deferred part is the commit thread's to copy
                     stage(job.arena, now, self._copy_pool, copied=job.ready.mark)
                     now = []

@@ -14,6 +14,7 @@ the parameters at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -30,7 +31,7 @@ from ckpt.store.errors import CkptError
 from ckpt.store.faults import fault_delay
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.lanes import LaneGroup
-from ckpt.store.layout import ArrayPlan, ChunkPlan
+from ckpt.store.layout import ArrayPlan, ChunkPlan, Sliver
 
 __all__ = ["StageTask", "Arena", "Readiness", "assign_offsets", "slot_bytes", "stage"]
 
@@ -40,16 +41,26 @@ _MEMCPY_MIN = 1024  # elements; smaller copies stay with torch (no numpy round t
 
 @dataclass(frozen=True)
 class StageTask:
-    """One chunk this rank writes: its plan, the local piece it comes from, and its arena offset."""
+    """One chunk this rank writes, or (`sliver` set) the part of another rank's chunk that
+    this rank sends it: its plan, the local piece it comes from, and its arena offset."""
 
     array: ArrayPlan
     chunk: ChunkPlan
     piece: LocalPiece
     offset: int = 0
+    sliver: Sliver | None = None
 
     @property
     def staged_bytes(self) -> int:
-        return itemsize(self.array.spec.data_type) if self.chunk.inline else self.chunk.nbytes
+        item = itemsize(self.array.spec.data_type)
+        if self.sliver is not None:
+            return math.prod(self.sliver.shape) * item
+        return item if self.chunk.inline else self.chunk.nbytes
+
+    @property
+    def exchanged(self) -> bool:
+        """Whether the task takes part in the sliver exchange (ckpt._exchange)."""
+        return self.sliver is not None or bool(self.chunk.slivers)
 
 
 def _alignment(task: StageTask) -> int:
@@ -67,7 +78,7 @@ def assign_offsets(tasks: list[StageTask]) -> tuple[list[StageTask], int]:
     for t in tasks:
         align = _alignment(t)
         pos = -(-pos // align) * align
-        out.append(StageTask(t.array, t.chunk, t.piece, pos))
+        out.append(dataclasses.replace(t, offset=pos))
         pos += t.staged_bytes
     return out, -(-pos // _ALIGN) * _ALIGN
 
@@ -151,10 +162,13 @@ class Arena:
 
 
 def chunk_view(arena: torch.Tensor, task: StageTask) -> torch.Tensor:
-    """The task's slot in the arena, typed and shaped as the full chunk."""
+    """The task's slot in the arena, typed and shaped as the full chunk (or as its sliver)."""
     dtype = task.piece.data.dtype
-    shape = () if task.chunk.inline and not task.array.chunk_shape else task.array.chunk_shape
-    numel = 1 if task.chunk.inline else math.prod(task.array.chunk_shape)
+    if task.sliver is not None:
+        shape = task.sliver.shape
+    else:
+        shape = () if task.chunk.inline and not task.array.chunk_shape else task.array.chunk_shape
+    numel = 1 if task.chunk.inline else math.prod(shape)
     raw = arena[task.offset : task.offset + numel * itemsize(task.array.spec.data_type)]
     return raw.view(dtype).view(shape)
 
@@ -173,11 +187,24 @@ def _memcpy_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
     )
 
 
+def _own_part(task: StageTask) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box (global offsets, shape) of the task's slot that this rank's piece fills."""
+    if task.sliver is not None:
+        return task.sliver.offsets, task.sliver.shape
+    chunk, piece = task.chunk, task.piece
+    if not chunk.slivers:
+        return chunk.offsets, chunk.shape
+    lo = tuple(map(max, chunk.offsets, piece.offsets))
+    hi = tuple(min(c + s, p + t) for c, s, p, t in zip(chunk.offsets, chunk.shape, piece.offsets, piece.data.shape))
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
 def _copy_one(arena: torch.Tensor, task: StageTask, non_blocking: bool) -> None:
-    piece, chunk = task.piece, task.chunk
-    src = piece.data[tuple(slice(c - p, c - p + s) for c, p, s in zip(chunk.offsets, piece.offsets, chunk.shape))]
+    piece = task.piece
+    offsets, shape = _own_part(task)
+    src = piece.data[tuple(slice(c - p, c - p + s) for c, p, s in zip(offsets, piece.offsets, shape))]
     dst = chunk_view(arena, task)
-    if tuple(chunk.shape) == tuple(dst.shape):
+    if tuple(shape) == tuple(dst.shape):
         if _memcpy_ok(src, dst):
             # glibc memcpy through numpy (GIL released): ~10 GB/s on two threads here, where
             # torch's copy_ reaches ~5.5 GB/s; the staging copy is the training stall.
@@ -185,8 +212,11 @@ def _copy_one(arena: torch.Tensor, task: StageTask, non_blocking: bool) -> None:
             return
         dst.copy_(src, non_blocking=non_blocking)
         return
-    dst.zero_()  # edge chunk: zero padding keeps the file (and its checksum) deterministic
-    dst[tuple(slice(0, s) for s in chunk.shape)].copy_(src, non_blocking=non_blocking)
+    # An edge chunk: zero padding keeps the file (and its checksum) deterministic. A
+    # straddling chunk: the other ranks' slivers land in the rest before it is written.
+    dst.zero_()
+    start = task.chunk.offsets
+    dst[tuple(slice(o - c, o - c + s) for o, c, s in zip(offsets, start, shape))].copy_(src, non_blocking=non_blocking)
 
 
 def stage(

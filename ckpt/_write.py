@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import xxhash
 
+from ckpt._exchange import apply
 from ckpt._job import ChunkRecord, SaveJob
 from ckpt._staging import StageTask
 from ckpt.store.dtypes import itemsize
@@ -61,6 +62,7 @@ def write_tasks(
     at the end. With `inline_docs`, the zarr.json of each inline array among the tasks is
     written too (its fill_value is the staged value), instead of at PREPARE."""
     docs, meta_dirs = metadata
+    tasks = [t for t in job.tasks if t.sliver is None]  # slivers were sent, not written here
     arena_np = job.arena.numpy()
     written: list[str] = []  # list.append is atomic: the writer threads share it
 
@@ -71,6 +73,8 @@ def write_tasks(
     def one(task: StageTask) -> tuple[str, ChunkRecord, int]:
         if job.ready is not None:
             job.ready.wait(task)
+        if task.chunk.slivers:  # the other ranks' parts, received before any writer started
+            apply(job.arena, task, job.received[(task.array.spec.name, task.chunk.index)])
         if job.stats.first_write_s is None:  # racy between lanes, harmlessly: about the same instant
             job.stats.first_write_s = time.perf_counter() - job.request.started
         view = memoryview(arena_np[task.offset : task.offset + task.staged_bytes])  # type: ignore[arg-type]
@@ -107,7 +111,7 @@ def write_tasks(
     # running writeback wait for a journal commit, which flushes the data written so far.
     # Created from the writer threads, mkdirs took most of their time (py-spy).
     new_dirs: set[str] = set()
-    for task in job.tasks:
+    for task in tasks:
         if not task.chunk.inline:
             new_dirs.update(_ancestors(tmp_dir, chunk_file(f"{STATE_PREFIX}/{task.array.spec.name}", task.chunk.index)))
     new_dirs.update(meta_dirs)
@@ -117,7 +121,7 @@ def write_tasks(
                 os.mkdir(d, DIR_MODE)
     job.written.dirs.update(new_dirs)
     # Largest first, so the writers finish together instead of one writing a big chunk alone.
-    ordered: list[StageTask | tuple[str, bytes]] = [*sorted(job.tasks, key=lambda t: -t.staged_bytes), *docs]
+    ordered: list[StageTask | tuple[str, bytes]] = [*sorted(tasks, key=lambda t: -t.staged_bytes), *docs]
 
     def work(task: StageTask | tuple[str, bytes]) -> tuple[str, ChunkRecord, int] | None:
         if isinstance(task, StageTask):
@@ -131,14 +135,14 @@ def write_tasks(
         job.ready.result()  # a failed copy says more than the writers it stopped
     if failed:
         raise failed[0][1]
-    results = outcomes[: len(job.tasks)]
+    results = outcomes[: len(tasks)]
     for r in results:
         assert r is not None
         name, record, direct_bytes = r
         job.written.records.setdefault(name, []).append(record)
         job.stats.direct_bytes += direct_bytes
     fsync_files(written)
-    job.stats.bytes_written += sum(task.chunk.nbytes for task in job.tasks)
+    job.stats.bytes_written += sum(task.chunk.nbytes for task in tasks)
     # From the end of the copy when the writers overlapped it: the time they waited for it
     # is the copy's, and would make a rank with a slow copy look like one with a slow disk.
     copied = job.ready.finished_at if job.ready is not None else None
