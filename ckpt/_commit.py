@@ -35,7 +35,7 @@ from ckpt.provenance import job_provenance, rank_provenance
 from ckpt.store import commit as commit_mod
 from ckpt.store import metrics
 from ckpt.store.dtypes import itemsize
-from ckpt.store.errors import RankFailures, TierUnavailableError
+from ckpt.store.errors import TierUnavailableError
 from ckpt.store.faults import fault_point
 from ckpt.store.fsio import DIR_MODE, fsync_dirs
 from ckpt.store.layout import block_rows
@@ -45,6 +45,7 @@ from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 __all__ = ["RootContext", "run_once", "run_commit"]
 
 log = logging.getLogger("ckpt")
+_MANIFEST_TAG = 1 << 30  # rank 0 -> leaders; above any sliver exchange's tags (per-pair counts)
 
 
 @dataclass(frozen=True)
@@ -204,17 +205,19 @@ def _report(job: SaveJob, ctx: RootContext, error: BaseException | None) -> Rank
     )
 
 
-def _decide(job: SaveJob, reports: list[RankReport], ctx: RootContext, world: int, threshold: float) -> Any:
-    """Rank 0: the manifest to commit (its JSON), or the per-rank causes of an abort."""
+def _decide(
+    job: SaveJob, reports: list[RankReport], ctx: RootContext, world: int, threshold: float
+) -> tuple[bytes, BaseException | None]:
+    """Rank 0: the manifest to commit (its JSON; empty when the save is aborted because a
+    rank failed), or rank 0's own failure to build it."""
     _report_stragglers(reports, job.step, threshold)
-    bad = {r: p.error for r, p in enumerate(reports) if p.error}
-    if bad:
-        return {"abort": bad}
+    if any(p.error for p in reports):  # the failed ranks report their own causes in agree()
+        return b"", None
     try:
         with no_cyclic_gc():
-            return {"manifest": _build_manifest(job, reports, ctx, world).to_json()}
-    except BaseException as e:  # noqa: BLE001 - every rank learns it from the broadcast
-        return {"abort": {0: describe_error(e)}}
+            return _build_manifest(job, reports, ctx, world).to_json(), None
+    except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
+        return b"", e
 
 
 def _commit(
@@ -227,18 +230,21 @@ def _commit(
     prepared_everywhere = False
     try:
         reports = comm.gather(_report(job, ctx, error))  # GATHER
-        decision = comm.broadcast(
-            None if reports is None else _decide(job, reports, ctx, comm.world, straggler_threshold)
-        )
-        if "abort" in decision:
-            if error is not None:  # this rank's own failure says the most
-                raise error
-            raise RankFailures({int(r): c for r, c in decision["abort"].items()})
-        with no_cyclic_gc():
-            manifest = parse_manifest(decision["manifest"])
-        error = None
-        if ctx.is_leader:  # PREPARE
+        # Only the roots' leaders need the manifest (they write it): rank 0 sends it to each,
+        # empty when the save is aborted. The other ranks learn the outcome in agree().
+        raw = b""
+        if reports is not None:
+            raw, failure = _decide(job, reports, ctx, comm.world, straggler_threshold)
+            error = error or failure
+            leaders = [g[0] for g in ctx.root_groups if g[0] != ctx.rank]
+            if leaders:
+                comm.send_bytes(raw, leaders, _MANIFEST_TAG)
+        elif ctx.is_leader:
+            raw = comm.recv_bytes(0, _MANIFEST_TAG)
+        if ctx.is_leader and raw and error is None:  # PREPARE
             try:
+                with no_cyclic_gc():
+                    manifest = parse_manifest(raw)
                 # The rest of the zarr metadata went with the data (metadata_documents, and
                 # the inline arrays this rank wrote): what is left are other ranks' inline values.
                 inline = [

@@ -3,10 +3,16 @@
 Two groups keep the threads apart: `ctl` is used only from the training thread (in
 save/restore), `data` only from the background commit thread, so collectives of one
 never interleave with the other's. Training's own group (NCCL or gloo) is never used.
+
+The steady state is built from O(1)-byte all-reduces (`any`, `reduce_max`): a Python
+object is all-gathered to every rank (O(world) bytes each, O(world^2) in all) only on a
+path that is rare (a failure to report, a new layout to plan). Each Comm counts its
+calls by kind (`calls`), for the tests and benchmarks that hold the save to that.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -29,6 +35,7 @@ class Comm:
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
+        self.calls: Counter[str] = Counter()  # collective and point-to-point calls made, by kind
 
     @staticmethod
     def solo() -> Comm:
@@ -43,6 +50,8 @@ class Comm:
         rank found damage (so a restore falls back to an older version on every rank
         together), else RankFailures; both carry every failed rank's cause (`causes`).
         """
+        if not self.any(error is not None):  # the usual case: one all-reduce of an int
+            return
         mine = None if error is None else (isinstance(error, CorruptVersionError), describe_error(error))
         views = self.all_gather(mine)
         causes = {r: v[1] for r, v in enumerate(views) if v is not None}
@@ -57,6 +66,7 @@ class Comm:
         raise RankFailures(causes)
 
     def all_gather(self, obj: Any) -> list[Any]:
+        self.calls["all_gather"] += 1
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
@@ -66,14 +76,21 @@ class Comm:
     def any(self, flag: bool) -> bool:
         """Whether any rank's flag is set: one all-reduce of a single int (no pickling, O(1)
         bytes per rank), cheap enough to call every training step."""
+        return bool(self.reduce_max([int(flag)])[0])
+
+    def reduce_max(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum over the ranks of a few int64 values: one all-reduce of
+        a fixed-size tensor, O(1) bytes per rank whatever the world size."""
+        self.calls["all_reduce"] += 1
         if self.world == 1:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32)
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return [int(v) for v in t.tolist()]
 
     def gather(self, obj: Any) -> list[Any] | None:
         """To rank 0; others get None."""
+        self.calls["gather"] += 1
         if self.world == 1:
             return [obj]
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
@@ -81,6 +98,7 @@ class Comm:
         return out
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self.calls["broadcast"] += 1
         if self.world == 1:
             return obj
         box = [obj if self.rank == src else None]
@@ -92,6 +110,7 @@ class Comm:
     ) -> None:
         """Point-to-point: send each (peer, tag, tensor) and receive into each (peer, tag,
         tensor), all posted at once, then waited for (no pair of ranks can block each other)."""
+        self.calls["p2p"] += 1
         if self.world == 1:
             if sends or recvs:
                 raise ValueError("a single process has no peer to exchange with")
@@ -102,7 +121,31 @@ class Comm:
             if w is not None:
                 w.wait()
 
+    def send_bytes(self, data: bytes, dsts: Sequence[int], tag: int) -> None:
+        """Point-to-point: the same bytes to each of `dsts` (a length, then the payload)."""
+        self.calls["p2p"] += 1
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        works = [dist.isend(size, dst=d, group=self.group, tag=tag) for d in dsts]
+        works += [dist.isend(payload, dst=d, group=self.group, tag=tag + 1) for d in dsts if data]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def recv_bytes(self, src: int, tag: int) -> bytes:
+        """What send_bytes sent this rank."""
+        self.calls["p2p"] += 1
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=src, group=self.group, tag=tag)
+        n = int(size.item())
+        if not n:
+            return b""
+        payload = torch.empty(n, dtype=torch.uint8)
+        dist.recv(payload, src=src, group=self.group, tag=tag + 1)
+        return payload.numpy().tobytes()
+
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        self.calls["broadcast"] += 1
         if self.world > 1:
             dist.broadcast(tensor, src=src, group=self.group)
 

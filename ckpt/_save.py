@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -113,7 +113,7 @@ class Saver:
         self.stats: list[SaveStats] = []
         self._plans: list[ArrayPlan] = []
         self._exchange = Schedule((), ())
-        self._plan_sigs: list[int] | None = None
+        self._plan_sig: int | None = None  # hash of this rank's layout when self._plans was made
         self._arena = Arena()
         self.gate = StagingGate()
         self._copy_pool = ThreadPoolExecutor(max(1, config.copy_threads - 1), thread_name_prefix="ckpt-copy")
@@ -128,7 +128,7 @@ class Saver:
         started = time.perf_counter()
         if self.config.if_busy == "skip":
             busy = self._pending is not None and not self._pending.done()
-            if any(self._ctl.all_gather(busy)):
+            if self._ctl.any(busy):
                 log.info("rank %d step %d: skipped, a save is still in flight", self.rank, step)
                 return False
         self.wait()
@@ -156,23 +156,26 @@ class Saver:
                     raise VersionExistsError(f"step {step} is already committed under {self.root}; pass overwrite=True")
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below, then raises alike
             error = e
-        info = self._ctl.all_gather(
-            (hash(tuple(local)), uuid.uuid4().hex, None if error is None else (type(error).__name__, str(error)))
-        )
-        if error is not None:
-            raise error
-        failures = {r: f"{e[0]}: {e[1]}" for r, (_, _, e) in enumerate(info) if e}
-        if failures:
-            exists = [e for _, _, e in info if e and e[0] == VersionExistsError.__name__]
+        # One all-reduce of a few integers: whether any rank failed, whether any rank's
+        # layout changed since the last plan, and rank 0's random save id (the others give 0s).
+        sig = hash(tuple(local))
+        ids = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else [0, 0]
+        failed, changed, *id_parts = self._ctl.reduce_max([int(error is not None), int(sig != self._plan_sig), *ids])
+        if failed:  # rare: only now does each rank's error text cross, so that every rank can name it
+            info = self._ctl.all_gather(None if error is None else (type(error).__name__, str(error)))
+            if error is not None:
+                raise error
+            failures = {r: f"{e[0]}: {e[1]}" for r, e in enumerate(info) if e}
+            exists = [e for e in info if e and e[0] == VersionExistsError.__name__]
             raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
-        sigs = [s for s, _, _ in info]
-        if sigs != self._plan_sigs:
+        if changed:  # the first save of a layout: every rank's regions, to plan the chunks
+            self._plan_sig = None
             self._plans = plan_arrays(_merge_specs(self._ctl.all_gather(local)), split_bytes=self.config.split_bytes)
             self._exchange = schedule(self._plans, self.rank)
-            self._plan_sigs = sigs
+            self._plan_sig = sig
         request = SaveRequest(
             step=step,
-            save_id=info[0][1],
+            save_id="".join(f"{p:016x}" for p in id_parts),
             overwrite=overwrite,
             milestone=milestone,
             plans=self._plans,
