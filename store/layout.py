@@ -7,8 +7,8 @@ tested exhaustively.
 Rules:
 - The chunk size along a dimension is the gcd of the region boundaries inside the array,
   so a chunk never straddles two ranks' regions, when that grid has at most
-  2 x regions + bytes / GRID_BYTES chunks (even and most uneven splits). The last chunk
-  may be partial (zero-padded on disk).
+  regions + bytes / GRID_BYTES chunks (even splits, DTensor's ceil splits). The last
+  chunk may be partial (zero-padded on disk).
 - Otherwise (boundaries with no useful common divisor, as ZeRO-1 and Megatron's
   distributed optimizer cut their flat buffers) the gcd grid would have up to one chunk
   per element. The array then gets a regular grid of at most regions + bytes / GRID_BYTES
@@ -150,7 +150,8 @@ def _gcd_grid(shape: tuple[int, ...], regions: Sequence[tuple[tuple[int, ...], t
 def _grid(
     shape: tuple[int, ...], regions: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], nbytes: int
 ) -> tuple[int, ...]:
-    """The chunk shape: the gcd grid when it is small enough, else a bounded regular grid.
+    """The chunk shape: the gcd grid when it has at most regions + bytes / GRID_BYTES chunks,
+    else a regular grid of at most that many.
 
     `regions` are the distinct non-empty held regions. The bounded grid gives each
     dimension at most as many chunks as it has distinct region intervals (halving the
@@ -162,10 +163,9 @@ def _grid(
     if not regions:
         return tuple(aligned)
     counts = [-(-e // c) for e, c in zip(shape, aligned)]
-    extra = -(-nbytes // GRID_BYTES)
-    if math.prod(counts) <= 2 * len(regions) + extra:
+    budget = len(regions) + -(-nbytes // GRID_BYTES)
+    if math.prod(counts) <= budget:
         return tuple(aligned)
-    budget = len(regions) + extra
     n = [len({(o[d], o[d] + s[d]) for o, s in regions}) for d in range(len(shape))]
     while math.prod(n) > budget:
         i = max(range(len(n)), key=lambda d: n[d])

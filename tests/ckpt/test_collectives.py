@@ -54,7 +54,10 @@ def count_job(ctx: Any, base: str, per_node: bool) -> dict[str, Any]:
         ck.save(4, {**state, "extra": torch.zeros(3)})  # a new layout: planned again
         ck.wait()
         out["relayout"] = dict(_calls(ck) - before)
-        target = {"shared": torch.zeros(64), "rows": ckpt.Shard(torch.zeros(cut[1] - cut[0], 8), (1001, 8), (cut[0], 0))}
+        target = {
+            "shared": torch.zeros(64),
+            "rows": ckpt.Shard(torch.zeros(cut[1] - cut[0], 8), (1001, 8), (cut[0], 0)),
+        }
         ck.restore(target, step=3, strict=False)
         ctx.check(torch.equal(target["rows"].local_tensor, full[cut[0] : cut[1]]), "rows restored wrong")
     return out

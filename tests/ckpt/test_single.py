@@ -16,7 +16,7 @@ from ckpt import Checkpointer, DistributedSampler
 from ckpt.cli import main as cli
 from ckpt.store import versions
 from ckpt.store.errors import ReshardError
-from ckpt.store.layout import ArraySpec, HeldRegion, plan_arrays
+from ckpt.store.layout import ArraySpec, HeldRegion, Sliver, plan_arrays
 from tests._states import assert_bitwise
 
 
@@ -220,7 +220,9 @@ def test_plan_uneven_shards_get_gcd_chunks_with_one_writer_each():
     assert sum(np.prod(c.shape) for c in plan.chunks) == 40
     spec = _spec("w", (6, 4), (0, (0, 0), (2, 4)), (1, (2, 0), (3, 4)), (2, (5, 0), (1, 4)))
     (plan,) = plan_arrays([spec])
-    assert plan.chunk_shape == (1, 4) and [c.writer for c in plan.chunks] == [0, 0, 1, 1, 1, 2]
+    # gcd 1 would make 6 chunks, over 3 regions + 1: a 2-row grid, rank 2's row sent to rank 1
+    assert plan.chunk_shape == (2, 4) and [c.writer for c in plan.chunks] == [0, 1, 1]
+    assert [c.slivers for c in plan.chunks] == [(), (), (Sliver(2, (5, 0), (1, 4)),)]
 
 
 def test_plan_ceil_split_like_dtensor_keeps_one_chunk_per_rank():

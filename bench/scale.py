@@ -1,0 +1,413 @@
+"""Scale of ckpt's metadata path from 8 to 16,384 ranks, and a real 16-process gloo job.
+
+The simulation drives the real code with synthetic layouts (bench/_scale_layouts.py):
+what every rank's save() all-gathers on the first save of a layout, `plan_arrays` over
+it (every rank), rank 0's commit work on every save (`ckpt._commit._decide`: the
+manifest built from every rank's report and serialized), the bytes rank 0 gathers and
+each root's leader receives, and on restore `parse_manifest` and `plan_reads` (every
+restoring rank). Each (layout, world) runs in its own process, with an address-space
+limit, so its peak RSS is its own; a case over the time or memory budget is recorded
+as such and the larger worlds of that layout are not run.
+
+The real job: 16 gloo processes on this machine save a state of every layout kind,
+count each rank's collective calls per steady-state save (`Comm.calls`), and resume
+16 -> 12 -> 16, checking every tensor bitwise.
+
+    python -m bench.scale [--worlds 8,64,512,2048,16384] [--arrays 1000] [--budget-s 300]
+
+Writes bench/results/scale.json and bench/results/scale.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import time
+import tracemalloc
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+MEMORY_LIMIT = 16 << 30  # bytes of address space per simulated case
+MiB = 1 << 20
+T = TypeVar("T")
+
+
+def _cost(fn: Callable[[], T]) -> tuple[float, int, T]:
+    """(CPU seconds, peak bytes allocated, result) of fn: timed on a first run, its memory
+    traced on a second (tracemalloc slows the run it watches)."""
+    gc.collect()
+    t0 = time.process_time()
+    fn()
+    seconds = time.process_time() - t0
+    gc.collect()
+    tracemalloc.start()
+    try:
+        result = fn()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return seconds, peak, result
+
+
+def _tree(names: list[str]) -> dict[str, Any]:
+    """A rank's state tree as ckpt._tree.encode_state makes it, for the given arrays."""
+    tree: dict[str, Any] = {}
+    for name in names:
+        *path, leaf = name.split("/")
+        node = tree
+        for p in path:
+            node = node.setdefault(p, {})
+        node[leaf] = {"__tensor__": name}
+    return tree
+
+
+def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
+    """One simulated (layout, world): every figure of the metadata path, from the real code."""
+    import torch
+
+    from bench._scale_layouts import LAYOUTS, regions_of
+    from ckpt._commit import RootContext, _decide
+    from ckpt._exchange import schedule
+    from ckpt._job import ChunkRecord, RankReport, RankTimings, SaveJob, SaveRequest
+    from ckpt._save import _merge_specs
+    from ckpt.provenance import rank_provenance
+    from ckpt.restore.reshard import Box, Request, plan_reads
+    from ckpt.rng import capture_rng
+    from ckpt.store.digest import combine_blocks
+    from ckpt.store.dtypes import itemsize
+    from ckpt.store.layout import GRID_BYTES, ArrayPlan, block_rows, plan_arrays
+    from ckpt.store.manifest import parse_manifest
+
+    out: dict[str, Any] = {"layout": layout, "world": world, "arrays": arrays}
+    per_rank = LAYOUTS[layout](world, arrays)
+    out["specs"] = sum(len(x) for x in per_rank)
+    # First save of a layout: every rank receives every rank's specs (all_gather_object).
+    out["spec_gather_bytes"] = len(pickle.dumps(per_rank, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def plan() -> list[ArrayPlan]:
+        plans = plan_arrays(_merge_specs(per_rank))
+        schedule(plans, 0)
+        return plans
+
+    out["plan_s"], out["plan_bytes"], plans = _cost(plan)
+    out["chunks"] = sum(len(p.chunks) for p in plans)
+    regions = regions_of(per_rank)
+    worst = 0.0
+    for p in plans:
+        nbytes = math.prod(p.spec.shape) * itemsize(p.spec.data_type)
+        bound = regions[p.spec.name] + math.ceil(nbytes / GRID_BYTES)
+        worst = max(worst, len(p.chunks) / bound)
+    out["chunks_over_bound"] = worst
+    if layout == "zero1":  # the arbitrary-boundary case: planning time per array
+        t0 = time.process_time()
+        plan_arrays(_merge_specs([[s for s in r if s[0].endswith("/p7")] for r in per_rank]))
+        out["arbitrary_ms_per_array"] = 1000 * (time.process_time() - t0)
+    # Every save: each rank's report to rank 0, then rank 0 builds and serializes the manifest.
+    digest = "0123456789abcdef"
+    records: list[dict[str, list[ChunkRecord]]] = [{} for _ in range(world)]
+    for p in plans:
+        rows = block_rows(p.chunk_shape, itemsize(p.spec.data_type))
+        blocks = (digest,) * (-(-p.chunk_shape[0] // rows) if rows else 0)
+        whole = combine_blocks(blocks) if blocks else digest
+        for c in p.chunks:
+            records[c.writer].setdefault(p.spec.name, []).append(ChunkRecord(c.index, whole, None, blocks))
+    rng = capture_rng()
+    trees = {}
+    reports = []
+    timings = RankTimings(0.1, 0.1, 0.5, 0.1, 1 << 30, time.time())
+    prov = rank_provenance()
+    for r in range(world):
+        names = tuple(s[0] for s in per_rank[r])
+        tree = trees.setdefault(names, _tree(list(names)))
+        reports.append(
+            RankReport(records[r], None, tree, rng, f"node{r // 8}", f"/nvme/node{r // 8}", r // 8, timings, prov)
+        )
+    out["rank0_gather_bytes"] = sum(len(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)) for x in reports)
+    request = SaveRequest(1, "0" * 32, False, False, plans, schedule(plans, 0), reports[0].tree, rng, False, False)
+    job = SaveJob(request, torch.empty(0, dtype=torch.uint8))
+    groups = tuple(tuple(range(g, min(g + 8, world))) for g in range(0, world, 8))
+    ctx = RootContext("/nvme/node0", 0, True, 0, groups)
+    t0 = time.process_time()
+    raw, failure = _decide(job, reports, ctx, world, 10.0)
+    out["rank0_commit_cpu_s"] = time.process_time() - t0
+    if failure is not None:
+        raise failure
+    out["manifest_bytes"] = len(raw)
+    del reports, records, job, request, plans
+    # Restore: every rank parses the manifest and plans its reads (rank 0's regions here).
+    requests = [Request(name, Box.at(off, shp)) for name, _, _, off, shp in per_rank[0] if math.prod(shp)]
+
+    def restore_meta() -> None:
+        plan_reads(parse_manifest(raw).arrays, requests)
+
+    out["restore_meta_s"], out["restore_meta_bytes"], _ = _cost(restore_meta)
+    return out
+
+
+def run_case(layout: str, world: int, arrays: int, budget_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.scale", "--case", layout, str(world), str(arrays)]
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        return {"layout": layout, "world": world, "arrays": arrays, "failed": f"over the {budget_s:.0f} s budget"}
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+        why = "over the memory limit" if "MemoryError" in done.stderr else tail[:200]
+        return {"layout": layout, "world": world, "arrays": arrays, "failed": why}
+    res: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+# --- the real 16-process job ------------------------------------------------------------
+
+
+def _real_state(world: int, rank: int, step: int) -> dict[str, Any]:
+    """A small state holding one array of each layout kind, a function of (world, rank, step)."""
+    import torch
+
+    import ckpt
+
+    def full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{step}".encode()))
+        return torch.randn(shape, generator=g)
+
+    def rows(name: str, shape: tuple[int, ...], parts: int, i: int, cut: list[int] | None = None) -> Any:
+        t = full(name, shape)
+        size = -(-shape[0] // parts)
+        lo, hi = (cut[i], cut[i + 1]) if cut else (min(i * size, shape[0]), min((i + 1) * size, shape[0]))
+        return ckpt.Shard(t[lo:hi].clone(), shape, (lo,) + (0,) * (len(shape) - 1))
+
+    flat = 100_003
+    cuts = [0, *(k * (flat // world) + (k * k * 31) % 97 for k in range(1, world)), flat]  # no common divisor
+    return {
+        "fsdp": rows("fsdp", (4099, 16), world, rank),
+        "hsdp": rows("hsdp", (1001, 8), max(1, world // 2), rank % max(1, world // 2)),
+        "zero1": rows("zero1", (flat,), world, rank, cuts),
+        "moe": {f"e{rank % 4}": full(f"e{rank % 4}", (64, 32))},
+        "replicated": full("replicated", (257,)),
+        "step": step,
+    }
+
+
+def real_rank(workdir: str, world: int, phase: str) -> None:
+    """One rank of the real job (run under torch.distributed env vars)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    root = os.path.join(workdir, f"node{rank // (world // 4)}")  # 4 nodes, world/4 ranks each
+    out: dict[str, Any] = {}
+    with ckpt.Checkpointer(root) as ck:
+        if phase == "save":
+            counts = []
+            for step in (1, 2, 3):
+                before = ck._ctl.calls + ck._data.calls
+                ck.save(step, _real_state(world, rank, step))
+                ck.wait()
+                counts.append(dict(ck._ctl.calls + ck._data.calls - before))
+            out["calls"] = counts
+        else:
+            step = int(phase.split(":")[1])
+            want = _real_state(world, rank, step)
+            got = {k: v for k, v in _real_state(world, rank, 99).items()}
+            got["moe"] = {k: torch.zeros_like(v) for k, v in want["moe"].items()}
+            restored = ck.restore(got, step=step)
+            same = restored == step
+            for key in ("fsdp", "hsdp", "zero1"):
+                same = same and torch.equal(
+                    got[key].local_tensor.view(torch.int32), want[key].local_tensor.view(torch.int32)
+                )
+            same = same and all(torch.equal(got["moe"][k], v) for k, v in want["moe"].items())
+            same = same and torch.equal(got["replicated"], want["replicated"])
+            out["bitwise"] = bool(same)
+            ck.save(step + 10, got)
+            ck.wait()
+    with open(os.path.join(workdir, f"{phase.replace(':', '_')}.{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def _launch_real(workdir: str, world: int, phase: str) -> list[dict[str, Any]]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        per_node = str(world // 4)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=per_node)
+        env.update(LOCAL_RANK=str(rank % (world // 4)))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "bench.scale", "--real-rank", workdir, str(world), phase]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env))
+    codes = [p.wait(timeout=900) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"real job {phase} at world {world} failed: exit codes {codes}")
+    tag = phase.replace(":", "_")
+    return [json.loads(Path(workdir, f"{tag}.{r}.json").read_text()) for r in range(world)]
+
+
+def real_job(workdir: str) -> dict[str, Any]:
+    """16 ranks on 4 nodes save (a root per node); 12 ranks on the same 4 nodes resume from
+    step 3 and save step 13; 16 ranks resume from that."""
+    t0 = time.perf_counter()
+    saved = _launch_real(workdir, 16, "save")
+    steady = [c for r in saved for c in r["calls"][1:]]
+    collectives = ("all_reduce", "all_gather", "gather", "broadcast")
+    to12 = _launch_real(workdir, 12, "restore:3")
+    to16 = _launch_real(workdir, 16, "restore:13")
+    return {
+        "max_collectives_per_steady_save": max(sum(c.get(k, 0) for k in collectives) for c in steady),
+        "max_p2p_per_steady_save": max(c.get("p2p", 0) for c in steady),
+        "all_gathers_in_steady_saves": sum(c.get("all_gather", 0) for c in steady),
+        "resume_16_12_16_bitwise": all(r["bitwise"] for r in to12 + to16),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def targets(cases: list[dict[str, Any]], real: dict[str, Any] | None, top: int) -> list[dict[str, Any]]:
+    out = []
+
+    def add(name: str, value: Any, target: str, ok: bool) -> None:
+        out.append({"name": name, "value": value, "target": target, "pass": bool(ok)})
+
+    for layout in sorted({c["layout"] for c in cases}):
+        at = next((c for c in cases if c["layout"] == layout and c["world"] == top), None)
+        if at is None or "failed" in at:
+            why = "not run" if at is None else at["failed"]
+            add(f"{layout} @ {top} ranks", why, "every figure within target", False)
+            continue
+        add(f"{layout}: planning s per rank", round(at["plan_s"], 3), "<= 2 s", at["plan_s"] <= 2)
+        add(
+            f"{layout}: planning MB per rank", round(at["plan_bytes"] / MiB), "<= 256 MB", at["plan_bytes"] <= 256 * MiB
+        )
+        add(
+            f"{layout}: rank 0 commit CPU s",
+            round(at["rank0_commit_cpu_s"], 3),
+            "<= 1 s",
+            at["rank0_commit_cpu_s"] <= 1,
+        )
+        add(
+            f"{layout}: manifest MB", round(at["manifest_bytes"] / MiB, 2), "<= 16 MB", at["manifest_bytes"] <= 16 * MiB
+        )
+        received = max(at["rank0_gather_bytes"], at["manifest_bytes"])
+        add(f"{layout}: MB any rank receives per save", round(received / MiB, 2), "<= 1 MB", received <= MiB)
+        add(f"{layout}: restore metadata s", round(at["restore_meta_s"], 3), "<= 0.5 s", at["restore_meta_s"] <= 0.5)
+        add(
+            f"{layout}: restore metadata MB",
+            round(at["restore_meta_bytes"] / MiB),
+            "<= 256 MB",
+            at["restore_meta_bytes"] <= 256 * MiB,
+        )
+    zero = [c for c in cases if c["layout"] == "zero1" and "failed" not in c]
+    if zero:
+        worst = max(c["chunks_over_bound"] for c in zero)
+        add("zero1: chunks / (regions + bytes/16 MiB), worst array", round(worst, 3), "<= 1", worst <= 1)
+        ms = max(c["arbitrary_ms_per_array"] for c in zero)
+        add("zero1: planning ms per array (largest world)", round(ms, 2), "<= 10 ms", ms <= 10)
+    if real is not None:
+        add(
+            "real 16 ranks: collectives per steady save",
+            real["max_collectives_per_steady_save"],
+            "<= 4",
+            real["max_collectives_per_steady_save"] <= 4,
+        )
+        add(
+            "real 16 -> 12 -> 16 resume bitwise",
+            real["resume_16_12_16_bitwise"],
+            "true",
+            real["resume_16_12_16_bitwise"],
+        )
+    return out
+
+
+def markdown(cases: list[dict[str, Any]], tg: list[dict[str, Any]], real: dict[str, Any] | None) -> str:
+    lines = ["# Scale: metadata path, simulated (real code, synthetic layouts)", ""]
+    lines += [
+        "| layout | ranks | chunks | plan s | plan MB | rank 0 commit s | manifest MB | rank 0 gathers MB | restore meta s | restore meta MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c in sorted(cases, key=lambda c: (c["layout"], c["world"])):
+        if "failed" in c:
+            lines.append(f"| {c['layout']} | {c['world']} | {c['failed']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {c['layout']} | {c['world']} | {c['chunks']} | {c['plan_s']:.2f} | {c['plan_bytes'] / MiB:.0f} | "
+            f"{c['rank0_commit_cpu_s']:.2f} | {c['manifest_bytes'] / MiB:.1f} | {c['rank0_gather_bytes'] / MiB:.1f} | "
+            f"{c['restore_meta_s']:.2f} | {c['restore_meta_bytes'] / MiB:.0f} |"
+        )
+    lines += ["", "## Targets", "", "| target | value | goal | pass |", "| --- | --- | --- | --- |"]
+    lines += [f"| {t['name']} | {t['value']} | {t['target']} | {'yes' if t['pass'] else 'NO'} |" for t in tg]
+    if real is not None:
+        lines += ["", f"Real gloo job: {json.dumps(real)}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", default="8,64,512,2048,16384")
+    ap.add_argument("--arrays", type=int, default=1000)
+    ap.add_argument("--layouts", default="fsdp,hsdp,tp_fsdp,zero1,moe")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--no-real", action="store_true", help="skip the real 16-process job")
+    ap.add_argument("--workdir", default="/tmp/ckpt-scale")
+    ap.add_argument("--case", nargs=3, metavar=("LAYOUT", "WORLD", "ARRAYS"), help=argparse.SUPPRESS)
+    ap.add_argument("--real-rank", nargs=3, metavar=("DIR", "WORLD", "PHASE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+        print(json.dumps(measure(args.case[0], int(args.case[1]), int(args.case[2]))))
+        return
+    if args.real_rank:
+        real_rank(args.real_rank[0], int(args.real_rank[1]), args.real_rank[2])
+        return
+    worlds = [int(w) for w in args.worlds.split(",")]
+    cases = []
+    for layout in args.layouts.split(","):
+        for world in worlds:
+            res = run_case(layout, world, args.arrays, args.budget_s)
+            print(json.dumps(res), flush=True)
+            cases.append(res)
+            if "failed" in res:
+                break  # the larger worlds of this layout would only fail slower
+    real = None
+    if not args.no_real:
+        import shutil
+
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        os.makedirs(args.workdir)
+        real = real_job(args.workdir)
+        print(json.dumps(real), flush=True)
+    tg = targets(cases, real, max(worlds))
+    RESULTS.mkdir(exist_ok=True)
+    doc = {"cases": cases, "real": real, "targets": tg, "arrays": args.arrays}
+    (RESULTS / "scale.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (RESULTS / "scale.md").write_text(markdown(cases, tg, real))
+    print(markdown(cases, tg, real))
+
+
+if __name__ == "__main__":
+    main()
