@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.store.errors import (
     CkptError,
     CorruptVersionError,
+    IncompleteVersionError,
     ManifestError,
     NonFiniteError,
     RankFailures,
@@ -74,6 +75,7 @@ __all__ = [
     "UnsupportedStateError",
     "VersionExistsError",
     "VersionNotFoundError",
+    "IncompleteVersionError",
 ]
 
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from ckpt import _roots
 from ckpt._dist import destroy_comms, make_comms
@@ -216,8 +216,22 @@ class Checkpointer:
         """Timings of this rank's completed saves, oldest first."""
         return list(self._saver.stats)
 
-    def restore(self, state: Mapping[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
-        """Load the newest intact committed step (or `step`) into `state` in place; None if none.
+    def restore(
+        self,
+        state: Mapping[str, Any],
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        if_incomplete: Literal["raise", "fresh"] = "raise",
+    ) -> int | None:
+        """Load the newest intact committed step (or `step`) into `state` in place; None if
+        nothing is committed on any tier searched.
+
+        A version some ranks' part of which is on no tier searched (a node replaced with
+        empty disks, a root left out) is never silently skipped for a fresh start: an older
+        complete version is restored instead (with a warning naming the newer ones), and if
+        there is none, IncompleteVersionError names the versions, the missing ranks' parts
+        and where the ranks looked. `if_incomplete="fresh"` returns None then instead.
 
         With `strict` (and no `step`), only versions that hold every top-level key of
         `state` are candidates: newer params-only versions are passed over (one log line
@@ -239,6 +253,8 @@ class Checkpointer:
             raise UnsupportedStateError(f"state must be a dict to restore into, got {type(state).__name__}")
         if step is not None:
             check_step(step)
+        if if_incomplete not in ("raise", "fresh"):
+            raise ValueError(f"if_incomplete must be 'raise' or 'fresh', not {if_incomplete!r}")
         self._saver.wait()
 
         def tiers() -> list[Tier]:
@@ -251,6 +267,7 @@ class Checkpointer:
                 lambda located: load_version(self._ctl, self.config, located, state, strict=strict),
                 step=step,
                 needs=self._needed_keys(state) if strict and step is None else None,
+                if_incomplete=if_incomplete,
             )
         except CorruptVersionError:
             metrics.VERIFY_ERRORS.inc()

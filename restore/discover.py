@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ckpt.store.versions import Candidate
 
-__all__ = ["reachable_steps", "partial_steps", "choose_step"]
+__all__ = ["reachable_steps", "partial_steps", "missing_writers", "choose_step"]
 
 
 def reachable_steps(per_rank: Sequence[Sequence[Candidate]]) -> dict[int, str]:
@@ -29,6 +29,16 @@ def partial_steps(per_rank: Sequence[Sequence[Candidate]]) -> list[int]:
     """Steps some tier holds whose chunks the tiers together do not cover."""
     listed = {c.step for cands in per_rank for c in cands}
     return sorted(listed - set(reachable_steps(per_rank)))
+
+
+def missing_writers(per_rank: Sequence[Sequence[Candidate]], step: int) -> list[int]:
+    """The ranks whose part of `step` no tier holds (of its newest save, when several)."""
+    held: dict[tuple[str, int], set[int]] = {}
+    for cands in per_rank:
+        for c in cands:
+            if c.step == step:
+                held.setdefault((c.save_id, c.world_size), set()).update(c.writers)
+    return min((sorted(set(range(world)) - writers) for (_, world), writers in held.items()), key=len, default=[])
 
 
 def choose_step(

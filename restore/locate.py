@@ -16,7 +16,10 @@ Each round:
 
 Nothing found is an answer only when every tier could be listed: a tier that could not
 be read may hold the versions, so a fresh start would be a silent loss
-(TierUnavailableError instead).
+(TierUnavailableError instead). Nor when versions are committed but some ranks' part of
+each is on no tier searched (a node replaced with empty disks): IncompleteVersionError
+names them, unless the caller asked to start fresh then (`if_incomplete="fresh"`).
+A complete older version is restored in their stead, with a warning naming them.
 """
 
 from __future__ import annotations
@@ -26,11 +29,18 @@ import errno
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
-from ckpt.restore.discover import choose_step, partial_steps, reachable_steps
+from ckpt.restore.discover import choose_step, missing_writers, partial_steps, reachable_steps
 from ckpt.restore.sources import Source
-from ckpt.store.errors import CkptError, CorruptVersionError, RankFailures, TierUnavailableError, VersionNotFoundError
+from ckpt.store.errors import (
+    CkptError,
+    CorruptVersionError,
+    IncompleteVersionError,
+    RankFailures,
+    TierUnavailableError,
+    VersionNotFoundError,
+)
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
@@ -111,6 +121,7 @@ def restore_newest(
     step: int | None = None,
     missing_ok: bool = True,
     needs: frozenset[str] | AllKeys | None = None,
+    if_incomplete: Literal["raise", "fresh"] = "raise",
 ) -> tuple[int, T] | None:
     """load(the chosen version); (its step, what load returned). None when no version is
     committed anywhere and every tier could be read (with `missing_ok`; otherwise that is
@@ -118,7 +129,11 @@ def restore_newest(
 
     `needs`: the state's top-level keys a version must hold to be chosen (ALL_KEYS: every
     key any listed version holds); newer versions that hold fewer are passed over, each
-    said in one log line."""
+    said in one log line.
+
+    `if_incomplete`: when versions are committed but none is complete on the tiers searched,
+    "raise" (IncompleteVersionError, naming them and the missing ranks' parts) or "fresh"
+    (None, as when nothing is committed)."""
     excluded: set[int] = set()
     passed: set[int] = set()  # versions already reported as passed over
     vanished: set[int] = set()  # deleted by GC since they were listed
@@ -134,22 +149,28 @@ def restore_newest(
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
         gathered = comm.all_gather(
-            ([c for _, c in mine], None if failure is None else f"{type(failure).__name__}: {failure}")
+            (
+                [c for _, c in mine],
+                None if failure is None else f"{type(failure).__name__}: {failure}",
+                [t.location for t in listed],
+            )
         )
-        failed = {r: why for r, (_, why) in enumerate(gathered) if why}
+        failed = {r: why for r, (_, why, _) in enumerate(gathered) if why}
         if failed:
             if failure is not None:
                 raise failure
             raise RankFailures(failed)
-        views: list[list[Candidate]] = [v for v, _ in gathered]
+        views: list[list[Candidate]] = [v for v, _, _ in gathered]
+        searched = sorted({where for _, _, places in gathered for where in places})
         needed = _needed(views, needs)
         usable = views if needed is None else [[c for c in v if c.holds(needed)] for v in views]
         chosen = choose_step(usable, step, frozenset(excluded | vanished))
         _report_passed(comm, views, usable, chosen, needed, excluded | vanished, passed)
+        _report_incomplete(comm, views, chosen, searched, passed)
         if chosen is None:
             if needed is not None and step is None and reachable_steps(views) and not reachable_steps(usable):
                 _lacking(views, needed, listed)
-            _nothing(comm, listed, views, step, excluded, vanished, unreachable, missing_ok)
+            _nothing(comm, listed, views, step, excluded, vanished, unreachable, missing_ok, searched, if_incomplete)
             return None
         save_id = reachable_steps(views)[chosen]
         sources = tuple(
@@ -231,6 +252,33 @@ def _report_passed(
         )
 
 
+def _incomplete(views: list[list[Candidate]], searched: Sequence[str]) -> str:
+    """Which versions are there only in part, whose part is missing, and where the ranks looked."""
+    parts = [f"step {s} lacks the part of ranks {missing_writers(views, s)}" for s in reversed(partial_steps(views))]
+    return (
+        f"committed versions are incomplete on the tiers searched: {'; '.join(parts)} "
+        f"(searched: {', '.join(searched)}); not starting from scratch. Bring back a copy of the missing "
+        "parts (the remote, another node's disk), or restore(state, if_incomplete='fresh') to start fresh"
+    )
+
+
+def _report_incomplete(
+    comm: _Comm, views: list[list[Candidate]], chosen: int | None, searched: Sequence[str], passed: set[int]
+) -> None:
+    """One line per newer version passed over because a part of it is missing (rank 0; each once)."""
+    if chosen is None or comm.rank != 0:
+        return
+    for s in sorted((s for s in partial_steps(views) if s > chosen and s not in passed), reverse=True):
+        passed.add(s)
+        log.warning(
+            "step %d lacks the part of ranks %s on the tiers searched (%s): restoring step %d instead",
+            s,
+            missing_writers(views, s),
+            ", ".join(searched),
+            chosen,
+        )
+
+
 def _lacking(views: list[list[Candidate]], needed: frozenset[str], tiers: Sequence[Tier]) -> None:
     """Versions exist, but none holds every key the state needs: no silent fresh start."""
     holds = _holds(views)
@@ -252,9 +300,11 @@ def _nothing(
     vanished: set[int],
     unreachable: list[str],
     missing_ok: bool,
+    searched: Sequence[str],
+    if_incomplete: Literal["raise", "fresh"],
 ) -> None:
     """Raise why no version can be chosen, unless nothing is committed anywhere (and
-    `missing_ok`)."""
+    `missing_ok`), or only incomplete versions are and the caller chose a fresh start."""
     where = ", ".join(t.location for t in tiers)
     partial = partial_steps(views)
     hint = (
@@ -262,6 +312,8 @@ def _nothing(
     )
     if step is not None and step in vanished:
         raise VersionNotFoundError(f"step {step} is being deleted (by a GC) in {where}")
+    if step is not None and step in partial:
+        raise IncompleteVersionError(_incomplete([[c for c in v if c.step == step] for v in views], searched))
     if step is not None:
         raise VersionNotFoundError(f"step {step} is not committed where every rank can reach it ({where}){hint}")
     if excluded:
@@ -276,5 +328,7 @@ def _nothing(
             f"no committed version on the reachable tiers, and some could not be read ({detail}); "
             "not starting from scratch",
         )
+    if partial and if_incomplete == "raise":
+        raise IncompleteVersionError(_incomplete(views, searched))
     if not missing_ok:
         raise VersionNotFoundError(f"no complete committed version in {where}{hint}")

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 __all__ = [
     "CkptError",
     "VersionNotFoundError",
+    "IncompleteVersionError",
     "VersionExistsError",
     "CorruptVersionError",
     "TierUnavailableError",
@@ -33,6 +34,13 @@ class CkptError(Exception):
 
 class VersionNotFoundError(CkptError, FileNotFoundError):
     """The requested step is not committed on any reachable root."""
+
+
+class IncompleteVersionError(VersionNotFoundError):
+    """Versions are committed, but some ranks' part of each is on no tier searched (a node
+    replaced with empty disks, a root left out): restore names the versions and the
+    missing ranks instead of starting fresh. `restore(state, if_incomplete="fresh")`
+    starts fresh instead, by choice."""
 
 
 class VersionExistsError(CkptError, FileExistsError):
