@@ -33,6 +33,7 @@ from ckpt.store.errors import (
 if TYPE_CHECKING:
     from ckpt.checkpointer import Checkpointer
     from ckpt.config import CheckpointerConfig
+    from ckpt.restore.to_safetensors import export_safetensors
     from ckpt.sampler import DistributedSampler
     from ckpt.shard import Shard
 
@@ -43,6 +44,7 @@ _LAZY = {
     "CheckpointerConfig": "ckpt.config",
     "DistributedSampler": "ckpt.sampler",
     "Shard": "ckpt.shard",
+    "export_safetensors": "ckpt.restore.to_safetensors",
 }
 
 
@@ -60,6 +62,7 @@ __all__ = [
     "CheckpointerConfig",
     "DistributedSampler",
     "Shard",
+    "export_safetensors",
     "CkptError",
     "CorruptVersionError",
     "ManifestError",

@@ -205,7 +205,22 @@ def _newest(
 @click.option("--step", type=_STEP_OPTION, default=None, help="The step (default: the newest intact one).")
 @click.option("--to", "to_dir", type=click.Path(file_okay=False), help="Copy the verified version into this root.")
 @click.option("--to-torch", "to_torch", type=click.Path(dir_okay=False), help="Write one torch.save state dict.")
-@click.option("--force", is_flag=True, help="--to-torch: replace an existing regular file.")
+@click.option(
+    "--to-safetensors",
+    "to_safetensors",
+    type=click.Path(file_okay=False),
+    help="Write the tensors under --prefix as Hugging Face safetensors files (and their index) into this directory.",
+)
+@click.option("--prefix", default="model", show_default=True, help="--to-safetensors: the state key to export.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="--to-safetensors: the largest file.")
+@click.option(
+    "--dtype", type=click.Choice(sorted(("bf16", "fp16", "fp32"))), default=None, help="--to-safetensors: cast floats."
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="--to-torch: replace an existing regular file; --to-safetensors: write into a non-empty directory.",
+)
 @click.option(
     "--keys",
     default=None,
@@ -221,6 +236,10 @@ def restore_cmd(
     step: int | None,
     to_dir: str | None,
     to_torch: str | None,
+    to_safetensors: str | None,
+    prefix: str,
+    max_shard_size: str,
+    dtype: str | None,
     force: bool,
     keys: str | None,
     tiers: tuple[str, ...],
@@ -229,7 +248,9 @@ def restore_cmd(
     """Copy a verified version out of ROOT (a path or URL; and --tier copies), or assemble it into one file.
 
     --to-torch never replaces an existing file without --force, nor anything that is not a
-    regular file (a device, a directory) even with it.
+    regular file (a device, a directory) even with it. --to-safetensors writes files named
+    as transformers names them (model.safetensors, or model-0000K-of-0000N.safetensors and
+    model.safetensors.index.json), every byte read verified.
     """
     from ckpt.restore.export import TorchFile, assemble, copy_version, selected
     from ckpt.restore.locate import ALL_KEYS
@@ -238,10 +259,15 @@ def restore_cmd(
     if wanted is not None and not wanted:
         raise click.UsageError("--keys names no key")
 
-    if (to_dir is None) == (to_torch is None):
-        raise click.UsageError("give exactly one of --to DIR or --to-torch FILE")
-    if force and to_torch is None:
-        raise click.UsageError("--force applies to --to-torch only")
+    if sum(x is not None for x in (to_dir, to_torch, to_safetensors)) != 1:
+        raise click.UsageError("give exactly one of --to DIR, --to-torch FILE or --to-safetensors DIR")
+    if force and to_dir is not None:
+        raise click.UsageError("--force applies to --to-torch and --to-safetensors only")
+    if to_safetensors is not None:
+        if keys is not None:
+            raise click.UsageError("--keys does not apply to --to-safetensors (--prefix chooses the tensors)")
+        _export_safetensors(root, step, to_safetensors, prefix, max_shard_size, dtype, force, tiers, storage_options)
+        return
     if to_dir is not None:
         check_writable_root(to_dir)
     with contextlib.ExitStack() as stack:
@@ -269,6 +295,45 @@ def restore_cmd(
 
         chosen, (total, where) = _newest(sources, export, step, None if step is not None else wanted or ALL_KEYS)
     click.echo(f"restored step {chosen} ({human(total)}) to {where}")
+
+
+def _export_safetensors(
+    root: str,
+    step: int | None,
+    out_dir: str,
+    prefix: str,
+    max_shard_size: str,
+    dtype: str | None,
+    force: bool,
+    tiers: tuple[str, ...],
+    storage_options: tuple[str, ...],
+) -> None:
+    from ckpt.restore.to_safetensors import parse_size, tensor_names, write_safetensors
+
+    try:
+        parse_size(max_shard_size)
+    except ValueError as e:
+        raise click.UsageError(f"--max-shard-size: {e}") from None
+    sources = _tiers(root, tiers, _options(storage_options))
+
+    def export(located: Located) -> tuple[int, list[str]]:
+        manifest = _manifest_of(located)
+        total = sum(a.nbytes for a in tensor_names(manifest, prefix).values())
+        with progress(f"step {located.step}", total) as advance:
+            return total, write_safetensors(
+                manifest,
+                located.sources,
+                out_dir,
+                prefix=prefix,
+                max_shard_size=max_shard_size,
+                dtype=dtype,
+                force=force,
+                progress=advance,
+            )
+
+    needs = None if step is not None else frozenset({prefix.split(".")[0]})
+    chosen, (total, written) = _newest(sources, export, step, needs)
+    click.echo(f"exported step {chosen} ({human(total)}) to {out_dir}: {len(written)} files")
 
 
 @main.command("inspect")

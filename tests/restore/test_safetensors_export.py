@@ -1,0 +1,142 @@
+"""Export to Hugging Face safetensors: files the real safetensors and transformers packages
+read back bitwise, sharded with an index, cast on request, from a version split over two
+roots, and never a partial export (a damaged chunk fails before any file is in place)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import launch
+from tests._states import bitwise_diff
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+transformers = pytest.importorskip("transformers")
+
+THIS = os.path.abspath(__file__)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _gpt2() -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=16)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _ckpt(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ckpt.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    import ckpt
+
+    root = tmp_path_factory.mktemp("st") / "root"
+    model = _gpt2()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.arange(8).unsqueeze(0), labels=torch.arange(8).unsqueeze(0)).loss.backward()
+    opt.step()
+    with ckpt.Checkpointer(str(root)) as ck:
+        ck.save(3, {"model": model, "optim": opt, "step": 3})
+    return root, model
+
+
+def test_sharded_export_loads_in_transformers_bitwise(saved: tuple[Path, Any], tmp_path: Path) -> None:
+    root, model = saved
+    out = tmp_path / "hf"
+    res = _ckpt("restore", str(root), "--to-safetensors", str(out), "--max-shard-size", "40KB")
+    assert res.returncode == 0, res.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and set(index["weight_map"].values()) == set(files), files
+    for p in out.glob("*.safetensors"):  # at most the limit (plus the file's header), or one larger tensor
+        assert p.stat().st_size <= 40_000 + 4096 or len(safetensors_torch.load_file(p)) == 1, p
+    want = model.state_dict()
+    assert set(index["weight_map"]) == set(want)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
+    model.config.save_pretrained(out)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+    got = loaded.state_dict()
+    for name, t in want.items():
+        assert not bitwise_diff(got[name], t), name
+    assert not list(out.glob(".ckpt-export-*")), "the temporary directory was left behind"
+
+
+def test_single_file_export_with_cast(saved: tuple[Path, Any], tmp_path: Path) -> None:
+    import ckpt
+
+    root, model = saved
+    paths = ckpt.export_safetensors(str(root), str(tmp_path / "one"), dtype="bf16")
+    assert [os.path.basename(p) for p in paths] == ["model.safetensors"]
+    got = safetensors_torch.load_file(paths[0])
+    for name, t in model.state_dict().items():
+        assert got[name].dtype == torch.bfloat16 and not bitwise_diff(got[name], t.to(torch.bfloat16)), name
+    from safetensors import safe_open
+
+    with safe_open(paths[0], "pt") as f:
+        assert f.metadata() == {"format": "pt", "ckpt_step": "3"}
+
+
+def test_refusals_are_one_line_and_leave_nothing(saved: tuple[Path, Any], tmp_path: Path) -> None:
+    root, _ = saved
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "README").write_text("mine")
+    res = _ckpt("restore", str(root), "--to-safetensors", str(busy))
+    assert res.returncode == 3 and "not empty" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in busy.iterdir()) == ["README"]
+    res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "x"), "--max-shard-size", "lots")
+    assert res.returncode == 2 and "--max-shard-size" in res.stderr
+    res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "y"), "--prefix", "ema")
+    assert res.returncode == 3 and "'ema'" in res.stderr, res.stderr
+
+
+def test_a_damaged_chunk_fails_the_export_before_any_file_lands(tmp_path: Path) -> None:
+    import ckpt
+
+    root = tmp_path / "root"
+    w = torch.arange(4096, dtype=torch.float32)
+    with ckpt.Checkpointer(str(root)) as ck:
+        ck.save(1, {"model": {"w": w, "b": torch.ones(3)}})
+    chunk = next((root / "v000000000001" / "state" / "model" / "w").glob("c*"))
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 1
+    chunk.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    res = _ckpt("restore", str(root), "--step", "1", "--to-safetensors", str(out))
+    assert res.returncode == 1 and "checksum" in res.stderr, res.stderr
+    assert not list(out.glob("*.safetensors")) and not list(out.glob(".ckpt-export-*"))
+
+
+def save_two_roots(ctx: Any, base: str) -> None:
+    import ckpt
+
+    full = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+    lo = [0, 2, 6][ctx.rank : ctx.rank + 2]
+    state = {"model": {"emb": ckpt.Shard(full[lo[0] : lo[1]].clone(), (6, 8), (lo[0], 0)), "bias": torch.ones(8)}}
+    with ckpt.Checkpointer(f"{base}/node{ctx.rank}", timeout=datetime.timedelta(seconds=60)) as ck:
+        ck.save(5, state)
+
+
+def test_a_version_split_over_two_roots_exports_from_both(tmp_path: Path) -> None:
+    _, failures = launch(THIS, "save_two_roots", 2, tmp_path, base=str(tmp_path))
+    assert not failures, failures
+    out = tmp_path / "hf"
+    res = _ckpt("restore", str(tmp_path / "node0"), "--tier", str(tmp_path / "node1"), "--to-safetensors", str(out))
+    assert res.returncode == 0, res.stderr
+    got = safetensors_torch.load_file(out / "model.safetensors")
+    assert torch.equal(got["emb"], torch.arange(48, dtype=torch.float32).reshape(6, 8)) and torch.equal(
+        got["bias"], torch.ones(8)
+    )
+    alone = _ckpt("restore", str(tmp_path / "node0"), "--to-safetensors", str(tmp_path / "alone"))
+    assert alone.returncode != 0 and "lacks the part of ranks [1]" in alone.stderr, alone.stderr
