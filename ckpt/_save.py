@@ -240,8 +240,9 @@ class Saver:
                     write_tasks(job, tmp_dir, self._writer_pool)
                     continue
                 job.ready = Readiness(placed)
-                now = [t for t in placed if t.array.spec.name not in deferrable]
-                # Slivers are copied now: the exchange sends them before any chunk is written.
+                # Slivers are copied now, deferrable or not: the exchange sends them before any
+                # chunk is written, and marks nothing a deferred copy would make.
+                now = [t for t in placed if t.array.spec.name not in deferrable or t.sliver is not None]
                 later = [t for t in placed if t.array.spec.name in deferrable and t.sliver is None]
                 if later:  # the rest now; the deferred part is the commit thread's to copy
                     stage(job.arena, now, self._copy_pool, copied=job.ready.mark)

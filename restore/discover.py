@@ -32,7 +32,8 @@ def partial_steps(per_rank: Sequence[Sequence[Candidate]]) -> list[int]:
 
 
 def missing_writers(per_rank: Sequence[Sequence[Candidate]], step: int) -> list[int]:
-    """The ranks whose part of `step` no tier holds (of its newest save, when several)."""
+    """The ranks whose part of `step` no tier holds (of the save of it that misses fewest,
+    when the tiers hold several)."""
     held: dict[tuple[str, int], set[int]] = {}
     for cands in per_rank:
         for c in cands:

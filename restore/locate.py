@@ -254,7 +254,11 @@ def _report_passed(
 
 def _incomplete(views: list[list[Candidate]], searched: Sequence[str]) -> str:
     """Which versions are there only in part, whose part is missing, and where the ranks looked."""
-    parts = [f"step {s} lacks the part of ranks {missing_writers(views, s)}" for s in reversed(partial_steps(views))]
+    parts = [
+        f"step {s} lacks the part of ranks {missing}" if missing else f"step {s} was saved twice (different tiers)"
+        for s in reversed(partial_steps(views))
+        for missing in [missing_writers(views, s)]
+    ]
     return (
         f"committed versions are incomplete on the tiers searched: {'; '.join(parts)} "
         f"(searched: {', '.join(searched)}); not starting from scratch. Bring back a copy of the missing "

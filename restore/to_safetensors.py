@@ -40,6 +40,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype: 
 _FLOATS = {"bfloat16", "float16", "float32", "float64"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20}
 _UNITS.update({"GIB": 1 << 30, "TIB": 1 << 40})
+_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
 @dataclass(frozen=True)
@@ -72,20 +73,32 @@ def _unwrap(node: Any) -> Any:
 
 
 def tensor_names(manifest: Manifest, prefix: str) -> dict[str, ArrayEntry]:
-    """The arrays under `prefix` (dot-separated keys of rank 0's state), by the names
-    `module.state_dict()` gives them, in saved order."""
-    node = _unwrap(manifest.trees[manifest.ranks[0].tree])
-    for part in prefix.split(".") if prefix else []:
-        if not isinstance(node, dict) or part not in node:
-            have = sorted(node) if isinstance(node, dict) else []
-            raise VersionNotFoundError(f"step {manifest.step} has no {prefix!r} to export (keys there: {have})")
-        node = _unwrap(node[part])
+    """The arrays under `prefix` (dot-separated state keys), by the names
+    `module.state_dict()` gives them, in saved order: of every rank's tree (pipeline
+    stages hold different modules), rank 0's first."""
     out: dict[str, ArrayEntry] = {}
+    trees = [manifest.trees[manifest.ranks[0].tree], *manifest.trees.values()]
+    for tree in trees:
+        node = _unwrap(tree)
+        for part in prefix.split(".") if prefix else []:
+            node = _unwrap(node[part]) if isinstance(node, dict) and part in node else None
+        if node is not None:
+            _collect(manifest, node, out)
+    if not out:
+        have = sorted(_unwrap(trees[0])) if isinstance(_unwrap(trees[0]), dict) else []
+        raise VersionNotFoundError(f"step {manifest.step} has no tensor under {prefix!r} to export (keys: {have})")
+    return out
+
+
+def _collect(manifest: Manifest, node: Any, out: dict[str, ArrayEntry]) -> None:
+    """Every tensor of one tree's subtree into `out`; a name two trees give different arrays is an error."""
 
     def walk(n: Any, path: str) -> None:
         n = _unwrap(n)
         if isinstance(n, dict) and ("__tensor__" in n or "__ndarray__" in n):
-            out[path] = manifest.arrays[str(n.get("__tensor__", n.get("__ndarray__")))]
+            array = manifest.arrays[str(n.get("__tensor__", n.get("__ndarray__")))]
+            if out.setdefault(path, array) is not array:
+                raise CkptError(f"{path!r} names two different tensors in the ranks' states: not exporting")
         elif isinstance(n, dict) and "__tuple__" not in n and "__dict__" not in n and "__float__" not in n:
             for k, v in n.items():
                 walk(v, f"{path}.{k}" if path else str(k))
@@ -94,9 +107,6 @@ def tensor_names(manifest: Manifest, prefix: str) -> dict[str, ArrayEntry]:
                 walk(v, f"{path}.{i}" if path else str(i))
 
     walk(node, "")
-    if not out:
-        raise VersionNotFoundError(f"step {manifest.step} holds no tensor under {prefix!r}")
-    return out
 
 
 def _out_bytes(array: ArrayEntry, dtype: str | None) -> int:
@@ -230,6 +240,11 @@ def write_safetensors(
                 os.fsync(fh.fileno())
             written.append(name)
         fsync_dir(tmp)
+        # With force, an earlier export's files go first (its index before its shards):
+        # transformers prefers a model.safetensors over an index, so none may be left over.
+        stale = sorted((n for n in os.listdir(out_dir) if _EXPORT_FILE.fullmatch(n)), key=lambda n: "index" not in n)
+        for name in stale:
+            os.unlink(os.path.join(out_dir, name))
         for name in written:  # the index last: a reader that finds it finds every file
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
         fsync_dir(out_dir)

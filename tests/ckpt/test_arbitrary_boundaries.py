@@ -194,3 +194,29 @@ def test_restore_bitwise(saved: tuple[Path, list[Any]], tmp_path: Path, world: i
     root, _ = saved
     _, failures = launch(THIS, "restore_job", world, tmp_path, timeout=240, root=str(root), seed=seed)
     assert not failures, failures
+
+
+def deferred_job(ctx: Any, root: str) -> None:
+    """A ZeRO-style Parameter cut at 3 of 1001, owned by an optimizer, saved with deferred
+    staging: rank 0's 3 elements are a sliver of rank 1's chunk. (Before the fix the sliver
+    was never copied: the version held whatever the staging buffer held, checksummed.)"""
+    import ckpt
+
+    n = 1001
+    cut = [0, 3, n][ctx.rank : ctx.rank + 2]
+    full = torch.arange(n, dtype=torch.float32) + 1
+    w = torch.nn.Parameter(full[cut[0] : cut[1]].clone())
+    opt = torch.optim.SGD([w], lr=0.1)
+    with ckpt.Checkpointer(root, timeout=TIMEOUT, deferred_staging=True) as ck:
+        ck.save(1, {"w": ckpt.Shard(w, (n,), (cut[0],)), "optim": opt})
+        ck.wait()
+        ctx.check(ck._saver._exchange.sends or ck._saver._exchange.recvs, "no sliver crossed")  # type: ignore[attr-defined]
+    got = torch.zeros(cut[1] - cut[0])
+    with ckpt.Checkpointer(root, timeout=TIMEOUT) as ck:
+        ck.restore({"w": ckpt.Shard(got, (n,), (cut[0],))}, step=1, strict=False)
+    ctx.check(torch.equal(got, full[cut[0] : cut[1]]), f"restored {got[:4].tolist()}")
+
+
+def test_deferred_staging_sends_copied_slivers(tmp_path: Path) -> None:
+    _, failures = launch(THIS, "deferred_job", 2, tmp_path, timeout=120, root=str(tmp_path / "root"))
+    assert not failures, failures

@@ -87,6 +87,19 @@ def test_single_file_export_with_cast(saved: tuple[Path, Any], tmp_path: Path) -
         assert f.metadata() == {"format": "pt", "ckpt_step": "3"}
 
 
+def test_force_replaces_an_earlier_export_whole(saved: tuple[Path, Any], tmp_path: Path) -> None:
+    """A single-file export, then a sharded one over it: no model.safetensors may be left,
+    since transformers would load it instead of the index."""
+    root, model = saved
+    out = tmp_path / "hf"
+    assert _ckpt("restore", str(root), "--to-safetensors", str(out)).returncode == 0
+    res = _ckpt("restore", str(root), "--to-safetensors", str(out), "--max-shard-size", "40KB", "--force")
+    assert res.returncode == 0, res.stderr
+    assert not (out / "model.safetensors").exists() and (out / "model.safetensors.index.json").exists()
+    res = _ckpt("restore", str(root), "--to-safetensors", str(out), "--force")
+    assert res.returncode == 0 and sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
 def test_refusals_are_one_line_and_leave_nothing(saved: tuple[Path, Any], tmp_path: Path) -> None:
     root, _ = saved
     busy = tmp_path / "busy"
@@ -124,6 +137,7 @@ def save_two_roots(ctx: Any, base: str) -> None:
     full = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
     lo = [0, 2, 6][ctx.rank : ctx.rank + 2]
     state = {"model": {"emb": ckpt.Shard(full[lo[0] : lo[1]].clone(), (6, 8), (lo[0], 0)), "bias": torch.ones(8)}}
+    state["model"][f"stage{ctx.rank}.w"] = torch.full((3,), float(ctx.rank))  # pipeline stages: other keys per rank
     with ckpt.Checkpointer(f"{base}/node{ctx.rank}", timeout=datetime.timedelta(seconds=60)) as ck:
         ck.save(5, state)
 
@@ -138,5 +152,6 @@ def test_a_version_split_over_two_roots_exports_from_both(tmp_path: Path) -> Non
     assert torch.equal(got["emb"], torch.arange(48, dtype=torch.float32).reshape(6, 8)) and torch.equal(
         got["bias"], torch.ones(8)
     )
+    assert torch.equal(got["stage0.w"], torch.zeros(3)) and torch.equal(got["stage1.w"], torch.ones(3))
     alone = _ckpt("restore", str(tmp_path / "node0"), "--to-safetensors", str(tmp_path / "alone"))
     assert alone.returncode != 0 and "lacks the part of ranks [1]" in alone.stderr, alone.stderr
