@@ -227,7 +227,8 @@ def real_rank(workdir: str, world: int, phase: str) -> None:
             out["calls"] = counts
         else:
             step = int(phase.split(":")[1])
-            want = _real_state(world, rank, step)
+            # step 13 is what the 12 ranks restored from step 3 and saved again: step 3's values
+            want = _real_state(world, rank, step - 10 if step > 10 else step)
             got = {k: v for k, v in _real_state(world, rank, 99).items()}
             got["moe"] = {k: torch.zeros_like(v) for k, v in want["moe"].items()}
             restored = ck.restore(got, step=step)
@@ -373,6 +374,11 @@ def main() -> None:
     ap.add_argument("--layouts", default="fsdp,hsdp,tp_fsdp,zero1,moe")
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--no-real", action="store_true", help="skip the real 16-process job")
+    ap.add_argument(
+        "--reuse-sim",
+        action="store_true",
+        help="take the simulated cases from bench/results/scale.json; run the real job",
+    )
     ap.add_argument("--workdir", default="/tmp/ckpt-scale")
     ap.add_argument("--case", nargs=3, metavar=("LAYOUT", "WORLD", "ARRAYS"), help=argparse.SUPPRESS)
     ap.add_argument("--real-rank", nargs=3, metavar=("DIR", "WORLD", "PHASE"), help=argparse.SUPPRESS)
@@ -385,8 +391,8 @@ def main() -> None:
         real_rank(args.real_rank[0], int(args.real_rank[1]), args.real_rank[2])
         return
     worlds = [int(w) for w in args.worlds.split(",")]
-    cases = []
-    for layout in args.layouts.split(","):
+    cases = json.loads((RESULTS / "scale.json").read_text())["cases"] if args.reuse_sim else []
+    for layout in [] if args.reuse_sim else args.layouts.split(","):
         for world in worlds:
             res = run_case(layout, world, args.arrays, args.budget_s)
             print(json.dumps(res), flush=True)
