@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch as safetensors_torch  # in the test extra: a missing package fails, never skips
 import torch
+import transformers
 
 from tests._dist import launch
 from tests._states import bitwise_diff
-
-safetensors_torch = pytest.importorskip("safetensors.torch")
-transformers = pytest.importorskip("transformers")
 
 THIS = os.path.abspath(__file__)
 REPO = Path(__file__).resolve().parents[2]
