@@ -4,7 +4,9 @@ Phases, each ending in a collective on the `data` group so every rank takes the 
 branch (a failure anywhere aborts everywhere and removes the tmp directories):
 
   WRITE    each rank writes + fsyncs its chunk files and directories into the tmp dir (ckpt._write)
-  GATHER   rank 0 collects every rank's RankReport, builds the manifest, broadcasts it
+  GATHER   rank 0 collects every rank's RankReport (O(1) each: its rank file, written with
+           its chunks, holds its digests, tree and RNG), builds the manifest, sends it to
+           the other roots' leaders
   PREPARE  each root's leader writes zarr metadata, root.json and the manifest, fsynced
   PUBLISH  each leader renames tmp -> v<N> and fsyncs the root
 
@@ -14,8 +16,7 @@ The version counts as committed once any root has published; every root was prep
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import logging
 import os
 import platform
@@ -24,12 +25,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+
+import xxhash
 
 from ckpt._dist import Comm, describe_error
 from ckpt._exchange import exchange
 from ckpt._gc import no_cyclic_gc
-from ckpt._job import ChunkRecord, RankReport, RankTimings, SaveJob, SaveStats
+from ckpt._job import RankReport, RankTimings, SaveJob, SaveStats
 from ckpt._write import metadata_documents, write_tasks
 from ckpt.provenance import job_provenance, rank_provenance
 from ckpt.store import commit as commit_mod
@@ -37,9 +39,10 @@ from ckpt.store import metrics
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import TierUnavailableError
 from ckpt.store.faults import fault_point
-from ckpt.store.fsio import DIR_MODE, fsync_dirs
+from ckpt.store.fsio import DIR_MODE, fsync_dirs, write_new
 from ckpt.store.layout import block_rows
-from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest, RankEntry, parse_manifest
+from ckpt.store.manifest import ArrayEntry, Manifest, RankRef, WriterRun, parse_manifest, summarize_regions, writer_runs
+from ckpt.store.rank_file import RANKS_DIR, rank_file_bytes, rank_file_path
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
 __all__ = ["RootContext", "run_once", "run_commit"]
@@ -60,42 +63,40 @@ class RootContext:
 
 
 def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, world: int) -> Manifest:
+    """Schema 3: O(arrays + ranks). The chunks' writers as runs, inline values, and a
+    reference to each rank's file (its digests, tree and RNG)."""
     req = job.request
-    records: dict[str, dict[tuple[int, ...], ChunkRecord]] = {}
+    inline: dict[str, tuple[str, str]] = {}
     for p in reports:
-        for name, recs in p.records.items():
-            records.setdefault(name, {}).update((r.index, r) for r in recs)
+        inline.update(p.inline)
     arrays = {}
     for plan in req.plans:
-        got = records.get(plan.spec.name, {})
-        chunks = []
+        grid = [-(-s // c) for s, c in zip(plan.spec.shape, plan.chunk_shape)]
+        writers = [0] * len(plan.chunks)
         for c in plan.chunks:
-            rec = got[c.index]
-            chunks.append(ChunkEntry(c.index, c.writer, c.offsets, c.shape, c.nbytes, rec.xxh3, rec.inline, rec.blocks))
-        regions = tuple({"offsets": list(o), "shape": list(s), "ranks": list(r)} for o, s, r in plan.regions)
+            flat = 0
+            for i, g in zip(c.index, grid):
+                flat = flat * g + i
+            writers[flat] = c.writer
+        runs = writer_runs(writers)
+        value = inline.get(plan.spec.name) if len(plan.chunks) == 1 and plan.chunks[0].inline else None
         arrays[plan.spec.name] = ArrayEntry(
             plan.spec.name,
             plan.spec.data_type,
             plan.spec.shape,
             plan.chunk_shape,
             plan.replicated,
-            regions,
-            tuple(chunks),
-            block_rows(plan.chunk_shape, itemsize(plan.spec.data_type)),
+            summarize_regions(plan.regions),
+            block_rows=block_rows(plan.chunk_shape, itemsize(plan.spec.data_type)),
+            runs=tuple(WriterRun(0, n, first, stride) for n, first, stride in runs),
+            inline=None if value is None else value[0],
+            inline_xxh3="" if value is None else value[1],
         )
-    trees: dict[str, Any] = {}
-    ranks = []
-    for r, p in enumerate(reports):
-        text = json.dumps(p.tree, sort_keys=True, separators=(",", ":"))
-        key = hashlib.sha1(text.encode()).hexdigest()[:16]
-        trees.setdefault(key, p.tree)
-        ranks.append(RankEntry(r, key, p.rng, p.host, p.root_index))
     meta = {
         **job_provenance(),
-        "ranks": [p.provenance for p in reports],
         "timings": [p.timings.to_json() for p in reports],
         "milestone": req.milestone,
-        "keys": sorted({str(k) for p in reports if isinstance(p.tree, dict) for k in p.tree}),  # every rank's
+        "keys": sorted({k for p in reports for k in p.keys}),  # every rank's
     }
     return Manifest(
         step=req.step,
@@ -103,11 +104,48 @@ def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, w
         created=time.time(),
         world_size=world,
         arrays=arrays,
-        trees=trees,
-        ranks=tuple(ranks),
+        trees={},
+        ranks=(),
         roots=ctx.root_groups,
         meta=meta,
+        rank_files=tuple(RankRef(*p.rank_file) for p in reports),
     )
+
+
+def _write_rank_file(job: SaveJob, ctx: RootContext, tmp_dir: str) -> tuple[int, str]:
+    """This rank's file (digests of the chunks it wrote, its tree, RNG and provenance) into
+    the tmp directory, fsynced with the rest; its size and xxh3."""
+    req = job.request
+    grids = {p.spec.name: [-(-s // c) for s, c in zip(p.spec.shape, p.chunk_shape)] for p in req.plans}
+    chunks: dict[str, list[tuple[int, str, tuple[str, ...]]]] = {}
+    for name, records in job.written.records.items():
+        grid = grids[name]
+        for r in records:
+            if r.inline is not None:
+                continue
+            flat = 0
+            for i, g in zip(r.index, grid):
+                flat = flat * g + i
+            chunks.setdefault(name, []).append((flat, r.xxh3, r.blocks))
+    for entries in chunks.values():
+        entries.sort()
+    data = rank_file_bytes(
+        step=req.step,
+        save_id=req.save_id,
+        rank=ctx.rank,
+        host=platform.node(),
+        root=ctx.root_index,
+        tree=req.tree,
+        rng=req.rng,
+        provenance=rank_provenance(),
+        chunks=chunks,
+    )
+    folder = os.path.join(tmp_dir, RANKS_DIR)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, DIR_MODE)
+    write_new(os.path.join(tmp_dir, rank_file_path(ctx.rank)), data, fsync=True)
+    job.written.dirs.update((folder, tmp_dir))
+    return len(data), xxhash.xxh3_64_hexdigest(data)
 
 
 def _report_stragglers(reports: list[RankReport], step: int, threshold: float) -> None:
@@ -177,6 +215,7 @@ def _write(job: SaveJob, ctx: RootContext, tmp_dir: str, pool: ThreadPoolExecuto
             write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir), inline_docs=True)
         else:
             write_tasks(job, tmp_dir, pool)
+        job.written.rank_file = _write_rank_file(job, ctx, tmp_dir)
         fault_point("after-write", ctx.rank)
         t0 = time.perf_counter()
         fsync_dirs(job.written.dirs)
@@ -192,16 +231,16 @@ def _write(job: SaveJob, ctx: RootContext, tmp_dir: str, pool: ThreadPoolExecuto
 
 def _report(job: SaveJob, ctx: RootContext, error: BaseException | None) -> RankReport:
     s = job.stats
+    tree = job.request.tree
     return RankReport(
-        records=job.written.records,
         error=None if error is None else describe_error(error),
-        tree=job.request.tree,
-        rng=job.request.rng,
+        rank_file=job.written.rank_file,
+        inline={name: (r.inline, r.xxh3) for name, records in job.written.records.items() for r in records if r.inline},
+        keys=tuple(sorted(str(k) for k in tree)) if isinstance(tree, dict) else (),
         host=platform.node(),
         root=ctx.root,
         root_index=ctx.root_index,
         timings=RankTimings(s.stage_s, s.staged_s, s.write_s, s.fsync_s, s.bytes_written, job.request.started_unix),
-        provenance=rank_provenance(),
     )
 
 
@@ -250,7 +289,7 @@ def _commit(
                 inline = [
                     ArrayNode.of(a)
                     for a in manifest.arrays.values()
-                    if a.name not in job.written.inline_docs and any(c.inline is not None for c in a.chunks)
+                    if a.name not in job.written.inline_docs and a.inline is not None
                 ]
                 with no_cyclic_gc():  # serializes the manifest
                     dirs = write_hierarchy(tmp_dir, inline, None)

@@ -81,6 +81,7 @@ class Written:
     records: dict[str, list[ChunkRecord]] = field(default_factory=dict)  # by array
     inline_docs: set[str] = field(default_factory=set)  # inline arrays whose zarr.json is written
     dirs: set[str] = field(default_factory=set)  # directories created, to fsync
+    rank_file: tuple[int, str] = (0, "")  # size and xxh3 of this rank's file, once written
 
 
 @dataclass
@@ -131,7 +132,7 @@ class SaveJob:
 
 @dataclass(frozen=True)
 class RankTimings:
-    """A rank's phases of one save, recorded in the manifest's meta (per rank)."""
+    """A rank's phases of one save, recorded in the manifest's meta (per rank: O(ranks))."""
 
     stage_s: float
     staged_s: float
@@ -146,14 +147,14 @@ class RankTimings:
 
 @dataclass(frozen=True)
 class RankReport:
-    """What each rank sends rank 0 after writing: everything the manifest needs from it."""
+    """What each rank sends rank 0 after writing: O(1) in the ranks and its own chunks (its
+    digests, tree and RNG went into its rank file, which this covers by size and xxh3)."""
 
-    records: dict[str, list[ChunkRecord]]
     error: str | None  # "TypeName: message" if this rank failed
-    tree: Any
-    rng: dict[str, Any] | None
+    rank_file: tuple[int, str]  # size and xxh3 of ranks/<rank>.json
+    inline: dict[str, tuple[str, str]]  # the single-element arrays it wrote: value hex and its xxh3
+    keys: tuple[str, ...]  # the top-level keys of its state
     host: str
     root: str  # the rank's root (for the straggler report)
     root_index: int
     timings: RankTimings
-    provenance: dict[str, Any]

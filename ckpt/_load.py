@@ -17,16 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from ckpt._dist import Comm
+from ckpt._dist import Comm, describe_error
 from ckpt._gc import no_cyclic_gc
 from ckpt._tensors import describe
 from ckpt._tree import bind
 from ckpt.config import CheckpointerConfig
 from ckpt.restore.execute import ReadRequest, full_tensor, load_arrays
 from ckpt.restore.locate import Located, first_manifest
+from ckpt.restore.saved_ranks import SavedRank, saved_rank
+from ckpt.restore.sources import rank_file_bytes_from
 from ckpt.rng import restore_rng, seed_new_rank
-from ckpt.store.errors import CorruptVersionError, StateMismatchError
+from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchError
 from ckpt.store.manifest import Manifest, parse_manifest
+from ckpt.store.rank_file import check_rank_file, parse_rank_file
 
 __all__ = ["load_version"]
 
@@ -54,6 +57,47 @@ def _agreed_manifest(ctl: Comm, located: Located) -> Manifest:
     return found
 
 
+def _saved_rank(ctl: Comm, manifest: Manifest, located: Located) -> SavedRank:
+    """The tree and RNG this rank restores (those of saved rank `rank % saved_world`): from
+    this rank's tiers, or sent by a rank whose tiers hold them (schema 3 keeps them beside
+    the saving rank's chunks; a rank on another node, or a new one, may see none)."""
+    want = ctl.rank % manifest.world_size
+    found: SavedRank | None = None
+    error: BaseException | None = None
+    try:
+        found = saved_rank(manifest, located.sources, want)
+    except CorruptVersionError as e:  # none here, or damaged here: another rank may hold a good copy
+        log.info("rank %d: the rank file of saved rank %d is not on this rank's tiers: %s", ctl.rank, want, e)
+    except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
+        error = e
+    ctl.agree(error)
+    if not ctl.any(found is None):  # the usual case: one all-reduce
+        assert found is not None
+        return found
+    wanted = sorted({w for w in ctl.all_gather(None if found is not None else want) if w is not None})
+    servable = [w for w in wanted if any(w in s.writers for s in located.sources)]
+    offers = ctl.all_gather(servable)
+    for w in wanted:
+        holder = next((r for r, offer in enumerate(offers) if w in offer), None)
+        if holder is None:
+            raise CorruptVersionError(f"no rank holds the rank file of saved rank {w} of step {located.step}")
+        sent: tuple[bool, bytes | str] | None = None
+        if ctl.rank == holder:
+            try:
+                sent = (True, rank_file_bytes_from(located.sources, manifest, w))
+            except Exception as e:  # noqa: BLE001 - every rank must still join the broadcast
+                sent = (isinstance(e, CorruptVersionError), f"rank {holder}: {describe_error(e)}")
+        ok, body = ctl.broadcast(sent, src=holder)
+        if isinstance(body, str):  # every rank raises alike: damage falls back, the rest does not
+            raise (CorruptVersionError(body) if ok else RankFailures({holder: body}))
+        if w == want and found is None:
+            check_rank_file(body, manifest, w, f"rank file of saved rank {w} from rank {holder}")
+            got = parse_rank_file(body, manifest, w)
+            found = SavedRank(got.tree, got.rng)
+    assert found is not None
+    return found
+
+
 def load_version(
     ctl: Comm, config: CheckpointerConfig, located: Located, state: Mapping[str, Any], *, strict: bool = True
 ) -> None:
@@ -61,12 +105,12 @@ def load_version(
     with no_cyclic_gc():  # thousands of manifest objects: see ckpt/_gc.py
         manifest = _agreed_manifest(ctl, located)
         saved_world = manifest.world_size
-        entry = manifest.ranks[ctl.rank % saved_world]
+        mine = _saved_rank(ctl, manifest, located)
         bound = None
         requests: list[ReadRequest] = []
         error: BaseException | None = None
         try:
-            bound = bind(manifest.trees[entry.tree], state, strict=strict)
+            bound = bind(mine.tree, state, strict=strict)
             for leaf in bound.leaves:
                 array = manifest.arrays.get(leaf.name)
                 if array is None:
@@ -103,8 +147,8 @@ def load_version(
     assert bound is not None
     bound.finish()
     if config.capture_rng:
-        if ctl.rank < saved_world and manifest.ranks[ctl.rank].rng is not None:
-            restore_rng(manifest.ranks[ctl.rank].rng)  # type: ignore[arg-type]
+        if ctl.rank < saved_world and mine.rng is not None:
+            restore_rng(mine.rng)
         else:
             seed_new_rank(manifest.save_id, ctl.rank)
     how = "" if saved_world == ctl.world else f" (saved by {saved_world} ranks, resharded)"

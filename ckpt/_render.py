@@ -95,17 +95,15 @@ def ls_lines(location: str, rows: list[Row], width: int = 80) -> list[str]:
 
 
 def sharding(array: ArrayEntry, world: int) -> str:
-    """A short description of how the saving ranks held a tensor."""
-    regions = array.regions
-    if len(regions) <= 1:
-        holders = len(regions[0]["ranks"]) if regions else 0
-        return "replicated" + (f" on {holders} ranks" if holders != world else "")
-    dims = sorted({d for r in regions for d, o in enumerate(r["offsets"]) if o})
-    sizes = {tuple(r["shape"]) for r in regions}
-    kind = "uneven " if len(sizes) > 1 else ""
-    replicas = max(len(r["ranks"]) for r in regions)
+    """A short description of how the saving ranks held a tensor (its manifest's summary)."""
+    summary = array.sharding
+    pieces, replicas = int(summary.get("pieces", 0) or 0), int(summary.get("replicas", 0) or 0)
+    if pieces <= 1:
+        return "replicated" + (f" on {replicas} ranks" if replicas != world else "")
+    dims = ",".join(map(str, summary.get("dims", [])))
+    kind = "uneven " if summary.get("uneven") else ""
     extra = f", {replicas} replicas each" if replicas > 1 else ""
-    return f"{kind}sharded on dim {','.join(map(str, dims))} in {len(regions)} pieces{extra}"
+    return f"{kind}sharded on dim {dims} in {pieces} pieces{extra}"
 
 
 def inspect_rows(manifest: Manifest) -> list[dict[str, Any]]:
@@ -115,7 +113,7 @@ def inspect_rows(manifest: Manifest) -> list[dict[str, Any]]:
             "dtype": a.data_type,
             "shape": list(a.shape),
             "chunk_shape": list(a.chunk_shape),
-            "chunks": len(a.chunks),
+            "chunks": a.chunk_count,
             "bytes": a.nbytes,
             "sharding": sharding(a, manifest.world_size),
         }
@@ -134,7 +132,7 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def inspect_lines(manifest: Manifest, width: int | None = None) -> list[str]:
+def inspect_lines(manifest: Manifest, ranks: list[dict[str, Any]], width: int | None = None) -> list[str]:
     """The version's provenance, then its tensors: one line each, whatever the names'
     length. `width`: the terminal's, when the output is one (None: a pipe or a file, never
     wrapped); a table wider than that puts each tensor's other columns on a line below it."""
@@ -156,12 +154,14 @@ def inspect_lines(manifest: Manifest, width: int | None = None) -> list[str]:
         dirty = " (dirty)" if git.get("dirty") else ""
         out.append(f"  training code: {git.get('path')} @ {git.get('commit')}{dirty}")
     hosts: dict[tuple[str, str, str], list[int]] = {}
-    for rank, p in enumerate(manifest.meta.get("ranks", [])):
-        if isinstance(p, dict):
+    for rank, p in enumerate(ranks):  # the saving ranks' provenance (the first ones, at scale)
+        if p:
             where = (str(p.get("host")), str(p.get("cpu")), ", ".join(p.get("gpus") or []) or "no GPU")
             hosts.setdefault(where, []).append(rank)
-    for (host, cpu, gpus), ranks in hosts.items():
-        out.append(f"  ranks [{_ranges(ranks)}]: {host}, {cpu}, {gpus}")
+    for (host, cpu, gpus), members in hosts.items():
+        out.append(f"  ranks [{_ranges(members)}]: {host}, {cpu}, {gpus}")
+    if len(ranks) < manifest.world_size:
+        out.append(f"  ranks [{len(ranks)}-{manifest.world_size - 1}]: see ranks/<rank>.json of each root")
     out.append("")
     headers = ("tensor", "dtype", "shape", "chunks", "size", "sharding")
     cells = [[r["name"], r["dtype"], str(r["shape"]), str(r["chunks"]), human(r["bytes"]), r["sharding"]] for r in rows]

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckpt._render import human
-from ckpt.store.chunk_read import verify_chunks
 from ckpt.store.errors import CkptError, TierUnavailableError, VersionNotFoundError
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
+from ckpt.store.verify import verify_chunks
 from ckpt.store.versions import committed_steps, damaged_entries, read_manifest, read_root_info, version_dirname
 
 __all__ = ["Checked", "verify_tier"]
@@ -39,7 +39,7 @@ def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
     info = read_root_info(tier, step)
     held = set(info.writers) if info is not None else None
     problems = tuple(f"BAD {p.path}: {p.reason}" for p in verify_chunks(tier, step, manifest, held))
-    n = sum(1 for a in manifest.arrays.values() for c in a.chunks if held is None or c.writer in held)
+    n = sum(1 for a in manifest.arrays.values() for c in a.iter_chunks() if held is None or c.writer in held)
     return Checked(step, problems, f"ok ({n} chunks, {human(manifest.total_bytes)})")
 
 

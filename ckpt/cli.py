@@ -277,7 +277,7 @@ def restore_cmd(
 
         def export(located: Located) -> tuple[int, str]:
             manifest = _manifest_of(located)
-            names = selected(manifest, wanted)[1]
+            names = selected(manifest, located.sources, wanted)[1]
             total = (
                 manifest.total_bytes
                 if out is None
@@ -318,7 +318,7 @@ def _export_safetensors(
 
     def export(located: Located) -> tuple[int, list[str]]:
         manifest = _manifest_of(located)
-        total = sum(a.nbytes for a in tensor_names(manifest, prefix).values())
+        total = sum(a.nbytes for a in tensor_names(manifest, located.sources, prefix).values())
         with progress(f"step {located.step}", total) as advance:
             return total, write_safetensors(
                 manifest,
@@ -336,6 +336,25 @@ def _export_safetensors(
     click.echo(f"exported step {chosen} ({human(total)}) to {out_dir}: {len(written)} files")
 
 
+INSPECT_RANKS = 64  # ranks whose provenance inspect reads from their rank files (schema 3)
+
+
+def _rank_provenance(manifest: Manifest, located: Located) -> list[dict[str, Any]]:
+    """Host, CPU and GPUs of the first INSPECT_RANKS saving ranks ({} where unreadable)."""
+    if manifest.schema_version < 3:
+        return [p if isinstance(p, dict) else {} for p in manifest.meta.get("ranks", [])]
+    from ckpt.restore.sources import rank_file_from
+
+    out: list[dict[str, Any]] = []
+    for rank in range(min(manifest.world_size, INSPECT_RANKS)):
+        try:
+            out.append(rank_file_from(located.sources, manifest, rank).provenance)
+        except CkptError as e:
+            logging.getLogger("ckpt").warning("rank %d's provenance: %s", rank, e)
+            out.append({})
+    return out
+
+
 @main.command("inspect")
 @click.argument("root")
 @click.option("--step", type=_STEP_OPTION, default=None, help="The step (default: the newest).")
@@ -348,18 +367,23 @@ def inspect_cmd(
 ) -> None:
     """List a version's tensors with their dtypes, shapes and sharding (names are never cut)."""
     sources = _tiers(root, tiers, _options(storage_options))
-    manifest = _newest(sources, _manifest_of, step)[1]
+
+    def load(located: Located) -> tuple[Manifest, list[dict[str, Any]]]:
+        manifest = _manifest_of(located)
+        return manifest, _rank_provenance(manifest, located)
+
+    manifest, ranks = _newest(sources, load, step)[1]
     if as_json:
         doc = {
             "step": manifest.step,
             "world_size": manifest.world_size,
-            "meta": manifest.meta,
+            "meta": {**manifest.meta, "ranks": ranks},
             "arrays": inspect_rows(manifest),
         }
         click.echo(json.dumps(doc))
         return
     width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-    for line in inspect_lines(manifest, width):
+    for line in inspect_lines(manifest, ranks, width):
         click.echo(line)
 
 

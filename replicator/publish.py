@@ -23,6 +23,7 @@ import logging
 from ckpt.replicator.transfer import Transfer, missing_files
 from ckpt.store.errors import ManifestError, StoppedError
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
+from ckpt.store.rank_file import rank_file_path
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import COMMIT_CLAIM, DELETING_MARKER, RootInfo, read_root_info, version_dirname
 
@@ -113,10 +114,11 @@ def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, i
         {
             a.chunk_path(c): c.nbytes
             for a in m.arrays.values()
-            for c in a.chunks
+            for c in a.iter_chunks()
             if c.inline is None and c.writer in held
         }
     )
+    expected.update({rank_file_path(r): ref.size for r, ref in enumerate(m.rank_files) if r in held})
     missing = missing_files(tier, t.step, expected)
     if missing:
         log.warning(

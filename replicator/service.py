@@ -320,7 +320,7 @@ class Replicator:
         if self._expired_on_remote(entry, manifest):
             entry.remote = CopyState("expired", time.time(), url=url)
             return
-        part = manifest.ranks[writers[0]].root if writers else 0
+        part = manifest.root_of(writers[0]) if writers else 0
         try:
             ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
         except StoppedError:

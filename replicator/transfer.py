@@ -1,7 +1,8 @@
 """Copying the files of one committed version (the part a source root holds) to a
 destination tier, each verified, resumably.
 
-A chunk is uploaded and read back (readback: its xxh3 against the manifest); a copy that
+A chunk or rank file is uploaded and read back (readback: its xxh3 against the manifest,
+or against its writer's rank file on the source for a schema-3 chunk); a copy that
 reads back wrong may have been damaged on the way (up or down) where no transport
 checksum covers it, so it is sent again before it counts as corrupt. Verified files go
 into a journal beside the source root, so a restarted replicator resumes without sending
@@ -26,7 +27,8 @@ from ckpt.replicator.ratelimit import RateLimiter
 from ckpt.store.chunk_read import READ_BLOCK
 from ckpt.store.digest import ChunkHasher
 from ckpt.store.errors import CorruptVersionError, StoppedError, TierUnavailableError
-from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, ChunkEntry, Manifest
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
+from ckpt.store.rank_file import RankFiles, rank_file_path
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import version_dirname
 
@@ -100,12 +102,12 @@ def _size(tier: Tier, key: str) -> int:
     return handle.size
 
 
-def _send(t: Transfer, rel: str, size: int, chunk: ChunkEntry | None, block_bytes: int) -> None:
+def _send(t: Transfer, rel: str, size: int, digest: str | None, block_bytes: int) -> None:
     """Upload one file and check it arrived. A file (or directory) the destination lost
     between the upload and the check (an operator's rm -rf) is sent again."""
     for attempt in range(_RESENDS + 1):
         try:
-            _send_once(t, rel, size, chunk, block_bytes)
+            _send_once(t, rel, size, digest, block_bytes)
             return
         except FileNotFoundError:
             t.dest.check_disk()  # an unmounted disk takes its files along: not worth sending again
@@ -114,15 +116,15 @@ def _send(t: Transfer, rel: str, size: int, chunk: ChunkEntry | None, block_byte
             log.warning("%s vanished while it was copied; sending it again", t.where(rel))
 
 
-def _send_once(t: Transfer, rel: str, size: int, chunk: ChunkEntry | None, block_bytes: int) -> None:
+def _send_once(t: Transfer, rel: str, size: int, digest: str | None, block_bytes: int) -> None:
     """Upload one file and check it arrived: its digest (readback) or its size."""
     key = join_key(t.name, rel)
     t.dest.check_disk()
     t.dest.tier.put_stream(key, _blocks(t, key), size)
-    if t.readback and chunk is not None:
+    if t.readback and digest is not None:
         for resend in range(_RESENDS + 1):
             got_size, got = _digest(t.dest.tier, key, block_bytes)
-            if got_size == size and got == chunk.xxh3:
+            if got_size == size and got == digest:
                 break
             if resend == _RESENDS:
                 raise CorruptVersionError(f"{t.where(rel)}: copy does not match the manifest", path=rel)
@@ -147,7 +149,9 @@ def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) ->
     """Copy and verify every file of the part (not the manifest or root info); returns the
     files copied (relative path -> size). Raises what stopped it (TierUnavailableError,
     CorruptVersionError, StoppedError)."""
-    chunks = {a.chunk_path(c): (a, c) for a in t.manifest.arrays.values() for c in a.chunks if c.inline is None}
+    chunks = {a.chunk_path(c): (a, c) for a in t.manifest.arrays.values() for c in a.iter_chunks() if c.inline is None}
+    rank_files = {rank_file_path(r): ref.xxh3 for r, ref in enumerate(t.manifest.rank_files)}
+    book = RankFiles(t.source)  # schema 3: the chunks' digests, from the rank files of the source
     sizes = {
         o.key[len(t.name) + 1 :]: o.size
         for o in t.source.find(t.name)
@@ -160,8 +164,12 @@ def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) ->
 
     def one(rel: str) -> None:
         array_chunk = chunks.get(rel)
-        block_bytes = array_chunk[0].digest_block_bytes(array_chunk[1]) if array_chunk else 0
-        _send(t, rel, sizes[rel], array_chunk[1] if array_chunk else None, block_bytes)
+        digest, block_bytes = rank_files.get(rel), 0
+        if array_chunk is not None:
+            array, chunk = array_chunk
+            chunk = book.resolve(t.step, t.manifest, array, chunk)
+            digest, block_bytes = chunk.xxh3, array.digest_block_bytes(chunk)
+        _send(t, rel, sizes[rel], digest, block_bytes)
         t.journal.add(rel)
         progress(sizes[rel])
         if time.monotonic() - last_save[0] > 0.5:

@@ -260,15 +260,16 @@ def load_arrays(
             error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
             continue
         mine = [requests[i] for i in by_key[(name, index)].requests] if (name, index) in by_key else []
-        for block in blocks(array, chunk):
+        for i, block in enumerate(blocks(array, chunk)):  # its geometry: the holder knows the digests
             buf = torch.zeros(block.nbytes, dtype=torch.uint8)  # bounded: the manifest caps block sizes
             if comm.rank == holders[0]:
                 try:
                     from_first_good(
                         sources,
+                        manifest,
                         array,
                         chunk,
-                        functools.partial(_one_block, array=array, chunk=chunk, block=block, out=buf, verify=verify),
+                        functools.partial(_one_block, array=array, i=i, out=buf, verify=verify),
                     )
                 except Exception as e:  # noqa: BLE001 - every rank must still join the broadcast
                     error = error or e
@@ -285,16 +286,16 @@ def load_arrays(
     first: dict[int, list[str]] = {}  # per source (by position): the chunks it is read first for
     for p in local:
         c = chunk_of[(p.name, p.index)]
-        i = next((i for i, s in enumerate(sources) if c.inline is None and c.writer in s.writers), None)
-        if i is not None:
-            first.setdefault(i, []).append(sources[i].key(manifest.arrays[p.name], c))
+        at = next((i for i, s in enumerate(sources) if c.inline is None and c.writer in s.writers), None)
+        if at is not None:
+            first.setdefault(at, []).append(sources[at].key(manifest.arrays[p.name], c))
     for i, keys in first.items():
         sources[i].tier.warm(keys)
 
     def read(p: ChunkRead) -> None:
         array, chunk = manifest.arrays[p.name], chunk_of[(p.name, p.index)]
         reqs = [requests[i] for i in p.requests]
-        from_first_good(sources, array, chunk, lambda s: _read_from(s, array, chunk, p.rows, reqs, verify))
+        from_first_good(sources, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify))
 
     _, failed = run_lanes(local, read, max(1, threads), name="ckpt-read")
     if failed and error is None:
@@ -303,9 +304,9 @@ def load_arrays(
         raise error
 
 
-def _one_block(
-    src: Source, array: ArrayEntry, chunk: ChunkEntry, block: Block, out: torch.Tensor, verify: bool
-) -> None:
+def _one_block(src: Source, chunk: ChunkEntry, array: ArrayEntry, i: int, out: torch.Tensor, verify: bool) -> None:
+    """Block `i` of a chunk (with its digests, from `src`) into `out`."""
+    block = blocks(array, chunk)[i]
     handle = open_chunk(src.tier, src.step, array, chunk)
     try:
         _read_block(handle, block, out, f"{src.name}/{src.key(array, chunk)}", verify or src.always_verify)

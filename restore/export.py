@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckpt.restore.sources import Source, from_first_good
+from ckpt.restore.saved_ranks import saved_rank
+from ckpt.restore.sources import Source, from_first_good, rank_file_bytes_from
 from ckpt.store import commit
 from ckpt.store.chunk_read import read_chunk
 from ckpt.store.errors import CkptError, CorruptVersionError, VersionExistsError
-from ckpt.store.fsio import DIR_MODE, FILE_MODE, fsync_dir, fsync_dirs, makedirs, write_chunk
-from ckpt.store.manifest import Manifest
+from ckpt.store.fsio import DIR_MODE, FILE_MODE, fsync_dir, fsync_dirs, makedirs, write_chunk, write_new
+from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckpt.store.rank_file import RANKS_DIR, rank_file_path
 from ckpt.store.root import RootLock
 from ckpt.store.versions import committed_steps, version_dirname
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
@@ -57,16 +59,23 @@ def copy_version(
         os.makedirs(tmp, mode=DIR_MODE)
         dirs: set[str] = {tmp}
         try:
+            if manifest.rank_files:  # the digests, trees and RNG of every rank, verified
+                os.mkdir(os.path.join(tmp, RANKS_DIR), DIR_MODE)
+                dirs.add(os.path.join(tmp, RANKS_DIR))
+                for rank in range(manifest.world_size):
+                    raw = rank_file_bytes_from(sources, manifest, rank)
+                    write_new(os.path.join(tmp, rank_file_path(rank)), raw, fsync=True)
             for array in manifest.arrays.values():
-                for chunk in array.chunks:
+                for chunk in array.iter_chunks():
                     if chunk.inline is not None:
                         continue
                     buf = np.empty(chunk.nbytes, dtype=np.uint8)
-                    from_first_good(
+                    chunk = from_first_good(
                         sources,
+                        manifest,
                         array,
                         chunk,
-                        lambda s, a=array, c=chunk, b=buf: read_chunk(s.tier, s.step, a, c, memoryview(b)),  # type: ignore[misc]
+                        lambda s, c, a=array, b=buf: _read_into(s, a, c, b),  # type: ignore[misc]
                     )
                     path = os.path.join(tmp, array.chunk_path(chunk))
                     makedirs(os.path.dirname(path))
@@ -87,6 +96,12 @@ def copy_version(
         return os.path.join(dest_root, version_dirname(manifest.step))
     finally:
         lock.release()
+
+
+def _read_into(src: Source, array: ArrayEntry, chunk: ChunkEntry, buf: np.ndarray) -> ChunkEntry:
+    """The whole chunk into `buf`, verified; the chunk with its digests."""
+    read_chunk(src.tier, src.step, array, chunk, memoryview(buf))  # type: ignore[arg-type]
+    return chunk
 
 
 def _with_parents(dirs: set[str], top: str) -> set[str]:
@@ -112,7 +127,7 @@ def assemble(
     `comm`: a single process's (ckpt._dist.Comm.solo())."""
     from ckpt.restore.execute import ReadRequest, full_tensor, load_arrays  # torch: only where tensors are built
 
-    tree, wanted = selected(manifest, keys)
+    tree, wanted = selected(manifest, sources, keys)
     tensors: dict[str, torch.Tensor] = {}
     for array in manifest.arrays.values():
         if array.name not in wanted:
@@ -124,9 +139,9 @@ def assemble(
     return decode_tree(tree, tensors)  # type: ignore[no-any-return]
 
 
-def selected(manifest: Manifest, keys: frozenset[str] | None) -> tuple[Any, set[str]]:
+def selected(manifest: Manifest, sources: Sequence[Source], keys: frozenset[str] | None) -> tuple[Any, set[str]]:
     """Rank 0's state tree (only its `keys`, if given) and the arrays it refers to."""
-    tree = manifest.trees[manifest.ranks[0].tree]
+    tree = saved_rank(manifest, sources, 0).tree
     if keys is not None and isinstance(tree, dict):
         tree = {k: v for k, v in tree.items() if k in keys}
     return tree, referenced_arrays(tree)

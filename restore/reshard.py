@@ -118,13 +118,14 @@ def row_bytes(array: ArrayEntry) -> int:
 def blocks(array: ArrayEntry, chunk: ChunkEntry, rows: tuple[int, int] | None = None) -> list[Block]:
     """The chunk's checksummed blocks, or only those overlapping chunk-local `rows`."""
     shape = array.chunk_shape or (1,)
-    if not chunk.blocks:
+    if not array.block_rows or chunk.inline is not None:
         out = [Block((0, shape[0]), 0, chunk.nbytes, chunk.xxh3)]
-    else:
+    else:  # the geometry follows from block_rows; the digests are "" where not resolved (schema 3)
         k, rb = array.block_rows, row_bytes(array)
+        digests = chunk.blocks or ("",) * -(-shape[0] // k)
         out = [
             Block((i * k, min(shape[0], (i + 1) * k)), i * k * rb, (min(shape[0], (i + 1) * k) - i * k) * rb, d)
-            for i, d in enumerate(chunk.blocks)
+            for i, d in enumerate(digests)
         ]
     if rows is None:
         return out

@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
-from ckpt.store.manifest import ArrayEntry, ChunkEntry
+from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckpt.store.rank_file import RankFile, RankFiles, rank_file_path, read_rank_file_raw
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import version_dirname
 
-__all__ = ["Source", "REREADS", "from_first_good", "with_rereads"]
+__all__ = [
+    "Source",
+    "REREADS",
+    "first_good",
+    "from_first_good",
+    "rank_file_bytes_from",
+    "rank_file_from",
+    "with_rereads",
+]
 
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
@@ -34,7 +43,11 @@ class Source:
 
     tier: Tier
     step: int
-    writers: frozenset[int]  # ranks whose chunks it holds
+    writers: frozenset[int]  # ranks whose chunks (and rank files) it holds
+    rank_files: RankFiles = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank_files", RankFiles(self.tier))
 
     @property
     def name(self) -> str:
@@ -53,6 +66,13 @@ class Source:
     def key(self, array: ArrayEntry, chunk: ChunkEntry) -> str:
         return join_key(version_dirname(self.step), array.chunk_path(chunk))
 
+    def resolve(self, manifest: Manifest, array: ArrayEntry, chunk: ChunkEntry) -> ChunkEntry:
+        """`chunk` with its digests as this copy records them (schema 3: the writer's rank file here)."""
+        return self.rank_files.resolve(self.step, manifest, array, chunk)
+
+    def rank_file(self, manifest: Manifest, rank: int) -> RankFile:
+        return self.rank_files.get(self.step, manifest, rank)
+
 
 def with_rereads(read: Callable[[], T]) -> T:
     """read(), again while it fails a checksum (CorruptVersionError with an `actual` digest)."""
@@ -66,13 +86,51 @@ def with_rereads(read: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def from_first_good(sources: Sequence[Source], array: ArrayEntry, chunk: ChunkEntry, read: Callable[[Source], T]) -> T:
-    """read(source) for the first source that holds the chunk and gives a good copy."""
+def from_first_good(
+    sources: Sequence[Source],
+    manifest: Manifest,
+    array: ArrayEntry,
+    chunk: ChunkEntry,
+    read: Callable[[Source, ChunkEntry], T],
+) -> T:
+    """read(source, chunk with its digests) for the first source that holds the chunk and
+    gives a good copy (a bad rank file, which holds the digests, is a bad copy too)."""
+    return first_good(
+        [s for s in sources if s.holds(chunk)],
+        lambda src: read(src, src.resolve(manifest, array, chunk)),
+        f"{array.name} chunk {list(chunk.index)}",
+        array.path,
+        array.name,
+    )
+
+
+def rank_file_bytes_from(sources: Sequence[Source], manifest: Manifest, rank: int) -> bytes:
+    """Rank `rank`'s file (schema 3), verified, from the first source with a good copy."""
+    return first_good(
+        [s for s in sources if rank in s.writers],
+        lambda src: read_rank_file_raw(src.tier, src.step, manifest, rank),
+        rank_file_path(rank),
+        rank_file_path(rank),
+        rank_file_path(rank),
+    )
+
+
+def rank_file_from(sources: Sequence[Source], manifest: Manifest, rank: int) -> RankFile:
+    """Rank `rank`'s parsed file (schema 3) from the first source with a good copy."""
+    return first_good(
+        [s for s in sources if rank in s.writers],
+        lambda src: src.rank_file(manifest, rank),
+        rank_file_path(rank),
+        rank_file_path(rank),
+        rank_file_path(rank),
+    )
+
+
+def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str, path: str, label: str) -> T:
+    """read(source) for the first of `holders` that gives a good copy of `what`."""
     damaged: list[str] = []
     unreachable: list[TierUnavailableError] = []
-    for src in sources:
-        if not src.holds(chunk):
-            continue
+    for src in holders:
         try:
             result = with_rereads(lambda src=src: read(src))  # type: ignore[misc]
         except CorruptVersionError as e:
@@ -83,11 +141,11 @@ def from_first_good(sources: Sequence[Source], array: ArrayEntry, chunk: ChunkEn
             continue
         if damaged or unreachable:
             why = damaged[-1] if damaged else str(unreachable[-1])
-            log.warning("%s: used the copy on %s after: %s", array.name, src.name, why)
+            log.warning("%s: used the copy on %s after: %s", label, src.name, why)
         return result
     if unreachable:
         detail = "; ".join([*damaged, *map(str, unreachable)])
-        raise TierUnavailableError(unreachable[0].errno, f"{array.name} chunk {list(chunk.index)}: {detail}")
+        raise TierUnavailableError(unreachable[0].errno, f"{what}: {detail}")
     if not damaged:
-        raise CorruptVersionError(f"{array.name} chunk {list(chunk.index)} is on no reachable tier", path=array.path)
-    raise CorruptVersionError("; ".join(damaged), path=array.path)
+        raise CorruptVersionError(f"{what} is on no reachable tier", path=path)
+    raise CorruptVersionError("; ".join(damaged), path=path)

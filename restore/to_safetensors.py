@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt.restore.saved_ranks import saved_trees
 from ckpt.restore.sources import Source
 from ckpt.store.dtypes import ITEMSIZE
 from ckpt.store.errors import CkptError, VersionNotFoundError
@@ -72,13 +73,14 @@ def _unwrap(node: Any) -> Any:
     return node
 
 
-def tensor_names(manifest: Manifest, prefix: str) -> dict[str, ArrayEntry]:
+def tensor_names(manifest: Manifest, sources: Sequence[Source], prefix: str) -> dict[str, ArrayEntry]:
     """The arrays under `prefix` (dot-separated state keys), by the names
     `module.state_dict()` gives them, in saved order: of every rank's tree (pipeline
     stages hold different modules), rank 0's first."""
     out: dict[str, ArrayEntry] = {}
-    trees = [manifest.trees[manifest.ranks[0].tree], *manifest.trees.values()]
-    for tree in trees:
+    trees: list[Any] = []
+    for tree in saved_trees(manifest, sources):
+        trees.append(tree)
         node = _unwrap(tree)
         for part in prefix.split(".") if prefix else []:
             node = _unwrap(node[part]) if isinstance(node, dict) and part in node else None
@@ -202,7 +204,7 @@ def write_safetensors(
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
-    names = tensor_names(manifest, prefix)
+    names = tensor_names(manifest, sources, prefix)
     files = plan_files([(n, _out_bytes(a, dtype)) for n, a in names.items()], parse_size(max_shard_size))
     _check_target(out_dir, force)
     os.makedirs(out_dir, mode=DIR_MODE, exist_ok=True)

@@ -13,19 +13,16 @@ it is: nothing is skipped or deleted because a read failed once.
 from __future__ import annotations
 
 import errno
-import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import xxhash
 
-from ckpt.store.digest import ChunkHasher, chunk_digest
+from ckpt.store.digest import chunk_digest
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
-from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckpt.store.manifest import ArrayEntry, ChunkEntry
 from ckpt.store.tier import ReadHandle, Tier, join_key
 from ckpt.store.versions import version_dirname
 
-__all__ = ["READ_BLOCK", "open_chunk", "read_exact", "read_chunk", "check_digest", "ChunkProblem", "verify_chunks"]
+__all__ = ["READ_BLOCK", "open_chunk", "open_checked", "read_exact", "read_chunk", "check_digest"]
 
 READ_BLOCK = 4 << 20
 
@@ -55,26 +52,30 @@ def _unavailable(e: OSError) -> bool:
 
 def open_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry) -> ReadHandle:
     """The chunk's object, checked to have the manifest's size."""
-    key = join_key(version_dirname(step), array.chunk_path(chunk))
+    return open_checked(tier, join_key(version_dirname(step), array.chunk_path(chunk)), chunk.nbytes, chunk.xxh3)
+
+
+def open_checked(tier: Tier, key: str, nbytes: int, expected: str, what: str = "chunk") -> ReadHandle:
+    """A file of a version (a chunk, a rank file), checked to have the size the manifest gives."""
     where = f"{tier.location}/{key}"
     try:
         handle = tier.open_read(key)
     except (CorruptVersionError, TierUnavailableError):
         raise
     except FileNotFoundError:
-        raise CorruptVersionError(f"chunk {where} is missing", path=where, expected=chunk.xxh3) from None
+        raise CorruptVersionError(f"{what} {where} is missing", path=where, expected=expected) from None
     except OSError as e:
         # A remote store's refusal or unknown error is no proof of damage; a local file that
         # cannot be opened (a bad sector, a planted directory) is, unless errno says otherwise.
         if _unavailable(e) or (not tier.capabilities.local_files and not isinstance(e, IsADirectoryError)):
             raise TierUnavailableError(
-                e.errno or errno.EIO, f"chunk {where} cannot be opened: {e.strerror or e}"
+                e.errno or errno.EIO, f"{what} {where} cannot be opened: {e.strerror or e}"
             ) from None
-        raise CorruptVersionError(f"chunk {where} cannot be opened: {e.strerror or e}", path=where) from None
-    if handle.size != chunk.nbytes:
+        raise CorruptVersionError(f"{what} {where} cannot be opened: {e.strerror or e}", path=where) from None
+    if handle.size != nbytes:
         handle.close()
         raise CorruptVersionError(
-            f"chunk {where} has {handle.size} bytes, the manifest says {chunk.nbytes}", path=where, expected=chunk.xxh3
+            f"{what} {where} has {handle.size} bytes, the manifest says {nbytes}", path=where, expected=expected
         )
     return handle
 
@@ -119,43 +120,3 @@ def check_digest(got: str, expected: str, what: str, where: str) -> None:
         raise CorruptVersionError(
             f"{what} (xxh3 {got}, manifest {expected})", path=where, expected=expected, actual=got
         )
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkProblem:
-    array: str
-    path: str
-    reason: str
-
-
-def verify_chunks(tier: Tier, step: int, manifest: Manifest, writers: set[int] | None = None) -> Iterator[ChunkProblem]:
-    """Recompute every checksum (streaming, one small buffer); yield each bad chunk.
-
-    `writers` limits the check to chunks written by those ranks (the part a tier holds).
-    """
-    view = memoryview(bytearray(READ_BLOCK))
-    for array in manifest.arrays.values():
-        for chunk in array.chunks:
-            if writers is not None and chunk.writer not in writers:
-                continue
-            path = array.chunk_path(chunk)
-            where = os.path.join(tier.location, version_dirname(step), path)
-            try:
-                if chunk.inline is not None:
-                    read_chunk(tier, step, array, chunk, memoryview(bytearray(len(chunk.inline) // 2)))
-                    continue
-                handle = open_chunk(tier, step, array, chunk)
-                hasher = ChunkHasher(array.digest_block_bytes(chunk))
-                try:
-                    for start in range(0, chunk.nbytes, READ_BLOCK):
-                        piece = view[: min(READ_BLOCK, chunk.nbytes - start)]
-                        read_exact(handle, piece, start, where)
-                        hasher.update(piece)
-                finally:
-                    handle.close()
-            except CorruptVersionError as e:
-                yield ChunkProblem(array.name, path, str(e))
-                continue
-            got = hasher.hexdigest()
-            if got != chunk.xxh3:
-                yield ChunkProblem(array.name, path, f"xxh3 {got} != manifest {chunk.xxh3}")

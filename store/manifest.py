@@ -1,19 +1,25 @@
 """The manifest: a versioned JSON document that is the contract of a committed version.
 
-It lists every array (dtype, global shape, chunk grid, which rank wrote each chunk and
-its xxh3), each rank's non-tensor state as a JSON tree, and provenance. Parsing
-validates everything a reader will act on, before any file is opened or any buffer
-is allocated: schema version, array names (so no path can leave the version),
-dtypes, shapes and byte counts.
+It lists every array (dtype, global shape, chunk grid, which rank wrote each chunk) and
+provenance. Since schema 3 it stays O(arrays + ranks) at any scale: which rank wrote each
+chunk is run-length encoded, and what is per rank and per chunk (chunk digests, the
+rank's JSON state tree, its RNG) lives in one file per rank (store.rank_file) that the
+manifest covers by size and xxh3. Schemas 1 and 2 (still read) listed every chunk with
+its digest and every rank's tree here. Parsing validates everything a reader will act
+on, before any file is opened or any buffer is allocated: schema version, array names
+(so no path can leave the version), dtypes, shapes and byte counts.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
 import json
 import math
 import re
 import urllib.parse
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +39,7 @@ __all__ = [
     "ChunkEntry",
     "ArrayEntry",
     "RankEntry",
+    "RankRef",
     "Manifest",
     "escape_component",
     "keys_of",
@@ -41,14 +48,16 @@ __all__ = [
 ]
 
 # 2: "." chunk keys; a blocked chunk's xxh3 is the digest of its block digests (store/digest.py)
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
+# 3: run-length encoded writers; digests, trees and RNG in per-rank files (store/rank_file.py)
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 ROOT_INFO_NAME = "root.json"
 STATE_PREFIX = "state"
 MAX_ARRAY_BYTES = 1 << 48  # 256 TiB: anything larger is a crafted manifest
 MAX_NDIM = 32
 MAX_ROW_BYTES = 1 << 30  # one row of a chunk is the smallest unit a reader buffers
+MAX_RANK_FILE = 1 << 30  # bytes of one rank file: anything larger is crafted
 MAX_COMPONENT = 128  # characters of one array path component (file names stop at 255 bytes)
 _RESERVED = frozenset({"zarr.json"})  # names a group directory holds besides its children
 _COMPONENT = re.compile(r"^[A-Za-z0-9_.~%+-]+$")
@@ -96,9 +105,39 @@ class ChunkEntry:
     offsets: tuple[int, ...]  # global start of the valid data
     shape: tuple[int, ...]  # valid extent; the file holds the full chunk_shape
     nbytes: int  # file size; 0 when inline
-    xxh3: str  # xxh3_64 hex of the file's bytes (or of the inline value)
+    xxh3: str  # xxh3_64 hex of the file's bytes (or of the inline value); "" until resolved (schema 3)
     inline: str | None = None  # little-endian value bytes as hex, for single-element arrays
     blocks: tuple[str, ...] = ()  # xxh3_64 of each block of `block_rows` rows, when more than one
+
+    @property
+    def resolved(self) -> bool:
+        """Whether its digests are known (schema 3 keeps them in the writer's rank file)."""
+        return bool(self.xxh3)
+
+
+@dataclass(frozen=True, slots=True)
+class WriterRun:
+    """`count` chunks from flat grid index `start` on, written by ranks first, first + stride, ..."""
+
+    start: int
+    count: int
+    first: int
+    stride: int
+
+
+def writer_runs(writers: list[int]) -> list[tuple[int, int, int]]:
+    """The writers of an array's chunks in grid order, as [count, first, stride] runs."""
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(writers):
+        first = writers[i]
+        stride = writers[i + 1] - first if i + 1 < len(writers) and writers[i + 1] >= first else 0
+        j = i + 1
+        while j < len(writers) and writers[j] == first + stride * (j - i):
+            j += 1
+        runs.append((j - i, first, stride))
+        i = j
+    return runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +147,14 @@ class ArrayEntry:
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     replicated: bool
-    regions: tuple[dict[str, Any], ...]  # {"offsets", "shape", "ranks"}: how ranks held it at save
-    chunks: tuple[ChunkEntry, ...]
+    sharding: dict[str, Any]  # how ranks held it at save: {"pieces", "dims", "uneven", "replicas", "holders"}
+    listed: tuple[ChunkEntry, ...] = ()  # schemas 1-2: every chunk, with its digests
     block_rows: int = 0  # rows of dim 0 per checksummed block (0: the chunk is one block)
     schema: int = SCHEMA_VERSION  # of the manifest it came from: chunk keys and digests changed in 2
+    runs: tuple[WriterRun, ...] = ()  # schema 3: the chunks' writers in grid order
+    run_starts: tuple[int, ...] = ()  # schema 3: each run's start, for bisection
+    inline: str | None = None  # schema 3: a single-element array's value (hex), when it has no chunk file
+    inline_xxh3: str = ""  # schema 3: the xxh3_64 of the inline value's bytes
 
     @property
     def path(self) -> str:
@@ -127,7 +170,7 @@ class ArrayEntry:
 
     def digest_block_bytes(self, chunk: ChunkEntry) -> int:
         """The block size that store.digest.ChunkHasher needs for `chunk`'s xxh3 (0: one block)."""
-        if not chunk.blocks or self.schema < 2:
+        if not self.block_rows or chunk.inline is not None or self.schema < 2:
             return 0
         return self.block_rows * math.prod(self.chunk_shape[1:]) * ITEMSIZE[self.data_type]
 
@@ -135,26 +178,106 @@ class ArrayEntry:
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE[self.data_type]
 
-    def chunk_at(self, index: tuple[int, ...]) -> ChunkEntry:
-        """The chunk at a grid index (chunks are validated to cover the grid once, in grid order)."""
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk file."""
+        return math.prod(self.chunk_shape) * ITEMSIZE[self.data_type]
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return tuple(-(-s // c) for s, c in zip(self.shape, self.chunk_shape))
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self.listed) if self.schema < 3 else sum(r.count for r in self.runs)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of its chunk files."""
+        if self.schema < 3:
+            return sum(c.nbytes for c in self.listed)
+        return 0 if self.inline is not None else self.chunk_count * self.chunk_bytes
+
+    def flat(self, index: tuple[int, ...]) -> int:
+        """A grid index's position in grid (C) order."""
         flat = 0
-        for i, s, c in zip(index, self.shape, self.chunk_shape):
-            flat = flat * -(-s // c) + i
-        if flat < len(self.chunks) and self.chunks[flat].index == index:
-            return self.chunks[flat]
-        for entry in self.chunks:  # a manifest listing them in another order
+        for i, g in zip(index, self.grid):
+            flat = flat * g + i
+        return flat
+
+    def index_of(self, flat: int) -> tuple[int, ...]:
+        out = []
+        for g in reversed(self.grid):
+            flat, i = divmod(flat, g) if g else (flat, 0)
+            out.append(i)
+        return tuple(reversed(out))
+
+    def writer_of(self, flat: int) -> int:
+        """Schema 3: the rank that wrote the chunk at flat grid index `flat`."""
+        i = bisect.bisect_right(self.run_starts, flat) - 1
+        if i < 0 or flat >= self.runs[i].start + self.runs[i].count:
+            raise CorruptVersionError(f"{self.name} has no chunk at flat index {flat}", path=self.path)
+        run = self.runs[i]
+        return run.first + run.stride * (flat - run.start)
+
+    def chunk_at(self, index: tuple[int, ...]) -> ChunkEntry:
+        """The chunk at a grid index (chunks are validated to cover the grid once, in grid order).
+        Schema 3: without its digests (Source.resolve / RankFiles.resolve add them)."""
+        if self.schema >= 3:
+            if len(index) != len(self.shape) or any(not 0 <= i < g for i, g in zip(index, self.grid)):
+                raise CorruptVersionError(f"{self.name} has no chunk {list(index)}", path=self.path)
+            return self._entry(index, self.writer_of(self.flat(index)))
+        flat = self.flat(index)
+        if flat < len(self.listed) and self.listed[flat].index == index:
+            return self.listed[flat]
+        for entry in self.listed:  # a manifest listing them in another order
             if entry.index == index:
                 return entry
         raise CorruptVersionError(f"{self.name} has no chunk {list(index)}", path=self.path)
 
+    def _entry(self, index: tuple[int, ...], writer: int) -> ChunkEntry:
+        offsets = tuple(i * c for i, c in zip(index, self.chunk_shape))
+        shape = tuple(min(c, s - o) for c, s, o in zip(self.chunk_shape, self.shape, offsets))
+        if self.inline is not None:
+            return ChunkEntry(index, writer, offsets, shape, 0, self.inline_xxh3, self.inline)
+        return ChunkEntry(index, writer, offsets, shape, self.chunk_bytes, "")
+
+    def iter_chunks(self) -> Iterator[ChunkEntry]:
+        """Every chunk, in grid order (schema 3: without digests)."""
+        if self.schema < 3:
+            yield from self.listed
+            return
+        flat = 0
+        for run in self.runs:
+            for k in range(run.count):
+                yield self._entry(self.index_of(flat), run.first + run.stride * k)
+                flat += 1
+
+    @property
+    def single_inline(self) -> str | None:
+        """The value of a single-element array stored without a chunk file."""
+        if self.schema >= 3:
+            return self.inline
+        return self.listed[0].inline if len(self.listed) == 1 else None
+
 
 @dataclass(frozen=True, slots=True)
 class RankEntry:
+    """Schemas 1-2: a rank's state in the manifest (schema 3: its rank file)."""
+
     rank: int
     tree: str  # key into Manifest.trees
     rng: dict[str, Any] | None
     host: str
     root: int  # index of the root group (filesystem) the rank wrote to
+
+
+@dataclass(frozen=True, slots=True)
+class RankRef:
+    """Schema 3: a rank file as the manifest covers it."""
+
+    size: int
+    xxh3: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,15 +287,16 @@ class Manifest:
     created: float
     world_size: int
     arrays: dict[str, ArrayEntry]
-    trees: dict[str, Any]
-    ranks: tuple[RankEntry, ...]
+    trees: dict[str, Any]  # schemas 1-2
+    ranks: tuple[RankEntry, ...]  # schemas 1-2
     roots: tuple[tuple[int, ...], ...]  # per root group: the ranks whose chunks it holds
     meta: dict[str, Any] = field(default_factory=dict)  # provenance, timings
     schema_version: int = SCHEMA_VERSION  # kept when an older version is copied
+    rank_files: tuple[RankRef, ...] = ()  # schema 3: one per rank, in rank order
 
     @property
     def total_bytes(self) -> int:
-        return sum(c.nbytes for a in self.arrays.values() for c in a.chunks)
+        return sum(a.stored_bytes for a in self.arrays.values())
 
     @property
     def keys(self) -> tuple[str, ...] | None:
@@ -180,8 +304,14 @@ class Manifest:
         (versions of older ckpts, which always held the whole state)."""
         return keys_of(self.meta.get("keys"))
 
+    def root_of(self, rank: int) -> int:
+        """The index of the root group `rank` wrote to."""
+        if self.ranks:
+            return self.ranks[rank].root
+        return next((i for i, group in enumerate(self.roots) if rank in group), 0)
+
     def to_json(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "format": "ckpt",
             "schema_version": self.schema_version,
             "step": self.step,
@@ -190,24 +320,56 @@ class Manifest:
             "world_size": self.world_size,
             "roots": [list(r) for r in self.roots],
             "meta": self.meta,
-            "ranks": [
+        }
+        if self.schema_version >= 3:
+            doc["ranks"] = [[r.size, r.xxh3] for r in self.rank_files]
+            doc["arrays"] = {name: _array_doc_v3(a) for name, a in self.arrays.items()}
+        else:
+            doc["ranks"] = [
                 {"rank": r.rank, "tree": r.tree, "rng": r.rng, "host": r.host, "root": r.root} for r in self.ranks
-            ],
-            "trees": self.trees,
-            "arrays": {
+            ]
+            doc["trees"] = self.trees
+            doc["arrays"] = {
                 name: {
                     "data_type": a.data_type,
                     "shape": list(a.shape),
                     "chunk_shape": list(a.chunk_shape),
                     "replicated": a.replicated,
-                    "regions": list(a.regions),
+                    "regions": a.sharding.get("regions", []),
                     "block_rows": a.block_rows,
-                    "chunks": [_chunk_doc(c) for c in a.chunks],
+                    "chunks": [_chunk_doc(c) for c in a.listed],
                 }
                 for name, a in self.arrays.items()
-            },
-        }
+            }
         return with_checksum(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
+
+
+def _array_doc_v3(a: ArrayEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "data_type": a.data_type,
+        "shape": list(a.shape),
+        "chunk_shape": list(a.chunk_shape),
+        "block_rows": a.block_rows,
+        "replicated": a.replicated,
+        "sharding": a.sharding,
+        "writers": [[r.count, r.first, r.stride] for r in a.runs],
+    }
+    if a.inline is not None:
+        doc["inline"] = a.inline
+        doc["xxh3"] = a.inline_xxh3
+    return doc
+
+
+def summarize_regions(regions: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> dict[str, Any]:
+    """How ranks held an array, in O(1) space: pieces, sharded dims, whether uneven, the most
+    replicas of one piece, and the ranks holding it (for a single piece)."""
+    dims = sorted({d for offsets, _, _ in regions for d, o in enumerate(offsets) if o})
+    return {
+        "pieces": len(regions),
+        "dims": dims,
+        "uneven": len({repr(shape) for _, shape, _ in regions}) > 1,
+        "replicas": max((len(ranks) for _, _, ranks in regions), default=0),
+    }
 
 
 def _chunk_doc(c: ChunkEntry) -> dict[str, Any]:
@@ -256,13 +418,94 @@ def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
         or math.prod(chunk_shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES
     ):
         raise ManifestError(f"array {name!r}: shape {shape} is absurdly large", path=name)
-    chunk_bytes = math.prod(chunk_shape) * ITEMSIZE[dtype]
     block_rows = _int(doc.get("block_rows", 0), f"{name}.block_rows", 0, chunk_shape[0] if chunk_shape else 0)
     if block_rows != expected_block_rows(chunk_shape, ITEMSIZE[dtype]):
         raise ManifestError(f"array {name!r}: block_rows {block_rows} does not follow from its chunk shape", path=name)
     if chunk_shape and math.prod(chunk_shape[1:]) * ITEMSIZE[dtype] > MAX_ROW_BYTES:
         raise ManifestError(f"array {name!r}: rows of {chunk_shape[1:]} are absurdly large", path=name)
-    grid = [math.ceil(s / c) for s, c in zip(shape, chunk_shape)]
+    replicated = bool(doc.get("replicated"))
+    head = ArrayEntry(name, dtype, shape, chunk_shape, replicated, {}, (), block_rows, schema)
+    if schema >= 3:
+        return _with_runs(head, doc, world)
+    return _with_listed(head, doc, world)
+
+
+def _check_inline(name: str, inline: Any, dtype: str, shape: tuple[int, ...]) -> None:
+    if not isinstance(inline, str) or len(inline) != 2 * ITEMSIZE[dtype] or math.prod(shape) != 1:
+        raise ManifestError(f"array {name!r}: malformed inline value", path=name)
+    try:
+        bytes.fromhex(inline)
+    except ValueError:
+        raise ManifestError(f"array {name!r}: malformed inline value", path=name) from None
+
+
+def _with_runs(head: ArrayEntry, doc: dict[str, Any], world: int) -> ArrayEntry:
+    """Schema 3: the writers as runs covering the grid in order, and an inline value."""
+    name = head.name
+    raw = doc.get("writers")
+    if not isinstance(raw, list):
+        raise ManifestError(f"array {name!r}: writers must be a list of runs", path=name)
+    want = math.prod(head.grid) if math.prod(head.shape) > 0 else None
+    runs: list[WriterRun] = []
+    start = 0
+    for run in raw:
+        if not isinstance(run, list) or len(run) != 3:
+            raise ManifestError(f"array {name!r}: a writer run is not [count, first, stride]", path=name)
+        count = _int(run[0], f"{name}.writers count", 1, 1 << 48)
+        first = _int(run[1], f"{name}.writers first", 0, world - 1)
+        stride = _int(run[2], f"{name}.writers stride", 0, world)
+        if first + stride * (count - 1) >= world:
+            raise ManifestError(f"array {name!r}: a writer run goes beyond rank {world - 1}", path=name)
+        runs.append(WriterRun(start, count, first, stride))
+        start += count
+    if (want is not None and start != want) or (want is None and start > 1):
+        raise ManifestError(f"array {name!r}: writers do not cover the grid {list(head.grid)} exactly once", path=name)
+    inline = doc.get("inline")
+    digest: Any = ""
+    if inline is not None:
+        _check_inline(name, inline, head.data_type, head.shape)
+        digest = doc.get("xxh3")
+        if not isinstance(digest, str) or not _HEX64.match(digest):
+            raise ManifestError(f"array {name!r}: its inline value has a malformed xxh3", path=name)
+    sharding = doc.get("sharding", {})
+    if not isinstance(sharding, dict):
+        raise ManifestError(f"array {name!r}: sharding must be an object", path=name)
+    return dataclasses.replace(
+        head,
+        sharding=sharding,
+        runs=tuple(runs),
+        run_starts=tuple(r.start for r in runs),
+        inline=inline,
+        inline_xxh3=digest,
+    )
+
+
+def check_chunk_digests(array: ArrayEntry, index: Any, digest: Any, blocks: Any) -> tuple[str, tuple[str, ...]]:
+    """A chunk file's digests as a manifest (schemas 1-2) or a rank file (3) records them,
+    validated: well-formed, as many blocks as the rule gives, and the xxh3 of the blocks'
+    digests (schema 2 on)."""
+    name = array.name
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise ManifestError(f"array {name!r}: chunk {index} has a malformed xxh3", path=name)
+    if array.block_rows and not blocks:
+        raise ManifestError(f"array {name!r}: chunk {index} lacks its block checksums", path=name)
+    if blocks:
+        want = -(-array.chunk_shape[0] // array.block_rows) if array.block_rows and array.shape else 0
+        if (
+            not isinstance(blocks, list)
+            or len(blocks) != want
+            or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks)
+        ):
+            raise ManifestError(f"array {name!r}: chunk {index} has malformed block checksums", path=name)
+        if array.schema >= 2 and combine_blocks(blocks) != digest:
+            raise ManifestError(f"array {name!r}: chunk {index}'s xxh3 does not match its blocks", path=name)
+    return digest, tuple(blocks or ())
+
+
+def _with_listed(head: ArrayEntry, doc: dict[str, Any], world: int) -> ArrayEntry:
+    """Schemas 1-2: every chunk listed with its digests."""
+    name, shape, chunk_shape = head.name, head.shape, head.chunk_shape
+    grid = list(head.grid)
     chunks = []
     raw_chunks = doc.get("chunks")
     if not isinstance(raw_chunks, list):
@@ -281,47 +524,40 @@ def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
             raise ManifestError(f"array {name!r}: chunk {index} has an inconsistent region", path=name)
         inline = c.get("inline")
         nbytes = _int(c.get("nbytes"), f"{name}.chunk.nbytes")
-        if inline is None and nbytes != chunk_bytes:
-            raise ManifestError(f"array {name!r}: chunk {index} nbytes {nbytes} != {chunk_bytes}", path=name)
+        if inline is None and nbytes != head.chunk_bytes:
+            raise ManifestError(f"array {name!r}: chunk {index} nbytes {nbytes} != {head.chunk_bytes}", path=name)
         if inline is not None:
-            if not isinstance(inline, str) or len(inline) != 2 * ITEMSIZE[dtype] or math.prod(shape) != 1 or nbytes:
+            _check_inline(name, inline, head.data_type, shape)
+            if nbytes:
                 raise ManifestError(f"array {name!r}: malformed inline value", path=name)
-            try:
-                bytes.fromhex(inline)
-            except ValueError:
-                raise ManifestError(f"array {name!r}: malformed inline value", path=name) from None
-        digest = c.get("xxh3")
-        if not isinstance(digest, str) or not _HEX64.match(digest):
-            raise ManifestError(f"array {name!r}: chunk {index} has a malformed xxh3", path=name)
-        blocks = c.get("blocks", [])
-        if block_rows and not blocks and inline is None:
-            raise ManifestError(f"array {name!r}: chunk {index} lacks its block checksums", path=name)
-        if blocks:
-            want = -(-chunk_shape[0] // block_rows) if block_rows and shape else 0
-            if (
-                not isinstance(blocks, list)
-                or len(blocks) != want
-                or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks)
-            ):
+            digest, blocks = c.get("xxh3"), tuple[str, ...]()
+            if not isinstance(digest, str) or not _HEX64.match(digest):
+                raise ManifestError(f"array {name!r}: chunk {index} has a malformed xxh3", path=name)
+            if c.get("blocks"):
                 raise ManifestError(f"array {name!r}: chunk {index} has malformed block checksums", path=name)
-            if schema >= 2 and combine_blocks(blocks) != digest:
-                raise ManifestError(f"array {name!r}: chunk {index}'s xxh3 does not match its blocks", path=name)
+        else:
+            digest, blocks = check_chunk_digests(head, index, c.get("xxh3"), c.get("blocks", []))
         writer = _int(c.get("writer"), "writer", 0, world - 1)
-        chunks.append(ChunkEntry(index, writer, offsets, cshape, nbytes, digest, inline, tuple(blocks)))
+        chunks.append(ChunkEntry(index, writer, offsets, cshape, nbytes, digest, inline, blocks))
     seen = {c.index for c in chunks}
     numel: int = math.prod(shape)
     if len(seen) != len(chunks) or (numel > 0 and len(seen) != math.prod(grid)):
         raise ManifestError(f"array {name!r}: chunks do not cover the grid {grid} exactly once", path=name)
     regions = doc.get("regions", [])
     if not isinstance(regions, list) or not all(
-        isinstance(r, dict) and isinstance(r.get("offsets"), list) and isinstance(r.get("ranks"), list) for r in regions
+        isinstance(r, dict)
+        and isinstance(r.get("offsets"), list)
+        and isinstance(r.get("ranks"), list)
+        and isinstance(r.get("shape", []), list)
+        for r in regions
     ):
         raise ManifestError(f"array {name!r}: regions must be a list of region objects", path=name)
-    replicated = bool(doc.get("replicated"))
-    return ArrayEntry(name, dtype, shape, chunk_shape, replicated, tuple(regions), tuple(chunks), block_rows, schema)
+    summary = summarize_regions([(r["offsets"], r.get("shape", []), r["ranks"]) for r in regions])
+    return dataclasses.replace(head, sharding={**summary, "regions": regions}, listed=tuple(chunks))
 
 
-def _rng_ok(rng: Any) -> bool:
+def rng_ok(rng: Any) -> bool:
+    """Whether an RNG state has the shape ckpt.rng restores (validated before use)."""
     py, npst = (rng.get("python"), rng.get("numpy")) if isinstance(rng, dict) else (None, None)
     return (
         isinstance(py, dict)
@@ -385,18 +621,41 @@ def parse_manifest(raw: bytes) -> Manifest:
         raise ManifestError(f"manifest save_id {str(save_id)[:40]!r} is not 32 hex digits")
     world = _int(doc.get("world_size"), "world_size", 1, 1 << 24)
     arrays_doc = doc.get("arrays")
-    trees = doc.get("trees")
     ranks_doc = doc.get("ranks")
     roots_doc = doc.get("roots")
+    trees = doc.get("trees") if schema < 3 else {}
     if not isinstance(arrays_doc, dict) or not isinstance(trees, dict) or not isinstance(ranks_doc, list):
         raise ManifestError("manifest lacks arrays, trees or ranks")
     arrays = {name: _parse_array(name, a, world, schema) for name, a in arrays_doc.items()}
+    ranks = _parse_ranks(ranks_doc, trees, world) if schema < 3 else ()
+    rank_files = _parse_rank_refs(ranks_doc, world) if schema >= 3 else ()
+    if not isinstance(roots_doc, list) or not all(isinstance(r, list) for r in roots_doc):
+        raise ManifestError("manifest roots must be a list of rank lists")
+    roots = tuple(tuple(_int(x, "roots", 0, world - 1) for x in r) for r in roots_doc)
+    created = doc.get("created", 0.0)
+    return Manifest(
+        step=_int(doc.get("step"), "step"),
+        save_id=save_id,
+        created=float(created) if isinstance(created, (int, float)) else 0.0,
+        world_size=world,
+        arrays=arrays,
+        trees=trees,
+        ranks=ranks,
+        roots=roots,
+        meta=doc["meta"] if isinstance(doc.get("meta"), dict) else {},
+        schema_version=schema,
+        rank_files=rank_files,
+    )
+
+
+def _parse_ranks(ranks_doc: list[Any], trees: dict[str, Any], world: int) -> tuple[RankEntry, ...]:
+    """Schemas 1-2: each rank's tree key, RNG, host and root."""
     ranks = []
     for r in ranks_doc:
         if not isinstance(r, dict) or r.get("tree") not in trees:
             raise ManifestError("manifest rank entry is malformed")
         rng = r.get("rng")
-        if rng is not None and not _rng_ok(rng):
+        if rng is not None and not rng_ok(rng):
             raise ManifestError(f"manifest rank {r.get('rank')!r} has a malformed RNG state")
         ranks.append(
             RankEntry(
@@ -409,19 +668,16 @@ def parse_manifest(raw: bytes) -> Manifest:
         )
     if len(ranks) != world or [r.rank for r in ranks] != list(range(world)):
         raise ManifestError("manifest must have one rank entry per rank, in order")
-    if not isinstance(roots_doc, list) or not all(isinstance(r, list) for r in roots_doc):
-        raise ManifestError("manifest roots must be a list of rank lists")
-    roots = tuple(tuple(_int(x, "roots", 0, world - 1) for x in r) for r in roots_doc)
-    created = doc.get("created", 0.0)
-    return Manifest(
-        step=_int(doc.get("step"), "step"),
-        save_id=save_id,
-        created=float(created) if isinstance(created, (int, float)) else 0.0,
-        world_size=world,
-        arrays=arrays,
-        trees=trees,
-        ranks=tuple(ranks),
-        roots=roots,
-        meta=doc["meta"] if isinstance(doc.get("meta"), dict) else {},
-        schema_version=schema,
-    )
+    return tuple(ranks)
+
+
+def _parse_rank_refs(ranks_doc: list[Any], world: int) -> tuple[RankRef, ...]:
+    """Schema 3: each rank file's size and xxh3, in rank order."""
+    if len(ranks_doc) != world:
+        raise ManifestError(f"manifest must reference one rank file per rank ({world}), not {len(ranks_doc)}")
+    refs = []
+    for r in ranks_doc:
+        if not isinstance(r, list) or len(r) != 2 or not isinstance(r[1], str) or not _HEX64.match(r[1]):
+            raise ManifestError("manifest rank file reference is not [size, xxh3]")
+        refs.append(RankRef(_int(r[0], "rank file size", 2, MAX_RANK_FILE), r[1]))
+    return tuple(refs)

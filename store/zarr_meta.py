@@ -54,7 +54,7 @@ class ArrayNode:
 
     @staticmethod
     def of(entry: ArrayEntry) -> ArrayNode:
-        inline = entry.chunks[0].inline if len(entry.chunks) == 1 else None
+        inline = entry.single_inline
         return ArrayNode(
             entry.path, entry.data_type, tuple(entry.shape), tuple(entry.chunk_shape), inline, entry.separator
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from ckpt.store.manifest import with_checksum
@@ -18,3 +19,74 @@ def crafted(doc: dict[str, Any]) -> bytes:
 def legacy(doc: dict[str, Any]) -> bytes:
     """`doc` as written before ckpt recorded `manifest_xxh3` (no checksum member)."""
     return json.dumps({k: v for k, v in doc.items() if k != "manifest_xxh3"}).encode()
+
+
+def rank_docs(version: Path) -> list[dict[str, Any]]:
+    """The rank files of a version directory (schema 3), in rank order."""
+    doc = json.loads((version / "manifest.json").read_bytes())
+    return [json.loads((version / "ranks" / f"{r}.json").read_bytes()) for r in range(len(doc["ranks"]))]
+
+
+def chunk_digests(version: Path) -> dict[str, dict[int, list[Any]]]:
+    """Per array, per flat grid index: [xxh3, blocks] of each chunk file, from the rank files."""
+    out: dict[str, dict[int, list[Any]]] = {}
+    for rank in rank_docs(version):
+        for name, entries in rank["chunks"].items():
+            for e in entries:
+                out.setdefault(name, {})[e[0]] = [e[1], e[2] if len(e) == 3 else []]
+    return out
+
+
+def as_schema_2(version: Path) -> None:
+    """Rewrite a schema-3 version directory as ckpt wrote schema 2: every chunk listed in the
+    manifest with its digests, the trees and RNG there, no rank files."""
+    doc = json.loads((version / "manifest.json").read_bytes())
+    ranks = rank_docs(version)
+    digests = chunk_digests(version)
+    trees: dict[str, Any] = {}
+    rank_entries = []
+    for r, rank in enumerate(ranks):
+        key = f"t{r}"
+        trees[key] = rank["tree"]
+        rank_entries.append({"rank": r, "tree": key, "rng": rank["rng"], "host": rank["host"], "root": rank["root"]})
+    arrays = {}
+    for name, a in doc["arrays"].items():
+        grid = [-(-s // c) for s, c in zip(a["shape"], a["chunk_shape"])]
+        writers = [first + stride * k for count, first, stride in a["writers"] for k in range(count)]
+        chunks = []
+        for flat, writer in enumerate(writers):
+            index, rest = [], flat
+            for g in reversed(grid):
+                rest, i = divmod(rest, g) if g else (rest, 0)
+                index.append(i)
+            index.reverse()
+            offsets = [i * c for i, c in zip(index, a["chunk_shape"])]
+            shape = [min(c, s - o) for c, s, o in zip(a["chunk_shape"], a["shape"], offsets)]
+            entry: dict[str, Any] = {"index": index, "writer": writer, "offsets": offsets, "shape": shape}
+            if "inline" in a:
+                entry.update(nbytes=0, xxh3=a["xxh3"], inline=a["inline"])
+            else:
+                itemsize = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2}
+                item = itemsize.get(a["data_type"], 8 if "64" in a["data_type"] else 4)
+                nbytes = item
+                for c in a["chunk_shape"]:
+                    nbytes *= c
+                xxh3, blocks = digests[name][flat]
+                entry.update(nbytes=nbytes, xxh3=xxh3)
+                if blocks:
+                    entry["blocks"] = blocks
+            chunks.append(entry)
+        arrays[name] = {
+            "data_type": a["data_type"],
+            "shape": a["shape"],
+            "chunk_shape": a["chunk_shape"],
+            "replicated": a["replicated"],
+            "regions": [],
+            "block_rows": a["block_rows"],
+            "chunks": chunks,
+        }
+    old = {**doc, "schema_version": 2, "ranks": rank_entries, "trees": trees, "arrays": arrays}
+    (version / "manifest.json").write_bytes(crafted(old))
+    for f in (version / "ranks").iterdir():
+        f.unlink()
+    (version / "ranks").rmdir()

@@ -33,10 +33,10 @@ from ckpt.replicator.service import Replicator
 from ckpt.replicator.transfer import Transfer, copy_files
 from ckpt.restore.locate import restore_newest
 from ckpt.store._fsspec import FsspecTier
-from ckpt.store.chunk_read import verify_chunks
 from ckpt.store.errors import TierUnavailableError
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.tier import open_tier
+from ckpt.store.verify import verify_chunks
 from ckpt.store.versions import COMMIT_CLAIM, committed, committed_steps, read_manifest, read_root_info
 
 

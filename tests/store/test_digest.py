@@ -21,7 +21,8 @@ from ckpt.cli import main as cli
 from ckpt.store.digest import ChunkHasher, chunk_digest
 from ckpt.store.errors import ManifestError
 from ckpt.store.manifest import parse_manifest
-from tests._manifests import crafted, legacy
+from ckpt.store.rank_file import parse_rank_file
+from tests._manifests import as_schema_2, chunk_digests, crafted, legacy
 from tests._states import assert_bitwise
 
 BIG = "state/big/c.0.0"  # 3000 x 1000 float32: 12 MB, three 4 MiB blocks (the last one shorter)
@@ -58,18 +59,22 @@ def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
 def test_manifest_digests_follow_the_documented_rule(saved: tuple[Path, dict[str, Any]]) -> None:
     root, _ = saved
     doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
     big = doc["arrays"]["big"]
     row_bytes = big["chunk_shape"][1] * 4
     block_bytes = big["block_rows"] * row_bytes
     assert block_bytes == (4 << 20) // row_bytes * row_bytes
-    (chunk,) = big["chunks"]
+    digests = chunk_digests(vdir(root, 1))  # schema 3: in the writers' rank files
+    xxh3, chunk_blocks = digests["big"][0]
     combined, blocks = documented_digests((vdir(root, 1) / BIG).read_bytes(), block_bytes)
-    assert len(blocks) == 3 and chunk["blocks"] == blocks
-    assert chunk["xxh3"] == combined
-    small = doc["arrays"]["w"]["chunks"][0]
-    assert "blocks" not in small
-    assert small["xxh3"] == xxhash.xxh3_64_hexdigest((vdir(root, 1) / "state/w/c.0.0").read_bytes())
+    assert len(blocks) == 3 and chunk_blocks == blocks
+    assert xxh3 == combined
+    small, small_blocks = digests["w"][0]
+    assert small_blocks == []
+    assert small == xxhash.xxh3_64_hexdigest((vdir(root, 1) / "state/w/c.0.0").read_bytes())
+    # ... and the manifest covers each rank file by its size and xxh3
+    raw = (vdir(root, 1) / "ranks" / "0.json").read_bytes()
+    assert doc["ranks"] == [[len(raw), xxhash.xxh3_64_hexdigest(raw)]]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -89,14 +94,44 @@ def test_streaming_in_any_pieces(seed: int) -> None:
 
 def test_inconsistent_block_digests_are_rejected(saved: tuple[Path, dict[str, Any]]) -> None:
     root, _ = saved
+    manifest = parse_manifest((vdir(root, 1) / "manifest.json").read_bytes())
+    rank = json.loads((vdir(root, 1) / "ranks" / "0.json").read_bytes())
+    (entry,) = rank["chunks"]["big"]
+    entry[2][1] = "0" * 16
+    with pytest.raises(ManifestError, match="does not match its blocks"):
+        parse_rank_file(json.dumps(rank).encode(), manifest, 0)
+    as_schema_2(vdir(root, 1))  # and where schema 2 listed them
     doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
     doc["arrays"]["big"]["chunks"][0]["blocks"][1] = "0" * 16
     with pytest.raises(ManifestError, match="does not match its blocks"):
         parse_manifest(crafted(doc))
 
 
+def test_schema_2_versions_still_restore_and_verify(saved: tuple[Path, dict[str, Any]]) -> None:
+    root, state = saved
+    as_schema_2(vdir(root, 1))
+    assert json.loads((vdir(root, 1) / "manifest.json").read_bytes())["schema_version"] == 2
+    assert not (vdir(root, 1) / "ranks").exists()
+    with Checkpointer(root) as ck:
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(got) == 1
+    assert_bitwise(got, state)
+    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    _flip_last_byte(vdir(root, 1) / BIG)
+    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
+    assert result.exit_code == 1 and "BAD" in result.output, result.output
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def _as_schema_1(root: Path) -> None:
     """Rewrite version 1 as an older ckpt wrote it: "/" chunk keys, every xxh3 over the whole file."""
+    as_schema_2(vdir(root, 1))
     path = vdir(root, 1) / "manifest.json"
     doc = json.loads(path.read_bytes())
     doc["schema_version"] = 1
@@ -150,27 +185,37 @@ def test_manifest_checksum_follows_the_documented_rule(saved: tuple[Path, dict[s
 
 
 def test_a_manifest_edited_in_place_is_refused(tmp_path: Path) -> None:
-    """One changed digit that still parses (an epoch counter) would otherwise be restored
-    silently: verify reports the manifest, restore falls back to the older version."""
+    """One changed digit that still parses (an epoch counter in a rank file, a flag in the
+    manifest) would otherwise be restored silently: verify reports the file, restore falls
+    back to the older version."""
     root = tmp_path / "root"
     with Checkpointer(root) as ck:
         for step in (1, 2):
             ck.save(step, {"w": torch.full((4, 3), float(step)), "epoch": step + 40})
         ck.wait()
-    path = vdir(root, 2) / "manifest.json"
+    path = vdir(root, 2) / "ranks" / "0.json"  # schema 3: the state tree is in the rank file
     raw = path.read_bytes()
     assert raw.count(b'"epoch":42') == 1
     path.write_bytes(raw.replace(b'"epoch":42', b'"epoch":43'))
     json.loads(path.read_bytes())  # still a valid document
     verify = CliRunner().invoke(cli, ["verify", str(root)])
-    assert verify.exit_code == 1 and "step 2: BAD manifest" in verify.output and "checksum" in verify.output
+    assert verify.exit_code == 1 and "BAD ranks/0.json" in verify.output and "checksum" in verify.output
     assert "step 1: ok" in verify.output
     got = {"w": torch.zeros(4, 3), "epoch": 0}
     with Checkpointer(root) as ck:
         assert ck.restore(got) == 1
-        with pytest.raises(ManifestError, match="checksum"):
+        with pytest.raises(CorruptVersionError, match="checksum"):
             ck.restore(got, step=2)
     assert_bitwise(got, {"w": torch.full((4, 3), 1.0), "epoch": 41}, "step 1")
+    path.write_bytes(raw)
+    manifest = vdir(root, 2) / "manifest.json"
+    raw = manifest.read_bytes()
+    assert raw.count(b'"milestone":false') == 1
+    manifest.write_bytes(raw.replace(b'"milestone":false', b'"milestone":true'))
+    verify = CliRunner().invoke(cli, ["verify", str(root)])
+    assert verify.exit_code == 1 and "step 2: BAD manifest" in verify.output and "checksum" in verify.output
+    with Checkpointer(root) as ck, pytest.raises(ManifestError, match="checksum"):
+        ck.restore(got, step=2)
 
 
 def test_a_checksummed_manifest_must_end_as_written(saved: tuple[Path, dict[str, Any]]) -> None:
@@ -183,7 +228,7 @@ def test_a_checksummed_manifest_must_end_as_written(saved: tuple[Path, dict[str,
         parse_manifest(raw + b"  \n")
     stripped = json.loads(raw)
     del stripped["manifest_xxh3"]
-    assert stripped["schema_version"] == 2
+    assert stripped["schema_version"] == 3
     with pytest.raises(ManifestError, match="lacks its manifest_xxh3"):
         parse_manifest(json.dumps(stripped).encode())
 
