@@ -80,7 +80,7 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
     from bench._scale_layouts import LAYOUTS, regions_of
     from ckpt._commit import RootContext, _decide
     from ckpt._exchange import schedule
-    from ckpt._job import ChunkRecord, RankReport, RankTimings, SaveJob, SaveRequest
+    from ckpt._job import RankReport, RankTimings, SaveJob, SaveRequest
     from ckpt._save import _merge_specs
     from ckpt.provenance import rank_provenance
     from ckpt.restore.reshard import Box, Request, plan_reads
@@ -89,6 +89,7 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
     from ckpt.store.dtypes import itemsize
     from ckpt.store.layout import GRID_BYTES, ArrayPlan, block_rows, plan_arrays
     from ckpt.store.manifest import parse_manifest
+    from ckpt.store.rank_file import parse_rank_file, rank_file_bytes
 
     out: dict[str, Any] = {"layout": layout, "world": world, "arrays": arrays}
     per_rank = LAYOUTS[layout](world, arrays)
@@ -114,28 +115,63 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
         t0 = time.process_time()
         plan_arrays(_merge_specs([[s for s in r if s[0].endswith("/p7")] for r in per_rank]))
         out["arbitrary_ms_per_array"] = 1000 * (time.process_time() - t0)
-    # Every save: each rank's report to rank 0, then rank 0 builds and serializes the manifest.
+    # Every save: each rank writes its rank file (digests of its chunks, tree, RNG) and sends
+    # rank 0 an O(1) report; rank 0 builds and serializes the manifest.
     digest = "0123456789abcdef"
-    records: list[dict[str, list[ChunkRecord]]] = [{} for _ in range(world)]
+    own: dict[int, dict[str, list[tuple[int, str, tuple[str, ...]]]]] = {}
+    inline: dict[int, dict[str, tuple[str, str]]] = {}
     for p in plans:
         rows = block_rows(p.chunk_shape, itemsize(p.spec.data_type))
         blocks = (digest,) * (-(-p.chunk_shape[0] // rows) if rows else 0)
         whole = combine_blocks(blocks) if blocks else digest
+        grid = [-(-s // c) for s, c in zip(p.spec.shape, p.chunk_shape)]
         for c in p.chunks:
-            records[c.writer].setdefault(p.spec.name, []).append(ChunkRecord(c.index, whole, None, blocks))
+            if c.inline:
+                inline.setdefault(c.writer, {})[p.spec.name] = ("00" * itemsize(p.spec.data_type), digest)
+                continue
+            flat = 0
+            for i, g in zip(c.index, grid):
+                flat = flat * g + i
+            own.setdefault(c.writer, {}).setdefault(p.spec.name, []).append((flat, whole, blocks))
     rng = capture_rng()
-    trees = {}
-    reports = []
-    timings = RankTimings(0.1, 0.1, 0.5, 0.1, 1 << 30, time.time())
     prov = rank_provenance()
-    for r in range(world):
+    trees: dict[tuple[str, ...], Any] = {}
+
+    def tree_of(r: int) -> Any:
         names = tuple(s[0] for s in per_rank[r])
-        tree = trees.setdefault(names, _tree(list(names)))
-        reports.append(
-            RankReport(records[r], None, tree, rng, f"node{r // 8}", f"/nvme/node{r // 8}", r // 8, timings, prov)
+        return trees.setdefault(names, _tree(list(names)))
+
+    def rank_file(r: int) -> bytes:
+        return rank_file_bytes(
+            step=1,
+            save_id="0" * 32,
+            rank=r,
+            host=f"node{r // 8}",
+            root=r // 8,
+            tree=tree_of(r),
+            rng=rng,
+            provenance=prov,
+            chunks=own.get(r, {}),
         )
+
+    timings = RankTimings(0.1, 0.1, 0.5, 0.1, 1 << 30, time.time())
+    size0 = len(rank_file(0))
+    reports = [
+        RankReport(
+            None,
+            (size0, digest),
+            inline.get(r, {}),
+            tuple(sorted(tree_of(r))),
+            f"node{r // 8}",
+            f"/nvme/node{r // 8}",
+            r // 8,
+            timings,
+        )
+        for r in range(world)
+    ]
     out["rank0_gather_bytes"] = sum(len(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)) for x in reports)
-    request = SaveRequest(1, "0" * 32, False, False, plans, schedule(plans, 0), reports[0].tree, rng, False, False)
+    out["rank_file_bytes"] = size0
+    request = SaveRequest(1, "0" * 32, False, False, plans, schedule(plans, 0), tree_of(0), rng, False, False)
     job = SaveJob(request, torch.empty(0, dtype=torch.uint8))
     groups = tuple(tuple(range(g, min(g + 8, world))) for g in range(0, world, 8))
     ctx = RootContext("/nvme/node0", 0, True, 0, groups)
@@ -145,12 +181,25 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
     if failure is not None:
         raise failure
     out["manifest_bytes"] = len(raw)
-    del reports, records, job, request, plans
-    # Restore: every rank parses the manifest and plans its reads (rank 0's regions here).
+    del reports, job, request, plans
+    # Restore: a rank parses the manifest, plans its reads (rank 0's regions here) and parses
+    # the rank files of the ranks whose chunks it reads (its tree and RNG are in its own).
     requests = [Request(name, Box.at(off, shp)) for name, _, _, off, shp in per_rank[0] if math.prod(shp)]
+    first = parse_manifest(raw)
+    touched = {0} | {
+        first.arrays[c.name].chunk_at(c.index).writer
+        for c in plan_reads(first.arrays, requests)
+        if first.arrays[c.name].inline is None
+    }
+    files = {r: rank_file(r) for r in sorted(touched)}
+    out["restore_rank_files"] = len(files)
+    del first
 
     def restore_meta() -> None:
-        plan_reads(parse_manifest(raw).arrays, requests)
+        manifest = parse_manifest(raw)
+        plan_reads(manifest.arrays, requests)
+        for r, data in files.items():
+            parse_rank_file(data, manifest, r)
 
     out["restore_meta_s"], out["restore_meta_bytes"], _ = _cost(restore_meta)
     return out

@@ -200,7 +200,7 @@ def remote_problems(remote_dir: str) -> tuple[int, list[str]]:
         listed += 1
         missing = []
         wanted = [(ROOT_INFO_NAME, None)] + [
-            (a.chunk_path(c), c.nbytes) for a in manifest.arrays.values() for c in a.chunks if c.inline is None
+            (a.chunk_path(c), c.nbytes) for a in manifest.arrays.values() for c in a.iter_chunks() if c.inline is None
         ]
         for rel, size in wanted:
             try:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from ckpt.store.manifest import with_checksum
 
@@ -90,3 +93,19 @@ def as_schema_2(version: Path) -> None:
     for f in (version / "ranks").iterdir():
         f.unlink()
     (version / "ranks").rmdir()
+
+
+def edit_rank_file(version: Path, rank: int, fn: Callable[[dict[str, Any]], None]) -> None:
+    """Edit `ranks/<rank>.json` and make the manifest vouch for the result."""
+    doc = json.loads((version / "ranks" / f"{rank}.json").read_bytes())
+    fn(doc)
+    vouch_rank_file(version, rank, json.dumps(doc, separators=(",", ":")).encode())
+
+
+def vouch_rank_file(version: Path, rank: int, raw: bytes) -> None:
+    """Write `raw` as `ranks/<rank>.json` with the manifest vouching for it (its size and
+    xxh3, the manifest's checksum recomputed), as a hostile writer could."""
+    (version / "ranks" / f"{rank}.json").write_bytes(raw)
+    manifest = json.loads((version / "manifest.json").read_bytes())
+    manifest["ranks"][rank] = [len(raw), xxhash.xxh3_64_hexdigest(raw)]
+    (version / "manifest.json").write_bytes(crafted(manifest))

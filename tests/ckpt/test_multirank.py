@@ -472,7 +472,7 @@ def check_inline_metadata(vdir: Path, m: Any) -> set[int]:
     the manifest holds; returns the ranks that wrote inline values."""
     writers = set()
     for a in m.arrays.values():
-        (chunk, *_) = a.chunks
+        (chunk, *_) = a.iter_chunks()
         if chunk.inline is None:
             continue
         writers.add(chunk.writer)
@@ -498,24 +498,26 @@ def check_written_once(run: dict[str, Any], section: str) -> list[Any]:
     assert not {"shard/rows", "shard/cols", "shard/ids", "shard/dptp", "dt/s0", "dt/s1", "fsdp/model/weight"} & names
     assert "fsdp/model/bias" in names and "fsdp/optim/state/1/exp_avg" in names
     for a in m.arrays.values():
-        indices = [c.index for c in a.chunks]
+        indices = [c.index for c in a.iter_chunks()]
         assert len(set(indices)) == len(indices), f"{a.name}: a chunk is listed twice"
         assert len(indices) == _grid_size(a.shape, a.chunk_shape), f"{a.name}: {len(indices)} chunks"
-        assert all(0 <= c.writer < world for c in a.chunks), a.name
+        assert all(0 <= c.writer < world for c in a.iter_chunks()), a.name
     # Written once in total: the bytes all ranks wrote are exactly the manifest's bytes.
     assert sum(p["bytes_written"] for p in per_rank) == m.total_bytes
-    rep_writers = {c.writer for a in replicated for c in a.chunks if c.inline is None}
+    rep_writers = {c.writer for a in replicated for c in a.iter_chunks() if c.inline is None}
     assert len(rep_writers) > 1, f"all replicated chunks were written by ranks {rep_writers}"
     big = m.arrays["big"]
-    assert len(big.chunks) == world and {c.writer for c in big.chunks} == set(range(world)), big.chunks
+    assert big.chunk_count == world and {c.writer for c in big.iter_chunks()} == set(range(world)), list(
+        big.iter_chunks()
+    )
     # Sharded data is written by the rank that holds it.
     rows = row_split(world)
     starts = [sum(rows[:i]) for i in range(world)]
-    for c in m.arrays["shard/rows"].chunks:
+    for c in m.arrays["shard/rows"].iter_chunks():
         holder = max(i for i in range(world) if starts[i] <= c.offsets[0])
         assert c.writer == holder, (c, holder)
     # DP x TP replicas: each half written once, by one of the ranks holding it.
-    for c in m.arrays["shard/dptp"].chunks:
+    for c in m.arrays["shard/dptp"].iter_chunks():
         half = 0 if c.offsets[0] < tp_split()[0] else 1
         assert c.writer % 2 == half, c
     return manifests
@@ -529,7 +531,7 @@ def test_replicated_written_once_world2(world2: dict[str, Any]) -> None:
     (m,) = check_written_once(world2, "roundtrip")
     root = Path(world2["results"][0]["roundtrip"]["root"])
     vdir = root / versions.version_dirname(ROUNDTRIP_STEP)
-    want = {a.chunk_path(c) for a in m.arrays.values() for c in a.chunks if c.inline is None}
+    want = {a.chunk_path(c) for a in m.arrays.values() for c in a.iter_chunks() if c.inline is None}
     assert _chunk_files(vdir) == want
     assert versions.read_root_info(str(root), ROUNDTRIP_STEP).writers == (0, 1)
     assert check_inline_metadata(vdir, m), "no inline values"
@@ -542,10 +544,10 @@ def test_roundtrip_world4(world4: dict[str, Any]) -> None:
 def test_replicated_written_once_world4(world4: dict[str, Any]) -> None:
     (m,) = check_written_once(world4, "roundtrip")
     vdir = Path(world4["results"][0]["roundtrip"]["root"]) / versions.version_dirname(ROUNDTRIP_STEP)
-    want = {a.chunk_path(c) for a in m.arrays.values() for c in a.chunks if c.inline is None}
+    want = {a.chunk_path(c) for a in m.arrays.values() for c in a.iter_chunks() if c.inline is None}
     assert _chunk_files(vdir) == want
     # DTensor Shard(0) of 9 rows over 4 ranks: 3, 3, 3 and an empty piece.
-    assert {c.writer for c in m.arrays["dt/s0"].chunks} == {0, 1, 2}
+    assert {c.writer for c in m.arrays["dt/s0"].iter_chunks()} == {0, 1, 2}
 
 
 def test_two_nodes_world4(world4: dict[str, Any]) -> None:
@@ -563,7 +565,7 @@ def test_two_nodes_world4(world4: dict[str, Any]) -> None:
         own = {
             a.chunk_path(c)
             for a in m.arrays.values()
-            for c in a.chunks
+            for c in a.iter_chunks()
             if c.inline is None and c.writer in info.writers
         }
         assert own, f"node{node} wrote nothing"
@@ -575,10 +577,10 @@ def test_two_nodes_world4(world4: dict[str, Any]) -> None:
     on_node0_only = [
         a.name
         for a in m.arrays.values()
-        if a.replicated and all(c.writer in (0, 1) and c.inline is None for c in a.chunks)
+        if a.replicated and all(c.writer in (0, 1) and c.inline is None for c in a.iter_chunks())
     ]
     assert on_node0_only, "no replicated tensor was written on node0 only"
-    big_writers = {c.writer for c in m.arrays["big"].chunks}
+    big_writers = {c.writer for c in m.arrays["big"].iter_chunks()}
     assert big_writers & {0, 1} and big_writers & {2, 3}, big_writers
 
 

@@ -13,6 +13,7 @@ import ckpt
 from ckpt import Checkpointer
 from ckpt.store import versions
 from ckpt.store.manifest import parse_manifest
+from ckpt.store.rank_file import parse_rank_file
 from tests._manifests import crafted
 from tests._states import assert_bitwise
 
@@ -101,7 +102,7 @@ def _manifest(tmp_path: Path) -> dict:
 
 def test_manifest_without_all_chunks_is_rejected(tmp_path: Path) -> None:
     doc = _manifest(tmp_path)
-    doc["arrays"]["w"]["chunks"] = []
+    doc["arrays"]["w"]["writers"] = []
     with pytest.raises(ckpt.ManifestError, match="cover"):
         parse_manifest(crafted(doc))
 
@@ -112,10 +113,11 @@ def test_deeply_nested_manifest_is_a_manifest_error() -> None:
 
 
 def test_malformed_rng_is_rejected(tmp_path: Path) -> None:
-    doc = _manifest(tmp_path)
-    doc["ranks"][0]["rng"] = {"python": {"state": "x"}}
+    manifest = parse_manifest(crafted(_manifest(tmp_path)))
+    rank = json.loads((tmp_path / "r" / versions.version_dirname(1) / "ranks" / "0.json").read_bytes())
+    rank["rng"] = {"python": {"state": "x"}}
     with pytest.raises(ckpt.ManifestError, match="RNG"):
-        parse_manifest(crafted(doc))
+        parse_rank_file(json.dumps(rank).encode(), manifest, 0)
 
 
 def test_numpy_object_array_is_refused_cleanly(tmp_path: Path) -> None:

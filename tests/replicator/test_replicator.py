@@ -85,7 +85,7 @@ def vname(step: int) -> str:
 
 def chunk_sizes(manifest: Any) -> dict[str, int]:
     """Relative path -> bytes of every chunk file of a manifest."""
-    return {a.chunk_path(c): c.nbytes for a in manifest.arrays.values() for c in a.chunks if c.inline is None}
+    return {a.chunk_path(c): c.nbytes for a in manifest.arrays.values() for c in a.iter_chunks() if c.inline is None}
 
 
 def remote_problems(place: S3Place) -> tuple[list[int], list[str]]:

@@ -41,7 +41,7 @@ import ckpt.restore.execute as execute_mod
 from ckpt import Checkpointer
 from ckpt.cli import main as cli
 from ckpt.store.manifest import parse_manifest
-from tests._manifests import crafted
+from tests._manifests import chunk_digests, crafted, edit_rank_file
 from tests._states import assert_bitwise, blank, save_steps
 
 BIG = "state/big/c.0.0"  # 2048 x 1024 float32 = 8 MiB: two checksummed 4 MiB blocks
@@ -106,7 +106,8 @@ def two_tiers(tmp_path: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any
     tier.mkdir()
     shutil.copytree(vdir(root, 2), vdir(tier, 2))
     big = json.loads((vdir(root, 2) / "manifest.json").read_bytes())["arrays"]["big"]
-    assert big["block_rows"] == 1024 and len(big["chunks"][0]["blocks"]) == 2  # the blocks under test exist
+    blocks = chunk_digests(vdir(root, 2))["big"][0][1]
+    assert big["block_rows"] == 1024 and len(blocks) == 2  # the blocks under test exist
     return root, tier, old, new
 
 
@@ -279,13 +280,15 @@ def test_array_name_leaving_the_version_is_refused(tmp_path: Path, name: str) ->
     planted.write_bytes(evil.numpy().tobytes())
     os.utime(planted, ns=(10**9, planted.stat().st_mtime_ns))  # atime < mtime: any read would bump it
 
-    def aim(doc: dict[str, Any]) -> None:
-        array = doc["arrays"].pop("w")
-        array["chunks"][0]["xxh3"] = xxhash.xxh3_64_hexdigest(evil.numpy().tobytes())
-        doc["arrays"][name] = array
-        for tree in doc["trees"].values():
-            tree["w"] = {"__tensor__": name}
+    def aim_rank(doc: dict[str, Any]) -> None:  # the tree and the digests point at the planted file
+        (entry,) = doc["chunks"].pop("w")
+        doc["chunks"][name] = [[entry[0], xxhash.xxh3_64_hexdigest(evil.numpy().tobytes())]]
+        doc["tree"]["w"] = {"__tensor__": name}
 
+    def aim(doc: dict[str, Any]) -> None:
+        doc["arrays"][name] = doc["arrays"].pop("w")
+
+    edit_rank_file(vdir(root, 2), 0, aim_rank)
     edit_manifest(vdir(root, 2), aim)
     with pytest.raises(ckpt.ManifestError, match="not a safe relative path"):
         parse_manifest((vdir(root, 2) / "manifest.json").read_bytes())
@@ -377,9 +380,8 @@ def _huge_shape(v: Path) -> None:
 def _huge_chunk_shape(v: Path) -> None:
     nbytes = 2**21 * 2**20 * 4  # 8 TiB per chunk for a 40 x 30 array
 
-    def edit(doc: dict[str, Any]) -> None:
+    def edit(doc: dict[str, Any]) -> None:  # the file size follows from the chunk shape
         doc["arrays"]["w"]["chunk_shape"] = [2**21, 2**20]
-        doc["arrays"]["w"]["chunks"][0]["nbytes"] = nbytes
 
     edit_manifest(v, edit)
     with contextlib.suppress(OSError):  # a sparse chunk file of that size, where the filesystem allows
@@ -546,8 +548,8 @@ def test_crafted_files_run_no_code(tmp_path: Path, caplog: pytest.LogCaptureFixt
     assert not marker.exists()
 
     # Even with a manifest that vouches for the payload's bytes, they are only ever data.
-    edit_manifest(
-        vdir(root, 2), lambda d: d["arrays"]["w"]["chunks"][0].update(xxh3=xxhash.xxh3_64_hexdigest(chunk_payload))
+    edit_rank_file(
+        vdir(root, 2), 0, lambda d: d["chunks"]["w"][0].__setitem__(1, xxhash.xxh3_64_hexdigest(chunk_payload))
     )
     with Checkpointer(root) as ck:
         got = blank(states[2])
