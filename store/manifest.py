@@ -363,6 +363,7 @@ def _array_doc_v3(a: ArrayEntry) -> dict[str, Any]:
 def summarize_regions(regions: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> dict[str, Any]:
     """How ranks held an array, in O(1) space: pieces, sharded dims, whether uneven, the most
     replicas of one piece, and the ranks holding it (for a single piece)."""
+    regions = [r for r in regions if not any(n == 0 for n in r[1])]  # an empty region holds nothing
     dims = sorted({d for offsets, _, _ in regions for d, o in enumerate(offsets) if o})
     return {
         "pieces": len(regions),

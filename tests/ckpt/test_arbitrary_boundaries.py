@@ -179,7 +179,7 @@ def test_chunk_files_are_bounded_and_exchange_happens(saved: tuple[Path, list[An
     version = root / version_dirname(2)
     m = parse_manifest((version / MANIFEST_NAME).read_bytes())
     for name, a in m.arrays.items():
-        regions = len([r for r in a.regions if math.prod(r["shape"])])
+        regions = a.sharding["pieces"]  # the regions the ranks held (empty ones are none)
         bound = regions + math.ceil(a.nbytes / GRID_BYTES)
         files = list((version / "state" / name).glob("c*"))
         inline = all(c.inline is not None for c in a.iter_chunks())

@@ -234,7 +234,7 @@ def test_inspect_never_cuts_a_tensor_name(tmp_path: Path) -> None:
     assert not any(c in r.stdout for c in "…│┃━"), r.stdout  # plain text into a pipe: no boxes
     assert "step 5, saved " in lines[0] and "world size 1, 1 root" in lines[1], lines[:2]  # no value cut in two
     manifest = versions.read_manifest(str(tmp_path / "r"), 5)
-    narrow = inspect_lines(manifest, width=60)  # a terminal too narrow for the table
+    narrow = inspect_lines(manifest, [], width=60)  # a terminal too narrow for the table
     assert LONG in narrow and "model/optim/state/0/exp_avg_sq" in narrow
     table = narrow[narrow.index("tensor") :]
     assert all(len(line) <= 60 for line in table if line != LONG), "\n".join(narrow)

@@ -335,7 +335,7 @@ def test_gc_keeps_a_version_of_a_schema_it_does_not_read(tmp_path: Path) -> None
     _save(root, 1, 2, 3)
     path = root / "v000000000003" / "manifest.json"
     doc = json.loads(path.read_bytes())
-    path.write_bytes(crafted({**doc, "schema_version": 3}))
+    path.write_bytes(crafted({**doc, "schema_version": 4}))
     result = gcmod.collect(open_tier(str(root)), KeepLast(1))
     assert result.deleted == [1] and 3 in result.unjudged, result
     assert committed_steps(open_tier(str(root))) == [2, 3]  # 2: the newest proven intact
