@@ -87,7 +87,7 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
     from ckpt.rng import capture_rng
     from ckpt.store.digest import combine_blocks
     from ckpt.store.dtypes import itemsize
-    from ckpt.store.layout import GRID_BYTES, ArrayPlan, block_rows, plan_arrays
+    from ckpt.store.layout import GRID_BYTES, ArrayPlan, block_rows, flat_index, grid_shape, plan_arrays
     from ckpt.store.manifest import parse_manifest
     from ckpt.store.rank_file import parse_rank_file, rank_file_bytes
 
@@ -124,15 +124,12 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
         rows = block_rows(p.chunk_shape, itemsize(p.spec.data_type))
         blocks = (digest,) * (-(-p.chunk_shape[0] // rows) if rows else 0)
         whole = combine_blocks(blocks) if blocks else digest
-        grid = [-(-s // c) for s, c in zip(p.spec.shape, p.chunk_shape)]
+        grid = grid_shape(p.spec.shape, p.chunk_shape)
         for c in p.chunks:
             if c.inline:
                 inline.setdefault(c.writer, {})[p.spec.name] = ("00" * itemsize(p.spec.data_type), digest)
                 continue
-            flat = 0
-            for i, g in zip(c.index, grid):
-                flat = flat * g + i
-            own.setdefault(c.writer, {}).setdefault(p.spec.name, []).append((flat, whole, blocks))
+            own.setdefault(c.writer, {}).setdefault(p.spec.name, []).append((flat_index(c.index, grid), whole, blocks))
     rng = capture_rng()
     prov = rank_provenance()
     trees: dict[tuple[str, ...], Any] = {}

@@ -40,8 +40,8 @@ from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import TierUnavailableError
 from ckpt.store.faults import fault_point
 from ckpt.store.fsio import DIR_MODE, fsync_dirs, write_new
-from ckpt.store.layout import block_rows
-from ckpt.store.manifest import ArrayEntry, Manifest, RankRef, WriterRun, parse_manifest, summarize_regions, writer_runs
+from ckpt.store.layout import block_rows, flat_index, grid_shape
+from ckpt.store.manifest import ArrayEntry, Manifest, RankRef, parse_manifest, summarize_regions, writer_runs
 from ckpt.store.rank_file import RANKS_DIR, rank_file_bytes, rank_file_path
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
@@ -71,14 +71,10 @@ def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, w
         inline.update(p.inline)
     arrays = {}
     for plan in req.plans:
-        grid = [-(-s // c) for s, c in zip(plan.spec.shape, plan.chunk_shape)]
+        grid = grid_shape(plan.spec.shape, plan.chunk_shape)
         writers = [0] * len(plan.chunks)
         for c in plan.chunks:
-            flat = 0
-            for i, g in zip(c.index, grid):
-                flat = flat * g + i
-            writers[flat] = c.writer
-        runs = writer_runs(writers)
+            writers[flat_index(c.index, grid)] = c.writer
         value = inline.get(plan.spec.name) if len(plan.chunks) == 1 and plan.chunks[0].inline else None
         arrays[plan.spec.name] = ArrayEntry(
             plan.spec.name,
@@ -88,7 +84,7 @@ def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, w
             plan.replicated,
             summarize_regions(plan.regions),
             block_rows=block_rows(plan.chunk_shape, itemsize(plan.spec.data_type)),
-            runs=tuple(WriterRun(0, n, first, stride) for n, first, stride in runs),
+            runs=writer_runs(writers),
             inline=None if value is None else value[0],
             inline_xxh3="" if value is None else value[1],
         )
@@ -116,17 +112,12 @@ def _write_rank_file(job: SaveJob, ctx: RootContext, tmp_dir: str) -> tuple[int,
     """This rank's file (digests of the chunks it wrote, its tree, RNG and provenance) into
     the tmp directory, fsynced with the rest; its size and xxh3."""
     req = job.request
-    grids = {p.spec.name: [-(-s // c) for s, c in zip(p.spec.shape, p.chunk_shape)] for p in req.plans}
+    grids = {p.spec.name: grid_shape(p.spec.shape, p.chunk_shape) for p in req.plans}
     chunks: dict[str, list[tuple[int, str, tuple[str, ...]]]] = {}
     for name, records in job.written.records.items():
-        grid = grids[name]
         for r in records:
-            if r.inline is not None:
-                continue
-            flat = 0
-            for i, g in zip(r.index, grid):
-                flat = flat * g + i
-            chunks.setdefault(name, []).append((flat, r.xxh3, r.blocks))
+            if r.inline is None:
+                chunks.setdefault(name, []).append((flat_index(r.index, grids[name]), r.xxh3, r.blocks))
     for entries in chunks.values():
         entries.sort()
     data = rank_file_bytes(

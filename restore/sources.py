@@ -100,33 +100,25 @@ def from_first_good(
         lambda src: read(src, src.resolve(manifest, array, chunk)),
         f"{array.name} chunk {list(chunk.index)}",
         array.path,
-        array.name,
     )
 
 
 def rank_file_bytes_from(sources: Sequence[Source], manifest: Manifest, rank: int) -> bytes:
     """Rank `rank`'s file (schema 3), verified, from the first source with a good copy."""
-    return first_good(
-        [s for s in sources if rank in s.writers],
-        lambda src: read_rank_file_raw(src.tier, src.step, manifest, rank),
-        rank_file_path(rank),
-        rank_file_path(rank),
-        rank_file_path(rank),
-    )
+    return _rank_file(sources, rank, lambda src: read_rank_file_raw(src.tier, src.step, manifest, rank))
 
 
 def rank_file_from(sources: Sequence[Source], manifest: Manifest, rank: int) -> RankFile:
     """Rank `rank`'s parsed file (schema 3) from the first source with a good copy."""
-    return first_good(
-        [s for s in sources if rank in s.writers],
-        lambda src: src.rank_file(manifest, rank),
-        rank_file_path(rank),
-        rank_file_path(rank),
-        rank_file_path(rank),
-    )
+    return _rank_file(sources, rank, lambda src: src.rank_file(manifest, rank))
 
 
-def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str, path: str, label: str) -> T:
+def _rank_file(sources: Sequence[Source], rank: int, read: Callable[[Source], T]) -> T:
+    where = rank_file_path(rank)
+    return first_good([s for s in sources if rank in s.writers], read, where, where)
+
+
+def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str, path: str) -> T:
     """read(source) for the first of `holders` that gives a good copy of `what`."""
     damaged: list[str] = []
     unreachable: list[TierUnavailableError] = []
@@ -141,7 +133,7 @@ def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str
             continue
         if damaged or unreachable:
             why = damaged[-1] if damaged else str(unreachable[-1])
-            log.warning("%s: used the copy on %s after: %s", label, src.name, why)
+            log.warning("%s: used the copy on %s after: %s", what, src.name, why)
         return result
     if unreachable:
         detail = "; ".join([*damaged, *map(str, unreachable)])

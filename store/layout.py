@@ -123,6 +123,20 @@ def block_rows(chunk_shape: Sequence[int], item: int, target: int = BLOCK_BYTES)
     return max(1, target // row)
 
 
+def grid_shape(shape: Sequence[int], chunk_shape: Sequence[int]) -> tuple[int, ...]:
+    """Chunks along each dimension of a regular grid."""
+    return tuple(-(-s // c) for s, c in zip(shape, chunk_shape))
+
+
+def flat_index(index: Sequence[int], grid: Sequence[int]) -> int:
+    """A chunk's position in grid (C) order: the order in which the manifest's writer runs
+    and a rank file's digests name chunks."""
+    flat = 0
+    for i, g in zip(index, grid):
+        flat = flat * g + i
+    return flat
+
+
 def chunk_file(array_path: str, index: Sequence[int], separator: str = CHUNK_SEPARATOR) -> str:
     """The zarr v3 default chunk key relative to the version directory: "<array>/c.0.0"."""
     if not index:

@@ -28,7 +28,7 @@ import xxhash
 from ckpt.store.digest import combine_blocks
 from ckpt.store.dtypes import ITEMSIZE
 from ckpt.store.errors import CorruptVersionError, ManifestError, UnsupportedSchemaError
-from ckpt.store.layout import CHUNK_SEPARATOR, chunk_file
+from ckpt.store.layout import CHUNK_SEPARATOR, chunk_file, flat_index, grid_shape
 from ckpt.store.layout import block_rows as expected_block_rows
 
 __all__ = [
@@ -125,9 +125,9 @@ class WriterRun:
     stride: int
 
 
-def writer_runs(writers: list[int]) -> list[tuple[int, int, int]]:
-    """The writers of an array's chunks in grid order, as [count, first, stride] runs."""
-    runs: list[tuple[int, int, int]] = []
+def writer_runs(writers: Sequence[int]) -> tuple[WriterRun, ...]:
+    """The writers of an array's chunks in grid order, as runs."""
+    runs: list[WriterRun] = []
     i = 0
     while i < len(writers):
         first = writers[i]
@@ -135,9 +135,9 @@ def writer_runs(writers: list[int]) -> list[tuple[int, int, int]]:
         j = i + 1
         while j < len(writers) and writers[j] == first + stride * (j - i):
             j += 1
-        runs.append((j - i, first, stride))
+        runs.append(WriterRun(i, j - i, first, stride))
         i = j
-    return runs
+    return tuple(runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +152,11 @@ class ArrayEntry:
     block_rows: int = 0  # rows of dim 0 per checksummed block (0: the chunk is one block)
     schema: int = SCHEMA_VERSION  # of the manifest it came from: chunk keys and digests changed in 2
     runs: tuple[WriterRun, ...] = ()  # schema 3: the chunks' writers in grid order
-    run_starts: tuple[int, ...] = ()  # schema 3: each run's start, for bisection
+    run_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # for bisection
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_starts", tuple(r.start for r in self.runs))
+
     inline: str | None = None  # schema 3: a single-element array's value (hex), when it has no chunk file
     inline_xxh3: str = ""  # schema 3: the xxh3_64 of the inline value's bytes
 
@@ -185,7 +189,7 @@ class ArrayEntry:
 
     @property
     def grid(self) -> tuple[int, ...]:
-        return tuple(-(-s // c) for s, c in zip(self.shape, self.chunk_shape))
+        return grid_shape(self.shape, self.chunk_shape)
 
     @property
     def chunk_count(self) -> int:
@@ -200,10 +204,7 @@ class ArrayEntry:
 
     def flat(self, index: tuple[int, ...]) -> int:
         """A grid index's position in grid (C) order."""
-        flat = 0
-        for i, g in zip(index, self.grid):
-            flat = flat * g + i
-        return flat
+        return flat_index(index, self.grid)
 
     def index_of(self, flat: int) -> tuple[int, ...]:
         out = []
@@ -475,7 +476,6 @@ def _with_runs(head: ArrayEntry, doc: dict[str, Any], world: int) -> ArrayEntry:
         head,
         sharding=sharding,
         runs=tuple(runs),
-        run_starts=tuple(r.start for r in runs),
         inline=inline,
         inline_xxh3=digest,
     )

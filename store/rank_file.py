@@ -28,7 +28,6 @@ __all__ = [
     "RANKS_DIR",
     "RankFile",
     "RankFiles",
-    "check_rank_file",
     "parse_rank_file",
     "rank_file_bytes",
     "rank_file_path",
@@ -152,21 +151,15 @@ def read_rank_file_raw(tier: Tier, step: int, manifest: Manifest, rank: int) -> 
         read_exact(handle, memoryview(raw), 0, where)
     finally:
         handle.close()
-    check_rank_file(raw, manifest, rank, where)
-    return bytes(raw)
-
-
-def check_rank_file(raw: bytes | bytearray, manifest: Manifest, rank: int, where: str) -> None:
-    """CorruptVersionError unless `raw` has the size and xxh3 the manifest gives rank `rank`'s file."""
-    ref = manifest.rank_files[rank]
     got = xxhash.xxh3_64_hexdigest(raw)
-    if len(raw) != ref.size or got != ref.xxh3:
+    if got != ref.xxh3:
         raise CorruptVersionError(
             f"rank file {where} fails its checksum (xxh3 {got}, manifest {ref.xxh3})",
             path=where,
             expected=ref.xxh3,
             actual=got,
         )
+    return bytes(raw)
 
 
 def read_rank_file(tier: Tier, step: int, manifest: Manifest, rank: int) -> RankFile:
