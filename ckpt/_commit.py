@@ -41,7 +41,7 @@ from ckpt.store.errors import TierUnavailableError
 from ckpt.store.faults import fault_point
 from ckpt.store.fsio import DIR_MODE, fsync_dirs, write_new
 from ckpt.store.layout import block_rows, flat_index, grid_shape
-from ckpt.store.manifest import ArrayEntry, Manifest, RankRef, parse_manifest, summarize_regions, writer_runs
+from ckpt.store.manifest import ArrayEntry, Manifest, RankRef, parse_manifest
 from ckpt.store.rank_file import RANKS_DIR, rank_file_bytes, rank_file_path
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
@@ -71,20 +71,16 @@ def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, w
         inline.update(p.inline)
     arrays = {}
     for plan in req.plans:
-        grid = grid_shape(plan.spec.shape, plan.chunk_shape)
-        writers = [0] * len(plan.chunks)
-        for c in plan.chunks:
-            writers[flat_index(c.index, grid)] = c.writer
-        value = inline.get(plan.spec.name) if len(plan.chunks) == 1 and plan.chunks[0].inline else None
+        value = inline.get(plan.spec.name) if plan.inline else None
         arrays[plan.spec.name] = ArrayEntry(
             plan.spec.name,
             plan.spec.data_type,
             plan.spec.shape,
             plan.chunk_shape,
             plan.replicated,
-            summarize_regions(plan.regions),
+            plan.sharding.to_json(),
             block_rows=block_rows(plan.chunk_shape, itemsize(plan.spec.data_type)),
-            runs=writer_runs(writers),
+            runs=plan.runs,
             inline=None if value is None else value[0],
             inline_xxh3="" if value is None else value[1],
         )

@@ -6,7 +6,7 @@ never interleave with the other's. Training's own group (NCCL or gloo) is never 
 
 The steady state is built from O(1)-byte all-reduces (`any`, `reduce_max`): a Python
 object is all-gathered to every rank (O(world) bytes each, O(world^2) in all) only on a
-path that is rare (a failure to report, a new layout to plan). Each Comm counts its
+path that is rare (a failure to report). Each Comm counts its
 calls by kind (`calls`), for the tests and benchmarks that hold the save to that.
 """
 
@@ -72,6 +72,16 @@ class Comm:
         out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def all_gather_int(self, value: int) -> list[int]:
+        """One int64 from every rank, to every rank: a fixed-size tensor (8 bytes per rank),
+        no pickling."""
+        self.calls["all_gather"] += 1
+        if self.world == 1:
+            return [value]
+        out = torch.empty(self.world, dtype=torch.int64)
+        dist.all_gather_single(out, torch.tensor([value], dtype=torch.int64), group=self.group)
+        return [int(v) for v in out.tolist()]
 
     def any(self, flag: bool) -> bool:
         """Whether any rank's flag is set: one all-reduce of a single int (no pickling, O(1)

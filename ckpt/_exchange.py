@@ -56,13 +56,15 @@ class Schedule:
 
 
 def schedule(plans: Sequence[ArrayPlan], rank: int) -> Schedule:
-    """This rank's transfers; every rank numbers each pair's messages in the same order (plans and chunks sorted)."""
+    """This rank's transfers; every rank numbers each pair's messages in the same order
+    (plans by name, chunks by grid position). O(straddling chunks), not O(chunks)."""
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     count: dict[tuple[int, int], int] = {}
     for plan in plans:
         item = itemsize(plan.spec.data_type)
-        for chunk in plan.chunks:
+        for flat in sorted(plan.slivers):
+            chunk = plan.chunk(flat)
             for sliver in chunk.slivers:
                 pair = (sliver.rank, chunk.writer)
                 tag = count.get(pair, 0)

@@ -30,6 +30,7 @@ from ckpt._dist import Comm
 from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import SaveJob, SaveRequest, SaveStats
+from ckpt._plan import agree_plans
 from ckpt._staging import Arena, Readiness, StageTask, assign_offsets, slot_bytes, stage
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import encode_state
@@ -40,29 +41,16 @@ from ckpt.store import commit, metrics
 from ckpt.store.errors import CkptError, RankFailures, StateMismatchError, TierUnavailableError, VersionExistsError
 from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.fsio import makedirs
-from ckpt.store.layout import ArrayPlan, ArraySpec, HeldRegion, plan_arrays
+from ckpt.store.layout import ArrayPlan, ChunkPlan, flat_index
 from ckpt.store.tier import Tier
 from ckpt.store.versions import committed_steps
 
 __all__ = ["Saver"]
 
 log = logging.getLogger("ckpt")
-LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # name, dtype, global, offsets, local
-
-
-def _merge_specs(per_rank: list[list[LocalSpec]]) -> list[ArraySpec]:
-    merged: dict[str, tuple[str, tuple[int, ...], list[HeldRegion], int]] = {}
-    for rank, entries in enumerate(per_rank):
-        for name, dtype, gshape, offsets, lshape in entries:
-            if name not in merged:
-                merged[name] = (dtype, gshape, [], rank)
-            first_dtype, first_shape, held, first = merged[name]
-            if (dtype, gshape) != (first_dtype, first_shape):
-                raise StateMismatchError(
-                    f"{name}: rank {rank} holds {dtype}{list(gshape)}, rank {first} holds {first_dtype}{list(first_shape)}"
-                )
-            held.append(HeldRegion(rank, offsets, lshape))
-    return [ArraySpec(n, d, s, tuple(h)) for n, (d, s, h, _) in merged.items()]
+# What changes a rank's layout: name, dtype, global shape, offsets, local shape, kind,
+# placements and mesh (by identity: ckpt._tensors keeps one object per DeviceMesh).
+LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], str, tuple[int, ...], int]
 
 
 def _staging_error(e: BaseException, step: int, root: str) -> BaseException:
@@ -113,6 +101,8 @@ class Saver:
         self.stats: list[SaveStats] = []
         self._plans: list[ArrayPlan] = []
         self._exchange = Schedule((), ())
+        self._mine: list[tuple[ArrayPlan, ChunkPlan]] = []  # the chunks this rank writes
+        self._by_name: dict[str, ArrayPlan] = {}
         self._plan_sig: int | None = None  # hash of this rank's layout when self._plans was made
         self._arena = Arena()
         self.gate = StagingGate()
@@ -147,7 +137,18 @@ class Saver:
                 for leaf in leaves:
                     p = describe(leaf.value, leaf.key)
                     pieces[leaf.name] = p
-                    local.append((leaf.name, p.data_type, p.global_shape, p.offsets, tuple(p.data.shape)))
+                    local.append(
+                        (
+                            leaf.name,
+                            p.data_type,
+                            p.global_shape,
+                            p.offsets,
+                            tuple(p.data.shape),
+                            p.kind,
+                            p.placements,
+                            id(p.mesh),
+                        )
+                    )
                     if owned and can_defer(leaf.value, p.data, owned):
                         deferrable[leaf.name] = (leaf.key, leaf.value)
             rng = capture_rng() if self.config.capture_rng else None
@@ -168,10 +169,12 @@ class Saver:
             failures = {r: f"{e[0]}: {e[1]}" for r, e in enumerate(info) if e}
             exists = [e for e in info if e and e[0] == VersionExistsError.__name__]
             raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
-        if changed:  # the first save of a layout: every rank's regions, to plan the chunks
+        if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
             self._plan_sig = None
-            self._plans = plan_arrays(_merge_specs(self._ctl.all_gather(local)), split_bytes=self.config.split_bytes)
+            self._plans = agree_plans(self._ctl, pieces, self.config.split_bytes)
             self._exchange = schedule(self._plans, self.rank)
+            self._mine = [(plan, chunk) for plan in self._plans for chunk in plan.chunks_of(self.rank)]
+            self._by_name = {plan.spec.name: plan for plan in self._plans}
             self._plan_sig = sig
         request = SaveRequest(
             step=step,
@@ -211,24 +214,12 @@ class Saver:
         self, job: SaveJob, pieces: Mapping[str, LocalPiece], deferrable: Mapping[str, tuple[str, Any]]
     ) -> None:
         step, save_id = job.step, job.request.save_id
-        tasks = [
-            StageTask(plan, chunk, pieces[plan.spec.name])
-            for plan in self._plans
-            for chunk in plan.chunks
-            if chunk.writer == self.rank
-        ]
-        if not self._exchange.empty:  # the parts of other ranks' chunks that this rank sends
-            tasks += [
-                StageTask(plan, chunk, pieces[plan.spec.name], sliver=s)
-                for plan in self._plans
-                for chunk in plan.chunks
-                for s in chunk.slivers
-                if s.rank == self.rank
-            ]
-        pin = any(t.piece.data.is_cuda for t in tasks)
-        batches = _batches(tasks, self.config.max_staging_bytes)
         now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
+        pin = False
         try:
+            tasks = self._tasks(pieces)
+            pin = any(t.piece.data.is_cuda for t in tasks)
+            batches = _batches(tasks, self.config.max_staging_bytes)
             for i, batch in enumerate(batches):
                 placed, size = assign_offsets(batch)
                 job.arena = self._arena.get(size, pin)
@@ -266,6 +257,21 @@ class Saver:
             assert ready is not None
             self._copy_now(job, now, ready)
             self._stalled(job, ready)
+
+    def _tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
+        """What this rank copies: the chunks it writes and the parts of others' chunks it sends."""
+        unplanned = sorted(set(pieces) - set(self._by_name))
+        if unplanned:  # its mesh's lowest rank has no such array
+            raise StateMismatchError(f"{unplanned[:5]} of rank {self.rank}'s state are not in the job's layout")
+        absent = sorted({plan.spec.name for plan, _ in self._mine} - set(pieces))
+        if absent:  # its mesh names this rank, which has no such array
+            raise StateMismatchError(f"{absent[:5]} are in the job's layout with rank {self.rank}, not in its state")
+        tasks = [StageTask(plan, chunk, pieces[plan.spec.name]) for plan, chunk in self._mine]
+        for send in self._exchange.sends:  # the parts of other ranks' chunks that this rank sends
+            plan = self._by_name[send.chunk[0]]
+            chunk = plan.chunk(flat_index(send.chunk[1], plan.grid))
+            tasks.append(StageTask(plan, chunk, pieces[plan.spec.name], sliver=send.sliver))
+        return tasks
 
     def _copy_now(self, job: SaveJob, tasks: list[StageTask], ready: Readiness) -> None:
         """save()'s copy into the arena, each chunk marked ready as it lands. A failure fails

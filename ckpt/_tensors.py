@@ -12,6 +12,7 @@ import torch
 from ckpt.restore.torch_dtypes import TORCH_TO_ZARR, ZARR_TO_TORCH
 from ckpt.shard import Shard
 from ckpt.store.errors import UnsupportedStateError
+from ckpt.store.layout import REPLICATE, Mesh
 
 __all__ = ["TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]
 
@@ -24,6 +25,12 @@ class LocalPiece:
     data_type: str
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    # How the other ranks' pieces are known when the layout is planned: from a DTensor's
+    # mesh and placements ("mesh"), from every holder's listed region ("listed": hand-made
+    # shards, unusual placements), or as a whole array its rank group holds ("plain").
+    kind: str = "plain"
+    mesh: Mesh | None = None
+    placements: tuple[int, ...] = ()
 
 
 try:
@@ -34,6 +41,32 @@ except ImportError:  # torch built without distributed
 
 def is_tensor_like(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, Shard, np.ndarray))
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _mesh_of(device_mesh: Any) -> Mesh:
+    """A DeviceMesh as plain data (cached: one object per mesh, so a plan sent to other
+    ranks carries each mesh's rank list once)."""
+    ranks = device_mesh.mesh
+    return Mesh(tuple(int(n) for n in ranks.shape), tuple(int(r) for r in ranks.flatten().tolist()))
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _mesh_placements(placements: tuple[Any, ...]) -> tuple[int, ...] | None:
+    """Shard(d) -> d and Replicate -> REPLICATE; None when some placement is another kind
+    (a strided shard): such arrays are planned from their listed regions."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    out = []
+    for p in placements:
+        if type(p) is DShard:
+            out.append(p.dim)
+        elif type(p) is Replicate:
+            out.append(REPLICATE)
+        else:
+            return None
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -63,8 +96,12 @@ def _refuse_unusual(data: torch.Tensor, key: str) -> None:
 
 def describe(value: Any, key: str) -> LocalPiece:
     """The local piece of a tensor, DTensor, Shard or ndarray; refuses what cannot be stored."""
+    kind = "plain"
+    mesh: Mesh | None = None
+    placed: tuple[int, ...] = ()
     if isinstance(value, Shard):
         data, shape, offsets = value.local_tensor, tuple(value.global_shape), tuple(value.offsets)
+        kind = "listed"
     elif DTensor is not None and isinstance(value, DTensor):
         # The local tensor without to_local(): an autograd op per call, and describe() runs for
         # every tensor of every save. Offsets are cached: a pure function of shape and layout.
@@ -75,6 +112,11 @@ def describe(value: Any, key: str) -> LocalPiece:
         if found is None:
             raise UnsupportedStateError(f"{key}: DTensor with Partial placement must be reduced before saving")
         offsets = found
+        found_placements = _mesh_placements(tuple(value.placements))
+        if found_placements is None:
+            kind = "listed"
+        else:
+            kind, mesh, placed = "mesh", _mesh_of(value.device_mesh), found_placements
     elif isinstance(value, np.ndarray):
         try:
             data = torch.from_numpy(np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="), copy=False))
@@ -89,4 +131,4 @@ def describe(value: Any, key: str) -> LocalPiece:
     _refuse_unusual(data, key)
     if data.dtype not in TORCH_TO_ZARR:
         raise UnsupportedStateError(f"{key}: dtype {data.dtype} is not supported")
-    return LocalPiece(data.detach(), TORCH_TO_ZARR[data.dtype], shape, offsets)
+    return LocalPiece(data.detach(), TORCH_TO_ZARR[data.dtype], shape, offsets, kind, mesh, placed)

@@ -26,7 +26,7 @@ from ckpt.store.errors import NonFiniteError
 from ckpt.store.faults import fault_delay
 from ckpt.store.fsio import DIR_MODE, fsync_files, write_chunk, write_new
 from ckpt.store.lanes import run_lanes
-from ckpt.store.layout import ArrayPlan, block_rows, chunk_file
+from ckpt.store.layout import block_rows, chunk_file
 from ckpt.store.manifest import STATE_PREFIX
 from ckpt.store.zarr_meta import ArrayNode, documents
 
@@ -42,12 +42,8 @@ def metadata_documents(job: SaveJob, tmp_dir: str) -> tuple[list[tuple[str, byte
     plans = job.request.plans
     nodes = [ArrayNode(f"{STATE_PREFIX}/{p.spec.name}", p.spec.data_type, p.spec.shape, p.chunk_shape) for p in plans]
     docs, dirs = documents(tmp_dir, nodes, {"ckpt": {"step": job.step}})
-    inline = {os.path.join(tmp_dir, STATE_PREFIX, p.spec.name, "zarr.json") for p in plans if _is_inline(p)}
+    inline = {os.path.join(tmp_dir, STATE_PREFIX, p.spec.name, "zarr.json") for p in plans if p.inline}
     return [d for d in docs if d[0] not in inline], dirs
-
-
-def _is_inline(plan: ArrayPlan) -> bool:
-    return len(plan.chunks) == 1 and plan.chunks[0].inline
 
 
 def write_tasks(

@@ -19,7 +19,7 @@ import json
 import math
 import re
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ import xxhash
 from ckpt.store.digest import combine_blocks
 from ckpt.store.dtypes import ITEMSIZE
 from ckpt.store.errors import CorruptVersionError, ManifestError, UnsupportedSchemaError
-from ckpt.store.layout import CHUNK_SEPARATOR, chunk_file, flat_index, grid_shape
+from ckpt.store.layout import CHUNK_SEPARATOR, Sharding, WriterRun, chunk_file, flat_index, grid_shape
 from ckpt.store.layout import block_rows as expected_block_rows
 
 __all__ = [
@@ -113,31 +113,6 @@ class ChunkEntry:
     def resolved(self) -> bool:
         """Whether its digests are known (schema 3 keeps them in the writer's rank file)."""
         return bool(self.xxh3)
-
-
-@dataclass(frozen=True, slots=True)
-class WriterRun:
-    """`count` chunks from flat grid index `start` on, written by ranks first, first + stride, ..."""
-
-    start: int
-    count: int
-    first: int
-    stride: int
-
-
-def writer_runs(writers: Sequence[int]) -> tuple[WriterRun, ...]:
-    """The writers of an array's chunks in grid order, as runs."""
-    runs: list[WriterRun] = []
-    i = 0
-    while i < len(writers):
-        first = writers[i]
-        stride = writers[i + 1] - first if i + 1 < len(writers) and writers[i + 1] >= first else 0
-        j = i + 1
-        while j < len(writers) and writers[j] == first + stride * (j - i):
-            j += 1
-        runs.append(WriterRun(i, j - i, first, stride))
-        i = j
-    return tuple(runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,19 +336,6 @@ def _array_doc_v3(a: ArrayEntry) -> dict[str, Any]:
     return doc
 
 
-def summarize_regions(regions: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> dict[str, Any]:
-    """How ranks held an array, in O(1) space: pieces, sharded dims, whether uneven, the most
-    replicas of one piece, and the ranks holding it (for a single piece)."""
-    regions = [r for r in regions if not any(n == 0 for n in r[1])]  # an empty region holds nothing
-    dims = sorted({d for offsets, _, _ in regions for d, o in enumerate(offsets) if o})
-    return {
-        "pieces": len(regions),
-        "dims": dims,
-        "uneven": len({repr(shape) for _, shape, _ in regions}) > 1,
-        "replicas": max((len(ranks) for _, _, ranks in regions), default=0),
-    }
-
-
 def _chunk_doc(c: ChunkEntry) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "index": list(c.index),
@@ -553,7 +515,7 @@ def _with_listed(head: ArrayEntry, doc: dict[str, Any], world: int) -> ArrayEntr
         for r in regions
     ):
         raise ManifestError(f"array {name!r}: regions must be a list of region objects", path=name)
-    summary = summarize_regions([(r["offsets"], r.get("shape", []), r["ranks"]) for r in regions])
+    summary = Sharding.of((r["offsets"], r.get("shape", []), r["ranks"]) for r in regions).to_json()
     return dataclasses.replace(head, sharding={**summary, "regions": regions}, listed=tuple(chunks))
 
 

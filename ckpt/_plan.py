@@ -1,0 +1,202 @@
+"""The first save of a layout: who holds what, agreed without any rank learning ranks x arrays.
+
+Three collectives, only when some rank's layout changed since its last save:
+1. an all-gather of one int64 per rank: the signature of the rank's plain arrays (whole
+   tensors, held alike by every rank of a group: data-parallel replicas, a pipeline
+   stage). Ranks with equal signatures hold the same plain arrays; the lowest of them
+   speaks for its group.
+2. a gather to rank 0 of each rank's `Announcement`: the mesh arrays whose mesh it leads
+   (a DTensor's pieces follow from its mesh and placements, so one rank describes it for
+   all), its listed regions (hand-made shards: only their holder knows them), and its
+   group's plain arrays if it speaks for the group.
+3. a broadcast of rank 0's plans (store.layout: O(arrays), writers as runs), or of the
+   error that stopped it, which every rank then raises.
+
+Rank 0 handles O(arrays + ranks + listed regions); every other rank O(arrays), and its
+own chunks come from the plans' runs (`ArrayPlan.chunks_of`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from ckpt._dist import Comm
+from ckpt._tensors import LocalPiece
+from ckpt.store import errors
+from ckpt.store.errors import CkptError, StateMismatchError
+from ckpt.store.layout import (
+    REPLICATE,
+    ArrayPlan,
+    ArraySpec,
+    HeldRegion,
+    Mesh,
+    MeshSpec,
+    plan_arrays,
+)
+
+__all__ = ["Announcement", "announce", "merge", "plain_signature", "agree_plans"]
+
+PlainEntry = tuple[str, str, tuple[int, ...]]  # name, dtype, shape
+ListedEntry = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # name, dtype, shape, offsets, local
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """What one rank tells rank 0 on the first save of a layout."""
+
+    rank: int
+    meshed: tuple[MeshSpec, ...]  # the mesh arrays whose mesh this rank leads (its lowest rank)
+    listed: tuple[ListedEntry, ...]  # this rank's listed regions
+    plain: tuple[PlainEntry, ...] | None  # its group's plain arrays, when it speaks for the group
+    error: str | None = None  # why this rank cannot describe its state
+
+
+def plain_signature(pieces: Mapping[str, LocalPiece]) -> int:
+    """A digest of the rank's plain arrays (names, dtypes, shapes), as a non-negative int64."""
+    entries = sorted((n, p.data_type, p.global_shape) for n, p in pieces.items() if p.kind == "plain")
+    return xxhash.xxh3_64_intdigest(repr(entries).encode()) >> 1
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _coordinate(mesh: Mesh, rank: int) -> tuple[int, ...]:
+    flat = mesh.ranks.index(rank)
+    out = []
+    for k in reversed(mesh.shape):
+        flat, c = divmod(flat, k)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def _piece_at(
+    shape: tuple[int, ...], mesh: Mesh, placements: tuple[int, ...], rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, shape) of the piece `rank` holds, by the rule store.layout plans with."""
+    coord = _coordinate(mesh, rank)
+    offsets, sizes = [0] * len(shape), list(shape)
+    for m, d in enumerate(placements):
+        if d != REPLICATE:
+            size = -(-sizes[d] // mesh.shape[m])
+            start = min(coord[m] * size, sizes[d])
+            offsets[d] += start
+            sizes[d] = max(0, min(size, sizes[d] - start))
+    return tuple(offsets), tuple(sizes)
+
+
+def announce(rank: int, pieces: Mapping[str, LocalPiece], speaks: bool) -> Announcement:
+    """This rank's announcement. A mesh piece that is not where the layout rule puts it is
+    refused here, before anything is planned from the rule."""
+    meshed = []
+    listed = []
+    for name, p in pieces.items():
+        local = tuple(p.data.shape)
+        if p.kind == "mesh" and p.mesh is not None:
+            if rank not in p.mesh.ranks:
+                return Announcement(rank, (), (), None, f"{name}: rank {rank} is not in its DTensor's mesh")
+            want = _piece_at(p.global_shape, p.mesh, p.placements, rank)
+            if want[1] != local or (all(want[1]) and want[0] != p.offsets):
+                return Announcement(
+                    rank,
+                    (),
+                    (),
+                    None,
+                    f"{name}: rank {rank} holds {list(local)} at {list(p.offsets)}, but its DTensor placements "
+                    f"{p.placements} put {list(want[1])} at {list(want[0])} there",
+                )
+            if min(p.mesh.ranks) == rank:
+                meshed.append(MeshSpec(name, p.data_type, p.global_shape, p.mesh, p.placements))
+        elif p.kind == "listed":
+            listed.append((name, p.data_type, p.global_shape, p.offsets, local))
+    plain = None
+    if speaks:
+        plain = tuple(sorted((n, p.data_type, p.global_shape) for n, p in pieces.items() if p.kind == "plain"))
+    return Announcement(rank, tuple(meshed), tuple(listed), plain)
+
+
+class _Claims:
+    """Who declared each array first, so that a disagreement names both ranks."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
+
+    def claim(self, name: str, kind: str, dtype: str, shape: tuple[int, ...], rank: int) -> None:
+        seen = self.first.setdefault(name, (kind, dtype, shape, rank))
+        if seen[:3] == (kind, dtype, shape):
+            return
+        fkind, fdtype, fshape, frank = seen
+        if fkind != kind:
+            raise StateMismatchError(f"{name}: rank {rank} holds it as a {kind} array, rank {frank} as a {fkind} array")
+        raise StateMismatchError(
+            f"{name}: rank {rank} holds {dtype}{list(shape)}, rank {frank} holds {fdtype}{list(fshape)}"
+        )
+
+
+def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> list[ArraySpec | MeshSpec]:
+    """Rank 0: every array of the job, from the announcements and the plain signatures."""
+    failures = [a for a in announcements if a.error]
+    if failures:
+        raise StateMismatchError("; ".join(str(a.error) for a in failures))
+    groups: dict[int, list[int]] = {}
+    for rank, sig in enumerate(signatures):
+        groups.setdefault(sig, []).append(rank)
+    claims = _Claims()
+    specs: dict[str, ArraySpec | MeshSpec] = {}
+    held: dict[str, list[HeldRegion]] = {}
+    plain: dict[str, list[int]] = {}  # name -> the signatures of the groups holding it
+    for a in announcements:
+        for m in a.meshed:
+            claims.claim(m.name, "mesh", m.data_type, m.shape, a.rank)
+            known = specs.get(m.name)
+            if known is not None and known != m:
+                first = claims.first[m.name][3]
+                raise StateMismatchError(f"{m.name}: ranks {first} and {a.rank} place it on different DTensor meshes")
+            specs[m.name] = m
+        for name, dtype, shape, offsets, local in a.listed:
+            claims.claim(name, "listed", dtype, shape, a.rank)
+            held.setdefault(name, []).append(HeldRegion(a.rank, offsets, local))
+            specs.setdefault(name, ArraySpec(name, dtype, shape, ()))
+        for name, dtype, shape in a.plain or ():
+            claims.claim(name, "plain", dtype, shape, a.rank)
+            plain.setdefault(name, []).append(signatures[a.rank])
+            specs.setdefault(name, ArraySpec(name, dtype, shape, ()))
+    meshes: dict[tuple[int, ...], Mesh] = {}  # one object per holder set: sent once
+    out: list[ArraySpec | MeshSpec] = []
+    for name, spec in specs.items():
+        if name in held:
+            assert isinstance(spec, ArraySpec)
+            out.append(ArraySpec(name, spec.data_type, spec.shape, tuple(held[name])))
+        elif name in plain:
+            key = tuple(sorted(set(plain[name])))
+            if key not in meshes:
+                ranks = tuple(sorted(r for sig in key for r in groups[sig]))
+                meshes[key] = Mesh((len(ranks),), ranks)
+            out.append(MeshSpec(name, spec.data_type, spec.shape, meshes[key], (REPLICATE,)))
+        else:
+            out.append(spec)
+    return out
+
+
+Outcome = tuple[list[ArrayPlan] | None, tuple[str, str] | None]  # (plans, (error type, message))
+
+
+def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -> list[ArrayPlan]:
+    """Collective: the plans of the job's layout, the same on every rank; raises alike on every rank."""
+    sig = plain_signature(pieces)
+    signatures = ctl.all_gather_int(sig)
+    got = ctl.gather(announce(ctl.rank, pieces, signatures.index(sig) == ctl.rank))
+    outcome: Outcome = (None, None)
+    if got is not None:
+        try:
+            outcome = (plan_arrays(merge(got, signatures), split_bytes=split_bytes), None)
+        except CkptError as e:
+            outcome = (None, (type(e).__name__, str(e)))
+    plans: list[ArrayPlan] | None
+    plans, error = ctl.broadcast(outcome)
+    if error is not None:
+        kind = getattr(errors, error[0], CkptError)
+        raise (kind if isinstance(kind, type) and issubclass(kind, CkptError) else CkptError)(error[1])
+    assert plans is not None
+    return plans
