@@ -4,9 +4,9 @@ Phases, each ending in a collective on the `data` group so every rank takes the 
 branch (a failure anywhere aborts everywhere and removes the tmp directories):
 
   WRITE    each rank writes + fsyncs its chunk files and directories into the tmp dir (ckpt._write)
-  GATHER   rank 0 collects every rank's RankReport (O(1) each: its rank file, written with
-           its chunks, holds its digests, tree and RNG), builds the manifest, sends it to
-           the other roots' leaders
+  GATHER   rank 0 collects every rank's RankReport through the roots' leaders (ckpt._reports:
+           40 bytes a rank; its rank file, written with its chunks, holds its digests,
+           tree and RNG), builds the manifest, sends it to the other roots' leaders
   PREPARE  each root's leader writes zarr metadata, root.json and the manifest, fsynced
   PUBLISH  each leader renames tmp -> v<N> and fsyncs the root
 
@@ -32,6 +32,8 @@ from ckpt._dist import Comm, describe_error
 from ckpt._exchange import exchange
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import RankReport, RankTimings, SaveJob, SaveStats
+from ckpt._reports import gather_reports
+from ckpt._timings import summarize
 from ckpt._write import metadata_documents, write_tasks
 from ckpt.provenance import job_provenance, rank_provenance
 from ckpt.store import commit as commit_mod
@@ -84,16 +86,17 @@ def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, w
             inline=None if value is None else value[0],
             inline_xxh3="" if value is None else value[1],
         )
+    created = time.time()
     meta = {
         **job_provenance(),
-        "timings": [p.timings.to_json() for p in reports],
+        "timings": summarize([p.timings.to_json() for p in reports], created),
         "milestone": req.milestone,
         "keys": sorted({k for p in reports for k in p.keys}),  # every rank's
     }
     return Manifest(
         step=req.step,
         save_id=req.save_id,
-        created=time.time(),
+        created=created,
         world_size=world,
         arrays=arrays,
         trees={},
@@ -255,7 +258,7 @@ def _commit(
     t_commit = time.perf_counter()
     prepared_everywhere = False
     try:
-        reports = comm.gather(_report(job, ctx, error))  # GATHER
+        reports = gather_reports(comm, _report(job, ctx, error), ctx.root_groups, ctx.root_index)  # GATHER
         # Only the roots' leaders need the manifest (they write it): rank 0 sends it to each,
         # empty when the save is aborted. The other ranks learn the outcome in agree().
         raw = b""

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from ckpt._timings import summarize
 from ckpt.replicator.status import CopyState, read_status
 from ckpt.store import commit
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
@@ -45,7 +46,7 @@ class Row:
     writers_here: tuple[int, ...] = ()
     milestone: bool = False
     keys: tuple[str, ...] | None = None  # the top-level keys it holds, when not every key (params-only)
-    timings: tuple[dict[str, Any], ...] = ()  # per rank, with the commit time derived
+    timings: dict[str, Any] = field(default_factory=dict)  # per phase: median, max and its rank (ckpt._timings)
     copies: dict[str, CopyState] | None = None  # the replicator's copies (None: no replicator ran)
     remote: CopyState | None = None
     replicate_s: dict[str, float] = field(default_factory=dict)  # per copy: commit to verified
@@ -55,21 +56,14 @@ class Row:
         doc = asdict(self)
         doc["writers_here"] = list(self.writers_here)
         doc["keys"] = None if self.keys is None else list(self.keys)
-        doc["timings"] = list(self.timings)
         return doc
 
 
-def _timings(m: Manifest) -> tuple[dict[str, Any], ...]:
-    out = []
-    for t in m.meta.get("timings", []):
-        if not isinstance(t, dict):
-            continue
-        t = dict(t)
-        if isinstance(t.get("started"), (int, float)):  # from save() to the manifest, minus the measured phases
-            copied = max(t.get("stage_s", 0), t.get("staged_s", 0))  # deferred staging: its copy ends later
-            t["commit_s"] = round(max(0.0, m.created - t["started"] - copied - t.get("write_s", 0)), 4)
-        out.append(t)
-    return tuple(out)
+def _timings(m: Manifest) -> dict[str, Any]:
+    got = m.meta.get("timings")
+    if isinstance(got, list):  # written before the summary: a row per rank
+        return summarize(got, m.created)
+    return dict(got) if isinstance(got, dict) else {}
 
 
 def _committed_row(tier: Tier, step: int, m: Manifest) -> Row:

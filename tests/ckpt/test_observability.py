@@ -105,6 +105,11 @@ def straggler(ctx: Ctx, root: str) -> dict:
         ctx.check(all(root in m for m in hits), f"the warning names the disk: {hits}")
         ctx.check(metrics.STRAGGLERS.labels(rank="1")._value.get() == 2, "counted in the metric")
         ctx.check(metrics.STRAGGLERS.labels(rank="0")._value.get() == 0, "rank 0 is not a straggler")
+        from ckpt.store.versions import read_manifest
+
+        timings = read_manifest(root, 2).meta["timings"]  # O(1) in the ranks: the straggler is named
+        ctx.check(timings["ranks"] == 2 and timings["write_s"]["max_rank"] == 1, f"manifest timings: {timings}")
+        ctx.check(timings["write_s"]["max"] >= 0.4, f"the slow rank's write time: {timings}")
     return {}
 
 
