@@ -31,12 +31,12 @@ from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchEr
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
 
-__all__ = ["load_version"]
+__all__ = ["load_version", "agreed_manifest"]
 
 log = logging.getLogger("ckpt")
 
 
-def _agreed_manifest(ctl: Comm, located: Located) -> Manifest:
+def agreed_manifest(ctl: Comm, located: Located) -> Manifest:
     """The manifest on every rank: from this rank's copies, or broadcast from one that has it."""
     found: Manifest | None = None
     error: BaseException | None = None
@@ -102,7 +102,7 @@ def load_version(
 ) -> None:
     """Fill `state` in place from the located version (collective); `strict`: see ckpt._tree.bind."""
     with no_cyclic_gc():  # thousands of manifest objects: see ckpt/_gc.py
-        manifest = _agreed_manifest(ctl, located)
+        manifest = agreed_manifest(ctl, located)
         saved_world = manifest.world_size
         mine = _saved_rank(ctl, manifest, located)
         bound = None

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from ckpt import _roots
 from ckpt._dist import destroy_comms, make_comms
 from ckpt._job import SaveStats
-from ckpt._load import load_version
+from ckpt._load import agreed_manifest, load_version
 from ckpt._preemption import PreemptionWatch
 from ckpt._retention import Retention
 from ckpt._roots import PathSpec, RootSpec
@@ -27,9 +27,10 @@ from ckpt._save import Saver
 from ckpt.config import CheckpointerConfig
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.service import Replicator
-from ckpt.restore.locate import restore_newest
+from ckpt.restore.locate import Located, restore_newest
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError, CorruptVersionError, UnsupportedStateError
+from ckpt.store.manifest import Manifest
 from ckpt.store.tier import Tier, is_url, open_tier
 from ckpt.store.versions import check_step, committed_steps
 
@@ -257,13 +258,10 @@ class Checkpointer:
             raise ValueError(f"if_incomplete must be 'raise' or 'fresh', not {if_incomplete!r}")
         self._saver.wait()
 
-        def tiers() -> list[Tier]:
-            return [self._tier, *_roots.replica_tiers(self._disks), *self._tiers[1:]]
-
         try:
             found = restore_newest(
                 self._ctl,
-                tiers,
+                self._search_tiers,
                 lambda located: load_version(self._ctl, self.config, located, state, strict=strict),
                 step=step,
                 needs=self._needed_keys(state) if strict and step is None else None,
@@ -273,6 +271,21 @@ class Checkpointer:
             metrics.VERIFY_ERRORS.inc()
             raise
         return None if found is None else found[0]
+
+    def _search_tiers(self) -> list[Tier]:
+        """Where restore looks, in order: this rank's root, the replicator's copies on this
+        node's disks, then `tiers` and the remote."""
+        return [self._tier, *_roots.replica_tiers(self._disks), *self._tiers[1:]]
+
+    def _locate(self, step: int | None) -> tuple[Manifest, Located] | None:
+        """Collective: the newest version whose manifest every rank can read (or `step`),
+        without loading it; for readers that read parts of it themselves (ckpt.dcp)."""
+        self._check_open()
+        self._saver.wait()
+        found = restore_newest(
+            self._ctl, self._search_tiers, lambda located: (agreed_manifest(self._ctl, located), located), step=step
+        )
+        return None if found is None else found[1]
 
     def _needed_keys(self, state: Mapping[str, Any]) -> frozenset[str]:
         """The top-level keys a version must hold: every rank's (ranks may hold different

@@ -1,0 +1,317 @@
+"""ckpt as the storage of torch.distributed.checkpoint (DCP): one argument in code that uses DCP.
+
+    dcp.save(state_dict, storage_writer=ckpt.dcp.StorageWriter("/nvme/run", step))
+    dcp.async_save(state_dict, storage_writer=ckpt.dcp.StorageWriter("/nvme/run", step))
+    dcp.load(state_dict, storage_reader=ckpt.dcp.StorageReader("/nvme/run"))  # newest intact
+
+What DCP saves becomes an ordinary committed ckpt version: atomic, every byte checksummed,
+and listed, verified, inspected, restored, replicated and retained like any other. A
+tensor is stored under `tensors/` by its fully qualified name split at its dots
+(`model.layers.0.weight` -> `tensors/model/layers/0/weight`); each rank stores the pieces
+DCP's plan gives it (DTensor and ShardedTensor shards, and the whole tensors DCP assigns
+it) as `ckpt.Shard`s. DCP's "bytes" items (objects DCP serializes itself, with
+torch.save) are stored under `bytes/` as opaque uint8 arrays: ckpt never unpickles them;
+dcp.load hands them back to DCP's planner, which does, as it does from its own files.
+
+No DCP metadata file is written: StorageReader builds DCP's Metadata from the manifest,
+each tensor one chunk of its whole shape, so DCP plans reads for any layout and ckpt
+reads only the bytes each rank asks for (verified, from whichever tier holds them).
+
+The commit: ckpt's commit is collective (every rank's data is durable before any root
+publishes), while DCP calls `finish()` on its coordinator alone. So `write_data` saves on
+every rank and waits for ckpt's commit: the version is committed when write_data has
+returned on every rank, and `finish()` has nothing left to do. A crash before then
+leaves no trace of the version among the committed ones.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import urllib.parse
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
+from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckpt._roots import RootSpec
+from ckpt.checkpointer import Checkpointer
+from ckpt.config import CheckpointerConfig
+from ckpt.restore.execute import ReadRequest, full_tensor, load_arrays
+from ckpt.restore.locate import Located
+from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
+from ckpt.shard import Shard
+from ckpt.store.errors import StateMismatchError, UnsupportedStateError, VersionNotFoundError
+from ckpt.store.manifest import MAX_COMPONENT, Manifest, escape_component
+from ckpt.store.versions import check_step
+
+__all__ = ["StorageWriter", "StorageReader"]
+
+TENSORS = "tensors"
+BYTES = "bytes"
+
+
+def _components(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    for p in parts:
+        if not p or len(urllib.parse.quote(p, safe="")) > MAX_COMPONENT:  # longer ones are stored hashed
+            raise UnsupportedStateError(
+                f"{fqn!r}: ckpt.dcp stores a name by its dot-separated parts, and {p!r} cannot be one"
+            )
+    return parts
+
+
+def array_name(kind: str, fqn: str) -> str:
+    """The manifest name of a DCP item: its kind, then its FQN's dot-separated parts."""
+    return "/".join([kind, *(escape_component(p) for p in _components(fqn))])
+
+
+def _fqn(name: str) -> tuple[str, str]:
+    kind, _, path = name.partition("/")
+    return kind, ".".join(urllib.parse.unquote(p) for p in path.split("/"))
+
+
+def _put(tree: dict[str, Any], fqn: str, value: Any) -> None:
+    *path, leaf = _components(fqn)
+    node = tree
+    for p in path:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise UnsupportedStateError(f"{fqn!r}: a prefix of it is itself an item")
+        node = child
+    if leaf in node:
+        what = "a prefix of other items" if isinstance(node[leaf], dict) else "given twice on this rank"
+        raise UnsupportedStateError(f"{fqn!r} is {what} (ckpt.dcp keeps one piece of a tensor per rank)")
+    node[leaf] = value
+
+
+def _checkpointer(root: RootSpec, checkpointer: Checkpointer | None, options: dict[str, Any]) -> Checkpointer:
+    if checkpointer is not None:
+        return checkpointer
+    # DCP saves no RNG state: neither does ckpt here, and a load leaves the RNG alone.
+    options.setdefault("config", CheckpointerConfig(capture_rng=False))
+    return Checkpointer(root, **options)
+
+
+def _no_checkpoint_id(checkpoint_id: Any) -> None:
+    if checkpoint_id is not None:
+        raise ValueError("ckpt.dcp takes its root (and step) in its constructor, not as DCP's checkpoint_id")
+
+
+class StorageWriter(_StorageWriter):
+    """DCP's StorageWriter onto a ckpt root: the save becomes committed version `step`.
+
+    Construct it on every rank (it opens a Checkpointer, which is collective), or pass an
+    open `checkpointer` to reuse. Other keyword arguments go to Checkpointer (by default
+    `config=CheckpointerConfig(capture_rng=False)`). With `overwrite`, an existing version
+    of the step is replaced; `milestone` marks the version for retention."""
+
+    def __init__(
+        self,
+        root: RootSpec,
+        step: int,
+        *,
+        checkpointer: Checkpointer | None = None,
+        overwrite: bool = False,
+        milestone: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        check_step(step)
+        self.step = step
+        self._overwrite, self._milestone = overwrite, milestone
+        self._owned = checkpointer is None
+        self._ck = _checkpointer(root, checkpointer, options)
+
+    def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
+        _no_checkpoint_id(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Collective: this rank's items saved as version `step`, committed on every rank."""
+        state: dict[str, Any] = {TENSORS: {}, BYTES: {}}
+        results = []
+        try:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                    blob = (
+                        torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                        if raw
+                        else torch.empty(0, dtype=torch.uint8)
+                    )
+                    _put(state[BYTES], item.index.fqn, Shard(blob, (len(raw),), (0,)))
+                    nbytes = len(raw)
+                else:
+                    assert item.tensor_data is not None and isinstance(data, torch.Tensor)
+                    td = item.tensor_data
+                    _put(state[TENSORS], item.index.fqn, Shard(data.detach(), tuple(td.size), tuple(td.chunk.offsets)))
+                    nbytes = data.numel() * data.element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
+            self._ck.save(self.step, state, overwrite=self._overwrite, milestone=self._milestone)
+            self._ck.wait()
+        finally:
+            if self._owned:
+                self._ck.close()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing left: the version committed in write_data (see the module docstring)."""
+        return None
+
+
+def metadata_of(manifest: Manifest) -> Metadata:
+    """DCP's Metadata of a version saved through StorageWriter: every tensor one chunk."""
+    found: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for name, array in manifest.arrays.items():
+        kind, fqn = _fqn(name)
+        if kind == BYTES:
+            found[fqn] = BytesStorageMetadata()
+        elif kind == TENSORS:
+            shape = torch.Size(array.shape)
+            chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
+            found[fqn] = TensorStorageMetadata(TensorProperties(dtype=ZARR_TO_TORCH[array.data_type]), shape, [chunk])
+    if manifest.arrays and not found:
+        raise StateMismatchError(f"step {manifest.step} was not saved through ckpt.dcp: no {TENSORS}/ or {BYTES}/")
+    return Metadata(state_dict_metadata=found)
+
+
+class StorageReader(_StorageReader):
+    """DCP's StorageReader from a ckpt root: version `step`, or the newest intact one.
+
+    Construct it on every rank (it opens a Checkpointer, which is collective), or pass an
+    open `checkpointer`. Choosing the version is ckpt's (restore.locate): a version whose
+    manifest is damaged everywhere is passed over for the next older one; a bad chunk is
+    read from another tier that holds it."""
+
+    def __init__(
+        self,
+        root: RootSpec,
+        step: int | None = None,
+        *,
+        checkpointer: Checkpointer | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        if step is not None:
+            check_step(step)
+        self.step = step
+        self._root = root
+        self._owned = checkpointer is None
+        self._ck = _checkpointer(root, checkpointer, options)
+        self._found: tuple[Manifest, Located] | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
+        _no_checkpoint_id(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+    def read_metadata(self) -> Metadata:
+        """Collective (DCP calls it on every rank): choose the version, describe it."""
+        try:
+            self._found = self._ck._locate(self.step)
+            if self._found is None:
+                where = self._root if isinstance(self._root, str) else "the root"
+                raise VersionNotFoundError(f"no committed version under {where}")
+            self.step = self._found[0].step
+            return metadata_of(self._found[0])
+        except BaseException:
+            self._close()  # DCP reads nothing after a failed read_metadata
+            raise
+
+    def _close(self) -> None:
+        if self._owned:
+            self._ck.close()
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Collective: read this rank's items (a chunk on another node's disk arrives over
+        the group, as in restore), verified, then hand them to DCP's planner."""
+        if self._found is None:
+            raise RuntimeError("read_metadata must come first")
+        try:
+            self._read(*self._found, plan, planner)
+        finally:
+            self._close()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read(self, manifest: Manifest, located: Located, plan: LoadPlan, planner: LoadPlanner) -> None:
+        ctl, config = self._ck._ctl, self._ck.config
+        requests: list[ReadRequest] = []
+        error: BaseException | None = None
+        try:
+            for item in plan.items:
+                kind = BYTES if item.type == LoadItemType.BYTE_IO else TENSORS
+                array = manifest.arrays.get(array_name(kind, item.storage_index.fqn))
+                if array is None:
+                    raise StateMismatchError(
+                        f"{item.storage_index.fqn}: step {manifest.step} holds no such {kind} item"
+                    )
+                if kind == BYTES:
+                    requests.append(ReadRequest(array, full_tensor(array), (0,)))
+                else:
+                    dest = torch.empty(tuple(item.lengths), dtype=ZARR_TO_TORCH[array.data_type])
+                    requests.append(ReadRequest(array, dest, tuple(item.storage_offsets)))
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            error = e
+        ctl.agree(error)
+        error = None
+        try:
+            load_arrays(
+                ctl, located.sources, manifest, requests, verify=config.verify_on_restore, threads=config.reader_threads
+            )
+        except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
+            error = e
+        ctl.agree(error)
+        for item, req in zip(plan.items, requests):
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(req.dest.numpy().tobytes()))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(req.dest)
+            planner.commit_tensor(item, target)
