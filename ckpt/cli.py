@@ -297,6 +297,24 @@ def restore_cmd(
     click.echo(f"restored step {chosen} ({human(total)}) to {where}")
 
 
+@main.command("import")
+@click.argument("source", type=click.Path(exists=True))
+@click.argument("root")
+@click.option("--step", type=_STEP_OPTION, required=True, help="The step to save it as.")
+@click.option("--trust", is_flag=True, help="Unpickle SOURCE: DCP and torch.save files are pickles, which run code.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing version of the step.")
+@_errors_to_exit
+def import_cmd(source: str, root: str, step: int, trust: bool, overwrite: bool) -> None:
+    """Save a DCP checkpoint directory or a torch.save file as version STEP under ROOT.
+
+    Both are pickles, so nothing is read without --trust; the version written holds none.
+    """
+    from ckpt.importers import import_checkpoint
+
+    nbytes = import_checkpoint(source, root, step, trust=trust, overwrite=overwrite)
+    click.echo(f"imported {source} as step {step} ({human(nbytes)}) under {root}")
+
+
 def _export_safetensors(
     root: str,
     step: int | None,

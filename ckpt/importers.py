@@ -1,0 +1,62 @@
+"""Importing checkpoints of other formats into ckpt versions: a DCP checkpoint directory, a
+`torch.save` file.
+
+Both formats are pickles (DCP's `.metadata` file and its non-tensor items; torch.save's
+whole file), and unpickling runs whatever code the file names. So importing requires the
+caller's explicit trust (`ckpt import --trust`): without it nothing is read. What is
+imported becomes an ordinary ckpt version, which holds no pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ckpt._roots import RootSpec
+from ckpt.checkpointer import Checkpointer
+from ckpt.config import CheckpointerConfig
+from ckpt.store.errors import UnsupportedStateError
+
+__all__ = ["UntrustedSourceError", "read_foreign", "import_checkpoint"]
+
+
+class UntrustedSourceError(UnsupportedStateError):
+    """Importing would unpickle a file the caller has not said it trusts."""
+
+
+def _dcp_state(path: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # type: ignore[no-untyped-call]
+    return state
+
+
+def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
+    """The state a DCP directory (it holds `.metadata`) or a torch.save file holds."""
+    is_dcp = os.path.isdir(path)
+    if is_dcp and not os.path.isfile(os.path.join(path, ".metadata")):
+        raise UnsupportedStateError(f"{path}: a directory without .metadata is not a DCP checkpoint")
+    if not trust:
+        what = "a DCP checkpoint's .metadata and items" if is_dcp else "a torch.save file"
+        raise UntrustedSourceError(
+            f"{path}: importing unpickles {what}, which can run any code; pass --trust (trust=True) "
+            "only for files from a source you trust"
+        )
+    state = _dcp_state(path) if is_dcp else torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict):
+        raise UnsupportedStateError(f"{path}: holds a {type(state).__name__}, not a dict of state")
+    return state
+
+
+def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, overwrite: bool = False) -> int:
+    """Save what `path` holds as version `step` under `root` (one process); its byte count."""
+    state = read_foreign(path, trust=trust)
+    with Checkpointer(root, config=CheckpointerConfig(capture_rng=False)) as ck:
+        ck.save(step, state, overwrite=overwrite)
+        ck.wait()
+        return ck.stats()[-1].bytes_written

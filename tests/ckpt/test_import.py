@@ -1,0 +1,100 @@
+"""`ckpt import`: a DCP checkpoint directory or a torch.save file becomes a ckpt version,
+only with --trust (both formats are pickles); a pickle payload is never run without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+from ckpt import Checkpointer
+from ckpt.cli import main as cli
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g).to(torch.bfloat16)},
+        "optim": {"exp_avg": {"w": torch.randn(6, 4, generator=g)}, "lr": 0.25 * seed},
+        "step": 10 + seed,
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _restored(root: Path, step: int) -> dict[str, Any]:
+    target = _state(99)
+    with Checkpointer(root) as ck:
+        assert ck.restore(target, step=step) == step
+    return target
+
+
+def test_torch_save_file(tmp_path: Path) -> None:
+    src = tmp_path / "model.pt"
+    torch.save(_state(1), src)
+    out = CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root"), "--step", "7", "--trust"])
+    assert out.exit_code == 0, out.output
+    assert "imported" in out.output and "step 7" in out.output
+    assert CliRunner().invoke(cli, ["verify", str(tmp_path / "root")]).exit_code == 0
+    assert _same(_restored(tmp_path / "root", 7), _state(1))
+
+
+def test_dcp_directory(tmp_path: Path) -> None:
+    src = tmp_path / "dcp"
+    dcp.save(_state(2), checkpoint_id=str(src), no_dist=True)
+    out = CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root"), "--step", "3", "--trust"])
+    assert out.exit_code == 0, out.output
+    assert CliRunner().invoke(cli, ["verify", str(tmp_path / "root")]).exit_code == 0
+    assert _same(_restored(tmp_path / "root", 3), _state(2))
+
+
+class _Payload:
+    """Unpickling this writes a file: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_is_not_unpickled_without_trust(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    src = tmp_path / "hostile.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "x": _Payload(str(marker))}, src)
+    dcp_dir = tmp_path / "dcp"
+    dcp.save(_state(3), checkpoint_id=str(dcp_dir), no_dist=True)
+    for source in (src, dcp_dir):
+        out = CliRunner().invoke(cli, ["import", str(source), str(tmp_path / "root"), "--step", "1"])
+        assert out.exit_code == 3, out.output
+        lines = out.output.strip().splitlines()
+        assert len(lines) == 1 and "--trust" in lines[0] and "can run any code" in lines[0], out.output
+    assert not marker.exists()
+    assert not (tmp_path / "root").exists()
+    # The payload is real: trusted, the file is unpickled and its code runs.
+    CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root2"), "--step", "1", "--trust"])
+    assert marker.exists()
+
+
+def test_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    out = CliRunner().invoke(cli, ["import", str(tmp_path / "empty"), str(tmp_path / "root"), "--step", "1", "--trust"])
+    assert out.exit_code == 3 and "without .metadata" in out.output
+    src = tmp_path / "list.pt"
+    torch.save([torch.ones(1)], src)
+    out = CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root"), "--step", "1", "--trust"])
+    assert out.exit_code == 3 and "not a dict" in out.output
+    assert not (tmp_path / "root").exists()
