@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ckpt.store.errors import CorruptVersionError, RankFailures
 
-__all__ = ["Comm", "make_comms", "destroy_comms", "describe_error"]
+__all__ = ["Comm", "make_comms", "subgroup", "destroy_comms", "describe_error"]
 
 
 def describe_error(e: BaseException) -> str:
@@ -168,6 +168,16 @@ def make_comms(timeout: timedelta) -> tuple[Comm, Comm]:
     ctl = dist.new_group(backend="gloo", timeout=timeout)
     data = dist.new_group(backend="gloo", timeout=timeout)
     return Comm(ctl, rank, world), Comm(data, rank, world)
+
+
+def subgroup(ranks: Sequence[int], timeout: timedelta) -> Comm | None:
+    """A gloo group of `ranks` (collective: every rank of the job calls it); this rank's
+    Comm in it, None if it is not a member. Its point-to-point calls name peers by their
+    rank in the job."""
+    members = sorted(ranks)
+    group = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
+    me = dist.get_rank()
+    return Comm(group, members.index(me), len(members)) if me in members else None
 
 
 def destroy_comms(*comms: Comm) -> None:

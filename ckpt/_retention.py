@@ -7,7 +7,8 @@ covered by the next one), so neither save() nor the commit waits for a deletion.
 replicator runs in the Checkpointer, the policy is the replicator's local policy instead
 (it also waits for the required copies); this then only watches the free space. A
 replicator daemon's status on the root is honoured the same way: a version whose copies
-it has not verified is kept.
+it has not verified is kept; and so is one whose peer copies (ckpt._peers) are not all
+verified.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ckpt._peers import verified_peer_steps
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
 from ckpt.replicator.status import read_status, redundant_steps
@@ -43,8 +45,9 @@ def _tree_bytes(path: str) -> int:
 
 
 class Retention:
-    def __init__(self, tier: Tier, root: str, policy: Policy | None) -> None:
+    def __init__(self, tier: Tier, root: str, policy: Policy | None, *, peer_copies: int = 0) -> None:
         self._tier, self._root, self._policy = tier, root, policy
+        self._peer_copies = peer_copies  # a version is kept until its peer copies are verified
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retention")
         self._lock = threading.Lock()
         self._queued: Future[None] | None = None
@@ -64,9 +67,11 @@ class Retention:
             if self._policy is not None:
                 # A replicator daemon on this root: keep what it has not copied yet, as `ckpt gc` does.
                 status = read_status(self._root)
-                result = collect(
-                    self._tier, self._policy, redundant=None if status is None else redundant_steps(status)
-                )
+                redundant = None if status is None else redundant_steps(status)
+                if self._peer_copies:
+                    peers = verified_peer_steps(self._root, self._peer_copies)
+                    redundant = peers if redundant is None else redundant & peers
+                result = collect(self._tier, self._policy, redundant=redundant)
                 metrics.RETENTION_DELETED.inc(len(result.deleted))
                 if result.deleted:
                     log.info("%s: retention deleted steps %s", self._root, result.deleted)

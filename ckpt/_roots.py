@@ -38,6 +38,8 @@ __all__ = [
     "replication_config",
     "replica_tiers",
     "open_tiers",
+    "local_world",
+    "node_of",
 ]
 
 log = logging.getLogger("ckpt")
@@ -45,16 +47,25 @@ PathSpec = str | os.PathLike[str] | Callable[[int], "str | os.PathLike[str]"]
 RootSpec = PathSpec | Sequence[PathSpec]
 
 
+def local_world() -> int:
+    """Ranks per node (LOCAL_WORLD_SIZE, as torchrun sets it; 1 without it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+
+
+def node_of(rank: int) -> int:
+    """A rank's node, as {node} in a root means it and peer copies place them."""
+    return rank // local_world()
+
+
 def resolve_root(root: PathSpec, rank: int) -> str:
     """A path, a callable of the rank, or a string with {rank}, {local_rank}, {node} or {hostname}."""
     if callable(root):
         return os.path.abspath(os.fspath(root(rank)))
     text = os.fspath(root)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     fields = {
         "rank": rank,
-        "local_rank": int(os.environ.get("LOCAL_RANK", rank % local_world)),
-        "node": rank // local_world,
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank % local_world())),
+        "node": node_of(rank),
         "hostname": platform.node(),
     }
     try:

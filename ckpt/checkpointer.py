@@ -17,9 +17,10 @@ from types import TracebackType
 from typing import Any, Literal
 
 from ckpt import _roots
-from ckpt._dist import destroy_comms, make_comms
+from ckpt._dist import Comm, destroy_comms, make_comms, subgroup
 from ckpt._job import SaveStats
 from ckpt._load import agreed_manifest, load_version
+from ckpt._peers import PeerCopier, plan_peers
 from ckpt._preemption import PreemptionWatch
 from ckpt._retention import Retention
 from ckpt._roots import PathSpec, RootSpec
@@ -112,16 +113,43 @@ class Checkpointer:
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
         self._saves = 0  # save() calls that staged a version: the full_every schedule counts them
-        self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
+        copies = self.config.peer_copies
+        self._retention = Retention(self._tier, self.root, policy, peer_copies=copies) if self._ctx.is_leader else None
+        self._peer_comm, self._peers = self._open_peers()
+        hooks = [h.committed for h in (self._retention, self._peers) if h is not None]
         self._saver = Saver(
             self.config,
             self._ctl,
             self._data,
             self._ctx,
             self._tier,
-            on_commit=None if self._retention is None else self._retention.committed,
+            on_commit=self._committed if hooks else None,
         )
+        self._commit_hooks = hooks
         self._closed = False
+
+    def _committed(self, step: int) -> None:
+        for hook in self._commit_hooks:
+            hook(step)
+
+    def _open_peers(self) -> tuple[Comm | None, PeerCopier | None]:
+        """The roots' leaders' group and this leader's peer-copy thread (ckpt._peers)."""
+        if not self.config.peer_copies:
+            return None, None
+        plan = plan_peers(self._ctx.root_groups, self._ctx.root_index, self.config.peer_copies, self.config.peer_stride)
+        comm = subgroup(plan.leaders, self.config.timeout)
+        if comm is None or not self._ctx.is_leader:
+            return comm, None
+        retention = self._retention
+        copier = PeerCopier(
+            comm,
+            plan,
+            self.root,
+            policy=self.config.retention(),
+            bwlimit_mbps=self.config.peer_bwlimit_mbps,
+            on_verified=(lambda step: None) if retention is None else retention.committed,
+        )
+        return comm, copier
 
     # -- saving ----------------------------------------------------------------------
 
@@ -309,6 +337,8 @@ class Checkpointer:
             self._saver.wait()
         finally:
             self._closed = True
+            if self._peers is not None:
+                self._peers.close(self.config.peer_drain_timeout_s)
             if self._replicator is not None and self._replicator_thread is not None:
                 self._replicator.stop.set()
                 self._replicator_thread.join()
@@ -323,7 +353,7 @@ class Checkpointer:
                 self._preemption.close()
             if self._lock is not None:
                 self._lock.release()
-            destroy_comms(self._ctl, self._data)
+            destroy_comms(self._ctl, self._data, *([self._peer_comm] if self._peer_comm is not None else []))
 
     def _drain_replicator(self, replicator: Replicator) -> None:
         """One last pass so the final versions reach their copies and the remote before exit,

@@ -96,6 +96,23 @@ class CheckpointerConfig:
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1 at this port plus the local rank."""
 
+    peer_copies: int = 0
+    """Copies of each root's part of every version on other nodes' disks, sent over the
+    job's own process group (ckpt._peers): a node that comes back with empty disks, or a
+    replacement, restores from them without the remote. Root i's copies go to roots
+    i + k * peer_stride (k = 1..peer_copies); a root's node is its leader's rank //
+    LOCAL_WORLD_SIZE, and no copy may land on its own node."""
+
+    peer_stride: int = 1
+    """See peer_copies: e.g. the number of nodes per rack, to copy across racks."""
+
+    peer_bwlimit_mbps: float | None = None
+    """Cap on the MB/s each root's leader sends for peer copies (training's own traffic
+    comes first). None: uncapped."""
+
+    peer_drain_timeout_s: float = 120.0
+    """close() lets the peer copies of committed versions finish for at most this long."""
+
     def retention(self) -> Policy | None:
         """The policy keep_last and keep_every describe; None keeps everything."""
         if self.keep_last is None:
@@ -124,3 +141,9 @@ class CheckpointerConfig:
             raise ValueError("partial_keys is a non-empty tuple of keys, e.g. ('model',)")
         if self.straggler_threshold <= 0:
             raise ValueError("straggler_threshold must be positive")
+        if isinstance(self.peer_copies, bool) or self.peer_copies < 0 or self.peer_stride < 1:
+            raise ValueError("peer_copies must be >= 0 and peer_stride >= 1")
+        if self.peer_bwlimit_mbps is not None and not self.peer_bwlimit_mbps > 0:
+            raise ValueError("peer_bwlimit_mbps must be positive or None")
+        if not self.peer_drain_timeout_s > 0:
+            raise ValueError("peer_drain_timeout_s must be positive")

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckpt.store.fsio import FILE_MODE, makedirs
+from ckpt.store.fsio import makedirs, replace_durable
 
 __all__ = [
     "STATE_DIR",
@@ -155,13 +154,8 @@ def write_status(root: str, status: Status) -> None:
     status.updated = time.time()
     path = status_path(root)
     makedirs(os.path.dirname(path))
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    # os.open with an explicit mode: open() would create it 0o666 & ~umask
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "w") as f:
-        json.dump(to_json(status), f)
-        f.flush()
-        os.fsync(f.fileno())  # a torn status would read as "no replicator ran": ckpt gc would require no copies
-    os.replace(tmp, path)
+    # Never torn: a torn status would read as "no replicator ran", and ckpt gc would require no copies.
+    replace_durable(path, json.dumps(to_json(status)).encode())
 
 
 def copies_done(status: Status, v: VersionStatus) -> bool:

@@ -11,6 +11,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -117,6 +118,20 @@ def write_new(path: str, data: bytes, *, fsync: bool = False) -> None:
 def write_durable(path: str, data: bytes) -> None:
     """Create `path` (it must not exist), write `data`, fsync it. The caller fsyncs the directory."""
     write_new(path, data, fsync=True)
+
+
+def replace_durable(path: str, data: bytes) -> None:
+    """Replace `path` with `data` atomically: a reader sees the old bytes or the new, never
+    a torn file; durable on return (the file and its directory fsynced)."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    try:
+        _write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 def _write_all(fd: int, view: memoryview) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -44,8 +46,44 @@ class Ctx:
         return bool(cond)
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """Ranks on simulated nodes that share no filesystem: each rank runs in a private mount
+    namespace (unshare -m, as root) where `view` is an empty tmpfs holding only its node's
+    disk, `disks/node<k>` bind-mounted at `view/node<k>` (k = rank // per_node); the other
+    nodes' disks are not there to see. LOCAL_WORLD_SIZE and LOCAL_RANK are set as torchrun
+    sets them."""
+
+    disks: Path
+    view: Path
+    per_node: int
+
+    def command(self, rank: int, argv: list[str]) -> list[str]:
+        k = rank // self.per_node
+        disk, seen = self.disks / f"node{k}", self.view / f"node{k}"
+        script = (
+            f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(str(self.view))} && mkdir {shlex.quote(str(seen))} && "
+            f'mount --bind {shlex.quote(str(disk))} {shlex.quote(str(seen))} && exec "$@"'
+        )
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
+
+
+def can_isolate() -> bool:
+    """Whether Nodes can run here: root, unshare(1), and mount namespaces allowed."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
 def launch(
-    module_file: str, scenario: str, world: int, workdir: Path, *, timeout: float = 120, **kwargs: Any
+    module_file: str,
+    scenario: str,
+    world: int,
+    workdir: Path,
+    *,
+    timeout: float = 120,
+    nodes: Nodes | None = None,
+    **kwargs: Any,
 ) -> tuple[list[Any], list[str]]:
     """Run `scenario` on `world` processes: (each rank's result, every failed check).
 
@@ -75,13 +113,18 @@ def launch(
     for rank in range(world):
         log = open(workdir / f"{tag}.rank{rank}.log", "wb")
         logs.append(log)
+        # -m from the repository root, not this file's path: a script's folder (tests/)
+        # would come first on sys.path, and tests/ckpt/ would shadow the ckpt package.
+        argv = [sys.executable, "-m", "tests._dist", spec, str(rank), str(world)]
+        rank_env = env
+        if nodes is not None:
+            argv = nodes.command(rank, argv)
+            rank_env = {**env, "LOCAL_WORLD_SIZE": str(nodes.per_node), "LOCAL_RANK": str(rank % nodes.per_node)}
         procs.append(
             subprocess.Popen(
-                # -m from the repository root, not this file's path: a script's folder (tests/)
-                # would come first on sys.path, and tests/ckpt/ would shadow the ckpt package.
-                [sys.executable, "-m", "tests._dist", spec, str(rank), str(world)],
+                argv,
                 cwd=REPO,
-                env=env,
+                env=rank_env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

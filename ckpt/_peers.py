@@ -1,0 +1,382 @@
+"""Peer copies: each root's part of every committed version, kept on K other nodes' disks,
+sent over the job's own process group (`Checkpointer(..., peer_copies=K)`).
+
+A node that dies takes its disks' part of every version with it; a replacement starts
+empty. With peer copies, root i's part also lives in `<root j>/replicas/peer-<i>/` for
+the K roots j = i + k * peer_stride (mod the number of roots), each on another node
+(a root's node: its leader's rank // LOCAL_WORLD_SIZE). Restore lists every
+`replicas/*` directory of a rank's disks as a tier, so after a node's loss the ranks of
+the nodes holding its part read it and send the chunks over the group to the ranks that
+need them, as they do for any chunk on another node's root: no remote, no shared
+filesystem.
+
+The roots' leaders form a gloo group of their own, and each runs a thread. After commits
+(collective, so every leader sees the same steps), one round at a time: the leaders agree
+on the newest committed step (older ones still queued are skipped alike), each streams
+its version directory to its targets in pieces (bandwidth-capped, `peer_bwlimit_mbps`)
+and receives its sources' directories into `replicas/peer-<i>/.incoming/`, verifies every
+file against the manifest's checksums (store.verify), publishes it as `v<step>` (rename,
+fsync, like a commit) and acknowledges. A copy counts once acknowledged verified: the
+sender records it in `<root>/.ckpt-peers.json`, and its retention never deletes a version
+whose peer copies are not all verified (replicator.policy's rule for required copies).
+Peer copies are pruned by the Checkpointer's retention policy.
+
+A peer that stops answering fails the round after the group's timeout; the thread logs it
+and stops copying (the process group cannot be trusted after a timeout); the versions it
+did not copy stay on their own roots and the job goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+
+from ckpt._dist import Comm
+from ckpt._roots import node_of
+from ckpt.replicator.gc import collect
+from ckpt.replicator.policy import Policy
+from ckpt.store import commit
+from ckpt.store.errors import CkptError, CorruptVersionError
+from ckpt.store.fsio import DIR_MODE, fsync_dir, fsync_dirs, replace_durable
+from ckpt.store.manifest import MANIFEST_NAME, parse_manifest
+from ckpt.store.tier import open_tier
+from ckpt.store.verify import verify_chunks
+from ckpt.store.versions import read_root_info, version_dirname
+
+__all__ = ["PeerPlan", "plan_peers", "PeerCopier", "peer_dir", "verified_peer_steps", "PEER_STATUS"]
+
+log = logging.getLogger("ckpt")
+PEER_STATUS = ".ckpt-peers.json"
+PIECE = 8 << 20  # bytes per message of a version's stream
+_HEADER, _BODY, _ACK = 1 << 28, 2 << 28, 3 << 28  # tag bases of a round's phases
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """Who copies to whom: root indices, and each root's leader (its rank in the job)."""
+
+    me: int
+    leaders: tuple[int, ...]
+    targets: tuple[int, ...]
+    sources: tuple[int, ...]
+
+
+def plan_peers(root_groups: Sequence[Sequence[int]], me: int, copies: int, stride: int) -> PeerPlan:
+    """Root i sends to i + k * stride (k = 1..copies), mod the roots; ValueError unless every
+    pair of roots lies on two nodes and the copies of a root go to distinct roots."""
+    n = len(root_groups)
+    leaders = tuple(g[0] for g in root_groups)
+    node = [node_of(r) for r in leaders]
+    if copies >= n:
+        raise ValueError(f"peer_copies={copies} needs more roots than that; the job has {n}")
+    for i in range(n):
+        to = [(i + k * stride) % n for k in range(1, copies + 1)]
+        if len(set(to)) != copies or i in to:
+            raise ValueError(f"peer_stride={stride} sends root {i}'s copies to roots {to}: not {copies} others")
+        same = [t for t in to if node[t] == node[i]]
+        if same:
+            raise ValueError(
+                f"peer copies of root {i} (node {node[i]}) would go to root {same[0]} on the same node; "
+                "set LOCAL_WORLD_SIZE, one root per node ({node} in the root), or peer_stride"
+            )
+    targets = tuple((me + k * stride) % n for k in range(1, copies + 1))
+    sources = tuple((me - k * stride) % n for k in range(1, copies + 1))
+    return PeerPlan(me, leaders, targets, sources)
+
+
+def peer_dir(root: str, source: int) -> str:
+    return os.path.join(root, "replicas", f"peer-{source}")
+
+
+def _status_path(root: str) -> str:
+    return os.path.join(root, PEER_STATUS)
+
+
+def read_peer_status(root: str) -> dict[int, dict[int, str]]:
+    """step -> {target root: "verified" | the failure}, as the sender recorded it."""
+    try:
+        with open(_status_path(root)) as f:
+            doc = json.load(f)
+        return {int(s): {int(t): str(v) for t, v in d.items()} for s, d in doc.get("steps", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def verified_peer_steps(root: str, copies: int) -> set[int]:
+    """Steps whose peer copies are all verified."""
+    return {s for s, d in read_peer_status(root).items() if sum(v == "verified" for v in d.values()) >= copies}
+
+
+def _files(version: str) -> list[tuple[str, int]]:
+    out = []
+    for dirpath, _, names in os.walk(version):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            out.append((os.path.relpath(path, version), os.path.getsize(path)))
+    out.sort(key=lambda f: (f[0] == MANIFEST_NAME, f[0]))  # the manifest last, as a commit writes it
+    return out
+
+
+class _Stream:
+    """A version directory's files read as one stream, piece by piece."""
+
+    def __init__(self, version: str, files: Sequence[tuple[str, int]]) -> None:
+        self._version, self._files, self._i = version, list(files), 0
+        self._fh: BinaryIO | None = None
+
+    def read(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n and self._i < len(self._files):
+            if self._fh is None:
+                self._fh = open(os.path.join(self._version, self._files[self._i][0]), "rb")
+            got = self._fh.read(n - len(out))
+            if got:
+                out += got
+                continue
+            self._fh.close()
+            self._fh, self._i = None, self._i + 1
+        return bytes(out)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+class _Sink:
+    """Writes a received stream back into files under `base`, durably."""
+
+    def __init__(self, base: str, files: Sequence[tuple[str, int]]) -> None:
+        self._base, self._files, self._i, self._left = base, list(files), 0, 0
+        self._fh: BinaryIO | None = None
+        self.dirs = {base}
+        os.makedirs(base, mode=DIR_MODE, exist_ok=True)
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self._fh is None and self._i < len(self._files):
+            rel, size = self._files[self._i]
+            path = os.path.join(self._base, rel)
+            if os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
+                raise CorruptVersionError(f"a peer sent a file outside its version: {rel!r}")
+            os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
+            self.dirs.add(os.path.dirname(path))
+            self._fh, self._left = open(path, "wb"), size
+            if size == 0:
+                self._close_file()
+
+    def _close_file(self) -> None:
+        assert self._fh is not None
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        self._fh, self._i = None, self._i + 1
+        self._skip_empty()
+
+    def write(self, data: memoryview) -> None:
+        while len(data):
+            if self._fh is None:
+                raise CorruptVersionError("a peer sent more bytes than its file list holds")
+            n = min(self._left, len(data))
+            self._fh.write(data[:n])
+            self._left -= n
+            data = data[n:]
+            if self._left == 0:
+                self._close_file()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+class PeerCopier:
+    """The peer-copy thread of one root's leader (see the module docstring)."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        plan: PeerPlan,
+        root: str,
+        *,
+        policy: Policy | None,
+        bwlimit_mbps: float | None,
+        on_verified: Callable[[int], None] = lambda step: None,
+    ) -> None:
+        self._comm, self._plan, self._root, self._policy = comm, plan, root, policy
+        self._rate = None if bwlimit_mbps is None else bwlimit_mbps * 1e6
+        self._on_verified = on_verified
+        self._cond = threading.Condition()
+        self._committed: set[int] = set()
+        self._pending = -1  # the newest committed step not yet copied
+        self._closing = False
+        self.failed: str | None = None
+        self._thread = threading.Thread(target=self._run, name="ckpt-peers", daemon=True)
+        self._thread.start()
+
+    def committed(self, step: int) -> None:
+        with self._cond:
+            self._committed.add(step)
+            self._pending = max(self._pending, step)
+            self._cond.notify_all()
+
+    def close(self, timeout: float) -> None:
+        """Copy what is committed (every leader does the same), for at most `timeout` s."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("%s: peer copies still running after %.0f s; left behind", self._root, timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while self._pending < 0 and not self._closing:
+                        self._cond.wait()
+                    mine, closing = self._pending, self._closing
+                # Every leader takes part in each round: the newest step any has, and whether all close.
+                newest, open_ = self._comm.reduce_max([mine, int(not closing)])
+                if newest < 0:
+                    if not open_:
+                        return
+                    continue
+                with self._cond:  # its commit reaches every leader: wait for this one's
+                    while newest not in self._committed:
+                        self._cond.wait()
+                    if self._pending <= newest:
+                        self._pending = -1
+                self._round(newest)
+        except Exception as e:  # noqa: BLE001 - the job goes on; its versions stay on their roots
+            self.failed = f"{type(e).__name__}: {e}"
+            log.error("%s: peer copies stopped: %s", self._root, self.failed)
+
+    def _round(self, step: int) -> None:
+        plan, comm = self._plan, self._comm
+        version = os.path.join(self._root, version_dirname(step))
+        files = _files(version)
+        header = json.dumps({"step": step, "files": files}).encode()
+        # Phase 1: header sizes, then headers.
+        sizes = {s: torch.zeros(1, dtype=torch.int64) for s in plan.sources}
+        comm.exchange(
+            [(plan.leaders[t], _HEADER, torch.tensor([len(header)], dtype=torch.int64)) for t in plan.targets],
+            [(plan.leaders[s], _HEADER, sizes[s]) for s in plan.sources],
+        )
+        heads = {s: torch.empty(int(sizes[s].item()), dtype=torch.uint8) for s in plan.sources}
+        raw = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        comm.exchange(
+            [(plan.leaders[t], _HEADER + 1, raw) for t in plan.targets],
+            [(plan.leaders[s], _HEADER + 1, heads[s]) for s in plan.sources],
+        )
+        incoming = {s: json.loads(heads[s].numpy().tobytes()) for s in plan.sources}
+        # Phase 2: the streams, piece by piece (every pair's piece r carries tag _BODY + r).
+        total = sum(size for _, size in files)
+        pieces_out = -(-total // PIECE)
+        expected = {s: -(-sum(int(size) for _, size in incoming[s]["files"]) // PIECE) for s in plan.sources}
+        sinks: dict[int, _Sink] = {}
+        errors: dict[int, str] = {}
+        for s in plan.sources:
+            base = os.path.join(peer_dir(self._root, s), ".incoming", version_dirname(step))
+            shutil.rmtree(base, ignore_errors=True)
+            try:
+                sinks[s] = _Sink(base, [(str(r), int(n)) for r, n in incoming[s]["files"]])
+            except (CkptError, OSError) as e:
+                errors[s] = f"{type(e).__name__}: {e}"
+        stream = _Stream(version, files)
+        started, sent = time.monotonic(), 0
+        try:
+            for r in range(max([pieces_out, *expected.values()], default=0)):
+                out = stream.read(PIECE) if r < pieces_out else b""
+                bufs = {
+                    s: torch.empty(_piece_len(incoming[s], r), dtype=torch.uint8)
+                    for s in plan.sources
+                    if r < expected[s]
+                }
+                data = torch.frombuffer(bytearray(out), dtype=torch.uint8) if out else None
+                comm.exchange(
+                    [(plan.leaders[t], _BODY + r, data) for t in plan.targets if data is not None],
+                    [(plan.leaders[s], _BODY + r, b) for s, b in bufs.items()],
+                )
+                for s, b in bufs.items():
+                    if s in sinks and s not in errors:
+                        try:
+                            sinks[s].write(memoryview(b.numpy().tobytes()))
+                        except (CkptError, OSError) as e:
+                            errors[s] = f"{type(e).__name__}: {e}"
+                sent += len(out) * len(plan.targets)
+                if self._rate is not None:  # the cap: no faster than bwlimit on average
+                    ahead = sent / self._rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        time.sleep(ahead)
+        finally:
+            stream.close()
+            for sink in sinks.values():
+                sink.close()
+        # Phase 3: verify and publish each received copy; acknowledge.
+        acks = {}
+        for s in plan.sources:
+            ok = s not in errors and self._publish(s, step, sinks[s], errors)
+            acks[s] = torch.tensor([int(ok)], dtype=torch.int64)
+        got = {t: torch.zeros(1, dtype=torch.int64) for t in plan.targets}
+        comm.exchange(
+            [(plan.leaders[s], _ACK, acks[s]) for s in plan.sources],
+            [(plan.leaders[t], _ACK, got[t]) for t in plan.targets],
+        )
+        for s, why in errors.items():
+            log.error("%s: the peer copy of root %d's step %d was not kept: %s", self._root, s, step, why)
+        results = {t: "verified" if int(got[t].item()) else "failed" for t in plan.targets}
+        self._record(step, results)
+        if all(v == "verified" for v in results.values()):
+            self._on_verified(step)
+        else:
+            log.warning("%s: step %d's peer copies: %s", self._root, step, results)
+
+    def _publish(self, source: int, step: int, sink: _Sink, errors: dict[int, str]) -> bool:
+        home = peer_dir(self._root, source)
+        incoming = os.path.join(home, ".incoming")
+        try:
+            fsync_dirs(sorted(sink.dirs, key=len, reverse=True))
+            with open(os.path.join(incoming, version_dirname(step), MANIFEST_NAME), "rb") as f:
+                manifest = parse_manifest(f.read())
+            tier = open_tier(incoming)
+            info = read_root_info(tier, step)
+            writers = None if info is None else set(info.writers)
+            if manifest.step != step or info is None:
+                raise CorruptVersionError(f"root {source}'s copy of step {step} holds no such version")
+            bad = list(verify_chunks(tier, step, manifest, writers))
+            if bad:
+                raise CorruptVersionError(
+                    f"{len(bad)} files fail their checksums, first {bad[0].path}: {bad[0].reason}"
+                )
+            tmp_name = commit.tmp_dirname(step, manifest.save_id)
+            os.rename(os.path.join(incoming, version_dirname(step)), os.path.join(home, tmp_name))
+            fsync_dir(incoming)
+            commit.publish(home, tmp_name, step, overwrite=True)
+            if self._policy is not None:
+                collect(open_tier(home), self._policy)
+            return True
+        except (CkptError, OSError) as e:
+            errors[source] = f"{type(e).__name__}: {e}"
+            return False
+
+    def _record(self, step: int, results: dict[int, str]) -> None:
+        status = read_peer_status(self._root)
+        status[step] = results
+        keep = sorted(status)[-64:]  # a bounded file: the newest steps are the ones retention asks about
+        doc = {"steps": {str(s): {str(t): v for t, v in status[s].items()} for s in keep}}
+        replace_durable(_status_path(self._root), json.dumps(doc).encode())
+
+
+def _piece_len(header: dict[str, object], r: int) -> int:
+    files = header["files"]
+    assert isinstance(files, list)
+    total = sum(int(size) for _, size in files)
+    return max(0, min(PIECE, total - r * PIECE))

@@ -1,0 +1,52 @@
+"""The rules of peer copies that need no job: where copies go, and that retention keeps a
+version until its peer copies are verified (the jobs: tests/e2e/test_peer_copies.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt import Checkpointer
+from ckpt._peers import PEER_STATUS, plan_peers, verified_peer_steps
+from ckpt._retention import Retention
+from ckpt.replicator.policy import KeepLast
+from ckpt.store.tier import open_tier
+from ckpt.store.versions import committed_steps
+
+
+def test_peer_plans_refuse_copies_on_the_same_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="same node"):
+        plan_peers([(0,), (1,), (4,), (5,)], 0, 1, 1)  # roots 0 and 1 share node 0
+    plan = plan_peers([(0,), (1,), (4,), (5,)], 0, 1, 2)  # a stride of 2 crosses nodes
+    assert plan.targets == (2,) and plan.sources == (2,) and plan.leaders == (0, 1, 4, 5)
+    plan = plan_peers([(0,), (4,), (8,)], 1, 2, 1)
+    assert plan.targets == (2, 0) and plan.sources == (0, 2)
+    with pytest.raises(ValueError, match="more roots"):
+        plan_peers([(0, 1), (4, 5)], 0, 2, 1)
+
+
+def _status(root: Path, verified: dict[int, str]) -> None:
+    doc = {"steps": {str(s): {"1": v} for s, v in verified.items()}}
+    (root / PEER_STATUS).write_text(json.dumps(doc))
+
+
+def test_retention_waits_for_verified_peer_copies(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+    tier = open_tier(str(tmp_path))
+    _status(tmp_path, {1: "verified", 2: "failed"})
+    assert verified_peer_steps(str(tmp_path), 1) == {1}
+    retention = Retention(tier, str(tmp_path), KeepLast(1), peer_copies=1)
+    retention.committed(3)
+    retention.close()
+    assert committed_steps(tier) == [2, 3]  # 2 and 3 lack verified peer copies: kept
+    _status(tmp_path, {1: "verified", 2: "verified", 3: "verified"})
+    retention = Retention(tier, str(tmp_path), KeepLast(1), peer_copies=1)
+    retention.committed(3)
+    retention.close()
+    assert committed_steps(tier) == [3]

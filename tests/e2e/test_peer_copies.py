@@ -1,0 +1,110 @@
+"""Peer copies (Checkpointer(peer_copies=K)): a node that comes back with empty disks
+restores from the copies the other nodes hold, over the process group, without a remote.
+
+Real gloo jobs of 4 ranks on 2 simulated nodes, each rank in a private mount namespace
+that sees only its own node's disk (tests._dist.Nodes): nothing can pass through a
+shared filesystem. Without peer copies the same loss ends in IncompleteVersionError
+(tests/e2e/test_lost_node.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt._peers import PEER_STATUS, peer_dir
+from tests._dist import Nodes, can_isolate, launch
+
+THIS = os.path.abspath(__file__)
+TIMEOUT = datetime.timedelta(seconds=60)
+pytestmark = pytest.mark.skipif(not can_isolate(), reason="needs root and mount namespaces (unshare -m)")
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    import ckpt
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    full = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6) * (step + 1)
+    return {
+        "w": ckpt.Shard(full[16 * rank : 16 * rank + 16].clone(), (64, 6), (16 * rank, 0)),
+        "own": ckpt.Shard(torch.randn(1000, generator=g), (4000,), (1000 * rank,)),  # random bits, per rank
+        "step": step,
+    }
+
+
+def _view(ctx: Any, view: str) -> str:
+    node = ctx.rank // 2
+    ctx.check(os.path.isdir(f"{view}/node{node}"), "its own node's disk is there")
+    ctx.check(not os.path.exists(f"{view}/node{1 - node}"), "the other node's disk is not visible")
+    return f"{view}/node{{node}}"
+
+
+def save_job(ctx: Any, view: str, steps: list[int], keep_last: int | None) -> dict[str, Any]:
+    import ckpt
+
+    root = _view(ctx, view)
+    with ckpt.Checkpointer(root, peer_copies=1, keep_last=keep_last, timeout=TIMEOUT) as ck:
+        for step in steps:
+            ck.save(step, _state(ctx.rank, step))
+        ck.wait()
+    return {}
+
+
+def restore_job(ctx: Any, view: str) -> dict[str, Any]:
+    import ckpt
+
+    root = _view(ctx, view)
+    state = _state(ctx.rank, 0)
+    with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
+        got = ck.restore(state)
+    want = _state(ctx.rank, got if got is not None else 0)
+    same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in ("w", "own"))
+    return {"step": got, "bitwise": bool(same) and state["step"] == got}
+
+
+def _versions(path: Path) -> list[str]:
+    return sorted(e for e in os.listdir(path) if e.startswith("v") and "." not in e) if path.is_dir() else []
+
+
+def test_a_node_with_empty_disks_restores_from_its_peer(tmp_path: Path) -> None:
+    nodes = Nodes(tmp_path / "disks", tmp_path / "view", per_node=2)
+    for k in (0, 1):
+        (nodes.disks / f"node{k}").mkdir(parents=True)
+    nodes.view.mkdir()
+    _, failures = launch(
+        THIS, "save_job", 4, tmp_path / "job", nodes=nodes, view=str(nodes.view), steps=[2, 4], keep_last=None
+    )
+    assert not failures, failures
+    for k in (0, 1):  # each node holds the other's part of both versions, verified
+        held = Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))
+        assert _versions(held) == ["v000000000002", "v000000000004"], os.listdir(held)
+        status = json.loads((nodes.disks / f"node{k}" / PEER_STATUS).read_text())
+        assert status["steps"] == {"2": {str(1 - k): "verified"}, "4": {str(1 - k): "verified"}}
+    shutil.rmtree(nodes.disks / "node1")  # node 1 is replaced: an empty disk
+    (nodes.disks / "node1").mkdir()
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", nodes=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert [(r["step"], r["bitwise"]) for r in results] == [(4, True)] * 4, results
+
+
+def test_retention_keeps_what_the_peers_lack_and_prunes_peer_copies(tmp_path: Path) -> None:
+    """keep_last=1 with peer copies: each root ends with its newest version, and each peer
+    copy directory with the newest copy (older ones pruned once newer are verified)."""
+    nodes = Nodes(tmp_path / "disks", tmp_path / "view", per_node=2)
+    for k in (0, 1):
+        (nodes.disks / f"node{k}").mkdir(parents=True)
+    nodes.view.mkdir()
+    _, failures = launch(
+        THIS, "save_job", 4, tmp_path / "job", nodes=nodes, view=str(nodes.view), steps=[1, 2, 3], keep_last=1
+    )
+    assert not failures, failures
+    for k in (0, 1):
+        assert _versions(nodes.disks / f"node{k}") == ["v000000000003"]
+        assert _versions(Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))) == ["v000000000003"]
