@@ -10,17 +10,19 @@ flight, not versions).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from ckpt._peer_status import read_peer_status
 from ckpt._timings import summarize
 from ckpt.replicator.status import CopyState, read_status
 from ckpt.store import commit
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.root import writer_active
-from ckpt.store.tier import Tier, join_key
+from ckpt.store.tier import Tier, join_key, open_tier
 from ckpt.store.versions import committed_steps, damaged_entries, read_manifest, read_root_info, version_dirname
 
 __all__ = ["Row", "version_rows"]
@@ -48,6 +50,7 @@ class Row:
     keys: tuple[str, ...] | None = None  # the top-level keys it holds, when not every key (params-only)
     timings: dict[str, Any] = field(default_factory=dict)  # per phase: median, max and its rank (ckpt._timings)
     copies: dict[str, CopyState] | None = None  # the replicator's copies (None: no replicator ran)
+    peers: dict[int, str] | None = None  # its peer copies by target root: "verified" or "failed" (ckpt._peers)
     remote: CopyState | None = None
     replicate_s: dict[str, float] = field(default_factory=dict)  # per copy: commit to verified
     lag_s: float | None = None  # commit to remote verified (or to now)
@@ -106,10 +109,21 @@ def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
     )
 
 
+def peer_copies_held(root: str) -> dict[int, list[int]]:
+    """The peer copies this root's disk holds for other roots: source root -> steps."""
+    base = os.path.join(root, "replicas")
+    out = {}
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if name.startswith("peer-") and name[5:].isdigit():
+            out[int(name[5:])] = committed_steps(open_tier(os.path.join(base, name)))
+    return out
+
+
 def version_rows(tier: Tier) -> list[Row]:
     """Every version of the tier, oldest first (see the module docstring)."""
     rows = []
     root = tier.local_path("")
+    peer_status = {} if root is None else read_peer_status(root)
     for step in committed_steps(tier):
         try:
             m = read_manifest(tier, step)
@@ -124,7 +138,10 @@ def version_rows(tier: Tier) -> list[Row]:
         row = _committed_row(tier, step, m)
         if not row.writers_here and not tier.exists(join_key(version_dirname(step), MANIFEST_NAME)):
             continue  # GC unpublished it between the manifest and the root info: gone, not partial
-        rows.append(row if root is None else _with_status(row, root, m.save_id, m.created))
+        if root is not None:
+            row = _with_status(row, root, m.save_id, m.created)
+            row = replace(row, peers=peer_status.get(step))
+        rows.append(row)
     rows += [Row(d.step, "damaged", d.why) for d in damaged_entries(tier)]
     if root is not None and not writer_active(root):
         rows += [Row(p.step, "incomplete", p.dirname) for p in commit.prepared_versions(root)]

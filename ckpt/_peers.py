@@ -41,21 +41,21 @@ from typing import BinaryIO
 import torch
 
 from ckpt._dist import Comm
+from ckpt._peer_status import peer_dir, record_peer_copies
 from ckpt._roots import node_of
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
 from ckpt.store import commit
 from ckpt.store.errors import CkptError, CorruptVersionError
-from ckpt.store.fsio import DIR_MODE, fsync_dir, fsync_dirs, replace_durable
+from ckpt.store.fsio import DIR_MODE, fsync_dir, fsync_dirs
 from ckpt.store.manifest import MANIFEST_NAME, parse_manifest
 from ckpt.store.tier import open_tier
 from ckpt.store.verify import verify_chunks
 from ckpt.store.versions import read_root_info, version_dirname
 
-__all__ = ["PeerPlan", "plan_peers", "PeerCopier", "peer_dir", "verified_peer_steps", "PEER_STATUS"]
+__all__ = ["PeerPlan", "plan_peers", "PeerCopier"]
 
 log = logging.getLogger("ckpt")
-PEER_STATUS = ".ckpt-peers.json"
 PIECE = 8 << 20  # bytes per message of a version's stream
 _HEADER, _BODY, _ACK = 1 << 28, 2 << 28, 3 << 28  # tag bases of a round's phases
 
@@ -91,29 +91,6 @@ def plan_peers(root_groups: Sequence[Sequence[int]], me: int, copies: int, strid
     targets = tuple((me + k * stride) % n for k in range(1, copies + 1))
     sources = tuple((me - k * stride) % n for k in range(1, copies + 1))
     return PeerPlan(me, leaders, targets, sources)
-
-
-def peer_dir(root: str, source: int) -> str:
-    return os.path.join(root, "replicas", f"peer-{source}")
-
-
-def _status_path(root: str) -> str:
-    return os.path.join(root, PEER_STATUS)
-
-
-def read_peer_status(root: str) -> dict[int, dict[int, str]]:
-    """step -> {target root: "verified" | the failure}, as the sender recorded it."""
-    try:
-        with open(_status_path(root)) as f:
-            doc = json.load(f)
-        return {int(s): {int(t): str(v) for t, v in d.items()} for s, d in doc.get("steps", {}).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
-def verified_peer_steps(root: str, copies: int) -> set[int]:
-    """Steps whose peer copies are all verified."""
-    return {s for s, d in read_peer_status(root).items() if sum(v == "verified" for v in d.values()) >= copies}
 
 
 def _files(version: str) -> list[tuple[str, int]]:
@@ -368,11 +345,7 @@ class PeerCopier:
             return False
 
     def _record(self, step: int, results: dict[int, str]) -> None:
-        status = read_peer_status(self._root)
-        status[step] = results
-        keep = sorted(status)[-64:]  # a bounded file: the newest steps are the ones retention asks about
-        doc = {"steps": {str(s): {str(t): v for t, v in status[s].items()} for s in keep}}
-        replace_durable(_status_path(self._root), json.dumps(doc).encode())
+        record_peer_copies(self._root, step, results)
 
 
 def _piece_len(header: dict[str, object], r: int) -> int:

@@ -53,11 +53,11 @@ def _wrap(text: str, width: int) -> list[str]:
 
 
 def _copies(r: Row) -> str:
-    """Verified copies over the copies the replicator makes ("-": no replicator ran)."""
-    if r.copies is None:
+    """Verified copies over the copies made: the replicator's and the peer copies ("-": none made)."""
+    if r.copies is None and r.peers is None:
         return "-"
-    ok = sum(1 for c in r.copies.values() if c.state == "verified")
-    return f"{ok}/{len(r.copies)}"
+    states = [c.state for c in (r.copies or {}).values()] + list((r.peers or {}).values())
+    return f"{sum(s == 'verified' for s in states)}/{len(states)}"
 
 
 def _remote(r: Row) -> str:
@@ -68,7 +68,7 @@ def _remote(r: Row) -> str:
     return state + (f" {duration(r.lag_s)}" if r.lag_s is not None else "")
 
 
-def ls_lines(location: str, rows: list[Row], width: int = 80) -> list[str]:
+def ls_lines(location: str, rows: list[Row], width: int = 80, held: dict[int, list[int]] | None = None) -> list[str]:
     """The table of versions, then a line per row that needs explaining, each wrapped at
     `width`. The cells are at most 12, 11, 10, 5, 10, 5 and 12 characters wide: with their
     gaps, a row is under 80 columns."""
@@ -89,6 +89,11 @@ def ls_lines(location: str, rows: list[Row], width: int = 80) -> list[str]:
         notes.append(f"~: step {steps} holds only {', '.join(keys)} (a params-only version; the others hold all keys)")
     notes += [f"{status}: {STATUS_HELP[status]}" for status in sorted({r.status for r in rows} & set(STATUS_HELP))]
     notes += [f"step {r.step}: {r.detail}" for r in rows if r.detail and r.status in ("damaged", "unreadable")]
+    if any(r.peers for r in rows):
+        notes.append("copies: the replicator's copies and the peer copies on other nodes, verified / made")
+    for source, copied in sorted((held or {}).items()):
+        listed = ", ".join(map(str, copied)) or "none"
+        notes.append(f"peer copies held here for root {source}: steps {listed}")
     for note in notes:
         out += _wrap(note, width)
     return out

@@ -19,7 +19,7 @@ import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ckpt._peers import verified_peer_steps
+from ckpt._peer_status import verified_peer_steps
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
 from ckpt.replicator.status import read_status, redundant_steps

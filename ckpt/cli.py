@@ -27,7 +27,7 @@ import click
 from ckpt._cli_console import WARNINGS, progress
 from ckpt._cli_policies import gc_policy, replicate_policy
 from ckpt._cli_targets import check_writable_root
-from ckpt._listing import version_rows
+from ckpt._listing import peer_copies_held, version_rows
 from ckpt._render import human, inspect_lines, inspect_rows, ls_lines
 from ckpt._verify import verify_tier
 from ckpt.store.errors import CkptError, CorruptVersionError
@@ -152,11 +152,14 @@ _STEP_OPTION = click.IntRange(min=0, max=MAX_STEP)
 def ls_cmd(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """List the versions under ROOT (a path or a URL): step, time, size, world size, status, copies."""
     options = _options(storage_options)
-    rows = version_rows(_root(root, options))
+    tier = _root(root, options)
+    rows = version_rows(tier)
     if as_json:
         click.echo(json.dumps([r.to_json() for r in rows], indent=2, default=lambda o: o.__dict__))
         return
-    for line in ls_lines(redact(root, options), rows, shutil.get_terminal_size().columns):
+    local = tier.local_path("")
+    held = None if local is None else peer_copies_held(local)
+    for line in ls_lines(redact(root, options), rows, shutil.get_terminal_size().columns, held):
         click.echo(line)
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ckpt import Checkpointer
-from ckpt._peers import PEER_STATUS, plan_peers, verified_peer_steps
+from ckpt._peer_status import PEER_STATUS, verified_peer_steps
+from ckpt._peers import plan_peers
 from ckpt._retention import Retention
 from ckpt.replicator.policy import KeepLast
 from ckpt.store.tier import open_tier

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from ckpt._peers import PEER_STATUS, peer_dir
+from ckpt._peer_status import PEER_STATUS, peer_dir
+from ckpt.cli import main as cli
 from tests._dist import Nodes, can_isolate, launch
 
 THIS = os.path.abspath(__file__)
@@ -87,6 +89,11 @@ def test_a_node_with_empty_disks_restores_from_its_peer(tmp_path: Path) -> None:
         assert _versions(held) == ["v000000000002", "v000000000004"], os.listdir(held)
         status = json.loads((nodes.disks / f"node{k}" / PEER_STATUS).read_text())
         assert status["steps"] == {"2": {str(1 - k): "verified"}, "4": {str(1 - k): "verified"}}
+    listed = CliRunner().invoke(cli, ["ls", str(nodes.disks / "node0")])
+    assert listed.exit_code == 0, listed.output
+    assert "peer copies held here for root 1: steps 2, 4" in listed.output, listed.output
+    rows = [line.split() for line in listed.output.splitlines() if line.strip().startswith(("2 ", "4 "))]
+    assert len(rows) == 2 and all(r[-2] == "1/1" for r in rows), listed.output  # copies: 1 verified of 1
     shutil.rmtree(nodes.disks / "node1")  # node 1 is replaced: an empty disk
     (nodes.disks / "node1").mkdir()
     results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", nodes=nodes, view=str(nodes.view))
