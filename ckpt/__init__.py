@@ -33,6 +33,7 @@ from ckpt.store.errors import (
 if TYPE_CHECKING:
     from ckpt.checkpointer import Checkpointer
     from ckpt.config import CheckpointerConfig
+    from ckpt.multitier import MultiTier
     from ckpt.restore.to_safetensors import export_safetensors
     from ckpt.sampler import DistributedSampler
     from ckpt.shard import Shard
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Checkpointer": "ckpt.checkpointer",
     "CheckpointerConfig": "ckpt.config",
+    "MultiTier": "ckpt.multitier",
     "DistributedSampler": "ckpt.sampler",
     "Shard": "ckpt.shard",
     "export_safetensors": "ckpt.restore.to_safetensors",
@@ -60,6 +62,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Checkpointer",
     "CheckpointerConfig",
+    "MultiTier",
     "DistributedSampler",
     "Shard",
     "export_safetensors",

@@ -1,0 +1,125 @@
+"""`MultiTier`: one job saving to several roots at their own cadences.
+
+    ram = Checkpointer("/dev/shm/run1", keep_last=2, peer_copies=1)   # fast, survives a node loss
+    disk = Checkpointer("/nvme/run1/{node}", keep_last=3, replicate_to="s3://bucket/run1")
+    with MultiTier((ram, 10), (disk, 100)) as ck:
+        start = ck.restore(state)          # the newest intact version on any of them
+        for step in range(...):
+            ...
+            ck.save(step, state)           # RAM every 10 steps, NVMe (and S3) every 100
+            if ck.reached_preemption():
+                ck.save(step, state, force=True)  # every tier, now
+                break
+
+Each root has its own Checkpointer, so nothing is shared but the training state: each
+locks its root, stages into its own buffer (a save to two tiers at one step stages twice),
+commits and applies its retention on its own, and two Checkpointers can never open one
+root (RootLockedError). Restore tries the tiers from the one holding the newest version
+down, and keeps the newest version any of them restores intact.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+from ckpt.checkpointer import Checkpointer
+from ckpt.store.errors import CorruptVersionError, IncompleteVersionError, VersionNotFoundError
+
+__all__ = ["MultiTier"]
+
+log = logging.getLogger("ckpt")
+
+
+class MultiTier:
+    """Several Checkpointers, each saved every `every` steps; the first is the fastest
+    (it answers reached_preemption)."""
+
+    def __init__(self, *tiers: tuple[Checkpointer, int]) -> None:
+        if not tiers:
+            raise ValueError("MultiTier needs at least one (Checkpointer, every) pair")
+        for ck, every in tiers:
+            if not isinstance(ck, Checkpointer) or isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise ValueError(f"each tier is (Checkpointer, every >= 1), not ({ck!r}, {every!r})")
+        roots = [ck.root for ck, _ in tiers]
+        if len(set(roots)) != len(roots):
+            raise ValueError(f"two tiers share a root: {roots}")
+        self.tiers = tuple(tiers)
+
+    def save(
+        self, step: int, state: Mapping[str, Any], *, force: bool = False, milestone: bool = False, **kwargs: Any
+    ) -> list[str]:
+        """Save to every tier whose cadence divides `step` (all of them with `force`); the
+        roots saved to. Each returns as its own save() does: the commits go on behind."""
+        saved = []
+        for ck, every in self.tiers:
+            if force or step % every == 0:
+                if ck.save(step, state, milestone=milestone, **kwargs):
+                    saved.append(ck.root)
+        return saved
+
+    def restore(self, state: Mapping[str, Any], **kwargs: Any) -> int | None:
+        """Collective: load the newest version intact on any tier into `state`; None when no
+        tier holds one. A tier whose versions are incomplete or damaged is passed over for
+        the next (with a warning); if every tier fails, the first failure is raised."""
+        ranked = sorted(((self._newest(ck), i) for i, (ck, _) in enumerate(self.tiers)), reverse=True)
+        best: tuple[int, Checkpointer] | None = None
+        first_error: Exception | None = None
+        for newest, i in ranked:
+            ck = self.tiers[i][0]
+            if newest < 0 or (best is not None and newest <= best[0]):
+                break
+            try:
+                got = ck.restore(state, **kwargs)
+            except (IncompleteVersionError, VersionNotFoundError, CorruptVersionError) as e:
+                log.warning("rank %d: tier %s has no version to restore: %s", ck.rank, ck.root, e)
+                first_error = first_error or e
+                continue
+            if got is None:
+                continue
+            if best is not None and got < best[0]:  # it fell back below what `state` held: load that again
+                best[1].restore(state, step=best[0], **{k: v for k, v in kwargs.items() if k != "step"})
+                continue
+            best = (got, ck)
+        if best is None and first_error is not None:
+            raise first_error
+        return None if best is None else best[0]
+
+    @staticmethod
+    def _newest(ck: Checkpointer) -> int:
+        """The newest step any rank sees on this tier's roots (-1: none), agreed."""
+        mine = ck.latest_step()
+        return ck._ctl.reduce_max([-1 if mine is None else mine])[0]
+
+    def reached_preemption(self) -> bool:
+        return self.tiers[0][0].reached_preemption()
+
+    def wait(self) -> None:
+        for ck, _ in self.tiers:
+            ck.wait()
+
+    def close(self) -> None:
+        errors = []
+        for ck, _ in self.tiers:
+            try:
+                ck.close()
+            except Exception as e:  # noqa: BLE001 - every tier is closed; the first error is raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> MultiTier:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:  # the body's exception wins
+            log.exception("a pending save failed while handling another error")

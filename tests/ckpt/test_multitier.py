@@ -1,0 +1,87 @@
+"""MultiTier: a RAM root (real tmpfs, /dev/shm) saved often, a disk root less often; restore
+takes the newest intact version of either; retention bounds what RAM holds."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt import Checkpointer, MultiTier, RootLockedError
+from ckpt.store.tier import open_tier
+from ckpt.store.versions import committed_steps, version_dirname
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture
+def ram() -> Iterator[Path]:
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm")
+    path = SHM / f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _state(step: int) -> dict[str, torch.Tensor | int]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 1024, generator=g), "step": step}  # 1 MiB: O_DIRECT would apply on a disk
+
+
+def _run(ram: Path, disk: Path, steps: range) -> None:
+    with MultiTier((Checkpointer(ram, keep_last=2), 2), (Checkpointer(disk, keep_last=2), 5)) as ck:
+        for step in steps:
+            saved = ck.save(step, _state(step))
+            assert saved == [r for r, every in ((str(ram), 2), (str(disk), 5)) if step % every == 0]
+        ck.wait()
+        ram_stats = ck.tiers[0][0].stats()
+    # tmpfs takes O_DIRECT on newer kernels and refuses it (EINVAL) on older ones: either way it saves.
+    assert len(ram_stats) == 6 and all(s.bytes_written >= 1 << 20 for s in ram_stats)
+
+
+def test_ram_and_disk_at_their_cadences(ram: Path, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    _run(ram, disk, range(1, 13))
+    assert committed_steps(open_tier(str(ram))) == [10, 12]  # keep_last bounds what RAM holds
+    assert committed_steps(open_tier(str(disk))) == [5, 10]
+
+    def restored(*tiers: tuple[Checkpointer, int]) -> tuple[int | None, dict[str, torch.Tensor | int]]:
+        state = _state(0)
+        with MultiTier(*tiers) as ck:
+            got = ck.restore(state)
+        return got, state
+
+    got, state = restored((Checkpointer(ram), 2), (Checkpointer(disk), 5))
+    assert got == 12 and torch.equal(state["w"], _state(12)["w"]) and state["step"] == 12  # type: ignore[arg-type]
+    # The newest RAM version damaged: the next newest of any tier.
+    manifest = ram / version_dirname(12) / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step"', b'"stap"', 1))
+    got, state = restored((Checkpointer(ram), 2), (Checkpointer(disk), 5))
+    assert got == 10 and torch.equal(state["w"], _state(10)["w"])  # type: ignore[arg-type]
+    # The node rebooted: RAM is empty; the disk's newest.
+    shutil.rmtree(ram)
+    got, state = restored((Checkpointer(ram), 2), (Checkpointer(disk), 5))
+    assert got == 10 and torch.equal(state["w"], _state(10)["w"])  # type: ignore[arg-type]
+
+
+def test_a_newer_disk_version_wins_over_an_older_ram_one(ram: Path, tmp_path: Path) -> None:
+    with Checkpointer(ram) as ck:
+        ck.save(3, _state(3))
+    with Checkpointer(tmp_path / "disk") as ck:
+        ck.save(7, _state(7))
+    state = _state(0)
+    with MultiTier((Checkpointer(ram), 1), (Checkpointer(tmp_path / "disk"), 5)) as mt:
+        assert mt.restore(state) == 7
+    assert torch.equal(state["w"], _state(7)["w"])  # type: ignore[arg-type]
+
+
+def test_two_tiers_cannot_share_a_root(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(RootLockedError):
+            Checkpointer(tmp_path)
+        with pytest.raises(ValueError, match="Checkpointer, every"):
+            MultiTier((ck, 0))
