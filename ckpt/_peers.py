@@ -337,6 +337,7 @@ class PeerCopier:
             os.rename(os.path.join(incoming, version_dirname(step)), os.path.join(home, tmp_name))
             fsync_dir(incoming)
             commit.publish(home, tmp_name, step, overwrite=True)
+            fsync_dirs([os.path.dirname(home), self._root])  # the first copy made replicas/ and peer-<i>/
             if self._policy is not None:
                 collect(open_tier(home), self._policy)
             return True
