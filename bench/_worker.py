@@ -274,9 +274,15 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     # it off by default (CheckpointerConfig.overlap_writes: too few cores).
     overlap_config = dataclasses.replace(default_config, overlap_writes=True)
 
+    def use(config: Any) -> None:
+        """The tunables of the next saves: the save pipeline (ckpt._save.Saver) holds its own
+        reference, read at each save; setting only ck.config changed nothing."""
+        ck.config = config
+        ck._saver.config = config
+
     def save_and_wait(config: Any) -> tuple[float, float]:
         """One ckpt save with `config`: (seconds save() blocked, seconds until committed)."""
-        ck.config = config
+        use(config)
         try:
             t0 = time.perf_counter()
             ck.save(step[0], state)
@@ -284,7 +290,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             ck.wait()
             return t1 - t0, time.perf_counter() - t0
         finally:
-            ck.config = default_config
+            use(default_config)
 
     # ckpt: the first save allocates the staging buffer; later ones reuse it.
     def ckpt_save(rep: int, first: bool = False) -> None:
@@ -439,7 +445,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             barrier()
             warm()
             fut = None
-            ck.config = modes.get(mode, default_config)
+            use(modes.get(mode, default_config))
             try:
                 t0 = time.perf_counter()
                 if mode.startswith("ckpt"):
@@ -454,7 +460,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                 if fut is not None:
                     fut.result()
             finally:
-                ck.config = default_config
+                use(default_config)
             rec.add(f"train_step/{mode}", rep, t2 - t0)
             if mode == "ckpt_deferred":
                 rec.add("stall/ckpt_deferred", rep, t1 - t0)

@@ -80,7 +80,8 @@ class Comm:
         if self.world == 1:
             return [value]
         out = torch.empty(self.world, dtype=torch.int64)
-        dist.all_gather_single(out, torch.tensor([value], dtype=torch.int64), group=self.group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.12
+        gather(out, torch.tensor([value], dtype=torch.int64), group=self.group)
         return [int(v) for v in out.tolist()]
 
     def any(self, flag: bool) -> bool:

@@ -193,15 +193,18 @@ class PeerCopier:
         self._cond = threading.Condition()
         self._committed: set[int] = set()
         self._pending = -1  # the newest committed step not yet copied
+        self._done = -1  # the step of the last round: older commits are not copied again
         self._closing = False
         self.failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-peers", daemon=True)
         self._thread.start()
 
     def committed(self, step: int) -> None:
+        """A commit of this root (again for a step is harmless: a step copied is not copied twice)."""
         with self._cond:
             self._committed.add(step)
-            self._pending = max(self._pending, step)
+            if step > self._done:
+                self._pending = max(self._pending, step)
             self._cond.notify_all()
 
     def close(self, timeout: float) -> None:
@@ -231,6 +234,7 @@ class PeerCopier:
                         self._cond.wait()
                     if self._pending <= newest:
                         self._pending = -1
+                    self._done = max(self._done, newest)
                 self._round(newest)
         except Exception as e:  # noqa: BLE001 - the job goes on; its versions stay on their roots
             self.failed = f"{type(e).__name__}: {e}"
@@ -239,8 +243,13 @@ class PeerCopier:
     def _round(self, step: int) -> None:
         plan, comm = self._plan, self._comm
         version = os.path.join(self._root, version_dirname(step))
-        files = _files(version)
-        header = json.dumps({"step": step, "files": files}).encode()
+        try:
+            files = _files(version)
+            header = json.dumps({"step": step, "files": files}).encode()
+        except OSError as e:  # still a full round, sending nothing: no peer waits for this one
+            log.error("%s: cannot read step %d for its peer copies: %s", self._root, step, e)
+            files = []
+            header = json.dumps({"step": step, "files": [], "error": str(e)}).encode()
         # Phase 1: header sizes, then headers.
         sizes = {s: torch.zeros(1, dtype=torch.int64) for s in plan.sources}
         comm.exchange(
@@ -261,6 +270,9 @@ class PeerCopier:
         sinks: dict[int, _Sink] = {}
         errors: dict[int, str] = {}
         for s in plan.sources:
+            if "error" in incoming[s]:
+                errors[s] = f"root {s} could not send it: {incoming[s]['error']}"
+                continue
             base = os.path.join(peer_dir(self._root, s), ".incoming", version_dirname(step))
             shutil.rmtree(base, ignore_errors=True)
             try:
@@ -302,6 +314,8 @@ class PeerCopier:
         for s in plan.sources:
             ok = s not in errors and self._publish(s, step, sinks[s], errors)
             acks[s] = torch.tensor([int(ok)], dtype=torch.int64)
+            if not ok:
+                shutil.rmtree(os.path.join(peer_dir(self._root, s), ".incoming"), ignore_errors=True)
         got = {t: torch.zeros(1, dtype=torch.int64) for t in plan.targets}
         comm.exchange(
             [(plan.leaders[s], _ACK, acks[s]) for s in plan.sources],
@@ -310,7 +324,10 @@ class PeerCopier:
         for s, why in errors.items():
             log.error("%s: the peer copy of root %d's step %d was not kept: %s", self._root, s, step, why)
         results = {t: "verified" if int(got[t].item()) else "failed" for t in plan.targets}
-        self._record(step, results)
+        try:
+            record_peer_copies(self._root, step, results)
+        except (CkptError, OSError) as e:  # retention then keeps the version: safe
+            log.error("%s: cannot record step %d's peer copies: %s", self._root, step, e)
         if all(v == "verified" for v in results.values()):
             self._on_verified(step)
         else:
@@ -334,19 +351,20 @@ class PeerCopier:
                     f"{len(bad)} files fail their checksums, first {bad[0].path}: {bad[0].reason}"
                 )
             tmp_name = commit.tmp_dirname(step, manifest.save_id)
+            shutil.rmtree(os.path.join(home, tmp_name), ignore_errors=True)  # left by a round that failed there
             os.rename(os.path.join(incoming, version_dirname(step)), os.path.join(home, tmp_name))
             fsync_dir(incoming)
             commit.publish(home, tmp_name, step, overwrite=True)
             fsync_dirs([os.path.dirname(home), self._root])  # the first copy made replicas/ and peer-<i>/
-            if self._policy is not None:
-                collect(open_tier(home), self._policy)
-            return True
-        except (CkptError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - not kept; the round goes on to its acknowledgements
             errors[source] = f"{type(e).__name__}: {e}"
             return False
-
-    def _record(self, step: int, results: dict[int, str]) -> None:
-        record_peer_copies(self._root, step, results)
+        if self._policy is not None:
+            try:
+                collect(open_tier(home), self._policy)
+            except Exception as e:  # noqa: BLE001 - the copy is kept; pruning waits for the next round
+                log.warning("%s: pruning the peer copies of root %d failed: %s", self._root, source, e)
+        return True
 
 
 def _piece_len(header: dict[str, object], r: int) -> int:

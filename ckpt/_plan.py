@@ -186,13 +186,17 @@ def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -
     """Collective: the plans of the job's layout, the same on every rank; raises alike on every rank."""
     sig = plain_signature(pieces)
     signatures = ctl.all_gather_int(sig)
-    got = ctl.gather(announce(ctl.rank, pieces, signatures.index(sig) == ctl.rank))
+    try:
+        mine = announce(ctl.rank, pieces, signatures.index(sig) == ctl.rank)
+    except Exception as e:  # noqa: BLE001 - rank 0 reports it to every rank
+        mine = Announcement(ctl.rank, (), (), None, f"rank {ctl.rank}: {type(e).__name__}: {e}")
+    got = ctl.gather(mine)
     outcome: Outcome = (None, None)
     if got is not None:
         try:
             outcome = (plan_arrays(merge(got, signatures), split_bytes=split_bytes), None)
-        except CkptError as e:
-            outcome = (None, (type(e).__name__, str(e)))
+        except Exception as e:  # noqa: BLE001 - every rank raises it (a bug as a CkptError)
+            outcome = (None, (type(e).__name__ if isinstance(e, CkptError) else "CkptError", str(e)))
     plans: list[ArrayPlan] | None
     plans, error = ctl.broadcast(outcome)
     if error is not None:

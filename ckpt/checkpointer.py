@@ -86,6 +86,11 @@ class Checkpointer:
         self.root, disks = _roots.choose_root(self._ctl, root)
         replication = _roots.replication_config(replication, replicate_to, storage_options, self.root, disks)
         policy = self.config.retention()
+        if self.config.peer_copies and replication is not None and (policy or replication.local_policy):
+            raise ValueError(
+                "peer_copies and a replicator's retention in one Checkpointer: its retention would not wait for "
+                "the peer copies; use MultiTier (a root with peer copies and keep_last, another with the replicator)"
+            )
         if policy is not None and replication is not None:
             if replication.local_policy is not None:
                 raise ValueError("give keep_last or the replicator's local_policy, not both")
@@ -114,7 +119,12 @@ class Checkpointer:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
         self._saves = 0  # save() calls that staged a version: the full_every schedule counts them
         copies = self.config.peer_copies
-        self._retention = Retention(self._tier, self.root, policy, peer_copies=copies) if self._ctx.is_leader else None
+        self._peers: PeerCopier | None = None  # set just below; retention asks whether it stopped
+        self._retention = (
+            Retention(self._tier, self.root, policy, peer_copies=copies, peers_stopped=self._peers_stopped)
+            if self._ctx.is_leader
+            else None
+        )
         self._peer_comm, self._peers = self._open_peers()
         hooks = [h.committed for h in (self._retention, self._peers) if h is not None]
         self._saver = Saver(
@@ -127,6 +137,9 @@ class Checkpointer:
         )
         self._commit_hooks = hooks
         self._closed = False
+
+    def _peers_stopped(self) -> bool:
+        return self._peers is not None and self._peers.failed is not None
 
     def _committed(self, step: int) -> None:
         for hook in self._commit_hooks:
@@ -335,6 +348,8 @@ class Checkpointer:
             return
         try:
             self._saver.wait()
+            if self._commit_hooks and self._saver.stats:  # its done-callback may not have run yet
+                self._committed(self._saver.stats[-1].step)
         finally:
             self._closed = True
             if self._peers is not None:

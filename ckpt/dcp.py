@@ -26,6 +26,7 @@ leaves no trace of the version among the committed ones.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import urllib.parse
@@ -61,6 +62,7 @@ from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
 from ckpt.shard import Shard
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError, VersionNotFoundError
 from ckpt.store.manifest import MAX_COMPONENT, Manifest, escape_component
+from ckpt.store.pins import pin_version
 from ckpt.store.versions import check_step
 
 __all__ = ["StorageWriter", "StorageReader"]
@@ -160,7 +162,23 @@ class StorageWriter(_StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Collective: this rank's items saved as version `step`, committed on every rank."""
         state: dict[str, Any] = {TENSORS: {}, BYTES: {}}
-        results = []
+        results: list[WriteResult] = []
+        try:
+            self._ck._ctl.agree(self._describe(plan, planner, state, results))  # raises alike on every rank
+            self._ck.save(self.step, state, overwrite=self._overwrite, milestone=self._milestone)
+            self._ck.wait()
+        finally:
+            if self._owned:
+                self._ck.close()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    @staticmethod
+    def _describe(
+        plan: SavePlan, planner: SavePlanner, state: dict[str, Any], results: list[WriteResult]
+    ) -> Exception | None:
+        """This rank's items as ckpt state; the failure, if any (every rank then learns it)."""
         try:
             for item in plan.items:
                 data = planner.resolve_data(item)
@@ -179,14 +197,9 @@ class StorageWriter(_StorageWriter):
                     _put(state[TENSORS], item.index.fqn, Shard(data.detach(), tuple(td.size), tuple(td.chunk.offsets)))
                     nbytes = data.numel() * data.element_size()
                 results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=None))
-            self._ck.save(self.step, state, overwrite=self._overwrite, milestone=self._milestone)
-            self._ck.wait()
-        finally:
-            if self._owned:
-                self._ck.close()
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
+            return e
+        return None
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing left: the version committed in write_data (see the module docstring)."""
@@ -233,6 +246,7 @@ class StorageReader(_StorageReader):
         self._owned = checkpointer is None
         self._ck = _checkpointer(root, checkpointer, options)
         self._found: tuple[Manifest, Located] | None = None
+        self._pins = contextlib.ExitStack()  # the chosen version, held against GC until read
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
         _no_checkpoint_id(checkpoint_id)
@@ -249,12 +263,17 @@ class StorageReader(_StorageReader):
                 where = self._root if isinstance(self._root, str) else "the root"
                 raise VersionNotFoundError(f"no committed version under {where}")
             self.step = self._found[0].step
+            held = [self._pins.enter_context(pin_version(src.tier, self.step)) for src in self._found[1].sources]
+            self._ck._ctl.agree(
+                None if all(held) else VersionNotFoundError(f"step {self.step} is being deleted by a GC")
+            )
             return metadata_of(self._found[0])
         except BaseException:
             self._close()  # DCP reads nothing after a failed read_metadata
             raise
 
     def _close(self) -> None:
+        self._pins.close()
         if self._owned:
             self._ck.close()
 

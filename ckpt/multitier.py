@@ -66,6 +66,7 @@ class MultiTier:
         the next (with a warning); if every tier fails, the first failure is raised."""
         ranked = sorted(((self._newest(ck), i) for i, (ck, _) in enumerate(self.tiers)), reverse=True)
         best: tuple[int, Checkpointer] | None = None
+        dirty = False  # a restore after `best` was loaded may have overwritten part of the state
         first_error: Exception | None = None
         for newest, i in ranked:
             ck = self.tiers[i][0]
@@ -76,13 +77,14 @@ class MultiTier:
             except (IncompleteVersionError, VersionNotFoundError, CorruptVersionError) as e:
                 log.warning("rank %d: tier %s has no version to restore: %s", ck.rank, ck.root, e)
                 first_error = first_error or e
+                dirty = best is not None
                 continue
-            if got is None:
-                continue
-            if best is not None and got < best[0]:  # it fell back below what `state` held: load that again
-                best[1].restore(state, step=best[0], **{k: v for k, v in kwargs.items() if k != "step"})
-                continue
-            best = (got, ck)
+            if got is not None and (best is None or got > best[0]):
+                best, dirty = (got, ck), False
+            elif best is not None:
+                dirty = True
+        if best is not None and dirty:  # load the newest one found again, whole
+            best[1].restore(state, **{**kwargs, "step": best[0]})
         if best is None and first_error is not None:
             raise first_error
         return None if best is None else best[0]

@@ -83,11 +83,14 @@ def launch(
     *,
     timeout: float = 120,
     nodes: Nodes | None = None,
+    killed: frozenset[int] = frozenset(),
     **kwargs: Any,
 ) -> tuple[list[Any], list[str]]:
     """Run `scenario` on `world` processes: (each rank's result, every failed check).
 
-    Raises AssertionError when a process crashed, timed out or wrote no result.
+    Raises AssertionError when a process crashed, timed out or wrote no result. The ranks
+    in `killed` must die of SIGKILL (the scenario kills them: a node lost); the others then
+    exit without the final barrier, and their results are returned in rank order.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +109,7 @@ def launch(
             "tag": tag,
             "store": str(store),
             "workdir": str(workdir),
+            "killed": sorted(killed),
         }
     )
     procs = []
@@ -154,6 +158,10 @@ def launch(
     results: list[Any] = []
     for rank, p in enumerate(procs):
         out = (workdir / f"{tag}.rank{rank}.log").read_text(errors="replace")
+        if rank in killed:
+            if p.returncode != -9:
+                problems.append(f"rank {rank}: should have died of SIGKILL, exit code {p.returncode}\n{out[-4000:]}")
+            continue
         res_path = workdir / f"{tag}.rank{rank}.json"
         res = json.loads(res_path.read_text()) if res_path.exists() else None
         if p.returncode != 0 or res is None:
@@ -186,7 +194,8 @@ def _worker(spec_json: str, rank: int, world: int) -> int:
         module = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(module)
         result = getattr(module, spec["scenario"])(ctx, **spec["kwargs"])
-        dist.barrier()
+        if not spec["killed"]:
+            dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent, then the process exits 1
         traceback.print_exc()
         ctx.failures.append(f"rank {rank}: exception\n{traceback.format_exc()}")
@@ -196,6 +205,9 @@ def _worker(spec_json: str, rank: int, world: int) -> int:
     tmp = out_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"failures": ctx.failures, "result": result}))
     os.replace(tmp, out_path)
+    if spec["killed"]:  # the group lost members: no clean shutdown to wait for
+        sys.stdout.flush()
+        os._exit(0)
     dist.destroy_process_group()
     return 0
 

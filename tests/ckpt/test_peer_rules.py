@@ -35,19 +35,34 @@ def _status(root: Path, verified: dict[int, str]) -> None:
     (root / PEER_STATUS).write_text(json.dumps(doc))
 
 
-def test_retention_waits_for_verified_peer_copies(tmp_path: Path) -> None:
+def _retained(root: Path, verified: dict[int, str]) -> list[int]:
+    _status(root, verified)
+    tier = open_tier(str(root))
+    retention = Retention(tier, str(root), KeepLast(1), peer_copies=1)
+    retention.committed(3)
+    retention.close()
+    return committed_steps(tier)
+
+
+def test_retention_keeps_the_newest_version_a_node_loss_leaves_whole(tmp_path: Path) -> None:
+    """keep_last=1, steps 1-3: the newest version whose peer copies are verified and every
+    newer one are kept (after a node's loss the newest such version is the one the
+    survivors hold whole: their own parts, and the lost node's as peer copies)."""
+    with Checkpointer(tmp_path) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+    assert verified_peer_steps(str(tmp_path), 1) == set()
+    assert _retained(tmp_path, {1: "verified", 2: "failed"}) == [1, 2, 3]
+    assert _retained(tmp_path, {1: "verified", 2: "verified"}) == [2, 3]
+    assert _retained(tmp_path, {1: "verified", 2: "verified", 3: "verified"}) == [3]
+
+
+def test_retention_without_peer_copies_deletes_by_the_policy(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck:
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((4,), float(step))})
     tier = open_tier(str(tmp_path))
-    _status(tmp_path, {1: "verified", 2: "failed"})
-    assert verified_peer_steps(str(tmp_path), 1) == {1}
-    retention = Retention(tier, str(tmp_path), KeepLast(1), peer_copies=1)
-    retention.committed(3)
-    retention.close()
-    assert committed_steps(tier) == [2, 3]  # 2 and 3 lack verified peer copies: kept
-    _status(tmp_path, {1: "verified", 2: "verified", 3: "verified"})
-    retention = Retention(tier, str(tmp_path), KeepLast(1), peer_copies=1)
+    retention = Retention(tier, str(tmp_path), KeepLast(1))
     retention.committed(3)
     retention.close()
     assert committed_steps(tier) == [3]

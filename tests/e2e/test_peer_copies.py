@@ -29,14 +29,21 @@ TIMEOUT = datetime.timedelta(seconds=60)
 pytestmark = pytest.mark.skipif(not can_isolate(), reason="needs root and mount namespaces (unshare -m)")
 
 
-def _state(rank: int, step: int) -> dict[str, Any]:
+def _full(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The saved arrays whole: rows of a (64, 6) tensor, and random bits (4 ranks' 1000 each)."""
+    w = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6) * (step + 1)
+    own = torch.cat([torch.randn(1000, generator=torch.Generator().manual_seed(1000 * step + r)) for r in range(4)])
+    return w, own
+
+
+def _state(rank: int, step: int, world: int = 4) -> dict[str, Any]:
     import ckpt
 
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    full = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6) * (step + 1)
+    w, own = _full(step)
+    rows, n = 64 // world, 4000 // world
     return {
-        "w": ckpt.Shard(full[16 * rank : 16 * rank + 16].clone(), (64, 6), (16 * rank, 0)),
-        "own": ckpt.Shard(torch.randn(1000, generator=g), (4000,), (1000 * rank,)),  # random bits, per rank
+        "w": ckpt.Shard(w[rows * rank : rows * (rank + 1)].clone(), (64, 6), (rows * rank, 0)),
+        "own": ckpt.Shard(own[n * rank : n * (rank + 1)].clone(), (4000,), (n * rank,)),
         "step": step,
     }
 
@@ -59,14 +66,43 @@ def save_job(ctx: Any, view: str, steps: list[int], keep_last: int | None) -> di
     return {}
 
 
+def save_then_lose_node(ctx: Any, view: str, steps: list[int]) -> dict[str, Any]:
+    """Save, let the peer copies finish, then node 1's ranks die of SIGKILL (no close())."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt._peer_status import verified_peer_steps
+
+    root = _view(ctx, view)
+    ck = ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT)
+    for step in steps:
+        ck.save(step, _state(ctx.rank, step))
+    ck.wait()
+    if ctx.rank % 2 == 0:  # each root's leader: until its last version's peer copy is verified
+        mine, deadline = root.format(node=ctx.rank // 2), time.monotonic() + 60
+        while steps[-1] not in verified_peer_steps(mine, 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ctx.check(steps[-1] in verified_peer_steps(mine, 1), "the last peer copy was verified")
+    dist.barrier()
+    if ctx.rank // 2 == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
 def restore_job(ctx: Any, view: str) -> dict[str, Any]:
     import ckpt
 
     root = _view(ctx, view)
-    state = _state(ctx.rank, 0)
-    with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
-        got = ck.restore(state)
-    want = _state(ctx.rank, got if got is not None else 0)
+    state = _state(ctx.rank, 0, ctx.world)
+    with ckpt.Checkpointer(root, timeout=TIMEOUT) as ck:
+        try:
+            got = ck.restore(state)
+        except ckpt.IncompleteVersionError as e:
+            return {"error": str(e)}
+    want = _state(ctx.rank, got if got is not None else 0, ctx.world)
     same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in ("w", "own"))
     return {"step": got, "bitwise": bool(same) and state["step"] == got}
 
@@ -99,6 +135,57 @@ def test_a_node_with_empty_disks_restores_from_its_peer(tmp_path: Path) -> None:
     results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", nodes=nodes, view=str(nodes.view))
     assert not failures, failures
     assert [(r["step"], r["bitwise"]) for r in results] == [(4, True)] * 4, results
+
+
+def _nodes(tmp_path: Path) -> Nodes:
+    nodes = Nodes(tmp_path / "disks", tmp_path / "view", per_node=2)
+    for k in (0, 1):
+        (nodes.disks / f"node{k}").mkdir(parents=True)
+    nodes.view.mkdir()
+    return nodes
+
+
+def _wipe(path: Path) -> None:
+    shutil.rmtree(path)
+    path.mkdir()
+
+
+def test_a_killed_node_restores_on_four_ranks_and_on_two(tmp_path: Path) -> None:
+    """Node 1's ranks die of SIGKILL and its disk is replaced by an empty one; 4 ranks, and
+    then 2 ranks on node 0 alone, restore the newest step bitwise, with no remote."""
+    nodes = _nodes(tmp_path)
+    _, failures = launch(
+        THIS,
+        "save_then_lose_node",
+        4,
+        tmp_path / "job",
+        nodes=nodes,
+        killed=frozenset({2, 3}),
+        view=str(nodes.view),
+        steps=[3, 6],
+    )
+    assert not failures, failures
+    _wipe(nodes.disks / "node1")
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", nodes=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert [(r.get("step"), r.get("bitwise")) for r in results] == [(6, True)] * 4, results
+    results, failures = launch(THIS, "restore_job", 2, tmp_path / "job3", nodes=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert [(r.get("step"), r.get("bitwise")) for r in results] == [(6, True)] * 2, results
+
+
+def test_both_copies_of_a_part_lost_is_an_error_not_a_partial_state(tmp_path: Path) -> None:
+    nodes = _nodes(tmp_path)
+    _, failures = launch(
+        THIS, "save_job", 4, tmp_path / "job", nodes=nodes, view=str(nodes.view), steps=[2], keep_last=None
+    )
+    assert not failures, failures
+    _wipe(nodes.disks / "node1")
+    shutil.rmtree(nodes.disks / "node0" / "replicas")  # node 1's part, copied to node 0, lost too
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", nodes=nodes, view=str(nodes.view))
+    assert not failures, failures
+    for r in results:
+        assert "step 2 lacks the part of ranks [2, 3]" in r.get("error", ""), r
 
 
 def test_retention_keeps_what_the_peers_lack_and_prunes_peer_copies(tmp_path: Path) -> None:
