@@ -348,8 +348,8 @@ class Checkpointer:
             return
         try:
             self._saver.wait()
-            if self._commit_hooks and self._saver.stats:  # its done-callback may not have run yet
-                self._committed(self._saver.stats[-1].step)
+            if self._peers is not None and self._saver.stats:  # its done-callback may not have run yet
+                self._peers.committed(self._saver.stats[-1].step)  # (a step already copied is not copied again)
         finally:
             self._closed = True
             if self._peers is not None:
