@@ -82,13 +82,14 @@ def launch(
     workdir: Path,
     *,
     timeout: float = 120,
-    nodes: Nodes | None = None,
+    isolate: Nodes | None = None,
     killed: frozenset[int] = frozenset(),
     **kwargs: Any,
 ) -> tuple[list[Any], list[str]]:
     """Run `scenario` on `world` processes: (each rank's result, every failed check).
 
-    Raises AssertionError when a process crashed, timed out or wrote no result. The ranks
+    Raises AssertionError when a process crashed, timed out or wrote no result. With
+    `isolate`, each rank sees only its own node's disk (Nodes). The ranks
     in `killed` must die of SIGKILL (the scenario kills them: a node lost); the others then
     exit without the final barrier, and their results are returned in rank order.
     """
@@ -121,9 +122,9 @@ def launch(
         # would come first on sys.path, and tests/ckpt/ would shadow the ckpt package.
         argv = [sys.executable, "-m", "tests._dist", spec, str(rank), str(world)]
         rank_env = env
-        if nodes is not None:
-            argv = nodes.command(rank, argv)
-            rank_env = {**env, "LOCAL_WORLD_SIZE": str(nodes.per_node), "LOCAL_RANK": str(rank % nodes.per_node)}
+        if isolate is not None:
+            argv = isolate.command(rank, argv)
+            rank_env = {**env, "LOCAL_WORLD_SIZE": str(isolate.per_node), "LOCAL_RANK": str(rank % isolate.per_node)}
         procs.append(
             subprocess.Popen(
                 argv,

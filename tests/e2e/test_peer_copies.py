@@ -117,7 +117,7 @@ def test_a_node_with_empty_disks_restores_from_its_peer(tmp_path: Path) -> None:
         (nodes.disks / f"node{k}").mkdir(parents=True)
     nodes.view.mkdir()
     _, failures = launch(
-        THIS, "save_job", 4, tmp_path / "job", nodes=nodes, view=str(nodes.view), steps=[2, 4], keep_last=None
+        THIS, "save_job", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view), steps=[2, 4], keep_last=None
     )
     assert not failures, failures
     for k in (0, 1):  # each node holds the other's part of both versions, verified
@@ -132,7 +132,7 @@ def test_a_node_with_empty_disks_restores_from_its_peer(tmp_path: Path) -> None:
     assert len(rows) == 2 and all(r[-2] == "1/1" for r in rows), listed.output  # copies: 1 verified of 1
     shutil.rmtree(nodes.disks / "node1")  # node 1 is replaced: an empty disk
     (nodes.disks / "node1").mkdir()
-    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", nodes=nodes, view=str(nodes.view))
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
     assert [(r["step"], r["bitwise"]) for r in results] == [(4, True)] * 4, results
 
@@ -159,17 +159,17 @@ def test_a_killed_node_restores_on_four_ranks_and_on_two(tmp_path: Path) -> None
         "save_then_lose_node",
         4,
         tmp_path / "job",
-        nodes=nodes,
+        isolate=nodes,
         killed=frozenset({2, 3}),
         view=str(nodes.view),
         steps=[3, 6],
     )
     assert not failures, failures
     _wipe(nodes.disks / "node1")
-    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", nodes=nodes, view=str(nodes.view))
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(6, True)] * 4, results
-    results, failures = launch(THIS, "restore_job", 2, tmp_path / "job3", nodes=nodes, view=str(nodes.view))
+    results, failures = launch(THIS, "restore_job", 2, tmp_path / "job3", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(6, True)] * 2, results
 
@@ -177,12 +177,12 @@ def test_a_killed_node_restores_on_four_ranks_and_on_two(tmp_path: Path) -> None
 def test_both_copies_of_a_part_lost_is_an_error_not_a_partial_state(tmp_path: Path) -> None:
     nodes = _nodes(tmp_path)
     _, failures = launch(
-        THIS, "save_job", 4, tmp_path / "job", nodes=nodes, view=str(nodes.view), steps=[2], keep_last=None
+        THIS, "save_job", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view), steps=[2], keep_last=None
     )
     assert not failures, failures
     _wipe(nodes.disks / "node1")
     shutil.rmtree(nodes.disks / "node0" / "replicas")  # node 1's part, copied to node 0, lost too
-    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", nodes=nodes, view=str(nodes.view))
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
     for r in results:
         assert "step 2 lacks the part of ranks [2, 3]" in r.get("error", ""), r
@@ -196,7 +196,7 @@ def test_retention_keeps_what_the_peers_lack_and_prunes_peer_copies(tmp_path: Pa
         (nodes.disks / f"node{k}").mkdir(parents=True)
     nodes.view.mkdir()
     _, failures = launch(
-        THIS, "save_job", 4, tmp_path / "job", nodes=nodes, view=str(nodes.view), steps=[1, 2, 3], keep_last=1
+        THIS, "save_job", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view), steps=[1, 2, 3], keep_last=1
     )
     assert not failures, failures
     for k in (0, 1):
