@@ -274,7 +274,7 @@ class PeerCopier:
                 errors[s] = f"root {s} could not send it: {incoming[s]['error']}"
                 continue
             base = os.path.join(peer_dir(self._root, s), ".incoming", version_dirname(step))
-            shutil.rmtree(base, ignore_errors=True)
+            shutil.rmtree(os.path.dirname(base), ignore_errors=True)  # and what an interrupted round left
             try:
                 sinks[s] = _Sink(base, [(str(r), int(n)) for r, n in incoming[s]["files"]])
             except (CkptError, OSError) as e:

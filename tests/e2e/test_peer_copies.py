@@ -92,6 +92,33 @@ def save_then_lose_node(ctx: Any, view: str, steps: list[int]) -> dict[str, Any]
     return {}
 
 
+def interrupted_copy(ctx: Any, view: str) -> dict[str, Any]:
+    """Node 1's ranks die of SIGKILL while step 1's peer copies are on their way (1 MB/s)."""
+    import time
+
+    import ckpt
+
+    root = _view(ctx, view)
+    ck = ckpt.Checkpointer(root, peer_copies=1, peer_bwlimit_mbps=1.0, timeout=TIMEOUT)
+    big = torch.full((1 << 18,), float(ctx.rank))  # 1 MiB a rank: 2 MiB a node, 2 s at the cap
+    ck.save(1, {**_state(ctx.rank, 1), "big": ckpt.Shard(big, (1 << 20,), ((1 << 18) * ctx.rank,))})
+    ck.wait()
+    time.sleep(0.7)
+    if ctx.rank // 2 == 1:
+        os.kill(os.getpid(), 9)
+    time.sleep(1.0)
+    return {}
+
+
+def save_again(ctx: Any, view: str) -> dict[str, Any]:
+    import ckpt
+
+    root = _view(ctx, view)
+    with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
+        ck.save(2, _state(ctx.rank, 2))
+    return {}
+
+
 def restore_job(ctx: Any, view: str) -> dict[str, Any]:
     import ckpt
 
@@ -202,3 +229,22 @@ def test_retention_keeps_what_the_peers_lack_and_prunes_peer_copies(tmp_path: Pa
     for k in (0, 1):
         assert _versions(nodes.disks / f"node{k}") == ["v000000000003"]
         assert _versions(Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))) == ["v000000000003"]
+
+
+def test_an_interrupted_peer_copy_is_never_listed_and_the_next_save_is_copied(tmp_path: Path) -> None:
+    nodes = _nodes(tmp_path)
+    _, failures = launch(
+        THIS, "interrupted_copy", 4, tmp_path / "job", isolate=nodes, killed=frozenset({2, 3}), view=str(nodes.view)
+    )
+    assert not failures, failures
+    for k in (0, 1):
+        held = Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))
+        assert _versions(held) == [], os.listdir(held)  # nothing published half-way
+        listed = CliRunner().invoke(cli, ["ls", str(nodes.disks / f"node{k}")])
+        assert listed.exit_code == 0 and f"peer copies held here for root {1 - k}: steps none" in listed.output
+    _, failures = launch(THIS, "save_again", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
+    assert not failures, failures
+    for k in (0, 1):
+        held = Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))
+        assert _versions(held) == ["v000000000002"]
+        assert not (held / ".incoming").exists() or not any((held / ".incoming").iterdir())
