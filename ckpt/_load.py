@@ -31,7 +31,7 @@ from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchEr
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
 
-__all__ = ["load_version", "agreed_manifest"]
+__all__ = ["load_version", "agreed_manifest", "read_agreed"]
 
 log = logging.getLogger("ckpt")
 
@@ -97,6 +97,21 @@ def _saved_rank(ctl: Comm, manifest: Manifest, located: Located) -> SavedRank:
     return found
 
 
+def read_agreed(
+    ctl: Comm, config: CheckpointerConfig, located: Located, manifest: Manifest, requests: list[ReadRequest]
+) -> None:
+    """Collective: read every rank's requests (restore.execute); a failure anywhere raises on
+    every rank alike."""
+    error: BaseException | None = None
+    try:
+        load_arrays(
+            ctl, located.sources, manifest, requests, verify=config.verify_on_restore, threads=config.reader_threads
+        )
+    except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
+        error = e
+    ctl.agree(error)
+
+
 def load_version(
     ctl: Comm, config: CheckpointerConfig, located: Located, state: Mapping[str, Any], *, strict: bool = True
 ) -> None:
@@ -130,19 +145,7 @@ def load_version(
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
         ctl.agree(error)
-        error = None
-        try:
-            load_arrays(
-                ctl,
-                located.sources,
-                manifest,
-                requests,
-                verify=config.verify_on_restore,
-                threads=config.reader_threads,
-            )
-        except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
-            error = e
-        ctl.agree(error)
+        read_agreed(ctl, config, located, manifest, requests)
     assert bound is not None
     bound.finish()
     if config.capture_rng:

@@ -53,10 +53,11 @@ from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ckpt._load import read_agreed
 from ckpt._roots import RootSpec
 from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
-from ckpt.restore.execute import ReadRequest, full_tensor, load_arrays
+from ckpt.restore.execute import ReadRequest, full_tensor
 from ckpt.restore.locate import Located
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
 from ckpt.shard import Shard
@@ -319,14 +320,7 @@ class StorageReader(_StorageReader):
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
         ctl.agree(error)
-        error = None
-        try:
-            load_arrays(
-                ctl, located.sources, manifest, requests, verify=config.verify_on_restore, threads=config.reader_threads
-            )
-        except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
-            error = e
-        ctl.agree(error)
+        read_agreed(ctl, config, located, manifest, requests)
         for item, req in zip(plan.items, requests):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(req.dest.numpy().tobytes()))
