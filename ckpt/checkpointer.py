@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Literal
@@ -35,9 +35,21 @@ from ckpt.store.manifest import Manifest
 from ckpt.store.tier import Tier, is_url, open_tier
 from ckpt.store.versions import check_step, committed_steps
 
-__all__ = ["Checkpointer", "RootSpec"]
+__all__ = ["Checkpointer", "RootSpec", "close_on_exit"]
 
 log = logging.getLogger("ckpt")
+
+
+def close_on_exit(close: Callable[[], None], exc: BaseException | None, who: str) -> None:
+    """A context manager's exit: close(); when the body raised, its exception wins and a
+    failure of close() (a pending save's) is logged instead."""
+    if exc is None:
+        close()
+        return
+    try:
+        close()
+    except Exception:
+        log.exception("%s: a pending save failed while handling another error", who)
 
 
 class Checkpointer:
@@ -385,10 +397,4 @@ class Checkpointer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception:  # the body's exception wins; the save error is logged
-            log.exception("rank %d: a pending save failed while handling another error", self.rank)
+        close_on_exit(self.close, exc, f"rank {self.rank}")

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from ckpt.checkpointer import Checkpointer
+from ckpt.checkpointer import Checkpointer, close_on_exit
 from ckpt.store.errors import CorruptVersionError, IncompleteVersionError, VersionNotFoundError
 
 __all__ = ["MultiTier"]
@@ -118,10 +118,4 @@ class MultiTier:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception:  # the body's exception wins
-            log.exception("a pending save failed while handling another error")
+        close_on_exit(self.close, exc, "MultiTier")
