@@ -136,8 +136,7 @@ def _worker(args: argparse.Namespace) -> None:
                 ck.save(step, state)
                 report["saves"].append({"step": step, "t": time.time(), "stall_s": time.perf_counter() - t0})
             _write_report(args.out, rank, report)  # kept current: this rank may be killed
-            with open(os.path.join(args.out, f"progress.rank{rank}"), "w") as f:
-                f.write(str(step))
+            write_progress(args.out, rank, step)
             if step >= args.steps:
                 break
         else:
@@ -156,6 +155,23 @@ def _write_report(out: str, rank: int, report: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(report, f)
     os.replace(tmp, os.path.join(out, f"rank{rank}.json"))
+
+
+def write_progress(out: str, rank: int, step: int) -> None:
+    """Publish the rank's step by rename, so a reader never sees a truncated file."""
+    tmp = os.path.join(out, f"progress.rank{rank}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tmp, os.path.join(out, f"progress.rank{rank}"))
+
+
+def read_progress(out: str, rank: int) -> int | None:
+    """The step the rank last published, or None before its first one."""
+    try:
+        text = Path(out, f"progress.rank{rank}").read_text()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.strip() else None
 
 
 def _free_port() -> int:
@@ -178,9 +194,9 @@ def _launch(world: int, out: str, extra: list[str], kill_rank_at: tuple[int, int
     try:
         if kill_rank_at is not None:
             victim, at = kill_rank_at
-            progress = Path(out, f"progress.rank{victim}")
             while procs[victim].poll() is None:
-                if progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= at:
+                reached = read_progress(out, victim)
+                if reached is not None and reached >= at:
                     procs[victim].send_signal(signal.SIGKILL)
                     print(f"  SIGKILL rank {victim} at step {at}")
                     break
