@@ -1,16 +1,35 @@
-"""What a root records of its peer copies (ckpt._peers), read by retention and `ckpt ls`
-without importing torch."""
+"""What a root records of its peer copies (ckpt._peers), and the retention rule that
+follows from it, read by every GC of the root (the Checkpointer's retention, a replicator
+daemon's, `ckpt gc`) and by `ckpt ls`, without importing torch.
+
+The rule: while a root makes peer copies, the newest version whose peer copies are all
+verified is kept, and every newer one. After a node's loss that version is whole on the
+survivors (their own parts, and the lost node's as peer copies; the same rule keeps it on
+every root). A root whose copier stopped for good (a peer stopped answering), or that a
+job without peer copies opened since, is judged by its other rules alone.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 
 from ckpt.store.fsio import replace_durable
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed_steps
 
-__all__ = ["PEER_STATUS", "peer_dir", "read_peer_status", "record_peer_copies", "verified_peer_steps"]
+__all__ = [
+    "PEER_STATUS",
+    "peer_dir",
+    "read_peer_status",
+    "record_peer_copies",
+    "record_peers_stopped",
+    "forget_peer_copies",
+    "verified_peer_steps",
+    "peer_redundant",
+    "with_peer_rule",
+]
 
 PEER_STATUS = ".ckpt-peers.json"
 
@@ -23,19 +42,60 @@ def _status_path(root: str) -> str:
     return os.path.join(root, PEER_STATUS)
 
 
-def read_peer_status(root: str) -> dict[int, dict[int, str]]:
-    """step -> {target root: "verified" | the failure}, as the sender recorded it."""
+def _read(root: str) -> dict[str, object]:
     try:
         with open(_status_path(root)) as f:
             doc = json.load(f)
-        return {int(s): {int(t): str(v) for t, v in d.items()} for s, d in doc.get("steps", {}).items()}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def read_peer_status(root: str) -> dict[int, dict[int, str]]:
+    """step -> {target root: "verified" | the failure}, as the sender recorded it."""
+    steps = _read(root).get("steps", {})
+    if not isinstance(steps, dict):
+        return {}
+    try:
+        return {int(s): {int(t): str(v) for t, v in d.items()} for s, d in steps.items()}
+    except (AttributeError, ValueError, TypeError):
         return {}
 
 
-def verified_peer_steps(root: str, copies: int) -> set[int]:
+def verified_peer_steps(root: str) -> set[int]:
     """Steps whose peer copies are all verified."""
-    return {s for s, d in read_peer_status(root).items() if sum(v == "verified" for v in d.values()) >= copies}
+    doc = _read(root)
+    copies = doc.get("copies")
+    status = read_peer_status(root)
+    return {
+        s
+        for s, d in status.items()
+        if d and sum(v == "verified" for v in d.values()) >= (copies if isinstance(copies, int) else len(d))
+    }
+
+
+def peer_redundant(root: str) -> set[int] | None:
+    """The root's steps the peer-copy rule lets a GC delete: those older than the newest
+    step whose peer copies are verified. None when the rule does not apply (no peer copies
+    are made of this root, or its copier stopped for good)."""
+    doc = _read(root)
+    if not doc or doc.get("stopped"):
+        return None
+    newest = max(verified_peer_steps(root), default=-1)
+    return {s for s in committed_steps(open_tier(root)) if s < newest}
+
+
+def with_peer_rule(root: str, redundant: Iterable[int] | None) -> set[int] | None:
+    """`redundant` (what the root's other rules let a GC delete; None: anything) narrowed
+    by the peer-copy rule: the one place every GC of a local root applies it."""
+    peers = peer_redundant(root)
+    if peers is None:
+        return None if redundant is None else set(redundant)
+    return peers if redundant is None else peers & set(redundant)
+
+
+def _write(root: str, doc: dict[str, object]) -> None:
+    replace_durable(_status_path(root), json.dumps(doc).encode())
 
 
 def record_peer_copies(root: str, step: int, results: dict[int, str]) -> None:
@@ -44,5 +104,20 @@ def record_peer_copies(root: str, step: int, results: dict[int, str]) -> None:
     status = read_peer_status(root)
     status[step] = results
     present = set(committed_steps(open_tier(root))) | {step}
-    doc = {"steps": {str(s): {str(t): v for t, v in status[s].items()} for s in sorted(status) if s in present}}
-    replace_durable(_status_path(root), json.dumps(doc).encode())
+    steps = {str(s): {str(t): v for t, v in status[s].items()} for s in sorted(status) if s in present}
+    _write(root, {"copies": len(results), "steps": steps})
+
+
+def record_peers_stopped(root: str, why: str) -> None:
+    """The copier stopped for good: the root's versions are no longer held back for it."""
+    doc = _read(root)
+    doc["stopped"] = why
+    _write(root, doc)
+
+
+def forget_peer_copies(root: str) -> None:
+    """A job without peer copies opened the root: the rule no longer applies to it."""
+    try:
+        os.unlink(_status_path(root))
+    except FileNotFoundError:
+        pass

@@ -17,8 +17,8 @@ its version directory to its targets in pieces (bandwidth-capped, `peer_bwlimit_
 and receives its sources' directories into `replicas/peer-<i>/.incoming/`, verifies every
 file against the manifest's checksums (store.verify), publishes it as `v<step>` (rename,
 fsync, like a commit) and acknowledges. A copy counts once acknowledged verified: the
-sender records it in `<root>/.ckpt-peers.json`, and its retention never deletes a version
-whose peer copies are not all verified (replicator.policy's rule for required copies).
+sender records it in `<root>/.ckpt-peers.json`, and no GC of the root deletes the newest
+version whose peer copies are all verified, nor a newer one (ckpt._peer_status).
 Peer copies are pruned by the Checkpointer's retention policy.
 
 A peer that stops answering fails the round after the group's timeout; the thread logs it
@@ -41,7 +41,7 @@ from typing import BinaryIO
 import torch
 
 from ckpt._dist import Comm
-from ckpt._peer_status import peer_dir, record_peer_copies
+from ckpt._peer_status import peer_dir, record_peer_copies, record_peers_stopped
 from ckpt._roots import node_of
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
@@ -239,6 +239,10 @@ class PeerCopier:
         except Exception as e:  # noqa: BLE001 - the job goes on; its versions stay on their roots
             self.failed = f"{type(e).__name__}: {e}"
             log.error("%s: peer copies stopped: %s", self._root, self.failed)
+            try:
+                record_peers_stopped(self._root, self.failed)  # retention no longer waits for them
+            except OSError as e2:
+                log.error("%s: cannot record that peer copies stopped: %s", self._root, e2)
 
     def _round(self, step: int) -> None:
         plan, comm = self._plan, self._comm

@@ -7,8 +7,8 @@ covered by the next one), so neither save() nor the commit waits for a deletion.
 replicator runs in the Checkpointer, the policy is the replicator's local policy instead
 (it also waits for the required copies); this then only watches the free space. A
 replicator daemon's status on the root is honoured the same way: a version whose copies
-it has not verified is kept; and with peer copies (ckpt._peers), the newest version whose
-peer copies are verified and every newer one.
+it has not verified is kept; and the peer-copy rule (ckpt._peer_status) holds back what
+the root's peer copies still need.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ckpt._peer_status import verified_peer_steps
+from ckpt._peer_status import with_peer_rule
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
 from ckpt.replicator.status import read_status, redundant_steps
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError
 from ckpt.store.tier import Tier
-from ckpt.store.versions import committed_steps, version_dirname
+from ckpt.store.versions import version_dirname
 
 __all__ = ["Retention"]
 
@@ -46,20 +45,8 @@ def _tree_bytes(path: str) -> int:
 
 
 class Retention:
-    def __init__(
-        self,
-        tier: Tier,
-        root: str,
-        policy: Policy | None,
-        *,
-        peer_copies: int = 0,
-        peers_stopped: Callable[[], bool] = lambda: False,
-    ) -> None:
+    def __init__(self, tier: Tier, root: str, policy: Policy | None) -> None:
         self._tier, self._root, self._policy = tier, root, policy
-        # The newest version whose peer copies are verified, and every newer one, are kept:
-        # after a node's loss that one is complete on the survivors (its other parts are
-        # kept by the same rule on every root). Unless peer copying has stopped for good.
-        self._peer_copies, self._peers_stopped = peer_copies, peers_stopped
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-retention")
         self._lock = threading.Lock()
         self._queued: Future[None] | None = None
@@ -79,11 +66,7 @@ class Retention:
             if self._policy is not None:
                 # A replicator daemon on this root: keep what it has not copied yet, as `ckpt gc` does.
                 status = read_status(self._root)
-                redundant = None if status is None else redundant_steps(status)
-                if self._peer_copies and not self._peers_stopped():
-                    newest = max(verified_peer_steps(self._root, self._peer_copies), default=-1)
-                    peers = {s for s in committed_steps(self._tier) if s < newest}
-                    redundant = peers if redundant is None else redundant & peers
+                redundant = with_peer_rule(self._root, None if status is None else redundant_steps(status))
                 result = collect(self._tier, self._policy, redundant=redundant)
                 metrics.RETENTION_DELETED.inc(len(result.deleted))
                 if result.deleted:

@@ -20,6 +20,7 @@ from ckpt import _roots
 from ckpt._dist import Comm, destroy_comms, make_comms, subgroup
 from ckpt._job import SaveStats
 from ckpt._load import agreed_manifest, load_version
+from ckpt._peer_status import forget_peer_copies
 from ckpt._peers import PeerCopier, plan_peers
 from ckpt._preemption import PreemptionWatch
 from ckpt._retention import Retention
@@ -98,11 +99,6 @@ class Checkpointer:
         self.root, disks = _roots.choose_root(self._ctl, root)
         replication = _roots.replication_config(replication, replicate_to, storage_options, self.root, disks)
         policy = self.config.retention()
-        if self.config.peer_copies and replication is not None and (policy or replication.local_policy):
-            raise ValueError(
-                "peer_copies and a replicator's retention in one Checkpointer: its retention would not wait for "
-                "the peer copies; use MultiTier (a root with peer copies and keep_last, another with the replicator)"
-            )
         if policy is not None and replication is not None:
             if replication.local_policy is not None:
                 raise ValueError("give keep_last or the replicator's local_policy, not both")
@@ -130,13 +126,9 @@ class Checkpointer:
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
         self._saves = 0  # save() calls that staged a version: the full_every schedule counts them
-        copies = self.config.peer_copies
-        self._peers: PeerCopier | None = None  # set just below; retention asks whether it stopped
-        self._retention = (
-            Retention(self._tier, self.root, policy, peer_copies=copies, peers_stopped=self._peers_stopped)
-            if self._ctx.is_leader
-            else None
-        )
+        if self._ctx.is_leader and not self.config.peer_copies:
+            forget_peer_copies(self.root)  # an earlier job's peer copies hold nothing back on this root now
+        self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
         self._peer_comm, self._peers = self._open_peers()
         hooks = [h.committed for h in (self._retention, self._peers) if h is not None]
         self._saver = Saver(
@@ -149,9 +141,6 @@ class Checkpointer:
         )
         self._commit_hooks = hooks
         self._closed = False
-
-    def _peers_stopped(self) -> bool:
-        return self._peers is not None and self._peers.failed is not None
 
     def _committed(self, step: int) -> None:
         for hook in self._commit_hooks:

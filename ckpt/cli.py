@@ -449,9 +449,11 @@ def gc_cmd(
     versions), with milestones (--milestone-every K, --milestone STEP), or
     --all-but-milestones; it is printed first. Never deletes a version saved with
     milestone=True, the newest intact version, the newest intact full version (a full-state
-    restore needs it), a version it cannot read (exit 4), or (where a replicator runs) a
-    version whose copies are not verified yet.
+    restore needs it), a version it cannot read (exit 4), (where a replicator runs) a
+    version whose copies are not verified yet, or (where the job makes peer copies) the
+    newest version whose peer copies are verified and any newer one.
     """
+    from ckpt._peer_status import with_peer_rule
     from ckpt.replicator.gc import collect
     from ckpt.replicator.status import read_status, redundant_steps
 
@@ -474,7 +476,7 @@ def gc_cmd(
     result = collect(
         tier,
         policy,
-        redundant=None if status is None else redundant_steps(status),
+        redundant=None if local is None else with_peer_rule(local, None if status is None else redundant_steps(status)),
         dry_run=dry_run,
         abandon_after_s=abandoned_after if is_url(root) else None,
     )

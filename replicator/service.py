@@ -24,6 +24,7 @@ import os
 import threading
 import time
 
+from ckpt._peer_status import with_peer_rule
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.gc import collect, judge
 from ckpt.replicator.placement import Destination, claim_disk, disk_id, is_local_location, source_label
@@ -418,7 +419,8 @@ class Replicator:
         policy = self.config.local_policy
         status = self._status[source]
         if policy is not None:
-            result = collect(self._source_tiers[source], policy, redundant=redundant_steps(status))
+            redundant = with_peer_rule(source, redundant_steps(status))  # a job's peer copies may need more
+            result = collect(self._source_tiers[source], policy, redundant=redundant)
             for step in result.deleted:
                 status.versions.pop(step, None)
             self._gc_replicas(source, dests, policy)

@@ -1,5 +1,6 @@
-"""The rules of peer copies that need no job: where copies go, and that retention keeps a
-version until its peer copies are verified (the jobs: tests/e2e/test_peer_copies.py)."""
+"""The rules of peer copies that need no job: where copies go, and that every GC of a root
+(the Checkpointer's retention, a replicator's, `ckpt gc`) keeps the newest version whose
+peer copies are verified and every newer one (the jobs: tests/e2e/test_peer_copies.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from ckpt import Checkpointer
-from ckpt._peer_status import PEER_STATUS, verified_peer_steps
+from ckpt._peer_status import PEER_STATUS, record_peers_stopped, verified_peer_steps
 from ckpt._peers import plan_peers
 from ckpt._retention import Retention
+from ckpt.cli import main as ckpt_cli
+from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.policy import KeepLast
+from ckpt.replicator.service import Replicator
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed_steps
 
@@ -38,7 +43,7 @@ def _status(root: Path, verified: dict[int, str]) -> None:
 def _retained(root: Path, verified: dict[int, str]) -> list[int]:
     _status(root, verified)
     tier = open_tier(str(root))
-    retention = Retention(tier, str(root), KeepLast(1), peer_copies=1)
+    retention = Retention(tier, str(root), KeepLast(1))
     retention.committed(3)
     retention.close()
     return committed_steps(tier)
@@ -51,7 +56,7 @@ def test_retention_keeps_the_newest_version_a_node_loss_leaves_whole(tmp_path: P
     with Checkpointer(tmp_path) as ck:
         for step in (1, 2, 3):
             ck.save(step, {"w": torch.full((4,), float(step))})
-    assert verified_peer_steps(str(tmp_path), 1) == set()
+    assert verified_peer_steps(str(tmp_path)) == set()
     assert _retained(tmp_path, {1: "verified", 2: "failed"}) == [1, 2, 3]
     assert _retained(tmp_path, {1: "verified", 2: "verified"}) == [2, 3]
     assert _retained(tmp_path, {1: "verified", 2: "verified", 3: "verified"}) == [3]
@@ -66,3 +71,60 @@ def test_retention_without_peer_copies_deletes_by_the_policy(tmp_path: Path) -> 
     retention.committed(3)
     retention.close()
     assert committed_steps(tier) == [3]
+
+
+def _three_steps(root: Path) -> None:
+    with Checkpointer(root) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+
+
+def test_ckpt_gc_keeps_what_the_peer_copies_need(tmp_path: Path) -> None:
+    """`ckpt gc --keep-last 1` on a root whose newest verified peer copy is step 1 keeps 1-3
+    (before, only the Checkpointer's own retention knew the rule: gc deleted 1 and 2)."""
+    _three_steps(tmp_path)
+    _status(tmp_path, {1: "verified", 2: "failed"})
+    out = CliRunner().invoke(ckpt_cli, ["gc", str(tmp_path), "--keep-last", "1"])
+    assert out.exit_code == 0, out.output
+    assert committed_steps(open_tier(str(tmp_path))) == [1, 2, 3]
+    _status(tmp_path, {1: "verified", 2: "verified"})
+    out = CliRunner().invoke(ckpt_cli, ["gc", str(tmp_path), "--keep-last", "1"])
+    assert committed_steps(open_tier(str(tmp_path))) == [2, 3], out.output
+
+
+def test_a_replicators_local_retention_keeps_what_the_peer_copies_need(tmp_path: Path) -> None:
+    root, disk1 = tmp_path / "d0", tmp_path / "d1"
+    for d in (root, disk1):
+        d.mkdir()
+        (d / ".ckpt-disk").write_text(d.name)
+    _three_steps(root)
+    _status(root, {1: "verified"})
+    config = ReplicatorConfig(replicas=2, replica_roots=(str(disk1),), local_policy=KeepLast(1))
+    Replicator([str(root)], config).run_once()
+    assert committed_steps(open_tier(str(root))) == [1, 2, 3]
+    _status(root, {1: "verified", 3: "verified"})
+    Replicator([str(root)], config).run_once()
+    assert committed_steps(open_tier(str(root))) == [3]
+
+
+def test_a_stopped_copier_or_a_job_without_peers_lifts_the_rule(tmp_path: Path) -> None:
+    _three_steps(tmp_path)
+    _status(tmp_path, {1: "verified"})
+    record_peers_stopped(str(tmp_path), "RuntimeError: a peer stopped answering")
+    assert _retained_as_is(tmp_path) == [3]
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(tmp_path) as ck:  # no peer_copies: the old status holds nothing back
+        ck.save(4, state)
+    _status(tmp_path, {4: "failed"})
+    with Checkpointer(tmp_path, keep_last=1) as ck:
+        ck.save(5, state)
+    assert committed_steps(open_tier(str(tmp_path))) == [5]
+    assert not (tmp_path / PEER_STATUS).exists()
+
+
+def _retained_as_is(root: Path) -> list[int]:
+    tier = open_tier(str(root))
+    retention = Retention(tier, str(root), KeepLast(1))
+    retention.committed(3)
+    retention.close()
+    return committed_steps(tier)

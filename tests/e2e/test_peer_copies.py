@@ -83,9 +83,9 @@ def save_then_lose_node(ctx: Any, view: str, steps: list[int]) -> dict[str, Any]
     ck.wait()
     if ctx.rank % 2 == 0:  # each root's leader: until its last version's peer copy is verified
         mine, deadline = root.format(node=ctx.rank // 2), time.monotonic() + 60
-        while steps[-1] not in verified_peer_steps(mine, 1) and time.monotonic() < deadline:
+        while steps[-1] not in verified_peer_steps(mine) and time.monotonic() < deadline:
             time.sleep(0.05)
-        ctx.check(steps[-1] in verified_peer_steps(mine, 1), "the last peer copy was verified")
+        ctx.check(steps[-1] in verified_peer_steps(mine), "the last peer copy was verified")
     dist.barrier()
     if ctx.rank // 2 == 1:
         os.kill(os.getpid(), signal.SIGKILL)
