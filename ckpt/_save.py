@@ -99,6 +99,9 @@ class Saver:
         self.rank = ctl.rank
         self._pending: Future[SaveStats] | None = None
         self.stats: list[SaveStats] = []
+        # Steps the last restore found committed only in part (a lost node's): unrestorable,
+        # so a save of one replaces the surviving parts (as an overwrite: after its commit).
+        self.incomplete: frozenset[int] = frozenset()
         self._plans: list[ArrayPlan] = []
         self._exchange = Schedule((), ())
         self._mine: list[tuple[ArrayPlan, ChunkPlan]] = []  # the chunks this rank writes
@@ -152,7 +155,11 @@ class Saver:
                     if owned and can_defer(leaf.value, p.data, owned):
                         deferrable[leaf.name] = (leaf.key, leaf.value)
             rng = capture_rng() if self.config.capture_rng else None
-            if self._ctx.is_leader and step in committed_steps(self._tier):
+            if step in self.incomplete:
+                overwrite = True  # on every rank alike: the restore's listing was gathered
+                if self._ctx.is_leader and step in committed_steps(self._tier):
+                    log.warning("%s: step %d replaces this root's part of an incomplete version", self.root, step)
+            elif self._ctx.is_leader and step in committed_steps(self._tier):
                 if not overwrite:
                     raise VersionExistsError(f"step {step} is already committed under {self.root}; pass overwrite=True")
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below, then raises alike

@@ -272,7 +272,8 @@ class Checkpointer:
 
         A version some ranks' part of which is on no tier searched (a node replaced with
         empty disks, a root left out) is never silently skipped for a fresh start: an older
-        complete version is restored instead (with a warning naming the newer ones), and if
+        complete version is restored instead (with a warning naming the newer ones; the job's
+        next saves of those steps replace their surviving parts, after committing), and if
         there is none, IncompleteVersionError names the versions, the missing ranks' parts
         and where the ranks looked. `if_incomplete="fresh"` returns None then instead.
 
@@ -300,6 +301,7 @@ class Checkpointer:
             raise ValueError(f"if_incomplete must be 'raise' or 'fresh', not {if_incomplete!r}")
         self._saver.wait()
 
+        incomplete: set[int] = set()
         try:
             found = restore_newest(
                 self._ctl,
@@ -308,10 +310,12 @@ class Checkpointer:
                 step=step,
                 needs=self._needed_keys(state) if strict and step is None else None,
                 if_incomplete=if_incomplete,
+                incomplete=incomplete,
             )
         except CorruptVersionError:
             metrics.VERIFY_ERRORS.inc()
             raise
+        self._saver.incomplete = frozenset(incomplete)
         return None if found is None else found[0]
 
     def _search_tiers(self) -> list[Tier]:

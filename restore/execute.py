@@ -155,11 +155,6 @@ def _read_from(
 ) -> None:
     """Read what `reqs` need of one chunk (chunk-local `rows`) from one source."""
     verify = verify or src.always_verify
-    if chunk.inline is not None:
-        piece = _inline(array, chunk, verify)
-        for r in reqs:
-            _place(piece, chunk.offsets, r)
-        return
     where = f"{src.name}/{src.key(array, chunk)}"
     handle = open_chunk(src.tier, src.step, array, chunk)
     try:
@@ -295,6 +290,11 @@ def load_arrays(
     def read(p: ChunkRead) -> None:
         array, chunk = manifest.arrays[p.name], chunk_of[(p.name, p.index)]
         reqs = [requests[i] for i in p.requests]
+        if chunk.inline is not None:  # in the manifest: a rank whose node was replaced holds no tier of it
+            piece = _inline(array, chunk, verify=True)
+            for r in reqs:
+                _place(piece, chunk.offsets, r)
+            return
         from_first_good(sources, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify))
 
     _, failed = run_lanes(local, read, max(1, threads), name="ckpt-read")

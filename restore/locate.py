@@ -122,6 +122,7 @@ def restore_newest(
     missing_ok: bool = True,
     needs: frozenset[str] | AllKeys | None = None,
     if_incomplete: Literal["raise", "fresh"] = "raise",
+    incomplete: set[int] | None = None,
 ) -> tuple[int, T] | None:
     """load(the chosen version); (its step, what load returned). None when no version is
     committed anywhere and every tier could be read (with `missing_ok`; otherwise that is
@@ -133,7 +134,10 @@ def restore_newest(
 
     `if_incomplete`: when versions are committed but none is complete on the tiers searched,
     "raise" (IncompleteVersionError, naming them and the missing ranks' parts) or "fresh"
-    (None, as when nothing is committed)."""
+    (None, as when nothing is committed).
+
+    `incomplete`: filled with the steps newer than the one chosen that are committed only in
+    part on the tiers searched (the same on every rank)."""
     excluded: set[int] = set()
     passed: set[int] = set()  # versions already reported as passed over
     vanished: set[int] = set()  # deleted by GC since they were listed
@@ -200,7 +204,10 @@ def restore_newest(
                 if any(g for g, _ in checks):
                     vanished.add(chosen)
                     continue
-                return chosen, load(Located(chosen, save_id, sources))
+                loaded = load(Located(chosen, save_id, sources))
+                if incomplete is not None:
+                    incomplete.update(s for s in partial_steps(views) if s > chosen)
+                return chosen, loaded
         except CorruptVersionError as e:
             if step is not None:
                 raise

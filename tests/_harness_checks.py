@@ -6,7 +6,8 @@ checks themselves (`ckpt verify`, completeness of remote versions, bitwise compa
 of every version's tensors with what the job recorded). It starts no process.
 
 Tiers, by name: `root0`/`root1` (each rank's own root, on its node's disk0),
-`replica0`/`replica1` (the copies node k's replicator made on its disk1) and `remote`
+`replica0`/`replica1` (the copies node k's replicator made on its disk1), `peer0`/`peer1`
+(root k's part as the job's peer copies keep it on the other node's root) and `remote`
 (a `file://` directory shared by both nodes).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +23,10 @@ from typing import Any
 from click.testing import CliRunner
 
 from ckpt._dist import Comm
+from ckpt._peer_status import peer_dir
 from ckpt.cli import main as ckpt_cli
 from ckpt.replicator.placement import source_label
-from ckpt.restore.discover import choose_step, reachable_steps
+from ckpt.restore.discover import choose_step, partial_steps, reachable_steps
 from ckpt.restore.export import assemble
 from ckpt.restore.locate import Located, first_manifest, restore_newest
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
@@ -48,6 +51,14 @@ class Layout:
     def replica(self, k: int) -> str:
         return os.path.join(self.disk(k, 1), "replicas", source_label(self.root(k)))
 
+    def peer(self, k: int) -> str:
+        """Root k's peer copies, on the other node (root indices follow ranks: one root per rank)."""
+        return peer_dir(self.root(1 - k), k)
+
+    def node_tiers(self, k: int) -> list[str]:
+        """The tiers on node k's disks: a node's loss takes them all."""
+        return [f"root{k}", f"replica{k}", f"peer{1 - k}"]
+
     @property
     def remote_dir(self) -> str:
         return os.path.join(self.out, "remote")
@@ -64,17 +75,26 @@ class Layout:
         """Tier name -> its path or URL."""
         out = {f"root{k}": self.root(k) for k in range(WORLD)}
         out.update({f"replica{k}": self.replica(k) for k in range(WORLD)})
+        out.update({f"peer{k}": self.peer(k) for k in range(WORLD)})
         out["remote"] = self.remote_url
         return out
 
     def create(self) -> None:
         for k in range(WORLD):
-            for d in (0, 1):
-                os.makedirs(self.disk(k, d), exist_ok=True)
-                with open(os.path.join(self.disk(k, d), ".ckpt-disk"), "w") as f:
-                    f.write(f"node{k}-disk{d}")  # two disks per node: copies must not share one
-            os.makedirs(self.root(k), exist_ok=True)
+            self.create_node(k)
         os.makedirs(self.journal, exist_ok=True)
+
+    def create_node(self, k: int) -> None:
+        for d in (0, 1):
+            os.makedirs(self.disk(k, d), exist_ok=True)
+            with open(os.path.join(self.disk(k, d), ".ckpt-disk"), "w") as f:
+                f.write(f"node{k}-disk{d}")  # two disks per node: copies must not share one
+        os.makedirs(self.root(k), exist_ok=True)
+
+    def replace_node(self, k: int) -> None:
+        """Node k is lost and replaced: its disks come back empty."""
+        shutil.rmtree(os.path.join(self.out, f"node{k}"))
+        self.create_node(k)
 
 
 def candidates(location: str) -> list[Candidate]:
@@ -93,13 +113,18 @@ def snapshot(layout: Layout) -> Snapshot:
 @dataclass(frozen=True)
 class Retention:
     """What may delete a version of a tier: keep the newest `keep_last` (by step) plus, if
-    `milestone_every` is set, every multiple of it and every tagged step."""
+    `milestone_every` is set, every multiple of it and every tagged step (or, with
+    `keep_tagged`, every tagged step)."""
 
     keep_last: int
     milestone_every: int | None = None
+    keep_tagged: bool = False
+    """Every tagged step is kept even without `milestone_every` (the job's own retention)."""
 
     def may_delete(self, step: int, known: Iterable[int], tagged: set[int]) -> bool:
-        if self.milestone_every is not None and (step % self.milestone_every == 0 or step in tagged):
+        if self.milestone_every is not None and step % self.milestone_every == 0:
+            return False
+        if (self.milestone_every is not None or self.keep_tagged) and step in tagged:
             return False
         return sum(1 for s in set(known) if s > step) >= self.keep_last
 
@@ -214,13 +239,23 @@ def remote_problems(remote_dir: str) -> tuple[int, list[str]]:
     return listed, problems
 
 
-def expected_restore(layout: Layout) -> int | None:
-    """The step a restart must restore at least: the newest one every rank can reach from
-    its tiers (its root, its node's replica copies, the remote)."""
+def _views(layout: Layout) -> list[list[Candidate]]:
+    """What each rank's restore lists: its root, its node's replica copies and the peer
+    copies its root holds, the remote."""
     views = []
     for k in range(WORLD):
-        views.append([c for loc in (layout.root(k), layout.replica(k), layout.remote_url) for c in candidates(loc)])
-    return choose_step(views)
+        locs = (layout.root(k), layout.replica(k), layout.peer(1 - k), layout.remote_url)
+        views.append([c for loc in locs for c in candidates(loc)])
+    return views
+
+
+def expected_restore(layout: Layout) -> tuple[int | None, set[int]]:
+    """The step a restart must restore at least (the newest one the ranks together can
+    reach), and the newer steps committed only in part (a lost node's part): the job's next
+    saves of those may replace what is left of them."""
+    views = _views(layout)
+    chosen = choose_step(views)
+    return chosen, {s for s in partial_steps(views) if chosen is None or s > chosen}
 
 
 def groups(layout: Layout) -> dict[str, list[str]]:
@@ -228,6 +263,7 @@ def groups(layout: Layout) -> dict[str, list[str]]:
     return {
         "local": [layout.root(k) for k in range(WORLD)],
         "replicas": [layout.replica(k) for k in range(WORLD)],
+        "peers": [layout.peer(k) for k in range(WORLD)],
         "remote": [layout.remote_url],
     }
 

@@ -123,6 +123,9 @@ def main(spec: dict[str, Any]) -> int:
         capture_rng=False,
         timeout=timedelta(seconds=spec["timeout_s"]),
         deferred_staging=spec["inc"] % 2 == 1,
+        peer_copies=1,  # each root's part also on the other node: a node's loss (kind "node") needs no remote
+        keep_last=spec["keep_last"],  # prunes the peer copies (and the root, beside its daemon)
+        peer_drain_timeout_s=spec["timeout_s"],
     ) as ck:
         marks.append(("open", time.monotonic()))
         start = ck.restore(state)

@@ -8,8 +8,10 @@ forkserver that has imported torch and ckpt, because a fresh interpreter takes 3
 to import them on a small busy machine; a SIGKILL still kills one real process):
 - the training job: 2 ranks over gloo (MASTER_ADDR/MASTER_PORT), each with its own root
   on its own simulated node (`DIR/node<k>/disk0/ckpt`; the ranks share no checkpoint
-  directory), saving every step, asynchronously; each rank journals (fsynced, before
-  saving) the xxh3 of every tensor it saves (tests/_harness_worker.py);
+  directory), saving every step, asynchronously, with `peer_copies=1` (each root's part
+  of every version also on the other node's root) and `keep_last` (which prunes the
+  peer copies); each rank journals (fsynced, before saving) the xxh3 of every tensor it
+  saves (tests/_harness_worker.py);
 - one replicator daemon per node, the `ckpt replicate` command (`ckpt replicate ROOT
   --replicas 2 --replica-root DIR/node<k>/disk1 --to file://DIR/remote --keep-last 3
   --remote-keep-last 4 --milestone-every 10 --abandoned-after 60`): copies to the node's second disk and to
@@ -27,13 +29,19 @@ SIGKILLs one of, in a shuffled rotation:
   store/faults.py, to land inside a deletion: `CKPT_FAULT=gc-mid-delete` (the version
   is unpublished, its files not yet deleted) or `gc-delete` (decided, before the deletion). The third is a SIGKILL at a random moment
   of a typical run. The figures say which, and whether the run was killed at all (a
-  fault point is not reached when there is nothing to delete).
+  fault point is not reached when there is nothing to delete);
+- `node`: a node's loss: its rank and its replicator daemon, then its disks are replaced
+  by empty ones (its root, its replica copies and the peer copies it held for the other
+  node are gone); the next incarnation restores from what the other node and the remote
+  hold.
 The job is then stopped (gracefully where it was not killed), the daemons too (SIGTERM:
 they must exit 0), so the tiers hold still, and the invariants are checked:
-1. the restore of the round that follows returns at least the newest version every rank
-   can reach, and its tensors are bitwise what the job recorded for that step;
+1. the restore of the round that follows returns at least the newest version the ranks
+   together can reach (roots, replica copies, peer copies, the remote), and its tensors
+   are bitwise what the job recorded for that step;
 2. no committed version disappeared from a tier unless the retention in force (the
-   daemon's, or the tighter `ckpt gc` one in a gc round) allowed its deletion, judged
+   daemon's, the job's, or the tighter `ckpt gc` one in a gc round) allowed its deletion
+   (or its node was lost), judged
    from every version known on that tier (listings taken before each kill and at each
    check, a monitor thread's listings, and the job's journal);
 3. every version listed as committed passes `ckpt verify` (local roots, replica copies;
@@ -87,7 +95,7 @@ from tests._harness_checks import (
     verify,
 )
 
-KINDS = ("rank", "all-ranks", "daemon", "gc")
+KINDS = ("rank", "all-ranks", "daemon", "gc", "node")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,6 +242,7 @@ class Harness:
         self.checked: set[tuple[str, int, str]] = set()
         self.verified_remote: set[tuple[int, str]] = set()
         self.gc_durations: list[float] = []
+        self.replaceable: set[int] = set()  # steps left incomplete (a lost node's part): re-saved anew
         self._lock = threading.Lock()
         self._stop_monitor = threading.Event()
 
@@ -273,6 +282,7 @@ class Harness:
             "ready_prefix": os.path.join(run, f"ready.{self.inc}"),
             "tag_every": self.c.tag_every,
             "step_sleep_s": self.c.step_sleep_s,
+            "keep_last": self.c.keep_last,
             "timeout_s": 30,
         }
         port = str(_free_port())
@@ -356,6 +366,29 @@ class Harness:
             self.daemons[k] = None
         self.fig.detail(f"daemon: {'both nodes' if len(victims) == 2 else 'one node'}")
         return victims
+
+    def kill_node(self) -> int:
+        """A node's rank and daemon (the other rank fails in its next collective); its disks
+        are replaced once the checks of what came before have run (lose_node)."""
+        k = self.rng.randrange(WORLD)
+        p = self.daemons[k]
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        self.daemons[k] = None
+        self.kill_ranks([k])
+        return k
+
+    def lose_node(self, k: int) -> None:
+        """Node k's disks come back empty: what its tiers held is gone, by no policy's doing."""
+        with self._listing:
+            self.layout.replace_node(k)
+            for tier in self.layout.node_tiers(k):
+                self.last[tier] = {}
+                self.judged_known[tier] = set()
+                self.gone[tier] = set()
+                self.known[tier] = set()
+        self.fig.detail(f"node: node {k}")
 
     def kill_gc(self) -> str:
         """Start `ckpt gc` on a tier, let it be killed; returns the tier it ran on."""
@@ -451,6 +484,8 @@ class Harness:
             return Retention(keep, self.c.milestone_every)
         if tier == gc_tier:
             return Retention(self.c.gc_keep_last)
+        if tier.startswith("peer"):  # only the job's retention prunes peer copies: it keeps tagged steps
+            return Retention(self.c.keep_last, keep_tagged=True)
         return Retention(self.c.keep_last)
 
     def check_deletions(self, gc_tier: str | None, *, quiet: bool = False) -> Snapshot:
@@ -499,6 +534,9 @@ class Harness:
                         self.lose(f"{tier} step {step}: gone, but it is among the newest {keep} versions listed there")
             for step, save_id in self.last.get(tier, {}).items():
                 if step in now[tier] and now[tier][step] != save_id:
+                    if step in self.replaceable:
+                        self.fig.note("a version a node's loss left incomplete was replaced by a new save of its step")
+                        continue
                     self.lose(f"{tier} step {step}: replaced by another save ({save_id} -> {now[tier][step]})")
         self.last = now
         return now
@@ -624,6 +662,7 @@ class Harness:
             t = self.fig.timed("run", t)
             self.check_deletions(None)  # the listing before the kill
             gc_tier = None
+            lost: int | None = None
             if kind == "rank":
                 self.kill_ranks([self.rng.randrange(WORLD)])
             elif kind == "all-ranks":
@@ -631,6 +670,8 @@ class Harness:
             elif kind == "daemon":
                 self.kill_daemons()
                 self.stop_trainers()
+            elif kind == "node":
+                lost = self.kill_node()
             else:
                 gc_tier = self.kill_gc()
                 self.stop_trainers()
@@ -638,8 +679,10 @@ class Harness:
             t = self.fig.timed(f"kill and stop: {kind}", t)
             self.stop_daemons()  # the tiers hold still while they are checked
             self.check_deletions(gc_tier, quiet=True)
+            if lost is not None:
+                self.lose_node(lost)
             self.check_tiers()
-            expected = expected_restore(self.layout)
+            expected, self.replaceable = expected_restore(self.layout)
             t = self.fig.timed("check", t)
             resumed = self.journals.restored.get((self.inc, 0), {}).get("step")
             print(
@@ -654,8 +697,20 @@ class Harness:
         else:
             if self.wait_ready():
                 self.check_restore(expected)
+                self.run_on(self.c.remote_keep_last + 2)
             self.stop_trainers()
         self.finish()
+
+    def run_on(self, steps: int) -> None:
+        """Let the last incarnation commit `steps` more steps: after a node's loss, the
+        versions it left incomplete wait for that node's part on the remote until the
+        remote holds enough newer ones to expire them (then retention takes them)."""
+        self.journals.refresh()
+        start = max(self.journals.committed, default=0)
+        deadline = time.monotonic() + self.c.timeout_s
+        while max(self.journals.committed, default=0) < start + steps and time.monotonic() < deadline:
+            time.sleep(0.1)
+            self.journals.refresh()
 
     def stop_daemons(self) -> None:
         """SIGTERM: each daemon finishes its pass (a copy in flight is abandoned) and exits 0.

@@ -45,6 +45,9 @@ def _state(rank: int, step: int, world: int = 4) -> dict[str, Any]:
         "w": ckpt.Shard(w[rows * rank : rows * (rank + 1)].clone(), (64, 6), (rows * rank, 0)),
         "own": ckpt.Shard(own[n * rank : n * (rank + 1)].clone(), (4000,), (n * rank,)),
         "step": step,
+        # one element, the same on every rank: stored inline in the manifest (as an optimizer's
+        # step count is), which a rank whose node was replaced holds no tier of
+        "scale": torch.tensor(0.5 * step),
     }
 
 
@@ -131,7 +134,25 @@ def restore_job(ctx: Any, view: str) -> dict[str, Any]:
             return {"error": str(e)}
     want = _state(ctx.rank, got if got is not None else 0, ctx.world)
     same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in ("w", "own"))
+    same = same and torch.equal(state["scale"], want["scale"])
     return {"step": got, "bitwise": bool(same) and state["step"] == got}
+
+
+def resume_and_save_again(ctx: Any, view: str) -> dict[str, Any]:
+    """Restore past an incomplete newest version, save its step anew, restore that."""
+    import ckpt
+
+    root = _view(ctx, view)
+    state = _state(ctx.rank, 0, ctx.world)
+    with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
+        resumed = ck.restore(state)
+        ck.save(6, _state(ctx.rank, 60))  # step 6 again, with other values
+    fresh = _state(ctx.rank, 0, ctx.world)
+    with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
+        again = ck.restore(fresh)
+    want = _state(ctx.rank, 60)
+    same = all(torch.equal(fresh[k].local_tensor, want[k].local_tensor) for k in ("w", "own"))
+    return {"resumed": resumed, "again": again, "bitwise": bool(same) and torch.equal(fresh["scale"], want["scale"])}
 
 
 def _versions(path: Path) -> list[str]:
@@ -199,6 +220,29 @@ def test_a_killed_node_restores_on_four_ranks_and_on_two(tmp_path: Path) -> None
     results, failures = launch(THIS, "restore_job", 2, tmp_path / "job3", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(6, True)] * 2, results
+
+
+def test_a_version_left_incomplete_by_a_node_loss_is_replaced_by_the_next_save_of_its_step(tmp_path: Path) -> None:
+    """Step 6's peer copy of node 1's part never arrived, and node 1 is lost: the job resumes
+    from step 3 and saves step 6 again, which replaces node 0's surviving part of the old
+    step 6 (before: VersionExistsError on node 0's root, and the job could not go on)."""
+    nodes = _nodes(tmp_path)
+    _, failures = launch(
+        THIS,
+        "save_then_lose_node",
+        4,
+        tmp_path / "job",
+        isolate=nodes,
+        killed=frozenset({2, 3}),
+        view=str(nodes.view),
+        steps=[3, 6],
+    )
+    assert not failures, failures
+    shutil.rmtree(Path(peer_dir(str(nodes.disks / "node0"), 1)) / "v000000000006")
+    _wipe(nodes.disks / "node1")
+    results, failures = launch(THIS, "resume_and_save_again", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert [(r["resumed"], r["again"], r["bitwise"]) for r in results] == [(3, 6, True)] * 4, results
 
 
 def test_both_copies_of_a_part_lost_is_an_error_not_a_partial_state(tmp_path: Path) -> None:
