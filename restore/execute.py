@@ -9,7 +9,8 @@ read straight into it.
 
 A chunk is read from the first source that holds a good copy (restore.sources). A chunk
 that no source of this rank holds (ranks do not share filesystems) is read by a rank that
-holds it and broadcast block by block over the checkpointer's gloo group.
+holds it and sent point to point to the ranks that need it, over the checkpointer's gloo
+group.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +40,7 @@ from ckpt.store.tier import ReadHandle
 __all__ = ["ReadRequest", "load_arrays", "full_tensor", "Comm"]
 
 log = logging.getLogger("ckpt")
+SEND_ROUND_BYTES = 256 << 20  # chunks sent to ranks that cannot reach them, per round (memory bound)
 
 
 class Comm(Protocol):
@@ -48,7 +50,9 @@ class Comm(Protocol):
     world: int
 
     def all_gather(self, obj: Any) -> list[Any]: ...
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None: ...
+    def exchange(
+        self, sends: Sequence[tuple[int, int, torch.Tensor]], recvs: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -246,35 +250,29 @@ def load_arrays(
     remote = sorted(k for k, c in chunk_of.items() if c.inline is None and c.writer not in reach)
     views = comm.all_gather((remote, sorted(reach)))
     by_key = {(p.name, p.index): p for p in plan}
-    # Chunks some rank cannot reach: one holder reads, everyone joins the same broadcasts in one order.
-    for name, index in sorted({(n, tuple(i)) for needs, _ in views for n, i in needs}):
+    wanted: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    for r, (needs, _) in enumerate(views):
+        for n, i in needs:
+            wanted.setdefault((n, tuple(i)), []).append(r)
+    # Chunks some rank cannot reach (a node replaced with empty disks): one rank that reaches
+    # each (taking turns among them) reads it once, verified, and sends it point to point to
+    # the ranks that need it; in rounds of bounded bytes, in one order on every rank.
+    batch: list[tuple[int, str, tuple[int, ...]]] = []
+    held = 0
+    for pos, (name, index) in enumerate(sorted(wanted)):
         array = manifest.arrays[name]
         chunk = array.chunk_at(index)
         holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]
         if not holders:
             error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
             continue
-        mine = [requests[i] for i in by_key[(name, index)].requests] if (name, index) in by_key else []
-        for i, block in enumerate(blocks(array, chunk)):  # its geometry: the holder knows the digests
-            buf = torch.zeros(block.nbytes, dtype=torch.uint8)  # bounded: the manifest caps block sizes
-            if comm.rank == holders[0]:
-                try:
-                    from_first_good(
-                        sources,
-                        manifest,
-                        array,
-                        chunk,
-                        functools.partial(_one_block, array=array, i=i, out=buf, verify=verify),
-                    )
-                except Exception as e:  # noqa: BLE001 - every rank must still join the broadcast
-                    error = error or e
-            comm.broadcast_tensor(buf, holders[0])
-            try:
-                piece = _typed(buf, array, block.rows[1] - block.rows[0])
-                for r in mine:
-                    _place(piece, _origin(chunk, block.rows[0]), r)
-            except Exception as e:  # noqa: BLE001 - every rank must still join the next broadcast
-                error = error or e
+        batch.append((holders[pos % len(holders)], name, index))
+        held += chunk.nbytes
+        if held >= SEND_ROUND_BYTES:
+            error = _send_round(comm, sources, manifest, requests, by_key, wanted, batch, verify) or error
+            batch, held = [], 0
+    if batch:
+        error = _send_round(comm, sources, manifest, requests, by_key, wanted, batch, verify) or error
     remote_set = set(remote)
     local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set]
     local.sort(key=lambda p: -chunk_of[(p.name, p.index)].nbytes)  # largest first: no lone big read at the end
@@ -302,6 +300,58 @@ def load_arrays(
         error = failed[0][1]  # the first in reading order
     if error is not None:
         raise error
+
+
+def _send_round(
+    comm: Comm,
+    sources: Sequence[Source],
+    manifest: Manifest,
+    requests: Sequence[ReadRequest],
+    by_key: Mapping[tuple[str, tuple[int, ...]], ChunkRead],
+    wanted: Mapping[tuple[str, tuple[int, ...]], Sequence[int]],
+    batch: Sequence[tuple[int, str, tuple[int, ...]]],
+    verify: bool,
+) -> BaseException | None:
+    """One round of chunks sent by their holders to the ranks that cannot reach them; this
+    rank's first failure (a holder that cannot read a chunk still sends, zeros, so no rank
+    waits: the caller's agreement fails the version on every rank)."""
+    error: BaseException | None = None
+    sends: list[tuple[int, int, torch.Tensor]] = []
+    recvs: list[tuple[int, int, torch.Tensor, str, tuple[int, ...]]] = []
+    for tag, (holder, name, index) in enumerate(batch):
+        array = manifest.arrays[name]
+        chunk = array.chunk_at(index)
+        size = sum(b.nbytes for b in blocks(array, chunk))
+        if comm.rank == holder:
+            buf = torch.zeros(size, dtype=torch.uint8)
+            for i, block in enumerate(blocks(array, chunk)):
+                out = buf[block.offset : block.offset + block.nbytes]
+                try:
+                    from_first_good(
+                        sources,
+                        manifest,
+                        array,
+                        chunk,
+                        functools.partial(_one_block, array=array, i=i, out=out, verify=verify),
+                    )
+                except Exception as e:  # noqa: BLE001 - the ranks waiting for it still get their bytes
+                    error = error or e
+            sends += [(r, tag, buf) for r in wanted[(name, index)]]
+        elif comm.rank in wanted[(name, index)]:
+            recvs.append((holder, tag, torch.empty(size, dtype=torch.uint8), name, index))
+    comm.exchange(sends, [(peer, tag, buf) for peer, tag, buf, _, _ in recvs])
+    for _, _, buf, name, index in recvs:
+        array = manifest.arrays[name]
+        chunk = array.chunk_at(index)
+        mine = [requests[i] for i in by_key[(name, index)].requests]
+        try:
+            for block in blocks(array, chunk):
+                piece = _typed(buf[block.offset : block.offset + block.nbytes], array, block.rows[1] - block.rows[0])
+                for r in mine:
+                    _place(piece, _origin(chunk, block.rows[0]), r)
+        except Exception as e:  # noqa: BLE001 - raised after the round, as the caller does
+            error = error or e
+    return error
 
 
 def _one_block(src: Source, chunk: ChunkEntry, array: ArrayEntry, i: int, out: torch.Tensor, verify: bool) -> None:
