@@ -7,9 +7,12 @@
    replicator running in the trainer (copies across the disks, upload to the remote),
    and one rank is SIGKILLed mid-run.
 3. The job restarts on 3 ranks from the newest intact version, resharded, and finishes.
-4. The losses of 2+3 must equal the reference's bit for bit: the global batch is the
-   same 12 samples whatever the world size, and per-sample gradients are summed in one
-   fixed order, so the arithmetic does not depend on how many ranks share the work.
+4. A node's loss, without the remote: 4 ranks on 2 simulated nodes (a root per node,
+   `peer_copies=1`) train; node 1's ranks are SIGKILLed and its disk is replaced by an
+   empty one; 4 ranks restart and restore from the peer copies node 0 holds.
+5. The losses of 2+3, and of 4, must equal the reference's bit for bit: the global batch
+   is the same 12 samples whatever the world size, and per-sample gradients are summed in
+   one fixed order, so the arithmetic does not depend on how many ranks share the work.
 
 Prints a summary table and writes a PNG with the loss curves and a timeline of the saves.
 The remote is a local file:// directory by default; --moto starts a loopback S3 server.
@@ -20,12 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +91,14 @@ def _worker(args: argparse.Namespace) -> None:
     ck = None
     report: dict[str, Any] = {"rank": rank, "world": world, "losses": {}, "saves": []}
     if args.ckpt:
-        roots = [os.path.join(args.work, "disk0", "ckpt"), os.path.join(args.work, "disk1", "ckpt")]
-        opts = json.loads(args.storage_options) if args.storage_options else None
         # Deferred staging: the optimizer is in the state, so save() returns before copying
         # the parameters and moments, and opt.step() waits for that copy.
-        ck = Checkpointer(roots, replicate_to=args.remote, storage_options=opts, deferred_staging=True)
+        if args.nodes:  # a root per node; each node's part also on the other node, sent over the group
+            ck = Checkpointer(os.path.join(args.work, "nodes", "node{node}"), peer_copies=1, deferred_staging=True)
+        else:
+            roots = [os.path.join(args.work, "disk0", "ckpt"), os.path.join(args.work, "disk1", "ckpt")]
+            opts = json.loads(args.storage_options) if args.storage_options else None
+            ck = Checkpointer(roots, replicate_to=args.remote, storage_options=opts, deferred_staging=True)
         t0 = time.perf_counter()
         resumed = ck.restore(state)
         report["restore_s"] = time.perf_counter() - t0
@@ -180,14 +188,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(world: int, out: str, extra: list[str], kill_rank_at: tuple[int, int] | None = None) -> list[int]:
-    """Start `world` rank processes; optionally SIGKILL one when it reaches a step. Returns exit codes."""
+def _launch(
+    world: int,
+    out: str,
+    extra: list[str],
+    kill_rank_at: tuple[int, int] | None = None,
+    per_node: int | None = None,
+    kill_once: Callable[[], bool] = lambda: True,
+) -> list[int]:
+    """Start `world` rank processes (`per_node` to a simulated node; default: one node);
+    optionally SIGKILL one when it reaches a step (and `kill_once()` holds), with the other
+    ranks of its node. Returns exit codes."""
+    per_node = per_node or world
     os.makedirs(out, exist_ok=True)
     port = _free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+        env.update(LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1")
         log = open(os.path.join(out, f"rank{rank}.log"), "wb")
         cmd = [sys.executable, "-m", "ckpt.demo", "--worker", "--out", out, *extra]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -196,9 +214,15 @@ def _launch(world: int, out: str, extra: list[str], kill_rank_at: tuple[int, int
             victim, at = kill_rank_at
             while procs[victim].poll() is None:
                 reached = read_progress(out, victim)
-                if reached is not None and reached >= at:
-                    procs[victim].send_signal(signal.SIGKILL)
-                    print(f"  SIGKILL rank {victim} at step {at}")
+                if reached is not None and reached >= at and kill_once():
+                    node = (
+                        [r for r in range(world) if r // per_node == victim // per_node]
+                        if per_node < world
+                        else [victim]
+                    )
+                    for r in node:
+                        procs[r].send_signal(signal.SIGKILL)
+                    print(f"  SIGKILL rank{'s' if len(node) > 1 else ''} {', '.join(map(str, node))} at step {at}")
                     break
                 time.sleep(0.01)
             deadline = time.monotonic() + 60
@@ -252,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--storage-options", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--nodes", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         _worker(args)
         return 0
+    from ckpt._peer_status import verified_peer_steps
+
     work = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="ckpt-demo-"))
     for d in ("disk0", "disk1"):
         os.makedirs(os.path.join(work, d), exist_ok=True)
@@ -276,6 +303,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  exit codes {codes}")
         print("3) restart on 3 ranks from the newest intact version (resharded)")
         _launch(3, os.path.join(work, "resumed"), run)
+        print("4) 4 ranks on 2 nodes with peer copies, no remote; node 1 dies and comes back with an empty disk")
+        nodes = [*common, "--ckpt", "--nodes"]
+        node0 = os.path.join(work, "nodes", "node0")
+        codes = _launch(
+            4,
+            os.path.join(work, "node-lost"),
+            nodes,
+            kill_rank_at=(2, args.kill_at),
+            per_node=2,
+            kill_once=lambda: bool(verified_peer_steps(node0)),  # a node lost before any copy: an error, not this demo
+        )
+        print(f"  exit codes {codes}")
+        shutil.rmtree(os.path.join(work, "nodes", "node1"))
+        os.makedirs(os.path.join(work, "nodes", "node1"))
+        print("  node 1's disk replaced by an empty one; restart on 4 ranks")
+        _launch(4, os.path.join(work, "node-back"), nodes, per_node=2)
         return _summarize(work, remote, options, args)
     finally:
         if moto is not None:
@@ -299,6 +342,14 @@ def _summarize(work: str, remote: str, options: dict[str, Any], args: argparse.N
     ref_losses = {int(k): v for k, v in ref["losses"].items()}
     got = {int(k): v for k, v in resumed[0]["losses"].items()}
     exact = all(got[s] == ref_losses[s] for s in got) and len(got) == args.steps - (start or 0)
+    back = [load("node-back", r) for r in range(4)]
+    node_start = back[0]["resumed_from"]
+    node_got = {int(k): v for k, v in back[0]["losses"].items()}
+    node_exact = (
+        node_start is not None
+        and all(node_got[s] == ref_losses[s] for s in node_got)
+        and len(node_got) == args.steps - node_start
+    )
     saves = [s for r in resumed for s in r["saves"] if r["rank"] == 0]
     stats = resumed[0].get("stats", [])
     status = read_status(os.path.join(work, "disk0", "ckpt"))
@@ -317,14 +368,18 @@ def _summarize(work: str, remote: str, options: dict[str, Any], args: argparse.N
         ("bytes on disk0 / disk1", f"{_du(os.path.join(work, 'disk0')):,} / {_du(os.path.join(work, 'disk1')):,}"),
         ("bytes on the remote", f"{_du(remote[len('file://') :]):,}" if remote.startswith("file://") else "(s3)"),
         ("losses identical to the uninterrupted run", "yes, bit for bit" if exact else "NO"),
+        ("node loss (no remote): resumed from step, from peer copies", str(node_start)),
+        ("node loss: restore time (4 ranks)", f"{max(r['restore_s'] for r in back):.2f} s"),
+        ("node loss: losses identical to the uninterrupted run", "yes, bit for bit" if node_exact else "NO"),
     ]
     for r in rows:
         table.add_row(*r)
     Console().print(table)
     _plot(work, ref_losses, load("killed", 0), resumed[0], start)
     print(f"plot: {os.path.join(work, 'demo.png')}; checkpoints: ckpt ls {os.path.join(work, 'disk0', 'ckpt')}")
-    print("RESULT:", "the resumed run is bit-exact" if exact else "MISMATCH")
-    return 0 if exact else 1
+    ok = exact and node_exact
+    print("RESULT:", "the resumed runs are bit-exact" if ok else "MISMATCH")
+    return 0 if ok else 1
 
 
 def _median(xs: list[float]) -> float:
