@@ -1,0 +1,299 @@
+"""ckpt for PyTorch Lightning: one callback saves the whole training state and resumes it.
+
+    trainer = L.Trainer(..., callbacks=[CkptCallback("/nvme/ckpt/run1", every_n_steps=100)])
+    trainer.fit(model)  # resumes from the newest intact version under the root, if any
+
+What is saved is Lightning's own checkpoint, the dict `Trainer.save_checkpoint` would
+write (`_CheckpointConnector.dump_checkpoint()`: the module's state dict, optimizers, LR
+schedulers, the precision plugin, loop progress, callback states, the datamodule's state,
+hyperparameters and whatever `on_save_checkpoint` hooks add), under the single top-level
+key "lightning" of a ckpt version, with the RNG of every rank (ckpt captures it). Nothing
+is pickled: a value that is not a tensor, NumPy array, dict, list, tuple or JSON scalar
+raises `UnsupportedStateError` naming its place in the checkpoint. NumPy scalars become
+Python scalars.
+
+The data position is the loop's own: Lightning stores the `state_dict()` of every train
+loader that has one (torchdata's `StatefulDataLoader`) with its fit loop, so a run
+restored mid-epoch goes on at the very next batch. A plain `DataLoader` has none, and a
+resumed run would start that epoch's data over (Lightning warns then, and so does this
+callback when it saves). Give the StatefulDataLoader `shuffle=True` but no `generator=`
+(its RandomSampler then seeds a generator of its own, whose state the loader saves): a
+loader's generator also draws the loader's base seed, which the saved state misses, so a
+resumed run would draw another order from the next epoch on. For a seeded order pass
+`sampler=torchdata.stateful_dataloader.sampler.RandomSampler(ds, generator=g)`.
+
+Restoring happens in `on_fit_start`, where Lightning restores `fit(ckpt_path=...)`'s
+training state: after the strategy set up the model and the optimizers, before the train
+loader is built. It goes through Lightning's own restore functions (model, datamodule,
+callbacks, loops, optimizers, schedulers, precision plugin), and the newest ckpt version
+takes precedence over a `ckpt_path`. The RNG state restored with the version is set again
+in `on_train_start`, after the loader was built (building it may draw from the global RNG,
+as `DataLoader.__iter__` does), so the first batch after the restore draws what the
+uninterrupted run drew.
+
+Saving happens in `on_train_batch_end` right after an optimizer step, once `global_step`
+has reached a multiple of `every_n_steps`; the version's step is `global_step`. A save due
+on a batch after which the epoch ends or validation runs waits for the next optimizer
+step: Lightning resumes a loop saved there by skipping that validation, or (at an epoch's
+end) by running one more epoch without data, since the loader's restored iterator is
+exhausted. The Checkpointer is opened in `on_fit_start` (on every rank: it is collective)
+and closed at the end of fit, which waits for the last save; on an exception it is closed
+too, and an error of the pending save is logged rather than raised over the exception.
+
+Strategies: single-device and DDP (`SingleDeviceStrategy`, `DDPStrategy`), whose module and
+optimizer states are whole tensors, alike on every rank: ckpt writes each once (a tensor
+elsewhere in the checkpoint is taken to be alike on every rank too, as Lightning, which
+saves rank 0's checkpoint, takes it; other values are saved and restored per rank). Under
+DDP, give the StatefulDataLoader a `ckpt.DistributedSampler`: the DistributedSampler
+Lightning puts in keeps no state, and the loader's restored iterator is built before
+Lightning sets the sampler's epoch. Other strategies (FSDP, DeepSpeed, ModelParallel)
+are refused in `setup`; for FSDP, save through DCP with `ckpt.dcp`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+
+from ckpt._roots import RootSpec
+from ckpt.checkpointer import Checkpointer
+from ckpt.rng import capture_rng, restore_rng
+from ckpt.store.errors import UnsupportedStateError
+
+__all__ = ["CkptCallback", "KEY"]
+
+log = logging.getLogger("ckpt")
+
+KEY = "lightning"
+"""The top-level key of a ckpt version under which the Lightning checkpoint is saved."""
+
+_KEY_TYPES = (str, int, bool, type(None))
+
+
+class CkptCallback(Callback):
+    """Save the whole Lightning training state with ckpt every `every_n_steps` optimizer
+    steps, and restore the newest intact version at the start of `fit`.
+
+    `root` and `checkpointer_options` go to `ckpt.Checkpointer` (`keep_last=3`,
+    `replicate_to="s3://..."`, `tiers=[...]`, ...). After `fit` started, `checkpointer`
+    is the open Checkpointer and `restored_step` the step restored (None: a fresh start).
+    """
+
+    def __init__(self, root: RootSpec, *, every_n_steps: int, **checkpointer_options: Any) -> None:
+        super().__init__()
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be a positive int, not {every_n_steps!r}")
+        self.root = root
+        self.every_n_steps = every_n_steps
+        self.checkpointer_options = dict(checkpointer_options)
+        self.checkpointer: Checkpointer | None = None
+        self.restored_step: int | None = None
+        self._last_saved: int | None = None  # the global_step of the last save (or the restore)
+        self._seen_step = 0  # global_step at the last on_train_batch_end
+        self._due = False  # a save is due (every_n_steps passed since the last one)
+        self._postponed = 0  # steps the due save has waited (the batch ended an epoch or validated)
+        self._rng_after_restore: dict[str, Any] | None = None
+        self._warned_loader = False
+
+    # -- the hooks, in the order fit calls them --------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        # DeepSpeed derives from DDPStrategy; it and FSDP restore only after their own setup.
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.restore_checkpoint_after_setup:
+            raise TypeError(
+                f"CkptCallback supports the single-device and DDP strategies, not {type(strategy).__name__}: "
+                "it saves whole state dicts; for FSDP, save through DCP with ckpt.dcp.StorageWriter"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()  # a Trainer that fits again opens a fresh one
+        self.restored_step = None
+        self._last_saved = None
+        self._rng_after_restore = None
+        self._seen_step, self._due, self._postponed = trainer.global_step, False, 0
+        self.checkpointer = ck = Checkpointer(self.root, **self.checkpointer_options)
+        state: dict[str, Any] = {KEY: None}  # None takes whatever the version holds there
+        step = ck.restore(state)
+        if step is None:
+            return
+        if ck.config.capture_rng:
+            self._rng_after_restore = capture_rng()  # what restore() set: set again in on_train_start
+        checkpoint = state[KEY]
+        if not isinstance(checkpoint, dict):
+            raise UnsupportedStateError(f"step {step} under {ck.root}: {KEY!r} is not a Lightning checkpoint")
+        connector = trainer._checkpoint_connector
+        if connector._loaded_checkpoint:
+            rank_zero_warn(
+                f"CkptCallback: ckpt step {step} is restored instead of fit(ckpt_path={connector._ckpt_path!r})"
+            )
+        # Lightning's own restore, as Trainer.fit(ckpt_path=...) runs it (model, datamodule and
+        # callbacks before on_fit_start, the training state just after it).
+        connector._loaded_checkpoint = checkpoint
+        try:
+            connector.restore_datamodule()
+            connector.restore_model()
+            connector.restore_callbacks()
+            connector.restore_training_state()
+        finally:
+            connector._loaded_checkpoint = {}  # so that Trainer restores nothing over it
+        self.restored_step = self._last_saved = step
+        self._seen_step = trainer.global_step
+        log.info("rank %d: resumed from step %d (global_step %d)", ck.rank, step, trainer.global_step)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._rng_after_restore is not None:
+            restore_rng(self._rng_after_restore)
+            self._rng_after_restore = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: STEP_OUTPUT, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        before, self._seen_step = self._seen_step, step
+        if step == before:  # accumulating gradients: only the state right after an optimizer step is saved
+            return
+        if step // self.every_n_steps > before // self.every_n_steps:  # a multiple passed (several optimizers)
+            self._due = True
+        if not self._due or step == self._last_saved:
+            return
+        if _loop_goes_on_after_batch(trainer):
+            # Lightning resumes a state saved here without what follows this batch: it skips
+            # the validation due now and runs the next epoch without data (the loader's
+            # restored iterator is exhausted). So this save waits for the next optimizer step.
+            self._postponed += 1
+            if self._postponed == self.every_n_steps:
+                rank_zero_warn(
+                    f"CkptCallback: no save for {self._postponed} steps: every step ended an epoch or validated"
+                )
+            return
+        self.save(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.close()  # waits for the last save and raises its error
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    # -- saving ----------------------------------------------------------------------
+
+    def save(self, trainer: pl.Trainer) -> bool:
+        """Save the trainer's state now, as version `trainer.global_step` (on every rank, together);
+        False when skipped (`if_busy="skip"` and a save in flight)."""
+        ck = self.checkpointer
+        if ck is None:
+            raise RuntimeError("CkptCallback.save() outside fit: the Checkpointer opens in on_fit_start")
+        step = trainer.global_step
+        self._check_loaders(trainer)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        problems: list[str] = []
+        plain = _plain(checkpoint, (), problems)
+        # Every rank learns whether one failed before any raises: ck.save() is collective.
+        if trainer.strategy.reduce_boolean_decision(bool(problems), all=False):
+            raise UnsupportedStateError(
+                "CkptCallback: the Lightning checkpoint holds values ckpt cannot save without pickling: "
+                + ("; ".join(problems) if problems else "on another rank (see its error)")
+            )
+        # A run that went back to an older version (a newer one damaged) saves that step anew.
+        saved = ck.save(step, {KEY: plain}, overwrite=True)
+        if saved:  # else skipped (if_busy="skip"): still due
+            self._last_saved, self._due, self._postponed = step, False, 0
+        return saved
+
+    def _check_loaders(self, trainer: pl.Trainer) -> None:
+        """Warn once (rank 0) about train loaders whose position a resumed run cannot find again."""
+        if self._warned_loader:
+            return
+        self._warned_loader = True
+        combined = trainer.fit_loop._combined_loader
+        for dl in [] if combined is None else combined.flattened:
+            sampler = getattr(dl, "sampler", None)
+            if not _stateful(dl):
+                rank_zero_warn(
+                    f"CkptCallback: the train loader ({type(dl).__name__}) has no state_dict(): a run resumed "
+                    "mid-epoch starts the epoch's data over; use torchdata.stateful_dataloader.StatefulDataLoader"
+                )
+            elif trainer.world_size > 1 and sampler is not None and not _stateful(sampler):
+                # Lightning's DistributedSampler(Wrapper) keeps no state, and the loader's restored
+                # iterator is built before Lightning sets the sampler's epoch.
+                rank_zero_warn(
+                    f"CkptCallback: the train loader's sampler ({type(sampler).__name__}) has no state_dict(): a "
+                    "run resumed mid-epoch may draw another order; give the loader a ckpt.DistributedSampler"
+                )
+
+    def _close(self) -> None:
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is None:
+            return
+        try:
+            ck.close()
+        except Exception:
+            log.exception("rank %d: a pending ckpt save failed while fit was interrupted", ck.rank)
+
+
+def _loop_goes_on_after_batch(trainer: pl.Trainer) -> bool:
+    """Whether the training epoch ends or validation runs after the current batch (on_train_batch_end)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if epoch_loop._num_ready_batches_reached():
+        return True
+    fetcher = trainer.fit_loop._data_fetcher
+    return fetcher is not None and epoch_loop._should_check_val_fx(fetcher)
+
+
+def _stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    return "checkpoint" + "".join(f"[{k!r}]" for k in path)
+
+
+def _hint(path: tuple[Any, ...]) -> str:
+    top = path[0] if path else None
+    if top in ("hyper_parameters", "datamodule_hyper_parameters", "hparams_type", "datamodule_hparams_type"):
+        return (
+            "pass plain values to save_hyperparameters(), or leave this one out with save_hyperparameters(ignore=...)"
+        )
+    if top == "callbacks":
+        return "make the callback's state_dict() return tensors, dicts, lists and JSON scalars"
+    if top in ("state_dict", "optimizer_states", "lr_schedulers", "loops"):
+        return "ckpt saves tensors, NumPy arrays, dicts, lists, tuples and JSON scalars"
+    return "store it from on_save_checkpoint as tensors, dicts, lists and JSON scalars"
+
+
+def _plain(value: Any, path: tuple[Any, ...], problems: list[str]) -> Any:
+    """The checkpoint as ckpt saves it without pickling: tensors, NumPy arrays, dicts with
+    str/int/bool/None keys, lists, tuples and JSON scalars (NumPy scalars become Python
+    ones). Each other value is named in `problems` (and left in place)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) or value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        out: dict[Any, Any] = {}
+        for k, v in value.items():
+            if not isinstance(k, _KEY_TYPES):
+                problems.append(f"{_where(path)}: a key of type {type(k).__qualname__} ({k!r:.60}); {_hint(path)}")
+                continue
+            out[k] = _plain(v, (*path, k), problems)
+        return out
+    if isinstance(value, tuple):
+        return tuple(_plain(v, (*path, i), problems) for i, v in enumerate(value))
+    if isinstance(value, list):
+        return [_plain(v, (*path, i), problems) for i, v in enumerate(value)]
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    problems.append(f"{_where(path)}: a {kind}; {_hint(path)}")
+    return value

@@ -1,0 +1,140 @@
+"""ckpt.accelerate: what `accelerator.save_state` saves, through a Checkpointer, resumed bit for bit.
+
+Each run is a fresh process of tests/_accelerate_worker.py (real accelerate, no mocks): a
+reference run records every loss; a second run saves mid-epoch with
+`ckpt.accelerate.save_state` and stops; a third (new Accelerator, model, optimizer,
+scheduler, loader, registered object, scaler; its torch RNG scrambled) resumes with
+`ckpt.accelerate.load_state`. Every later loss must equal the reference's (== on the
+floats, compared as float.hex) and the final parameters, optimizer, scheduler, scaler
+and registered object too, byte for byte.
+
+Mid-epoch resume is exact with `DataLoaderConfiguration(use_seedable_sampler=True)` (the
+permutation of epoch e is drawn from seed + e, so a resumed run draws it again) and
+either `use_stateful_dataloader=True` (the loader goes on at the next batch by itself) or
+accelerate's `skip_first_batches` for the rest of the epoch. Accelerate's own loop counter
+(`iteration`, the epoch the seedable sampler is seeded with) is part of the version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt import Checkpointer
+from tests._dist import REPO, launch
+
+WORKER = str(REPO / "tests" / "_accelerate_worker.py")
+
+
+def _run_one(workdir: Path, **spec: Any) -> list[dict[str, Any]]:
+    """One phase in a fresh single process (no torch.distributed)."""
+    out = workdir / f"{spec['phase']}.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._accelerate_worker", json.dumps(spec), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"{spec['phase']} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [json.loads(out.read_text())]
+
+
+def _run(world: int, workdir: Path, **spec: Any) -> list[dict[str, Any]]:
+    if world == 1:
+        return _run_one(workdir, **spec)
+    results, failures = launch(WORKER, "run", world, workdir / spec["phase"], timeout=120, **spec)
+    assert not failures, failures
+    return results
+
+
+def _resume_matches(tmp_path: Path, *, world: int, stateful: bool, stop_at: int) -> list[dict[str, Any]]:
+    """Reference, save at `stop_at` and stop, resume: the resumed run is the reference's tail.
+    Returns the save phase's results (per rank)."""
+    root = str(tmp_path / "ckpt")
+    ref = _run(world, tmp_path, phase="reference", root=str(tmp_path / "ref"), stateful=stateful)
+    saved = _run(world, tmp_path, phase="save", root=root, stateful=stateful, stop_at=stop_at)
+    resumed = _run(world, tmp_path, phase="resume", root=root, stateful=stateful, scrambled=True)
+    for rank in range(world):
+        want, mid, got = ref[rank], saved[rank], resumed[rank]
+        assert want["restored"] is None  # an empty root: load_state returns None
+        assert len(want["losses"]) > stop_at
+        assert mid["losses"] == want["losses"][:stop_at], f"rank {rank}: the saving run is not the reference"
+        assert got["restored"] == stop_at
+        assert got["progress"]["step"] == stop_at  # the registered object
+        assert got["acc_step"] == mid["acc_step"]  # accelerator.step (gradient accumulation)
+        assert got["losses"] == want["losses"][stop_at:], f"rank {rank}: resumed losses differ from the reference"
+        for key in want["final"]:
+            assert got["final"][key] == want["final"][key], f"rank {rank}: final {key} differs"
+        ours = [w for w in mid["warnings"] + got["warnings"] if w.startswith("ckpt.accelerate")]
+        assert not ours, ours
+    return saved
+
+
+def test_stateful_dataloader_resumes_mid_epoch(tmp_path: Path) -> None:
+    """use_stateful_dataloader=True: saved at batch 4 of 9 of the second epoch."""
+    _resume_matches(tmp_path, world=1, stateful=True, stop_at=13)
+
+
+def test_skip_first_batches_resumes_mid_epoch(tmp_path: Path) -> None:
+    """A plain prepared DataLoader: the resumed run skips the consumed batches with
+    accelerator.skip_first_batches (set_epoch at the start of each epoch)."""
+    _resume_matches(tmp_path, world=1, stateful=False, stop_at=13)
+
+
+def test_saved_at_the_last_batch_of_an_epoch_resumes_at_the_next(tmp_path: Path) -> None:
+    """At the last batch the loader's state is "finished" and its epoch count not yet bumped:
+    the resumed run must start the next epoch (not repeat the permutation of this one)."""
+    _resume_matches(tmp_path, world=1, stateful=True, stop_at=9)
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "skip_first_batches"])
+def test_two_gloo_ranks(tmp_path: Path, stateful: bool) -> None:
+    """accelerate's MULTI_CPU (DDP over gloo, the loader sharded per rank), 5 batches per rank
+    and epoch, saved in the second epoch. The models are saved unwrapped, so the 2-rank
+    version loads into a plain model in this process."""
+    saved = _resume_matches(tmp_path, world=2, stateful=stateful, stop_at=7)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        assert ck.restore({"models": {"0": model}}) == 7
+    from tests._accelerate_worker import _jsonable
+
+    assert _jsonable(model.state_dict()) == saved[0]["params"] == saved[1]["params"]
+
+
+def test_loaders_that_cannot_resume_exactly_are_named_at_save(tmp_path: Path) -> None:
+    """A loader shuffling with a plain RandomSampler (its permutation is drawn from the
+    generator's state at the start of the epoch), or with no generator of its own (each
+    iter() draws from the global torch RNG): save_state says what to change."""
+    [saved] = _run_one(
+        tmp_path,
+        phase="save",
+        root=str(tmp_path / "ckpt"),
+        stateful=True,
+        stop_at=4,
+        seedable=False,
+        loader_generator=False,
+    )
+    warnings = saved["warnings"]
+    assert any("use_seedable_sampler=True" in w for w in warnings), warnings
+    assert any("generator=torch.Generator()" in w for w in warnings), warnings
+
+
+def test_importing_ckpt_does_not_import_accelerate() -> None:
+    code = (
+        "import sys, ckpt, ckpt.checkpointer, ckpt.accelerate\n"
+        "assert 'accelerate' not in sys.modules, 'accelerate was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
