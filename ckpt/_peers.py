@@ -110,18 +110,19 @@ class _Stream:
         self._version, self._files, self._i = version, list(files), 0
         self._fh: BinaryIO | None = None
 
-    def read(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n and self._i < len(self._files):
+    def readinto(self, out: memoryview) -> int:
+        """Fill `out` from the stream (no copy on the way); the bytes read (fewer at its end)."""
+        done = 0
+        while done < len(out) and self._i < len(self._files):
             if self._fh is None:
-                self._fh = open(os.path.join(self._version, self._files[self._i][0]), "rb")
-            got = self._fh.read(n - len(out))
+                self._fh = open(os.path.join(self._version, self._files[self._i][0]), "rb", buffering=0)
+            got = self._fh.readinto(out[done:])
             if got:
-                out += got
+                done += got
                 continue
             self._fh.close()
             self._fh, self._i = None, self._i + 1
-        return bytes(out)
+        return done
 
     def close(self) -> None:
         if self._fh is not None:
@@ -285,26 +286,24 @@ class PeerCopier:
                 errors[s] = f"{type(e).__name__}: {e}"
         stream = _Stream(version, files)
         started, sent = time.monotonic(), 0
+        # One buffer to send from and one per source to receive into, reused piece after piece.
+        out_buf = torch.empty(PIECE if pieces_out else 0, dtype=torch.uint8)
+        in_bufs = {s: torch.empty(PIECE if expected[s] else 0, dtype=torch.uint8) for s in plan.sources}
         try:
             for r in range(max([pieces_out, *expected.values()], default=0)):
-                out = stream.read(PIECE) if r < pieces_out else b""
-                bufs = {
-                    s: torch.empty(_piece_len(incoming[s], r), dtype=torch.uint8)
-                    for s in plan.sources
-                    if r < expected[s]
-                }
-                data = torch.frombuffer(bytearray(out), dtype=torch.uint8) if out else None
+                n = stream.readinto(memoryview(out_buf.numpy())) if r < pieces_out else 0
+                bufs = {s: in_bufs[s][: _piece_len(incoming[s], r)] for s in plan.sources if r < expected[s]}
                 comm.exchange(
-                    [(plan.leaders[t], _BODY + r, data) for t in plan.targets if data is not None],
+                    [(plan.leaders[t], _BODY + r, out_buf[:n]) for t in plan.targets if n],
                     [(plan.leaders[s], _BODY + r, b) for s, b in bufs.items()],
                 )
                 for s, b in bufs.items():
                     if s in sinks and s not in errors:
                         try:
-                            sinks[s].write(memoryview(b.numpy().tobytes()))
+                            sinks[s].write(memoryview(b.numpy()))
                         except (CkptError, OSError) as e:
                             errors[s] = f"{type(e).__name__}: {e}"
-                sent += len(out) * len(plan.targets)
+                sent += n * len(plan.targets)
                 if self._rate is not None:  # the cap: no faster than bwlimit on average
                     ahead = sent / self._rate - (time.monotonic() - started)
                     if ahead > 0:

@@ -32,7 +32,7 @@ from ckpt.restore.sources import Source, from_first_good
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
 from ckpt.store.chunk_read import check_digest, open_chunk, read_exact
 from ckpt.store.dtypes import itemsize
-from ckpt.store.errors import CorruptVersionError
+from ckpt.store.errors import CkptError, CorruptVersionError
 from ckpt.store.lanes import run_lanes
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.tier import ReadHandle
@@ -254,25 +254,6 @@ def load_arrays(
     for r, (needs, _) in enumerate(views):
         for n, i in needs:
             wanted.setdefault((n, tuple(i)), []).append(r)
-    # Chunks some rank cannot reach (a node replaced with empty disks): one rank that reaches
-    # each (taking turns among them) reads it once, verified, and sends it point to point to
-    # the ranks that need it; in rounds of bounded bytes, in one order on every rank.
-    batch: list[tuple[int, str, tuple[int, ...]]] = []
-    held = 0
-    for pos, (name, index) in enumerate(sorted(wanted)):
-        array = manifest.arrays[name]
-        chunk = array.chunk_at(index)
-        holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]
-        if not holders:
-            error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
-            continue
-        batch.append((holders[pos % len(holders)], name, index))
-        held += chunk.nbytes
-        if held >= SEND_ROUND_BYTES:
-            error = _send_round(comm, sources, manifest, requests, by_key, wanted, batch, verify) or error
-            batch, held = [], 0
-    if batch:
-        error = _send_round(comm, sources, manifest, requests, by_key, wanted, batch, verify) or error
     remote_set = set(remote)
     local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set]
     local.sort(key=lambda p: -chunk_of[(p.name, p.index)].nbytes)  # largest first: no lone big read at the end
@@ -295,7 +276,35 @@ def load_arrays(
             return
         from_first_good(sources, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify))
 
-    _, failed = run_lanes(local, read, max(1, threads), name="ckpt-read")
+    # Chunks some rank cannot reach (a node replaced with empty disks): one rank that reaches
+    # each (taking turns among them) reads it once, verified, and sends it point to point to
+    # the ranks that need it; in rounds of bounded bytes, in one order on every rank. This
+    # rank's own reads go on meanwhile, on their own thread.
+    own: list[tuple[list[Any], list[tuple[int, Exception]]]] = []
+    reader = threading.Thread(target=lambda: own.append(run_lanes(local, read, max(1, threads), name="ckpt-read")))
+    if wanted:
+        reader.start()
+    batch: list[tuple[int, str, tuple[int, ...]]] = []
+    held = 0
+    for pos, (name, index) in enumerate(sorted(wanted)):
+        array = manifest.arrays[name]
+        chunk = array.chunk_at(index)
+        holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]
+        if not holders:
+            error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
+            continue
+        batch.append((holders[pos % len(holders)], name, index))
+        held += chunk.nbytes
+        if held >= SEND_ROUND_BYTES:
+            error = _send_round(comm, sources, manifest, requests, by_key, wanted, batch, verify, threads) or error
+            batch, held = [], 0
+    if batch:
+        error = _send_round(comm, sources, manifest, requests, by_key, wanted, batch, verify, threads) or error
+    if wanted:
+        reader.join()
+    else:
+        reader.run()
+    _, failed = own[0] if own else ([], [(0, CkptError("this rank's reads were interrupted"))])
     if failed and error is None:
         error = failed[0][1]  # the first in reading order
     if error is not None:
@@ -311,12 +320,14 @@ def _send_round(
     wanted: Mapping[tuple[str, tuple[int, ...]], Sequence[int]],
     batch: Sequence[tuple[int, str, tuple[int, ...]]],
     verify: bool,
+    threads: int,
 ) -> BaseException | None:
     """One round of chunks sent by their holders to the ranks that cannot reach them; this
     rank's first failure (a holder that cannot read a chunk still sends, zeros, so no rank
     waits: the caller's agreement fails the version on every rank)."""
     error: BaseException | None = None
     sends: list[tuple[int, int, torch.Tensor]] = []
+    reads: list[tuple[ArrayEntry, ChunkEntry, int, torch.Tensor]] = []
     recvs: list[tuple[int, int, torch.Tensor, str, tuple[int, ...]]] = []
     for tag, (holder, name, index) in enumerate(batch):
         array = manifest.arrays[name]
@@ -324,21 +335,22 @@ def _send_round(
         size = sum(b.nbytes for b in blocks(array, chunk))
         if comm.rank == holder:
             buf = torch.zeros(size, dtype=torch.uint8)
-            for i, block in enumerate(blocks(array, chunk)):
-                out = buf[block.offset : block.offset + block.nbytes]
-                try:
-                    from_first_good(
-                        sources,
-                        manifest,
-                        array,
-                        chunk,
-                        functools.partial(_one_block, array=array, i=i, out=out, verify=verify),
-                    )
-                except Exception as e:  # noqa: BLE001 - the ranks waiting for it still get their bytes
-                    error = error or e
+            reads += [
+                (array, chunk, i, buf[b.offset : b.offset + b.nbytes]) for i, b in enumerate(blocks(array, chunk))
+            ]
             sends += [(r, tag, buf) for r in wanted[(name, index)]]
         elif comm.rank in wanted[(name, index)]:
             recvs.append((holder, tag, torch.empty(size, dtype=torch.uint8), name, index))
+
+    def read(item: tuple[ArrayEntry, ChunkEntry, int, torch.Tensor]) -> None:
+        array, chunk, i, out = item
+        from_first_good(
+            sources, manifest, array, chunk, functools.partial(_one_block, array=array, i=i, out=out, verify=verify)
+        )
+
+    _, failed = run_lanes(reads, read, max(1, threads), name="ckpt-send")
+    if failed:  # the ranks waiting for those chunks still get their bytes (zeros)
+        error = failed[0][1]
     comm.exchange(sends, [(peer, tag, buf) for peer, tag, buf, _, _ in recvs])
     for _, _, buf, name, index in recvs:
         array = manifest.arrays[name]
