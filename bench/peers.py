@@ -344,7 +344,7 @@ def _step_cost(args: argparse.Namespace, ranks: _Ranks) -> None:
         torch.mm(a, b, out=c)
     per = (time.perf_counter() - t) / 10
     n = int(ranks.slowest(max(1.0, 0.5 / per)))  # ~0.5 s of work a step, the same on every rank
-    steps = 4
+    steps = 8  # long enough for the peer copy to end inside the window: what it costs, all of it
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
 
     def train() -> None:

@@ -57,6 +57,7 @@ __all__ = ["PeerPlan", "plan_peers", "PeerCopier"]
 
 log = logging.getLogger("ckpt")
 PIECE = 8 << 20  # bytes per message of a version's stream
+PEER_NICE = 10  # the copier thread's nice, above the job's: training's own compute comes first
 _HEADER, _BODY, _ACK = 1 << 28, 2 << 28, 3 << 28  # tag bases of a round's phases
 
 
@@ -218,6 +219,7 @@ class PeerCopier:
             log.warning("%s: peer copies still running after %.0f s; left behind", self._root, timeout)
 
     def _run(self) -> None:
+        _lower_priority()
         try:
             while True:
                 with self._cond:
@@ -368,6 +370,15 @@ class PeerCopier:
             except Exception as e:  # noqa: BLE001 - the copy is kept; pruning waits for the next round
                 log.warning("%s: pruning the peer copies of root %d failed: %s", self._root, source, e)
         return True
+
+
+def _lower_priority() -> None:
+    """This thread yields the CPU to training: on Linux a thread has its own nice value."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + PEER_NICE))
+    except (AttributeError, OSError):  # not Linux, or not allowed: the copies run at the job's priority
+        pass
 
 
 def _piece_len(header: dict[str, object], r: int) -> int:

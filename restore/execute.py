@@ -21,6 +21,7 @@ import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +41,7 @@ from ckpt.store.tier import ReadHandle
 __all__ = ["ReadRequest", "load_arrays", "full_tensor", "Comm"]
 
 log = logging.getLogger("ckpt")
-SEND_ROUND_BYTES = 256 << 20  # chunks sent to ranks that cannot reach them, per round (memory bound)
+SEND_ROUND_BYTES = 64 << 20  # chunks sent to ranks that cannot reach them, per round (two in flight)
 
 
 class Comm(Protocol):
@@ -284,7 +285,7 @@ def load_arrays(
     reader = threading.Thread(target=lambda: own.append(run_lanes(local, read, max(1, threads), name="ckpt-read")))
     if wanted:
         reader.start()
-    batch: list[tuple[int, str, tuple[int, ...]]] = []
+    batches: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]
     held = 0
     for pos, (name, index) in enumerate(sorted(wanted)):
         array = manifest.arrays[name]
@@ -293,13 +294,21 @@ def load_arrays(
         if not holders:
             error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
             continue
-        batch.append((holders[pos % len(holders)], name, index))
-        held += chunk.nbytes
         if held >= SEND_ROUND_BYTES:
-            error = _send_round(comm, sources, manifest, requests, by_key, wanted, batch, verify, threads) or error
-            batch, held = [], 0
-    if batch:
-        error = _send_round(comm, sources, manifest, requests, by_key, wanted, batch, verify, threads) or error
+            batches.append([])
+            held = 0
+        batches[-1].append((holders[pos % len(holders)], name, index))
+        held += chunk.nbytes
+    # Two rounds in flight: the next one is read while this one is sent.
+    prepare = functools.partial(_prepare_round, comm, sources, manifest, requests, by_key, wanted)
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-send-ahead") as ahead:
+        nxt = ahead.submit(prepare, batches[0], verify, threads) if batches[0] else None
+        for k in range(len(batches)):
+            if nxt is None:
+                break
+            rnd = nxt.result()
+            nxt = ahead.submit(prepare, batches[k + 1], verify, threads) if k + 1 < len(batches) else None
+            error = _finish_round(comm, rnd) or error
     if wanted:
         reader.join()
     else:
@@ -311,7 +320,17 @@ def load_arrays(
         raise error
 
 
-def _send_round(
+@dataclass
+class _Round:
+    """One round of chunks sent by their holders to the ranks that cannot reach them."""
+
+    sends: list[tuple[int, int, torch.Tensor]]
+    recvs: list[tuple[int, int, torch.Tensor]]
+    places: list[tuple[torch.Tensor, ArrayEntry, ChunkEntry, list[ReadRequest]]]  # received, not yet in place
+    error: BaseException | None = None
+
+
+def _prepare_round(
     comm: Comm,
     sources: Sequence[Source],
     manifest: Manifest,
@@ -321,26 +340,33 @@ def _send_round(
     batch: Sequence[tuple[int, str, tuple[int, ...]]],
     verify: bool,
     threads: int,
-) -> BaseException | None:
-    """One round of chunks sent by their holders to the ranks that cannot reach them; this
-    rank's first failure (a holder that cannot read a chunk still sends, zeros, so no rank
-    waits: the caller's agreement fails the version on every rank)."""
-    error: BaseException | None = None
+) -> _Round:
+    """This rank's part of a round: the chunks it holds, read (verified) into send buffers,
+    and receive buffers for the chunks it needs (the destination itself where the chunk
+    lands there whole and contiguous). A holder that cannot read a chunk still sends it
+    (zeros) so that no rank waits; its error fails the version on every rank."""
     sends: list[tuple[int, int, torch.Tensor]] = []
     reads: list[tuple[ArrayEntry, ChunkEntry, int, torch.Tensor]] = []
-    recvs: list[tuple[int, int, torch.Tensor, str, tuple[int, ...]]] = []
+    recvs: list[tuple[int, int, torch.Tensor]] = []
+    places: list[tuple[torch.Tensor, ArrayEntry, ChunkEntry, list[ReadRequest]]] = []
     for tag, (holder, name, index) in enumerate(batch):
         array = manifest.arrays[name]
         chunk = array.chunk_at(index)
-        size = sum(b.nbytes for b in blocks(array, chunk))
+        parts = blocks(array, chunk)
+        size = sum(b.nbytes for b in parts)
         if comm.rank == holder:
             buf = torch.zeros(size, dtype=torch.uint8)
-            reads += [
-                (array, chunk, i, buf[b.offset : b.offset + b.nbytes]) for i, b in enumerate(blocks(array, chunk))
-            ]
+            reads += [(array, chunk, i, buf[b.offset : b.offset + b.nbytes]) for i, b in enumerate(parts)]
             sends += [(r, tag, buf) for r in wanted[(name, index)]]
         elif comm.rank in wanted[(name, index)]:
-            recvs.append((holder, tag, torch.empty(size, dtype=torch.uint8), name, index))
+            mine = [requests[i] for i in by_key[(name, index)].requests]
+            rows = (0, (array.chunk_shape or (1,))[0])
+            if len(mine) == 1 and _direct(array, chunk, mine[0]) == rows:
+                recvs.append((holder, tag, _dest_bytes(mine[0], chunk, rows, row_bytes(array))))
+                continue
+            buf = torch.empty(size, dtype=torch.uint8)
+            recvs.append((holder, tag, buf))
+            places.append((buf, array, chunk, mine))
 
     def read(item: tuple[ArrayEntry, ChunkEntry, int, torch.Tensor]) -> None:
         array, chunk, i, out = item
@@ -349,19 +375,20 @@ def _send_round(
         )
 
     _, failed = run_lanes(reads, read, max(1, threads), name="ckpt-send")
-    if failed:  # the ranks waiting for those chunks still get their bytes (zeros)
-        error = failed[0][1]
-    comm.exchange(sends, [(peer, tag, buf) for peer, tag, buf, _, _ in recvs])
-    for _, _, buf, name, index in recvs:
-        array = manifest.arrays[name]
-        chunk = array.chunk_at(index)
-        mine = [requests[i] for i in by_key[(name, index)].requests]
+    return _Round(sends, recvs, places, failed[0][1] if failed else None)
+
+
+def _finish_round(comm: Comm, rnd: _Round) -> BaseException | None:
+    """Send and receive the round, then put what landed in buffers in place; the first error."""
+    comm.exchange(rnd.sends, rnd.recvs)
+    error = rnd.error
+    for buf, array, chunk, mine in rnd.places:
         try:
             for block in blocks(array, chunk):
                 piece = _typed(buf[block.offset : block.offset + block.nbytes], array, block.rows[1] - block.rows[0])
                 for r in mine:
                     _place(piece, _origin(chunk, block.rows[0]), r)
-        except Exception as e:  # noqa: BLE001 - raised after the round, as the caller does
+        except Exception as e:  # noqa: BLE001 - raised after the rounds, as the caller does
             error = error or e
     return error
 
