@@ -29,7 +29,16 @@ repetition), ratios taken within a repetition, then the median:
 - extra peak RSS of each operation (VmHWM reset through /proc/self/clear_refs);
 - params-only versions and the save on preemption (bench/partial_and_preemption.py, at
   most 50e6 parameters): the bytes of a full and a params-only version, and the time from
-  a SIGTERM to a committed version against a plain save and wait.
+  a SIGTERM to a committed version against a plain save and wait;
+- peer copies and the RAM tier (bench/peers.py, at most 40e6 parameters): recovery after a
+  node's loss from peer copies against a local restore and against the remote, the
+  training-step cost of `peer_copies=1`, a save to /dev/shm against the tmpfs floor;
+- DCP through ckpt and the safetensors export (bench/integrations.py, at most 100e6
+  parameters): `ckpt.dcp` against DCP's own FileSystemWriter/Reader, the export against a
+  plain `safetensors.torch.save_file`.
+
+`--extras-only` runs just the last three and merges them into the existing latest.json
+and latest.md (their section says when they were measured).
 
 Writes bench/results/latest.json (targets, each {name, value, target, pass}, and every raw
 measurement with medians and ranges), latest.md (tables) and latest.png (a plot).
@@ -57,7 +66,9 @@ sys.path.insert(0, HERE)
 
 import _report  # noqa: E402
 import _sys  # noqa: E402
+import integrations  # noqa: E402
 import partial_and_preemption  # noqa: E402
+import peers  # noqa: E402
 
 
 def free_port() -> int:
@@ -195,6 +206,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 30e6 params, 1 repetition, 64 MB to S3")
     ap.add_argument("--replicate-mb", type=float, default=512)
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where latest.{json,md,png} go")
+    ap.add_argument("--extras-only", action="store_true", help="rerun only the extra scripts; merge into latest.*")
     args = ap.parse_args()
     if args.quick:
         args.params, args.reps, args.replicate_mb = 30e6, 1, 64
@@ -210,6 +222,12 @@ def main() -> None:
         print("warning: the machine is busy; results will be noisy", flush=True)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
+    if args.extras_only:
+        with open(os.path.join(args.out, "latest.json")) as f:
+            report = json.load(f)
+        run_extras(args, report)
+        write_report(args, report)
+        return
     results = os.path.join(args.dir, "results.jsonl")
     loads = [load_average()]
     phases: dict[str, float] = {}
@@ -283,22 +301,48 @@ def main() -> None:
     report = _report.build(records, meta, env)
     with open(extra) as f:
         report["partial_and_preemption"] = json.load(f)
+    run_extras(args, report)
+    write_report(args, report)
+    print(f"total wall time {wall:.0f} s; wrote {args.out}/latest.json, latest.md, latest.png")
+
+
+EXTRAS = {"peers": peers, "integrations": integrations}
+
+
+def run_extras(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """bench/peers.py and bench/integrations.py, each in its own processes; their figures
+    (and the peer targets) into the report."""
+    sizes = {"peers": min(args.params, 40e6), "integrations": min(args.params, 100e6)}
+    report["targets"] = [t for t in report["targets"] if not t.get("extra")]
+    for name in EXTRAS:
+        out = os.path.join(args.dir, f"{name}.json")
+        cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), "--params", str(sizes[name])]
+        cmd += ["--reps", str(args.reps), "--dir", os.path.join(args.dir, name), "--out", out]
+        if name == "peers" and args.skip_s3:
+            cmd.append("--skip-s3")
+        subprocess.run(cmd, check=True, cwd=REPO)
+        with open(out) as f:
+            report[name] = json.load(f)
+        report[name]["measured"] = time.strftime("%Y-%m-%d %H:%M")
+        for t in report[name].get("targets", []):
+            report["targets"].append({**t, "target": f"<= {t['target']}", "extra": name})
+
+
+def write_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "latest.json"), "w") as f:
         json.dump(report, f, indent=1)
-    md = (
-        _report.markdown(report)
-        + "\n"
-        + "\n".join(partial_and_preemption.markdown(report["partial_and_preemption"]))
-        + "\n"
-    )
+    sections = [_report.markdown(report), "\n".join(partial_and_preemption.markdown(report["partial_and_preemption"]))]
+    for name, module in EXTRAS.items():
+        if name in report:
+            sections.append(f"(measured {report[name]['measured']})\n\n" + "\n".join(module.markdown(report[name])))
+    md = "\n\n".join(sections) + "\n"
     with open(os.path.join(args.out, "latest.md"), "w") as f:
         f.write(md)
     _report.plot(report, os.path.join(args.out, "latest.png"))
     print()
     print(md)
     shutil.rmtree(args.dir, ignore_errors=True)
-    print(f"total wall time {wall:.0f} s; wrote {args.out}/latest.json, latest.md, latest.png")
 
 
 if __name__ == "__main__":
