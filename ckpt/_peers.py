@@ -28,6 +28,7 @@ did not copy stay on their own roots and the job goes on.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -109,7 +110,7 @@ class _Stream:
 
     def __init__(self, version: str, files: Sequence[tuple[str, int]]) -> None:
         self._version, self._files, self._i = version, list(files), 0
-        self._fh: BinaryIO | None = None
+        self._fh: io.FileIO | None = None
 
     def readinto(self, out: memoryview) -> int:
         """Fill `out` from the stream (no copy on the way); the bytes read (fewer at its end)."""
@@ -293,7 +294,7 @@ class PeerCopier:
         in_bufs = {s: torch.empty(PIECE if expected[s] else 0, dtype=torch.uint8) for s in plan.sources}
         try:
             for r in range(max([pieces_out, *expected.values()], default=0)):
-                n = stream.readinto(memoryview(out_buf.numpy())) if r < pieces_out else 0
+                n = stream.readinto(memoryview(out_buf.numpy())) if r < pieces_out else 0  # type: ignore[arg-type]
                 bufs = {s: in_bufs[s][: _piece_len(incoming[s], r)] for s in plan.sources if r < expected[s]}
                 comm.exchange(
                     [(plan.leaders[t], _BODY + r, out_buf[:n]) for t in plan.targets if n],
@@ -302,7 +303,7 @@ class PeerCopier:
                 for s, b in bufs.items():
                     if s in sinks and s not in errors:
                         try:
-                            sinks[s].write(memoryview(b.numpy()))
+                            sinks[s].write(memoryview(b.numpy()))  # type: ignore[arg-type]
                         except (CkptError, OSError) as e:
                             errors[s] = f"{type(e).__name__}: {e}"
                 sent += n * len(plan.targets)
