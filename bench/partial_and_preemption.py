@@ -36,7 +36,7 @@ from ckpt import Checkpointer
 from ckpt.store.versions import read_manifest
 
 
-def _model(params: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build_model(params: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     width = 1024
     layers = max(1, int(params // (width * width + width)))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "partial_and_preemption.json"))
     args = ap.parse_args()
-    model, opt = _model(args.params)
+    model, opt = build_model(args.params)
     state = {"model": model, "optim": opt, "step": 0}
     out: dict[str, object] = {"params": sum(p.numel() for p in model.parameters())}
     plain, preempt = [], []

@@ -332,25 +332,14 @@ def _recovery(args: argparse.Namespace, ranks: _Ranks) -> None:
             op()
 
 
-def _model(params: float) -> tuple[Any, Any]:
-    import torch
-
-    width = 1024
-    layers = max(1, int(params // (width * width + width)))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model(torch.randn(4, width)).sum().backward()
-    opt.step()
-    return model, opt
-
-
 def _step_cost(args: argparse.Namespace, ranks: _Ranks) -> None:
     import torch
+    from partial_and_preemption import build_model
 
     from ckpt import Checkpointer
     from ckpt._peer_status import verified_peer_steps
 
-    model, opt = _model(args.params / 2)
+    model, opt = build_model(args.params / 2)
     state = {"model": model, "optim": opt, "step": 0}
     a, b, c = torch.randn(512, 512), torch.randn(512, 512), torch.empty(512, 512)
     t = time.perf_counter()

@@ -172,6 +172,11 @@ class Journals:
                 if rec["step"] is not None:
                     self.committed.add(int(rec["step"]))
 
+    def newest_saved(self) -> set[int]:
+        """The newest step the job saved: committed perhaps, though only its next save (or
+        close) journals that, while retention acts on the commit at once."""
+        return {max(s for s, _ in self.expected)} if self.expected else set()
+
     def nondeterministic(self) -> list[tuple[int, int]]:
         """(step, rank) pairs recorded twice with different sums: the job is not reproducible."""
         return sorted(k for k, v in self.expected.items() if len(v) > 1)

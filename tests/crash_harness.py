@@ -55,7 +55,8 @@ restore. A round that takes over 8 minutes counts as a hang (its stacks are in t
 At the end the job stops and the daemons must bring every root down to its keep-last
 within 60 s (every version reaches the remote, so all become redundant); garbage that
 retention leaves behind (replica copies of versions deleted from their source by `ckpt
-gc`, remote directories without a manifest) is counted under `leftovers`.
+gc`, remote directories without a manifest, versions whose remote upload waits for a part
+a node's loss took) is counted under `leftovers`.
 It prints the figures as JSON (and writes DIR/figures.json); exit status 1 if any
 version was lost or corrupted or a process failed.
 """
@@ -78,6 +79,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt.replicator.service import WAITING
+from ckpt.replicator.status import read_status
 from tests._harness_checks import (
     WORLD,
     Journals,
@@ -243,6 +246,7 @@ class Harness:
         self.verified_remote: set[tuple[int, str]] = set()
         self.gc_durations: list[float] = []
         self.replaceable: set[int] = set()  # steps left incomplete (a lost node's part): re-saved anew
+        self.lost_through = -1  # the newest step committed when a node was last lost
         self._lock = threading.Lock()
         self._stop_monitor = threading.Event()
 
@@ -388,7 +392,23 @@ class Harness:
                 self.judged_known[tier] = set()
                 self.gone[tier] = set()
                 self.known[tier] = set()
+        self.journals.refresh()
+        self.lost_through = max(self.journals.committed, default=0)
         self.fig.detail(f"node: node {k}")
+
+    def orphaned(self, k: int) -> set[int]:
+        """Root k's versions that wait on the remote for a part a node's loss took: saved
+        before the last loss, their upload waiting for the other node's part. Retention
+        keeps them (never redundant: the remote cannot complete them), milestones for good;
+        counted as leftovers, not as retention stuck."""
+        status = read_status(self.layout.root(k))
+        if status is None:
+            return set()
+        return {
+            s
+            for s, v in status.versions.items()
+            if s <= self.lost_through and v.remote is not None and v.remote.state == WAITING
+        }
 
     def kill_gc(self) -> str:
         """Start `ckpt gc` on a tier, let it be killed; returns the tier it ran on."""
@@ -504,10 +524,10 @@ class Harness:
         self.observe(now)
         for tier in now:
             cum = set(self.judged_known.get(tier, set()))
-            if tier.startswith("root"):
-                cum |= self.journals.committed
+            if tier.startswith("root"):  # the job's own retention runs once a commit is done, before
+                cum |= self.journals.committed | self.journals.newest_saved()  # its next save journals it
             if tier.startswith("replica"):  # copies are deleted when their source's versions are
-                cum |= self.known.get("root" + tier[-1], set()) | self.journals.committed
+                cum |= self.known.get("root" + tier[-1], set()) | self.journals.committed | self.journals.newest_saved()
             judged: set[int] = set()
             gone_before = set(self.gone.get(tier, set()))
             prev = self.last.get(tier, {})
@@ -522,6 +542,9 @@ class Harness:
                         continue  # back again: a new save of the step (judged below)
                     self.gone.setdefault(tier, set()).add(step)
                     self.fig.deletions_seen += 1
+                    if step in self.replaceable:  # a part of a save no tier holds whole: nothing restorable
+                        self.fig.note("a part of an incomplete save was deleted (its step saved anew)")
+                        continue
                     if not self.policy(tier, gc_tier).may_delete(step, cum, self.journals.tagged):
                         newer = sorted(s for s in cum if s > step)
                         self.lose(f"{tier} step {step}: deleted, but retention keeps it (known newer: {newer[:8]})")
@@ -735,7 +758,7 @@ class Harness:
         check everything once more."""
         deadline = time.monotonic() + 60.0
         while True:
-            held = {k: len(candidates(self.layout.root(k))) for k in range(WORLD)}
+            held = {k: len({c.step for c in candidates(self.layout.root(k))} - self.orphaned(k)) for k in range(WORLD)}
             if all(n <= self.c.keep_last for n in held.values()):
                 break
             if time.monotonic() > deadline:
@@ -747,6 +770,10 @@ class Harness:
         self.check_deletions(None, quiet=True)
         self.check_tiers(full_remote=True)
         self.fig.leftovers = leftovers(self.layout, self.last, self.c.keep_last)
+        for k in range(WORLD):
+            self.fig.leftovers[f"root{k}: versions waiting on the remote for a lost node's part"] = len(
+                self.orphaned(k) & set(self.last.get(f"root{k}", {}))
+            )
         for k in range(WORLD):
             with open(os.path.join(self.c.out, "logs", f"daemon{k}.log"), errors="replace") as f:
                 errors = sum(1 for line in f if "replication pass failed" in line)

@@ -198,9 +198,8 @@ def _wipe(path: Path) -> None:
     path.mkdir()
 
 
-def test_a_killed_node_restores_on_four_ranks_and_on_two(tmp_path: Path) -> None:
-    """Node 1's ranks die of SIGKILL and its disk is replaced by an empty one; 4 ranks, and
-    then 2 ranks on node 0 alone, restore the newest step bitwise, with no remote."""
+def _saved_then_node_1_killed(tmp_path: Path) -> Nodes:
+    """4 ranks on 2 nodes save steps 3 and 6 with peer copies; node 1's ranks then die of SIGKILL."""
     nodes = _nodes(tmp_path)
     _, failures = launch(
         THIS,
@@ -213,6 +212,13 @@ def test_a_killed_node_restores_on_four_ranks_and_on_two(tmp_path: Path) -> None
         steps=[3, 6],
     )
     assert not failures, failures
+    return nodes
+
+
+def test_a_killed_node_restores_on_four_ranks_and_on_two(tmp_path: Path) -> None:
+    """Node 1's ranks die of SIGKILL and its disk is replaced by an empty one; 4 ranks, and
+    then 2 ranks on node 0 alone, restore the newest step bitwise, with no remote."""
+    nodes = _saved_then_node_1_killed(tmp_path)
     _wipe(nodes.disks / "node1")
     results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
@@ -226,18 +232,7 @@ def test_a_version_left_incomplete_by_a_node_loss_is_replaced_by_the_next_save_o
     """Step 6's peer copy of node 1's part never arrived, and node 1 is lost: the job resumes
     from step 3 and saves step 6 again, which replaces node 0's surviving part of the old
     step 6 (before: VersionExistsError on node 0's root, and the job could not go on)."""
-    nodes = _nodes(tmp_path)
-    _, failures = launch(
-        THIS,
-        "save_then_lose_node",
-        4,
-        tmp_path / "job",
-        isolate=nodes,
-        killed=frozenset({2, 3}),
-        view=str(nodes.view),
-        steps=[3, 6],
-    )
-    assert not failures, failures
+    nodes = _saved_then_node_1_killed(tmp_path)
     shutil.rmtree(Path(peer_dir(str(nodes.disks / "node0"), 1)) / "v000000000006")
     _wipe(nodes.disks / "node1")
     results, failures = launch(THIS, "resume_and_save_again", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
