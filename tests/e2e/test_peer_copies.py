@@ -96,21 +96,41 @@ def save_then_lose_node(ctx: Any, view: str, steps: list[int]) -> dict[str, Any]
 
 
 def interrupted_copy(ctx: Any, view: str) -> dict[str, Any]:
-    """Node 1's ranks die of SIGKILL while step 1's peer copies are on their way (1 MB/s)."""
+    """Node 1's ranks die of SIGKILL while step 1's peer copies are on their way: 16 MiB a
+    node, two 8 MiB pieces at 8 MB/s; node 1 dies once the first piece has arrived."""
     import time
 
     import ckpt
 
     root = _view(ctx, view)
-    ck = ckpt.Checkpointer(root, peer_copies=1, peer_bwlimit_mbps=1.0, timeout=TIMEOUT)
-    big = torch.full((1 << 18,), float(ctx.rank))  # 1 MiB a rank: 2 MiB a node, 2 s at the cap
-    ck.save(1, {**_state(ctx.rank, 1), "big": ckpt.Shard(big, (1 << 20,), ((1 << 18) * ctx.rank,))})
+    ck = ckpt.Checkpointer(root, peer_copies=1, peer_bwlimit_mbps=8.0, timeout=TIMEOUT)
+    big = torch.full((1 << 21,), float(ctx.rank))  # 8 MiB a rank: 16 MiB a node, more than one piece
+    ck.save(1, {**_state(ctx.rank, 1), "big": ckpt.Shard(big, (1 << 23,), ((1 << 21) * ctx.rank,))})
     ck.wait()
-    time.sleep(0.7)
-    if ctx.rank // 2 == 1:
-        os.kill(os.getpid(), 9)
-    time.sleep(1.0)
+    node = ctx.rank // 2
+    mine = root.format(node=node)
+    deadline = time.monotonic() + 60
+    if node == 1:  # once root 0's copy has begun to arrive here, this node dies
+        incoming = Path(peer_dir(mine, 0)) / ".incoming"
+        while time.monotonic() < deadline:
+            if sum(p.stat().st_size for p in incoming.rglob("*") if p.is_file()) > 0:
+                os.kill(os.getpid(), 9)
+            time.sleep(0.01)
+        ctx.check(False, "root 0's copy never began to arrive")
+        return {}
+    while not read_peer_stopped(mine) and time.monotonic() < deadline:  # the round fails on node 0
+        time.sleep(0.05)
+    ctx.check(bool(read_peer_stopped(mine)), "node 0's copier stopped when node 1 died")
     return {}
+
+
+def read_peer_stopped(root: str) -> str | None:
+    """Why the root's copier stopped for good (recorded in its peer status), or None."""
+    try:
+        doc = json.loads((Path(root) / PEER_STATUS).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc.get("stopped") if isinstance(doc, dict) else None
 
 
 def save_again(ctx: Any, view: str) -> dict[str, Any]:
