@@ -28,6 +28,7 @@ did not copy stay on their own roots and the job goes on.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
@@ -37,7 +38,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import torch
 
@@ -47,11 +47,23 @@ from ckpt._roots import node_of
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
 from ckpt.store import commit
+from ckpt.store.digest import ChunkHasher
 from ckpt.store.errors import CkptError, CorruptVersionError
-from ckpt.store.fsio import DIR_MODE, fsync_dir, fsync_dirs
-from ckpt.store.manifest import MANIFEST_NAME, parse_manifest
+from ckpt.store.fsio import (
+    DIRECT_ALIGN,
+    DIRECT_MIN_BYTES,
+    FILE_MODE,
+    fsync_dir,
+    fsync_dirs,
+    fsync_files,
+    makedirs,
+    set_direct,
+    write_all,
+)
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
+from ckpt.store.rank_file import RANKS_DIR
 from ckpt.store.tier import open_tier
-from ckpt.store.verify import verify_chunks
+from ckpt.store.verify import ChunkProblem, ExpectedChunk, expected_chunks
 from ckpt.store.versions import read_root_info, version_dirname
 
 __all__ = ["PeerPlan", "plan_peers", "PeerCopier"]
@@ -101,30 +113,69 @@ def _files(version: str) -> list[tuple[str, int]]:
         for name in names:
             path = os.path.join(dirpath, name)
             out.append((os.path.relpath(path, version), os.path.getsize(path)))
-    out.sort(key=lambda f: (f[0] == MANIFEST_NAME, f[0]))  # the manifest last, as a commit writes it
+    out.sort(key=lambda f: (not _is_head(f[0]), f[0]))  # the receiver learns the digests first
     return out
 
 
+def _is_head(rel: str) -> bool:
+    """The files that say what the others must hold: the manifest, the root's record, rank files."""
+    return rel in (MANIFEST_NAME, ROOT_INFO_NAME) or rel.startswith(RANKS_DIR + "/")
+
+
+def _layout(files: Sequence[tuple[str, int]]) -> tuple[list[int], int]:
+    """Each file's offset in the stream, and the stream's length. A file that O_DIRECT may
+    write starts on a DIRECT_ALIGN boundary (pieces are whole blocks and their buffers
+    page-aligned, so every part of it arrives aligned); small files are packed."""
+    offsets, end = [], 0
+    for _, size in files:
+        if size >= DIRECT_MIN_BYTES:
+            end = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+        offsets.append(end)
+        end += size
+    return offsets, end
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    """A page-aligned buffer (O_DIRECT writes straight from it)."""
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
+
+
 class _Stream:
-    """A version directory's files read as one stream, piece by piece."""
+    """A version directory's files read as one stream (laid out by _layout), piece by piece."""
 
     def __init__(self, version: str, files: Sequence[tuple[str, int]]) -> None:
-        self._version, self._files, self._i = version, list(files), 0
+        self._version, self._files = version, list(files)
+        self._offsets, self.total = _layout(self._files)
+        self._i = self._pos = 0
         self._fh: io.FileIO | None = None
 
     def readinto(self, out: memoryview) -> int:
-        """Fill `out` from the stream (no copy on the way); the bytes read (fewer at its end)."""
-        done = 0
-        while done < len(out) and self._i < len(self._files):
-            if self._fh is None:
-                self._fh = open(os.path.join(self._version, self._files[self._i][0]), "rb", buffering=0)
-            got = self._fh.readinto(out[done:])
-            if got:
-                done += got
+        """Fill `out` with the stream's next bytes (no copy on the way); how many (fewer at its end)."""
+        start = self._pos
+        end = min(self.total, start + len(out))
+        while self._pos < end:
+            rel, size = self._files[self._i]
+            off = self._offsets[self._i]
+            if self._pos < off:  # the gap before an aligned file
+                upto = min(off, end)
+                out[self._pos - start : upto - start] = bytes(upto - self._pos)
+                self._pos = upto
                 continue
-            self._fh.close()
-            self._fh, self._i = None, self._i + 1
-        return done
+            if self._pos == off + size:
+                if self._fh is not None:
+                    self._fh.close()
+                self._fh, self._i = None, self._i + 1
+                continue
+            if self._fh is None:
+                self._fh = open(os.path.join(self._version, rel), "rb", buffering=0)
+            upto = min(end, off + size)
+            got = self._fh.readinto(out[self._pos - start : upto - start])
+            if not got:
+                raise CorruptVersionError(f"{rel} of {self._version} shrank while it was copied to peers")
+            self._pos += got
+        return end - start
 
     def close(self) -> None:
         if self._fh is not None:
@@ -132,49 +183,124 @@ class _Stream:
 
 
 class _Sink:
-    """Writes a received stream back into files under `base`, durably."""
+    """Writes a received stream back into files under `base` (O_DIRECT where it can), and
+    checks each chunk file against the manifest's digests as it arrives: once the head files
+    (manifest, rank files) are in, every later byte is hashed from the buffer it came in,
+    never read back."""
 
-    def __init__(self, base: str, files: Sequence[tuple[str, int]]) -> None:
-        self._base, self._files, self._i, self._left = base, list(files), 0, 0
-        self._fh: BinaryIO | None = None
-        self.dirs = {base}
-        os.makedirs(base, mode=DIR_MODE, exist_ok=True)
-        self._skip_empty()
-
-    def _skip_empty(self) -> None:
-        while self._fh is None and self._i < len(self._files):
-            rel, size = self._files[self._i]
-            path = os.path.join(self._base, rel)
+    def __init__(self, base: str, step: int, files: Sequence[tuple[str, int]]) -> None:
+        for rel, _ in files:
             if os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
                 raise CorruptVersionError(f"a peer sent a file outside its version: {rel!r}")
-            os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
-            self.dirs.add(os.path.dirname(path))
-            self._fh, self._left = open(path, "wb"), size
-            if size == 0:
-                self._close_file()
+        self._base, self._step, self._files = base, step, list(files)
+        self._offsets, self.total = _layout(self._files)
+        self._heads = next((i for i, (rel, _) in enumerate(self._files) if not _is_head(rel)), len(self._files))
+        self._i = 0
+        self._fd = -1
+        self._direct = False  # O_DIRECT is on for the open file
+        self._can_direct = True  # the filesystem has not refused it
+        self._hasher: ChunkHasher | None = None
+        self._expected: dict[str, ExpectedChunk] | None = None
+        self._checked: set[str] = set()
+        self.paths: list[str] = []
+        self.dirs = {base}
+        makedirs(base)
 
-    def _close_file(self) -> None:
-        assert self._fh is not None
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        self._fh, self._i = None, self._i + 1
-        self._skip_empty()
+    def write(self, data: memoryview, at: int) -> None:
+        """The piece of the stream that starts at offset `at`."""
+        end = at + len(data)
+        if end > self.total:
+            raise CorruptVersionError("a peer sent more bytes than its file list holds")
+        while self._i < len(self._files):
+            rel, size = self._files[self._i]
+            off = self._offsets[self._i]
+            if self._fd < 0:
+                if off > end or (off == end and size):
+                    return
+                self._open(rel, size)
+            lo, hi = max(at, off), min(end, off + size)
+            if hi > lo:
+                self._put(data[lo - at : hi - at])
+            if hi < off + size:
+                return
+            self._close_file(rel, size)
 
-    def write(self, data: memoryview) -> None:
-        while len(data):
-            if self._fh is None:
-                raise CorruptVersionError("a peer sent more bytes than its file list holds")
-            n = min(self._left, len(data))
-            self._fh.write(data[:n])
-            self._left -= n
-            data = data[n:]
-            if self._left == 0:
-                self._close_file()
+    def _open(self, rel: str, size: int) -> None:
+        path = os.path.join(self._base, rel)
+        parent = os.path.dirname(path)
+        if parent not in self.dirs:
+            makedirs(parent)
+            self.dirs.add(parent)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        self.paths.append(path)
+        self._direct = self._can_direct and size >= DIRECT_MIN_BYTES and set_direct(self._fd, True)
+        self._can_direct = self._can_direct and (self._direct or size < DIRECT_MIN_BYTES)
+        expected = None if self._expected is None else self._expected.get(rel)
+        self._hasher = None if expected is None else ChunkHasher(expected.block_bytes)
+        if expected is not None and expected.nbytes != size:
+            raise CorruptVersionError(f"{rel} has {size} bytes, the manifest says {expected.nbytes}")
+
+    def _put(self, view: memoryview) -> None:
+        if self._hasher is not None:
+            self._hasher.update(view)
+        whole = len(view) - len(view) % DIRECT_ALIGN if self._direct else 0
+        if whole:
+            try:
+                write_all(self._fd, view[:whole])
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                whole = 0  # the device wants more alignment (nothing was written): the page cache then
+                self._can_direct = False
+            view = view[whole:]
+        if len(view) and self._direct:
+            set_direct(self._fd, False)  # the file's last partial block, or all of it after EINVAL
+            self._direct = False
+        write_all(self._fd, view)
+
+    def _close_file(self, rel: str, size: int) -> None:
+        os.close(self._fd)
+        self._fd, self._i = -1, self._i + 1
+        if self._hasher is not None:
+            expected = self._expected[rel] if self._expected is not None else None
+            got = self._hasher.hexdigest()
+            if expected is None or got != expected.xxh3:
+                raise CorruptVersionError(f"{rel}: xxh3 {got} != manifest {expected and expected.xxh3}")
+            self._checked.add(rel)
+            self._hasher = None
+        if self._i == self._heads:
+            self._expect()
+
+    def _expect(self) -> None:
+        """The digests every chunk file to come must have (from the manifest and rank files in)."""
+        tier = open_tier(os.path.dirname(self._base))
+        try:
+            with open(os.path.join(self._base, MANIFEST_NAME), "rb") as f:
+                manifest = parse_manifest(f.read())
+        except FileNotFoundError:
+            raise CorruptVersionError(f"the copy of step {self._step} came without its manifest") from None
+        info = read_root_info(tier, self._step)
+        if manifest.step != self._step or info is None:
+            raise CorruptVersionError(f"the copy of step {self._step} holds no such version")
+        expected: dict[str, ExpectedChunk] = {}
+        for e in expected_chunks(tier, self._step, manifest, set(info.writers)):
+            if isinstance(e, ChunkProblem):
+                raise CorruptVersionError(f"{e.path}: {e.reason}")
+            expected[e.path] = e
+        self._expected = expected
+
+    def verified(self) -> None:
+        """CorruptVersionError unless every chunk file the manifest names came, and matched."""
+        if self._expected is None:
+            raise CorruptVersionError("the copy holds no manifest, root record or rank files")
+        missing = sorted(set(self._expected) - self._checked)
+        if missing:
+            raise CorruptVersionError(f"{len(missing)} chunk files did not come, first {missing[0]}")
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class PeerCopier:
@@ -272,9 +398,8 @@ class PeerCopier:
         )
         incoming = {s: json.loads(heads[s].numpy().tobytes()) for s in plan.sources}
         # Phase 2: the streams, piece by piece (every pair's piece r carries tag _BODY + r).
-        total = sum(size for _, size in files)
-        pieces_out = -(-total // PIECE)
-        expected = {s: -(-sum(int(size) for _, size in incoming[s]["files"]) // PIECE) for s in plan.sources}
+        stream = _Stream(version, files)
+        pieces_out = -(-stream.total // PIECE)
         sinks: dict[int, _Sink] = {}
         errors: dict[int, str] = {}
         for s in plan.sources:
@@ -284,18 +409,20 @@ class PeerCopier:
             base = os.path.join(peer_dir(self._root, s), ".incoming", version_dirname(step))
             shutil.rmtree(os.path.dirname(base), ignore_errors=True)  # and what an interrupted round left
             try:
-                sinks[s] = _Sink(base, [(str(r), int(n)) for r, n in incoming[s]["files"]])
+                sinks[s] = _Sink(base, step, [(str(r), int(n)) for r, n in incoming[s]["files"]])
             except (CkptError, OSError) as e:
                 errors[s] = f"{type(e).__name__}: {e}"
-        stream = _Stream(version, files)
+        # Pieces each source sends: from its file list, whether or not its sink could be made.
+        totals = {s: _layout([(str(r), int(n)) for r, n in incoming[s]["files"]])[1] for s in plan.sources}
+        expected = {s: -(-totals[s] // PIECE) for s in plan.sources}
         started, sent = time.monotonic(), 0
         # One buffer to send from and one per source to receive into, reused piece after piece.
         out_buf = torch.empty(PIECE if pieces_out else 0, dtype=torch.uint8)
-        in_bufs = {s: torch.empty(PIECE if expected[s] else 0, dtype=torch.uint8) for s in plan.sources}
+        in_bufs = {s: _aligned(PIECE if expected[s] else 0) for s in plan.sources}
         try:
             for r in range(max([pieces_out, *expected.values()], default=0)):
                 n = stream.readinto(memoryview(out_buf.numpy())) if r < pieces_out else 0  # type: ignore[arg-type]
-                bufs = {s: in_bufs[s][: _piece_len(incoming[s], r)] for s in plan.sources if r < expected[s]}
+                bufs = {s: in_bufs[s][: min(PIECE, totals[s] - r * PIECE)] for s in plan.sources if r < expected[s]}
                 comm.exchange(
                     [(plan.leaders[t], _BODY + r, out_buf[:n]) for t in plan.targets if n],
                     [(plan.leaders[s], _BODY + r, b) for s, b in bufs.items()],
@@ -303,7 +430,7 @@ class PeerCopier:
                 for s, b in bufs.items():
                     if s in sinks and s not in errors:
                         try:
-                            sinks[s].write(memoryview(b.numpy()))  # type: ignore[arg-type]
+                            sinks[s].write(memoryview(b.numpy()), r * PIECE)  # type: ignore[arg-type]
                         except (CkptError, OSError) as e:
                             errors[s] = f"{type(e).__name__}: {e}"
                 sent += n * len(plan.targets)
@@ -343,19 +470,11 @@ class PeerCopier:
         home = peer_dir(self._root, source)
         incoming = os.path.join(home, ".incoming")
         try:
+            sink.verified()
+            fsync_files(sink.paths)
             fsync_dirs(sorted(sink.dirs, key=len, reverse=True))
             with open(os.path.join(incoming, version_dirname(step), MANIFEST_NAME), "rb") as f:
                 manifest = parse_manifest(f.read())
-            tier = open_tier(incoming)
-            info = read_root_info(tier, step)
-            writers = None if info is None else set(info.writers)
-            if manifest.step != step or info is None:
-                raise CorruptVersionError(f"root {source}'s copy of step {step} holds no such version")
-            bad = list(verify_chunks(tier, step, manifest, writers))
-            if bad:
-                raise CorruptVersionError(
-                    f"{len(bad)} files fail their checksums, first {bad[0].path}: {bad[0].reason}"
-                )
             tmp_name = commit.tmp_dirname(step, manifest.save_id)
             shutil.rmtree(os.path.join(home, tmp_name), ignore_errors=True)  # left by a round that failed there
             os.rename(os.path.join(incoming, version_dirname(step)), os.path.join(home, tmp_name))
@@ -380,10 +499,3 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + PEER_NICE))
     except (AttributeError, OSError):  # not Linux, or not allowed: the copies run at the job's priority
         pass
-
-
-def _piece_len(header: dict[str, object], r: int) -> int:
-    files = header["files"]
-    assert isinstance(files, list)
-    total = sum(int(size) for _, size in files)
-    return max(0, min(PIECE, total - r * PIECE))

@@ -33,6 +33,8 @@ __all__ = [
     "DIRECT_MIN_BYTES",
     "exchange_dirs",
     "makedirs",
+    "set_direct",
+    "write_all",
     "entries",
 ]
 
@@ -108,7 +110,7 @@ def write_new(path: str, data: bytes, *, fsync: bool = False) -> None:
     (`fsync_files`) unless `fsync`."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
-        _write_all(fd, memoryview(data))
+        write_all(fd, memoryview(data))
         if fsync:
             os.fsync(fd)
     finally:
@@ -126,7 +128,7 @@ def replace_durable(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:
-        _write_all(fd, memoryview(data))
+        write_all(fd, memoryview(data))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -134,7 +136,7 @@ def replace_durable(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def write_all(fd: int, view: memoryview) -> None:
     done = 0
     while done < len(view):
         done += os.write(fd, view[done : done + _WRITE_BLOCK])
@@ -174,7 +176,7 @@ def write_chunk(
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
     try:
         direct_end = _direct_prefix(view) if direct else 0
-        if direct_end and not _set_direct(fd, True):
+        if direct_end and not set_direct(fd, True):
             direct_end = 0
         written = flushed = 0  # written: bytes in the file; flushed: its writeback started
         for start in range(0, len(view), step):
@@ -185,21 +187,21 @@ def write_chunk(
             if written < direct_end and (hashed - written >= _DIRECT_WRITE or hashed >= direct_end):
                 upto = min(direct_end, hashed - hashed % DIRECT_ALIGN)
                 try:
-                    _write_all(fd, view[written:upto])
+                    write_all(fd, view[written:upto])
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
                     # The device wants more alignment than DIRECT_ALIGN (nothing was written
                     # by the refused call): the rest of the file goes through the page cache.
-                    _set_direct(fd, False)
+                    set_direct(fd, False)
                     os.lseek(fd, written, os.SEEK_SET)
                     direct_end = written
                 else:
                     written = flushed = upto
                     if written == direct_end:
-                        _set_direct(fd, False)  # the tail goes through the page cache
+                        set_direct(fd, False)  # the tail goes through the page cache
             if written >= direct_end:
-                _write_all(fd, view[written:hashed])
+                write_all(fd, view[written:hashed])
                 written = hashed
                 if _sync_file_range is not None and written - flushed >= _WRITE_BLOCK:
                     _start_writeback(fd, flushed, written - flushed)
@@ -223,7 +225,7 @@ def _direct_prefix(view: memoryview) -> int:
     return 0 if address % DIRECT_ALIGN else len(view) - len(view) % DIRECT_ALIGN
 
 
-def _set_direct(fd: int, on: bool) -> bool:
+def set_direct(fd: int, on: bool) -> bool:
     """Turn O_DIRECT on or off for an open file; False where the filesystem refuses it."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:

@@ -6,15 +6,15 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ckpt.store.chunk_read import READ_BLOCK, open_chunk, read_chunk, read_exact
+from ckpt.store.chunk_read import READ_BLOCK, open_checked, read_chunk, read_exact
 from ckpt.store.digest import ChunkHasher
 from ckpt.store.errors import CorruptVersionError
 from ckpt.store.manifest import Manifest
 from ckpt.store.rank_file import RankFiles, rank_file_path
-from ckpt.store.tier import Tier
+from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import version_dirname
 
-__all__ = ["ChunkProblem", "verify_chunks"]
+__all__ = ["ChunkProblem", "ExpectedChunk", "expected_chunks", "verify_chunks"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,14 +24,27 @@ class ChunkProblem:
     reason: str
 
 
-def verify_chunks(tier: Tier, step: int, manifest: Manifest, writers: set[int] | None = None) -> Iterator[ChunkProblem]:
-    """Recompute every checksum (streaming, one small buffer); yield each bad file.
+@dataclass(frozen=True, slots=True)
+class ExpectedChunk:
+    """A chunk file of a version and the digest its bytes must have."""
 
-    `writers` limits the check to the files of those ranks (the part a tier holds). Since
-    schema 3 each writer's rank file is checked too, and a chunk whose rank file is bad is
-    reported with it (its digests are unknown).
+    array: str
+    path: str  # relative to the version's directory
+    nbytes: int
+    block_bytes: int  # the digest's block size (ChunkHasher); 0: one block
+    xxh3: str
+
+
+def expected_chunks(
+    tier: Tier, step: int, manifest: Manifest, writers: set[int] | None = None
+) -> Iterator[ExpectedChunk | ChunkProblem]:
+    """Every chunk file of the version a tier should hold, with its digest, or the problem
+    that leaves its digest unknown; inline chunks (in the manifest) are checked here.
+
+    `writers` limits it to the files of those ranks (the part a tier holds). Since schema 3
+    each writer's rank file holds its chunks' digests: a bad rank file is a problem, and so
+    is each of its chunks.
     """
-    view = memoryview(bytearray(READ_BLOCK))
     book = RankFiles(tier)
     bad_ranks: set[int] = set()
     if manifest.rank_files:
@@ -48,7 +61,6 @@ def verify_chunks(tier: Tier, step: int, manifest: Manifest, writers: set[int] |
             if writers is not None and chunk.writer not in writers:
                 continue
             path = array.chunk_path(chunk)
-            where = os.path.join(tier.location, version_dirname(step), path)
             if chunk.inline is None and chunk.writer in bad_ranks:
                 yield ChunkProblem(array.name, path, f"its digests are in the bad {rank_file_path(chunk.writer)}")
                 continue
@@ -57,18 +69,38 @@ def verify_chunks(tier: Tier, step: int, manifest: Manifest, writers: set[int] |
                 if chunk.inline is not None:
                     read_chunk(tier, step, array, chunk, memoryview(bytearray(len(chunk.inline) // 2)))
                     continue
-                handle = open_chunk(tier, step, array, chunk)
-                hasher = ChunkHasher(array.digest_block_bytes(chunk))
-                try:
-                    for start in range(0, chunk.nbytes, READ_BLOCK):
-                        piece = view[: min(READ_BLOCK, chunk.nbytes - start)]
-                        read_exact(handle, piece, start, where)
-                        hasher.update(piece)
-                finally:
-                    handle.close()
             except CorruptVersionError as e:
                 yield ChunkProblem(array.name, path, str(e))
                 continue
-            got = hasher.hexdigest()
-            if got != chunk.xxh3:
-                yield ChunkProblem(array.name, path, f"xxh3 {got} != manifest {chunk.xxh3}")
+            yield ExpectedChunk(array.name, path, chunk.nbytes, array.digest_block_bytes(chunk), chunk.xxh3)
+
+
+def verify_chunks(tier: Tier, step: int, manifest: Manifest, writers: set[int] | None = None) -> Iterator[ChunkProblem]:
+    """Recompute every checksum (streaming, one small buffer); yield each bad file.
+
+    `writers` limits the check to the files of those ranks (the part a tier holds); a
+    chunk whose rank file is bad is reported with it (its digests are unknown).
+    """
+    view = memoryview(bytearray(READ_BLOCK))
+    for expected in expected_chunks(tier, step, manifest, writers):
+        if isinstance(expected, ChunkProblem):
+            yield expected
+            continue
+        key = join_key(version_dirname(step), expected.path)
+        where = os.path.join(tier.location, key)
+        hasher = ChunkHasher(expected.block_bytes)
+        try:
+            handle = open_checked(tier, key, expected.nbytes, expected.xxh3)
+            try:
+                for start in range(0, expected.nbytes, READ_BLOCK):
+                    piece = view[: min(READ_BLOCK, expected.nbytes - start)]
+                    read_exact(handle, piece, start, where)
+                    hasher.update(piece)
+            finally:
+                handle.close()
+        except CorruptVersionError as e:
+            yield ChunkProblem(expected.array, expected.path, str(e))
+            continue
+        got = hasher.hexdigest()
+        if got != expected.xxh3:
+            yield ChunkProblem(expected.array, expected.path, f"xxh3 {got} != manifest {expected.xxh3}")
