@@ -31,7 +31,7 @@ from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchEr
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
 
-__all__ = ["load_version", "agreed_manifest", "read_agreed"]
+__all__ = ["load_version", "agreed_manifest", "read_agreed", "saved_rank_of"]
 
 log = logging.getLogger("ckpt")
 
@@ -58,21 +58,27 @@ def agreed_manifest(ctl: Comm, located: Located) -> Manifest:
 
 
 def _saved_rank(ctl: Comm, manifest: Manifest, located: Located) -> SavedRank:
-    """The tree and RNG this rank restores (those of saved rank `rank % saved_world`): from
-    this rank's tiers, or sent by a rank whose tiers hold them (schema 3 keeps them beside
-    the saving rank's chunks; a rank on another node, or a new one, may see none)."""
-    want = ctl.rank % manifest.world_size
+    """The tree and RNG this rank restores (those of saved rank `rank % saved_world`)."""
+    found = saved_rank_of(ctl, manifest, located, ctl.rank % manifest.world_size)
+    assert found is not None
+    return found
+
+
+def saved_rank_of(ctl: Comm, manifest: Manifest, located: Located, want: int | None) -> SavedRank | None:
+    """Collective: saved rank `want`'s tree and RNG (None for None), from this rank's tiers or
+    sent by a rank whose tiers hold them (schema 3 keeps them beside the saving rank's
+    chunks; a rank on another node, or a new one, may see none)."""
     found: SavedRank | None = None
     error: BaseException | None = None
     try:
-        found = saved_rank(manifest, located.sources, want)
+        if want is not None:
+            found = saved_rank(manifest, located.sources, want)
     except CorruptVersionError as e:  # none here, or damaged here: another rank may hold a good copy
-        log.info("rank %d: the rank file of saved rank %d is not on this rank's tiers: %s", ctl.rank, want, e)
+        log.info("rank %d: the rank file of saved rank %s is not on this rank's tiers: %s", ctl.rank, want, e)
     except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
         error = e
     ctl.agree(error)
-    if not ctl.any(found is None):  # the usual case: one all-reduce
-        assert found is not None
+    if not ctl.any(want is not None and found is None):  # the usual case: one all-reduce
         return found
     wanted = sorted({w for w in ctl.all_gather(None if found is not None else want) if w is not None})
     servable = [w for w in wanted if any(w in s.writers for s in located.sources)]
@@ -93,7 +99,6 @@ def _saved_rank(ctl: Comm, manifest: Manifest, located: Located) -> SavedRank:
         if w == want and found is None:  # the holder verified it against the manifest
             got = parse_rank_file(body, manifest, w)
             found = SavedRank(got.tree, got.rng)
-    assert found is not None
     return found
 
 

@@ -318,6 +318,48 @@ class Checkpointer:
         self._saver.incomplete = frozenset(incomplete)
         return None if found is None else found[0]
 
+    def export_safetensors(
+        self,
+        out_dir: str,
+        step: int | None = None,
+        *,
+        prefix: str = "model",
+        max_shard_size: str | int = "5GB",
+        dtype: str | None = None,
+        force: bool = False,
+    ) -> list[str]:
+        """Collective: export the newest intact version holding `prefix`'s top-level key (or
+        `step`) as Hugging Face safetensors files in `out_dir`, written by all the ranks in
+        parallel (a share of the files each, read through every tier the job reaches and
+        the group, verified). `out_dir` must be a directory every rank reaches. The same
+        files as `ckpt restore --to-safetensors` (restore.to_safetensors); returns their
+        paths, the index last, on every rank."""
+        from ckpt._export import export_version
+
+        self._check_open()
+        if step is not None:
+            check_step(step)
+        self._saver.wait()
+        found = restore_newest(
+            self._ctl,
+            self._search_tiers,
+            lambda located: export_version(
+                self._ctl,
+                self.config,
+                located,
+                out_dir,
+                prefix=prefix,
+                max_shard_size=max_shard_size,
+                dtype=dtype,
+                force=force,
+            ),
+            step=step,
+            missing_ok=False,
+            needs=None if step is not None else frozenset({prefix.split(".")[0]}),
+        )
+        assert found is not None  # missing_ok=False: VersionNotFoundError instead
+        return found[1]
+
     def _search_tiers(self) -> list[Tier]:
         """Where restore looks, in order: this rank's root, the replicator's copies on this
         node's disks, then `tiers` and the remote."""

@@ -34,7 +34,18 @@ from ckpt.store.errors import CkptError, VersionNotFoundError
 from ckpt.store.fsio import DIR_MODE, fsync_dir
 from ckpt.store.manifest import ArrayEntry, Manifest
 
-__all__ = ["OutFile", "parse_size", "tensor_names", "plan_files", "write_safetensors", "export_safetensors", "DTYPES"]
+__all__ = [
+    "OutFile",
+    "parse_size",
+    "tensor_names",
+    "tree_tensors",
+    "plan_files",
+    "write_safetensors",
+    "export_safetensors",
+    "finish_export",
+    "write_file",
+    "DTYPES",
+]
 
 Progress = Callable[[int], None]
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype: floating tensors only
@@ -81,26 +92,32 @@ def tensor_names(manifest: Manifest, sources: Sequence[Source], prefix: str) -> 
     trees: list[Any] = []
     for tree in saved_trees(manifest, sources):
         trees.append(tree)
-        node = _unwrap(tree)
-        for part in prefix.split(".") if prefix else []:
-            node = _unwrap(node[part]) if isinstance(node, dict) and part in node else None
-        if node is not None:
-            _collect(manifest, node, out)
+        for name, array in tree_tensors(manifest, tree, prefix):
+            if out.setdefault(name, array) is not array:
+                raise CkptError(f"{name!r} names two different tensors in the ranks' states: not exporting")
     if not out:
-        have = sorted(_unwrap(trees[0])) if isinstance(_unwrap(trees[0]), dict) else []
-        raise VersionNotFoundError(f"step {manifest.step} has no tensor under {prefix!r} to export (keys: {have})")
+        raise VersionNotFoundError(
+            f"step {manifest.step} has no tensor under {prefix!r} to export (keys: {_keys(trees)})"
+        )
     return out
 
 
-def _collect(manifest: Manifest, node: Any, out: dict[str, ArrayEntry]) -> None:
-    """Every tensor of one tree's subtree into `out`; a name two trees give different arrays is an error."""
+def _keys(trees: Sequence[Any]) -> list[str]:
+    top = _unwrap(trees[0]) if trees else None
+    return sorted(top) if isinstance(top, dict) else []
+
+
+def tree_tensors(manifest: Manifest, tree: Any, prefix: str) -> list[tuple[str, ArrayEntry]]:
+    """The tensors of one rank's tree under `prefix`, in its order, by their exported names."""
+    node = _unwrap(tree)
+    for part in prefix.split(".") if prefix else []:
+        node = _unwrap(node[part]) if isinstance(node, dict) and part in node else None
+    out: list[tuple[str, ArrayEntry]] = []
 
     def walk(n: Any, path: str) -> None:
         n = _unwrap(n)
         if isinstance(n, dict) and ("__tensor__" in n or "__ndarray__" in n):
-            array = manifest.arrays[str(n.get("__tensor__", n.get("__ndarray__")))]
-            if out.setdefault(path, array) is not array:
-                raise CkptError(f"{path!r} names two different tensors in the ranks' states: not exporting")
+            out.append((path, manifest.arrays[str(n.get("__tensor__", n.get("__ndarray__")))]))
         elif isinstance(n, dict) and "__tuple__" not in n and "__dict__" not in n and "__float__" not in n:
             for k, v in n.items():
                 walk(v, f"{path}.{k}" if path else str(k))
@@ -108,10 +125,25 @@ def _collect(manifest: Manifest, node: Any, out: dict[str, ArrayEntry]) -> None:
             for i, v in enumerate(n):
                 walk(v, f"{path}.{i}" if path else str(i))
 
-    walk(node, "")
+    if node is not None:
+        walk(node, "")
+    return out
 
 
-def _out_bytes(array: ArrayEntry, dtype: str | None) -> int:
+def check_dtype(dtype: str | None) -> Any:
+    """The torch dtype floating tensors are cast to (None: as saved); ValueError for another name."""
+    import torch
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    return None if dtype is None else getattr(torch, DTYPES[dtype])
+
+
+def as_exported(tensor: Any, array: ArrayEntry, cast: Any) -> Any:
+    return tensor.to(cast) if cast is not None and array.data_type in _FLOATS else tensor
+
+
+def out_bytes(array: ArrayEntry, dtype: str | None) -> int:
     kind = DTYPES[dtype] if dtype is not None and array.data_type in _FLOATS else array.data_type
     return array.nbytes // ITEMSIZE[array.data_type] * ITEMSIZE[kind]
 
@@ -132,7 +164,7 @@ def plan_files(sizes: Sequence[tuple[str, int]], max_bytes: int, stem: str = "mo
     ]
 
 
-def _check_target(out_dir: str, force: bool) -> None:
+def check_target(out_dir: str, force: bool) -> None:
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CkptError(f"{out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
@@ -196,21 +228,16 @@ def write_safetensors(
     progress: Progress = lambda n: None,
 ) -> list[str]:
     """Write the export (see the module docstring); returns the paths written, index last."""
-    import torch
-    from safetensors.torch import save_file
-
     from ckpt._dist import Comm
     from ckpt.restore.execute import ReadRequest, full_tensor, load_arrays
 
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    cast = check_dtype(dtype)
     names = tensor_names(manifest, sources, prefix)
-    files = plan_files([(n, _out_bytes(a, dtype)) for n, a in names.items()], parse_size(max_shard_size))
-    _check_target(out_dir, force)
+    files = plan_files([(n, out_bytes(a, dtype)) for n, a in names.items()], parse_size(max_shard_size))
+    check_target(out_dir, force)
     os.makedirs(out_dir, mode=DIR_MODE, exist_ok=True)
-    tmp = os.path.join(out_dir, f".ckpt-export-{uuid.uuid4().hex[:12]}")
+    tmp = os.path.join(out_dir, export_dirname(manifest))
     os.mkdir(tmp, DIR_MODE)
-    cast = None if dtype is None else getattr(torch, DTYPES[dtype])
 
     def write(f: OutFile) -> None:
         tensors = {}
@@ -218,38 +245,58 @@ def write_safetensors(
             array = names[name]
             dest = full_tensor(array)
             load_arrays(Comm.solo(), sources, manifest, [ReadRequest(array, dest, (0,) * len(array.shape))])
-            tensors[name] = dest.to(cast) if cast is not None and array.data_type in _FLOATS else dest
+            tensors[name] = as_exported(dest, array, cast)
             progress(array.nbytes)
-        path = os.path.join(tmp, f.name)
-        save_file(tensors, path, metadata={"format": "pt", "ckpt_step": str(manifest.step)})
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno())
+        write_file(os.path.join(tmp, f.name), tensors, manifest.step)
 
     try:
         with ThreadPoolExecutor(max(1, min(threads, len(files))), thread_name_prefix="ckpt-export") as pool:
             for _ in pool.map(write, files):
                 pass
-        written = [f.name for f in files]
-        if len(files) > 1:
-            index = {
-                "metadata": {"total_size": sum(f.nbytes for f in files)},
-                "weight_map": {t: f.name for f in files for t in f.tensors},
-            }
-            name = "model.safetensors.index.json"
-            with open(os.path.join(tmp, name), "w") as fh:
-                json.dump(index, fh, indent=2)
-                fh.flush()
-                os.fsync(fh.fileno())
-            written.append(name)
-        fsync_dir(tmp)
-        # With force, an earlier export's files go first (its index before its shards):
-        # transformers prefers a model.safetensors over an index, so none may be left over.
-        stale = sorted((n for n in os.listdir(out_dir) if _EXPORT_FILE.fullmatch(n)), key=lambda n: "index" not in n)
-        for name in stale:
-            os.unlink(os.path.join(out_dir, name))
-        for name in written:  # the index last: a reader that finds it finds every file
-            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-        fsync_dir(out_dir)
+        return finish_export(tmp, out_dir, files)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_dirname(manifest: Manifest) -> str:
+    """The temporary directory, inside the export's target, that its files are written into."""
+    return f".ckpt-export-{manifest.step}-{manifest.save_id[:16]}-{uuid.uuid4().hex[:8]}"
+
+
+def write_file(path: str, tensors: dict[str, Any], step: int) -> None:
+    """One safetensors file, durable."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt", "ckpt_step": str(step)})
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def finish_export(tmp: str, out_dir: str, files: Sequence[OutFile]) -> list[str]:
+    """With every file written into `tmp`: the index, then each file renamed into `out_dir`
+    (the index last: a reader that finds it finds every file); the paths, index last."""
+    missing = [f.name for f in files if not os.path.isfile(os.path.join(tmp, f.name))]
+    if missing:
+        raise CkptError(f"{len(missing)} export files are not in {tmp}, first {missing[0]}")
+    written = [f.name for f in files]
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(f.nbytes for f in files)},
+            "weight_map": {t: f.name for f in files for t in f.tensors},
+        }
+        name = "model.safetensors.index.json"
+        with open(os.path.join(tmp, name), "w") as fh:
+            json.dump(index, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        written.append(name)
+    fsync_dir(tmp)
+    # With force, an earlier export's files go first (its index before its shards):
+    # transformers prefers a model.safetensors over an index, so none may be left over.
+    stale = sorted((n for n in os.listdir(out_dir) if _EXPORT_FILE.fullmatch(n)), key=lambda n: "index" not in n)
+    for name in stale:
+        os.unlink(os.path.join(out_dir, name))
+    for name in written:
+        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    fsync_dir(out_dir)
     return [os.path.join(out_dir, n) for n in written]

@@ -16,6 +16,7 @@ import pytest
 import safetensors.torch as safetensors_torch  # in the test extra: a missing package fails, never skips
 import torch
 import transformers
+from safetensors import safe_open
 
 from tests._dist import launch
 from tests._states import bitwise_diff
@@ -154,3 +155,78 @@ def test_a_version_split_over_two_roots_exports_from_both(tmp_path: Path) -> Non
     assert torch.equal(got["stage0.w"], torch.zeros(3)) and torch.equal(got["stage1.w"], torch.ones(3))
     alone = _ckpt("restore", str(tmp_path / "node0"), "--to-safetensors", str(tmp_path / "alone"))
     assert alone.returncode != 0 and "lacks the part of ranks [1]" in alone.stderr, alone.stderr
+
+
+def export_by_ranks(ctx: Any, view: str, out: str) -> dict[str, Any]:
+    """4 ranks on 2 nodes save a version split over the nodes' roots (a sharded tensor, a
+    replicated one, a pipeline stage's tensor per rank), then export it together."""
+    import ckpt
+    from ckpt.store.errors import CkptError
+
+    node = ctx.rank // 2
+    ctx.check(not os.path.exists(f"{view}/node{1 - node}"), "the other node's disk is not visible")
+    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
+    rows = slice(2 * ctx.rank, 2 * ctx.rank + 2)
+    state = {
+        "model": {
+            "emb": ckpt.Shard(full[rows].clone(), (8, 6), (2 * ctx.rank, 0)),
+            "bias": torch.ones(6),
+            f"stage{ctx.rank}.w": torch.full((5,), float(ctx.rank)),
+        },
+        "step": 5,
+    }
+    with ckpt.Checkpointer(f"{view}/node{{node}}", timeout=datetime.timedelta(seconds=60)) as ck:
+        ck.save(5, state)
+        paths = ck.export_safetensors(out, max_shard_size="30B")
+        try:  # a directory on one node's disk: the other node's ranks cannot write there
+            ck.export_safetensors(f"{view}/node{node}/hf")
+            refused = ""
+        except CkptError as e:
+            refused = str(e)
+    return {"files": [os.path.basename(p) for p in paths], "refused": refused}
+
+
+def test_the_ranks_of_a_job_export_together_what_one_process_exports(tmp_path: Path) -> None:
+    """Checkpointer.export_safetensors: 4 ranks on 2 nodes (each sees only its node's disk)
+    write a share of the files each (more files than ranks: two rounds), their tensors read
+    through both nodes' roots over the group; the files are byte for byte the ones the CLI
+    writes from one process that reads both roots. A target only some ranks reach is refused
+    on every rank, and nothing is left in it."""
+    from tests._dist import Nodes, can_isolate
+
+    if not can_isolate():
+        pytest.skip("needs root and mount namespaces (unshare -m)")
+    nodes = Nodes(tmp_path / "disks", tmp_path / "view", per_node=2)
+    for k in (0, 1):
+        (nodes.disks / f"node{k}").mkdir(parents=True)
+    nodes.view.mkdir()
+    out = tmp_path / "hf"
+    results, failures = launch(
+        THIS, "export_by_ranks", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view), out=str(out)
+    )
+    assert not failures, failures
+    files = results[0]["files"]
+    assert all(r["files"] == files for r in results), results
+    assert len(files) == 7 and files[-1] == "model.safetensors.index.json", files
+    for r in results:
+        assert "every rank reaches" in r["refused"], r
+    assert not list((nodes.disks / "node0").glob("hf/*")) and not list(out.glob(".ckpt-export-*"))
+    alone = tmp_path / "alone"
+    res = _ckpt(
+        "restore", str(nodes.disks / "node0"), "--tier", str(nodes.disks / "node1"),
+        "--to-safetensors", str(alone), "--max-shard-size", "30B",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in alone.iterdir()) == sorted(files)
+    assert (out / files[-1]).read_text() == (alone / files[-1]).read_text()
+    for name in files[:-1]:  # the same tensors and metadata (whose order in the header is the writer's hash map's)
+        a, b = safetensors_torch.load_file(out / name), safetensors_torch.load_file(alone / name)
+        assert a.keys() == b.keys() and not bitwise_diff(a, b), name
+        with safe_open(out / name, "pt") as fa, safe_open(alone / name, "pt") as fb:
+            assert fa.metadata() == fb.metadata() == {"format": "pt", "ckpt_step": "5"}
+    got: dict[str, torch.Tensor] = {}
+    for name in files[:-1]:
+        got.update(safetensors_torch.load_file(out / name))
+    assert torch.equal(got["emb"], torch.arange(48, dtype=torch.float32).reshape(8, 6))
+    assert all(torch.equal(got[f"stage{r}.w"], torch.full((5,), float(r))) for r in range(4))
+    assert torch.equal(got["bias"], torch.ones(6)) and len(got) == 6

@@ -1,0 +1,150 @@
+"""torchtitan on ckpt: its DCP checkpoint manager, with every checkpoint a committed ckpt version.
+
+    trainer_config.checkpoint = ckpt.torchtitan.CheckpointManager.Config(enable=True, interval=500)
+
+torchtitan builds the manager its `checkpoint` config names (`Config._owner`); this one is
+torchtitan's own `CheckpointManager` (states, intervals, async modes, last-step
+model-only saves) whose DCP saves and loads go through `ckpt.dcp` onto the root
+`<dump folder>/<folder>`: a checkpoint of step N is version N, committed atomically,
+checksummed, listed by `ckpt ls`, replicated and retained by ckpt. A resume without
+`load_step` loads the newest intact version (a damaged one is passed over for the one
+before). `keep_latest_k` becomes ckpt's retention (`keep_last`), which never deletes the
+newest intact version. `async_with_pinned_mem` stages with DCP's pinned-memory stager and
+writes on a thread (the writer holds the job's open Checkpointer, which cannot move to
+another process). The last-step save in Hugging Face format is torchtitan's own, into
+`<folder>-hf/step-N`. Needs `torchtitan` (0.3; `pip install torchtitan --no-deps tyro
+spmd_types` is enough for the manager).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torchtitan.components.checkpointer.dcp import MODEL, AsyncMode
+from torchtitan.components.checkpointer.dcp import CheckpointManager as _DCPManager
+
+from ckpt import dcp as ckpt_dcp
+from ckpt.checkpointer import Checkpointer
+from ckpt.config import CheckpointerConfig
+from ckpt.store.versions import version_dirname
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger("ckpt")
+_VERSION = re.compile(r"v(\d{12})")
+
+
+class CheckpointManager(_DCPManager):  # type: ignore[misc]  # torchtitan ships no types
+    """torchtitan's DCP CheckpointManager onto a ckpt root (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_DCPManager.Config):  # type: ignore[misc]
+        pass
+
+    # Set by torchtitan's manager; typed here for the checks.
+    enable: bool
+    folder: str
+    pg: Any
+    states: dict[str, Any]
+    stager: DefaultStager | None
+    save_future: Future[Any] | None
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        keep = config.keep_latest_k
+        config.keep_latest_k = 0  # torchtitan's purge deletes step-N directories: ckpt's retention instead
+        try:
+            super().__init__(config, **kwargs)
+        finally:
+            config.keep_latest_k = keep
+        self._ckpt: Checkpointer | None = None
+        self._auto_step = False
+        if self.enable:
+            # DCP saves no RNG: neither does ckpt for it, and a load leaves the RNG alone.
+            self._ckpt = Checkpointer(self.folder, keep_last=keep or None, config=CheckpointerConfig(capture_rng=False))
+
+    def _close(self) -> None:
+        if self.save_future is not None:  # an async save still writes through the Checkpointer
+            self.save_future.result()
+            self.save_future = None
+        super()._close()
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+
+    def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
+        return os.path.join(folder or self.folder, version_dirname(step))
+
+    def _find_load_step(self, folder: str = "") -> int:
+        if folder and folder != self.folder:
+            return int(super()._find_load_step(folder))
+        assert self._ckpt is not None
+        latest = self._ckpt.latest_step()
+        return -1 if latest is None else latest
+
+    def _load(self, step: int = -1) -> bool:
+        self._auto_step = step == -1  # the newest intact version, with ckpt's fallback
+        return bool(super()._load(step))
+
+    def _ours(self, checkpoint_id: str) -> int | None:
+        """The step of a checkpoint id of this root; None for another place (an initial load)."""
+        m = _VERSION.fullmatch(os.path.basename(checkpoint_id))
+        same = os.path.abspath(os.path.dirname(checkpoint_id)) == os.path.abspath(self.folder)
+        return int(m.group(1)) if m and same else None
+
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Future[Any] | AsyncSaveResponse | None:
+        step = self._ours(checkpoint_id)
+        if to_hf or step is None:
+            if step is not None:
+                checkpoint_id = os.path.join(f"{self.folder}-hf", f"step-{step}")
+            done: Future[Any] | AsyncSaveResponse | None = super().dcp_save(
+                state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
+            )
+            return done
+        writer = ckpt_dcp.StorageWriter(self.folder, step, checkpointer=self._ckpt, overwrite=True)
+        if async_mode == AsyncMode.DISABLED:
+            dcp_save(state_dict, storage_writer=writer)
+            return None
+        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            if self.stager is None:
+                self.stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=True,
+                        use_shared_memory=True,
+                        use_async_staging=True,
+                        use_non_blocking_copy=True,
+                    )
+                )
+            return async_save(state_dict, storage_writer=writer, process_group=self.pg, async_stager=self.stager)
+        return async_save(state_dict, storage_writer=writer, process_group=self.pg)
+
+    def dcp_load(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        from_hf: bool,
+        from_quantized: bool,
+    ) -> None:
+        step = self._ours(checkpoint_id)
+        if from_hf or step is None:
+            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            return
+        reader = ckpt_dcp.StorageReader(self.folder, None if self._auto_step else step, checkpointer=self._ckpt)
+        dcp_load(state_dict, storage_reader=reader)
+        if MODEL in self.states:  # torchtitan flattens the model's state into the top level
+            self.states[MODEL].load_state_dict(state_dict)

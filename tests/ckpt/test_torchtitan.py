@@ -1,0 +1,123 @@
+"""torchtitan's checkpoint manager on ckpt (ckpt.torchtitan.CheckpointManager): 2 gloo ranks
+train with torchtitan's real optimizer and LR-scheduler containers, save every 2 steps
+through torchtitan's own save path (synchronous and async), stop, and resume from the
+newest ckpt version with losses bitwise equal to an uninterrupted run's; the checkpoints
+are ordinary committed ckpt versions (`ckpt verify`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from ckpt.cli import main as ckpt_cli
+from tests._dist import launch
+
+THIS = os.path.abspath(__file__)
+
+
+class _Loader:
+    """A data position torchtitan saves and restores (Stateful, as its dataloader is)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def batch(self) -> tuple[Any, Any]:
+        import torch
+
+        g = torch.Generator().manual_seed(self.pos)
+        self.pos += 1
+        x = torch.randn(16, 8, generator=g)
+        return x, x.sum(dim=1, keepdim=True).sin()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.pos = int(sd["pos"])
+
+
+class _TrainState:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch
+
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+
+
+def train(ctx: Any, folder: str, mode: str, until: int) -> dict[str, Any]:
+    """Train to step `until` (every rank the same batches, so the replicas stay equal),
+    resuming from the newest checkpoint in `folder` if there is one; the loss of each step."""
+    import torch
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    import ckpt.torchtitan
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt_config = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        implementation="for-loop",
+    )
+    optimizers = opt_config.build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=8)
+    loader, train_state = _Loader(), _TrainState()
+    config = ckpt.torchtitan.CheckpointManager.Config(
+        enable=True, folder="ckpt", interval=2, async_mode=mode, keep_latest_k=0, last_save_model_only=False
+    )
+    manager = config.build(
+        dataloader=loader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=folder,
+    )
+    ctx.check(isinstance(manager, ckpt.torchtitan.CheckpointManager), "torchtitan built ckpt's manager")
+    resumed = manager.load()
+    losses = {}
+    while train_state.step < until:
+        train_state.step += 1
+        x, y = loader.batch()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizers.step()
+        optimizers.zero_grad()
+        schedulers.step()
+        losses[train_state.step] = loss.item().hex()
+        manager.save(train_state.step, last_step=train_state.step == until)
+    manager.maybe_wait_for_saving()
+    manager.close()
+    return {"resumed": resumed, "losses": losses}
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_torchtitan_resumes_from_ckpt_versions_bitwise(tmp_path: Path, mode: str) -> None:
+    whole, failures = launch(THIS, "train", 2, tmp_path / "whole", folder=str(tmp_path / "whole"), mode=mode, until=6)
+    assert not failures, failures
+    first, failures = launch(THIS, "train", 2, tmp_path / "cut", folder=str(tmp_path / "cut"), mode=mode, until=3)
+    assert not failures, failures
+    again, failures = launch(THIS, "train", 2, tmp_path / "cut", folder=str(tmp_path / "cut"), mode=mode, until=6)
+    assert not failures, failures
+    assert not first[0]["resumed"] and again[0]["resumed"]
+    for r in range(2):
+        # steps 1-3, then the newest version (the last-step save of step 3), then 4-6
+        assert sorted(again[r]["losses"]) == ["4", "5", "6"], again[r]["losses"]
+        for step in ("4", "5", "6"):
+            assert again[r]["losses"][step] == whole[r]["losses"][step], (r, step)
+    root = tmp_path / "cut" / "ckpt"
+    res = CliRunner().invoke(ckpt_cli, ["verify", str(root)])
+    assert res.exit_code == 0, res.output
+    assert [line.split(":")[0] for line in res.output.splitlines() if line.startswith("step")] == [
+        "step 2", "step 3", "step 4", "step 6",
+    ], res.output  # fmt: skip
