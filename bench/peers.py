@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/ckpt-bench-peers")
     ap.add_argument("--out", default=str(HERE / "results" / "peers.json"))
     ap.add_argument("--skip-s3", action="store_true")
+    ap.add_argument("--only", choices=["recovery", "step", "ram"], default=None, help="run one phase")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -93,18 +94,21 @@ def main() -> None:
     os.makedirs(args.dir)
     env: dict[str, str] = {}
     moto = None
-    if not args.skip_s3:
+    if not args.skip_s3 and args.only in (None, "recovery"):
         from run import FAKE_AWS, Moto
 
         moto = Moto(args.dir, "peers")
         env = dict(FAKE_AWS, BENCH_S3_ENDPOINT=moto.endpoint, BENCH_S3_BUCKET=moto.bucket)
     try:
-        _launch("recovery", 4, 2, args, env)
+        if args.only in (None, "recovery"):
+            _launch("recovery", 4, 2, args, env)
     finally:
         if moto is not None:
             moto.stop()
-    _launch("step", 2, 1, args, {})
-    _launch("ram", 1, 1, args, {})
+    if args.only in (None, "step"):
+        _launch("step", 2, 1, args, {})
+    if args.only in (None, "ram"):
+        _launch("ram", 1, 1, args, {})
     with open(os.path.join(args.dir, "peers.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     out = summarize(records, args)
@@ -211,6 +215,13 @@ class _Ranks:
 
         t = torch.tensor([seconds], dtype=torch.float64)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def total(self, value: float) -> float:
+        import torch
+
+        t = torch.tensor([value], dtype=torch.float64)
+        self.dist.all_reduce(t)
         return float(t.item())
 
     def record(self, op: str, rep: int, seconds: float, **fields: Any) -> None:
@@ -375,6 +386,7 @@ def _step_cost(args: argparse.Namespace, ranks: _Ranks) -> None:
             step += 1
             time.sleep(0.5)  # the previous round's background work is over
             ranks.barrier()
+            cpu0, sys0 = _cpu_seconds(), _system_cpu()
             t0 = time.perf_counter()
             ck.save(step, state)
             train()
@@ -385,11 +397,29 @@ def _step_cost(args: argparse.Namespace, ranks: _Ranks) -> None:
                 while step not in verified_peer_steps(path) and time.perf_counter() - t0 < 120:
                     time.sleep(0.01)
             seconds = time.perf_counter() - t0
-            ranks.record(
-                label[mode], rep, seconds, bytes=nbytes * ranks.world, extra={"steps and commit done after": steps_done}
-            )
+            cpu = ranks.total(_cpu_seconds() - cpu0)
+            busy = {k: v - sys0[k] for k, v in _system_cpu().items()}
+            extra = {"steps and commit done after": steps_done, "CPU s, both ranks' processes": cpu}
+            extra.update({f"CPU s, machine ({k})": v for k, v in busy.items()})
+            ranks.record(label[mode], rep, seconds, bytes=nbytes * ranks.world, extra=extra)
     for ck in cks.values():
         ck.close()
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time, every thread, user and system."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _system_cpu() -> dict[str, float]:
+    """The machine's CPU seconds so far by kind (/proc/stat: the kernel's work for the
+    processes too, such as softirq for loopback TCP), summed over cores."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:8]]
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, iowait, irq, softirq = (x / tick for x in fields)
+    return {"user+nice": user + nice, "system": system, "irq+softirq": irq + softirq, "iowait": iowait}
 
 
 def _ram(args: argparse.Namespace, ranks: _Ranks) -> None:

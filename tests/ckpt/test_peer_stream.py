@@ -39,12 +39,18 @@ def _version(tmp_path: Path) -> tuple[str, list[tuple[str, int]]]:
 
 
 def _copy(
-    version: str, files: list[tuple[str, int]], dest: Path, tamper: Tamper | None = None, aligned: bool = True
+    version: str,
+    files: list[tuple[str, int]],
+    dest: Path,
+    tamper: Tamper | None = None,
+    aligned: bool = True,
+    step: int = 1,
+    reuse: bool = False,
 ) -> _Sink:
     """Stream the version into a sink piece by piece, as a round does (PIECE-sized buffers,
     page-aligned as a round's are, or not: then O_DIRECT refuses them and the page cache takes over)."""
     stream = _Stream(version, files)
-    sink = _Sink(str(dest / version_dirname(1)), 1, files)
+    sink = _Sink(str(dest / version_dirname(step)), step, files, reuse=reuse)
     buf = memoryview(_aligned(PIECE).numpy()) if aligned else memoryview(bytearray(PIECE + 1))[1:]
     r = 0
     try:
@@ -119,3 +125,28 @@ def test_a_stream_without_its_head_files_is_refused(tmp_path: Path) -> None:
 def test_a_file_outside_the_version_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CorruptVersionError, match="outside its version"):
         _Sink(str(tmp_path / "v"), 1, [("../escape", 4)])
+
+
+def test_a_retired_copys_tree_is_rewritten_into_the_next_copy_exactly(tmp_path: Path) -> None:
+    """The copier writes a new copy into the tree of one that retention retired (overwriting
+    files is far cheaper than creating them): what the old version had and the new one does
+    not is removed, and the result is the new version, bitwise."""
+    version, files = _version(tmp_path)
+    root = tmp_path / "root"
+    g = torch.Generator().manual_seed(1)
+    with Checkpointer(root) as ck:  # other arrays, other sizes: one gone, one new, one grown
+        ck.save(2, {"big": torch.randn(PIECE // 4, generator=g), "new": {"w": torch.randn(9, generator=g)}})
+    newer = str(root / version_dirname(2))
+    newer_files = _files(newer)
+    _copy(version, files, tmp_path / "copy").verified()
+    tree = tmp_path / "next" / version_dirname(2)
+    tree.parent.mkdir()
+    (tmp_path / "copy" / version_dirname(1)).rename(tree)
+    sink = _copy(newer, newer_files, tmp_path / "next", step=2, reuse=True)
+    sink.verified()
+    sink.drop_extra()
+    assert sorted(_files(str(tree))) == sorted(newer_files)
+    for rel, _ in newer_files:
+        assert filecmp.cmp(os.path.join(newer, rel), tree / rel, shallow=False), rel
+    leftovers = [d for d, subdirs, names in os.walk(tree) if not subdirs and not names]
+    assert not leftovers, f"directories of the old version left behind: {leftovers}"
