@@ -13,7 +13,7 @@ calls by kind (`calls`), for the tests and benchmarks that hold the save to that
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -121,16 +121,26 @@ class Comm:
     ) -> None:
         """Point-to-point: send each (peer, tag, tensor) and receive into each (peer, tag,
         tensor), all posted at once, then waited for (no pair of ranks can block each other)."""
+        self.start_exchange(sends, recvs)()
+
+    def start_exchange(
+        self, sends: Sequence[tuple[int, int, torch.Tensor]], recvs: Sequence[tuple[int, int, torch.Tensor]]
+    ) -> Callable[[], None]:
+        """exchange(), posted now; the function returned waits for it (call it once)."""
         self.calls["p2p"] += 1
         if self.world == 1:
             if sends or recvs:
                 raise ValueError("a single process has no peer to exchange with")
-            return
+            return lambda: None
         works = [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
         works += [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
-        for w in works:
-            if w is not None:
-                w.wait()
+
+        def wait() -> None:
+            for w in works:
+                if w is not None:
+                    w.wait()
+
+        return wait
 
     def send_bytes(self, data: bytes, dsts: Sequence[int], tag: int) -> None:
         """Point-to-point: the same bytes to each of `dsts` (a length, then the payload)."""

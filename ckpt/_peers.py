@@ -442,23 +442,35 @@ class PeerCopier:
         totals = {s: _layout([(str(r), int(n)) for r, n in incoming[s]["files"]])[1] for s in plan.sources}
         expected = {s: -(-totals[s] // PIECE) for s in plan.sources}
         started, sent = time.monotonic(), 0
-        # One buffer to send from and one per source to receive into, reused piece after piece.
+        # One buffer to send from, and two per source to receive into, used in turn: piece
+        # r + 1's receive is posted before piece r is written, so every piece lands straight
+        # in its buffer (one that came before its receive was posted would be copied twice).
         out_buf = torch.empty(PIECE if pieces_out else 0, dtype=torch.uint8)
-        in_bufs = {s: _aligned(PIECE if expected[s] else 0) for s in plan.sources}
+        in_bufs = {s: [_aligned(PIECE if expected[s] else 0) for _ in range(2)] for s in plan.sources}
+
+        def post(r: int) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
+            bufs = {s: in_bufs[s][r % 2][: min(PIECE, totals[s] - r * PIECE)] for s in plan.sources if r < expected[s]}
+            return bufs, comm.start_exchange([], [(plan.leaders[s], _BODY + r, b) for s, b in bufs.items()])
+
+        rounds = max([pieces_out, *expected.values()], default=0)
         try:
-            for r in range(max([pieces_out, *expected.values()], default=0)):
+            receiving = post(0) if rounds else None
+            for r in range(rounds):
                 n = stream.readinto(memoryview(out_buf.numpy())) if r < pieces_out else 0  # type: ignore[arg-type]
-                bufs = {s: in_bufs[s][: min(PIECE, totals[s] - r * PIECE)] for s in plan.sources if r < expected[s]}
-                comm.exchange(
-                    [(plan.leaders[t], _BODY + r, out_buf[:n]) for t in plan.targets if n],
-                    [(plan.leaders[s], _BODY + r, b) for s, b in bufs.items()],
+                sending = comm.start_exchange(
+                    [(plan.leaders[t], _BODY + r, out_buf[:n]) for t in plan.targets if n], []
                 )
+                assert receiving is not None
+                bufs, wait = receiving
+                wait()
+                receiving = post(r + 1) if r + 1 < rounds else None
                 for s, b in bufs.items():
                     if s in sinks and s not in errors:
                         try:
                             sinks[s].write(memoryview(b.numpy()), r * PIECE)  # type: ignore[arg-type]
                         except (CkptError, OSError) as e:
                             errors[s] = f"{type(e).__name__}: {e}"
+                sending()
                 sent += n * len(plan.targets)
                 if self._rate is not None:  # the cap: no faster than bwlimit on average
                     ahead = sent / self._rate - (time.monotonic() - started)
