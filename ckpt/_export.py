@@ -111,9 +111,12 @@ def _names(ctl: Comm, manifest: Manifest, located: Located, prefix: str) -> dict
         want = first + ctl.rank if first + ctl.rank < manifest.world_size else None
         found = saved_rank_of(ctl, manifest, located, want)
         if found is not None and want is not None and error is None:
-            error = _merge(
-                mine, {n: (want, i, a.name) for i, (n, a) in enumerate(tree_tensors(manifest, found.tree, prefix))}
-            )
+            try:
+                tensors = tree_tensors(manifest, found.tree, prefix)
+            except Exception as e:  # noqa: BLE001 - every rank still joins the merge, then raises it
+                error = f"saved rank {want}'s tree: {describe_error(e)}"
+                continue
+            error = _merge(mine, {n: (want, i, a.name) for i, (n, a) in enumerate(tensors)})
     # Up a binary tree: at distance d, rank r (a multiple of 2d) takes in rank r + d's names.
     d = 1
     while d < ctl.world:

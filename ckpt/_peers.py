@@ -49,6 +49,7 @@ from ckpt.replicator.policy import Policy
 from ckpt.store import commit
 from ckpt.store.digest import ChunkHasher
 from ckpt.store.errors import CkptError, CorruptVersionError
+from ckpt.store.faults import fault_delay
 from ckpt.store.fsio import (
     DIRECT_ALIGN,
     DIRECT_MIN_BYTES,
@@ -208,6 +209,7 @@ class _Sink:
         self.paths: list[str] = []
         self.dirs = {base}
         makedirs(base)
+        self._drop_extra()  # a reused tree keeps nothing the copy does not send (a stale root.json)
 
     def write(self, data: memoryview, at: int) -> None:
         """The piece of the stream that starts at offset `at`."""
@@ -223,7 +225,7 @@ class _Sink:
                 self._open(rel, size)
             lo, hi = max(at, off), min(end, off + size)
             if hi > lo:
-                self._put(data[lo - at : hi - at])
+                self._put(data[lo - at : hi - at], lo - off)
             if hi < off + size:
                 return
             self._close_file(rel, size)
@@ -244,7 +246,8 @@ class _Sink:
         if expected is not None and expected.nbytes != size:
             raise CorruptVersionError(f"{rel} has {size} bytes, the manifest says {expected.nbytes}")
 
-    def _put(self, view: memoryview) -> None:
+    def _put(self, view: memoryview, offset: int) -> None:
+        """`view` into the open file at `offset` (where the file's writes have reached)."""
         if self._hasher is not None:
             self._hasher.update(view)
         whole = len(view) - len(view) % DIRECT_ALIGN if self._direct else 0
@@ -254,7 +257,10 @@ class _Sink:
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                whole = 0  # the device wants more alignment (nothing was written): the page cache then
+                # The device wants more alignment: the page cache then, from where this piece
+                # starts (an earlier write of the loop may have gone through).
+                os.lseek(self._fd, offset, os.SEEK_SET)
+                whole = 0
                 self._can_direct = False
             view = view[whole:]
         if len(view) and self._direct:
@@ -263,8 +269,11 @@ class _Sink:
         write_all(self._fd, view)
 
     def _close_file(self, rel: str, size: int) -> None:
+        written = os.fstat(self._fd).st_size
         os.close(self._fd)
         self._fd, self._i = -1, self._i + 1
+        if written != size:  # the digest is of the bytes received: the file must hold them, no more
+            raise CorruptVersionError(f"{rel}: {written} bytes written of {size}")
         if self._hasher is not None:
             expected = self._expected[rel] if self._expected is not None else None
             got = self._hasher.hexdigest()
@@ -284,7 +293,7 @@ class _Sink:
         except FileNotFoundError:
             raise CorruptVersionError(f"the copy of step {self._step} came without its manifest") from None
         info = read_root_info(tier, self._step)
-        if manifest.step != self._step or info is None:
+        if manifest.step != self._step or info is None or info.save_id != manifest.save_id:
             raise CorruptVersionError(f"the copy of step {self._step} holds no such version")
         expected: dict[str, ExpectedChunk] = {}
         for e in expected_chunks(tier, self._step, manifest, set(info.writers)):
@@ -293,7 +302,7 @@ class _Sink:
             expected[e.path] = e
         self._expected = expected
 
-    def drop_extra(self) -> None:
+    def _drop_extra(self) -> None:
         """Of a reused tree, remove what the copy does not hold (the retired version's own files)."""
         if not self._reuse:
             return
@@ -398,6 +407,8 @@ class PeerCopier:
                 record_peers_stopped(self._root, self.failed)  # retention no longer waits for them
             except OSError as e2:
                 log.error("%s: cannot record that peer copies stopped: %s", self._root, e2)
+            for s in self._plan.sources:  # no copy will reuse them
+                shutil.rmtree(os.path.join(peer_dir(self._root, s), SPARE), ignore_errors=True)
 
     def _round(self, step: int) -> None:
         plan, comm = self._plan, self._comm
@@ -422,6 +433,7 @@ class PeerCopier:
             [(plan.leaders[s], _HEADER + 1, heads[s]) for s in plan.sources],
         )
         incoming = {s: json.loads(heads[s].numpy().tobytes()) for s in plan.sources}
+        fault_delay("peer-stream", plan.leaders[plan.me])  # tests: the files change once announced
         # Phase 2: the streams, piece by piece (every pair's piece r carries tag _BODY + r).
         stream = _Stream(version, files)
         pieces_out = -(-stream.total // PIECE)
@@ -453,10 +465,20 @@ class PeerCopier:
             return bufs, comm.start_exchange([], [(plan.leaders[s], _BODY + r, b) for s, b in bufs.items()])
 
         rounds = max([pieces_out, *expected.values()], default=0)
+        broken: str | None = None  # this leader's own stream failed: its targets will refuse it
         try:
             receiving = post(0) if rounds else None
             for r in range(rounds):
-                n = stream.readinto(memoryview(out_buf.numpy())) if r < pieces_out else 0  # type: ignore[arg-type]
+                n = 0
+                if r < pieces_out and broken is None:
+                    try:
+                        n = stream.readinto(memoryview(out_buf.numpy()))  # type: ignore[arg-type]
+                    except (CkptError, OSError) as e:
+                        broken = f"{type(e).__name__}: {e}"
+                        log.error("%s: reading step %d for its peer copies failed: %s", self._root, step, broken)
+                if r < pieces_out and broken is not None:  # the pieces announced, as zeros: their checks fail
+                    n = min(PIECE, stream.total - r * PIECE)
+                    out_buf[:n].zero_()
                 sending = comm.start_exchange(
                     [(plan.leaders[t], _BODY + r, out_buf[:n]) for t in plan.targets if n], []
                 )
@@ -468,7 +490,7 @@ class PeerCopier:
                     if s in sinks and s not in errors:
                         try:
                             sinks[s].write(memoryview(b.numpy()), r * PIECE)  # type: ignore[arg-type]
-                        except (CkptError, OSError) as e:
+                        except Exception as e:  # noqa: BLE001 - this copy is refused; the round goes on
                             errors[s] = f"{type(e).__name__}: {e}"
                 sending()
                 sent += n * len(plan.targets)
@@ -509,7 +531,6 @@ class PeerCopier:
         incoming = os.path.join(home, ".incoming")
         try:
             sink.verified()
-            sink.drop_extra()
             fsync_files(sink.paths)
             fsync_dirs(sorted(sink.dirs, key=len, reverse=True))
             with open(os.path.join(incoming, version_dirname(step), MANIFEST_NAME), "rb") as f:

@@ -355,7 +355,7 @@ class Checkpointer:
             ),
             step=step,
             missing_ok=False,
-            needs=None if step is not None else frozenset({prefix.split(".")[0]}),
+            needs=None if step is not None or not prefix else frozenset({prefix.split(".")[0]}),
         )
         assert found is not None  # missing_ok=False: VersionNotFoundError instead
         return found[1]

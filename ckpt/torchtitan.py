@@ -72,13 +72,15 @@ class CheckpointManager(_DCPManager):  # type: ignore[misc]  # torchtitan ships 
             self._ckpt = Checkpointer(self.folder, keep_last=keep or None, config=CheckpointerConfig(capture_rng=False))
 
     def _close(self) -> None:
-        if self.save_future is not None:  # an async save still writes through the Checkpointer
-            self.save_future.result()
-            self.save_future = None
-        super()._close()
-        if self._ckpt is not None:
-            self._ckpt.close()
-            self._ckpt = None
+        try:
+            if self.save_future is not None:  # an async save still writes through the Checkpointer
+                self.save_future.result()
+                self.save_future = None
+            super()._close()
+        finally:
+            if self._ckpt is not None:
+                self._ckpt.close()
+                self._ckpt = None
 
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
         return os.path.join(folder or self.folder, version_dirname(step))
@@ -88,11 +90,20 @@ class CheckpointManager(_DCPManager):  # type: ignore[misc]  # torchtitan ships 
             return int(super()._find_load_step(folder))
         assert self._ckpt is not None
         latest = self._ckpt.latest_step()
-        return -1 if latest is None else latest
+        # Agreed by the ranks: one whose node came back with empty disks lists nothing here,
+        # and ckpt reads its part from the other tiers (peer copies, the remote).
+        return self._ckpt._ctl.reduce_max([-1 if latest is None else latest])[0]
 
     def _load(self, step: int = -1) -> bool:
+        """torchtitan's, except that a version of this root is loaded by every rank alike
+        (torchtitan looks for the checkpoint's directory on each rank's own disk)."""
+        load_step = self._find_load_step() if step == -1 else step
+        if load_step == -1:  # nothing here on any rank: torchtitan's initial load or a fresh start
+            return bool(super()._load(step))
         self._auto_step = step == -1  # the newest intact version, with ckpt's fallback
-        return bool(super()._load(step))
+        states = self._states_to_load(load_step == 0)  # torchtitan's seed checkpoint (step 0) is the model only
+        self.dcp_load(states, self._create_checkpoint_id(load_step), False, False)
+        return True
 
     def _ours(self, checkpoint_id: str) -> int | None:
         """The step of a checkpoint id of this root; None for another place (an initial load)."""

@@ -209,7 +209,7 @@ def export_safetensors(
             force=force,
         )
 
-    needs = None if step is not None else frozenset({prefix.split(".")[0]})
+    needs = None if step is not None or not prefix else frozenset({prefix.split(".")[0]})
     found = restore_newest(Comm.solo(), lambda: opened, load, step=step, missing_ok=False, needs=needs)
     assert found is not None  # missing_ok=False: VersionNotFoundError instead
     return found[1]

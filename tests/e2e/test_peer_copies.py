@@ -69,6 +69,33 @@ def save_job(ctx: Any, view: str, steps: list[int], keep_last: int | None) -> di
     return {}
 
 
+def stream_breaks(ctx: Any, view: str) -> dict[str, Any]:
+    """Root 0's copier announces step 1's files, then one of them shrinks before it is read
+    (CKPT_DELAY holds the copier there): its copy must fail on root 1, the round end on
+    every leader, and step 2 be copied both ways."""
+    import glob
+    import time
+
+    import ckpt
+    from ckpt._peer_status import read_peer_status
+
+    root = _view(ctx, view)
+    mine = root.format(node=ctx.rank // 2)
+    ck = ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT)
+    ck.save(1, _state(ctx.rank, 1))
+    ck.wait()
+    if ctx.rank == 0:  # inside the copier's delay, after its header went out
+        time.sleep(1.0)
+        chunks = [p for p in glob.glob(f"{mine}/v000000000001/state/**/c*", recursive=True) if os.path.isfile(p)]
+        biggest = max(chunks, key=os.path.getsize)
+        os.truncate(biggest, os.path.getsize(biggest) // 2)
+    ck.save(2, _state(ctx.rank, 2))
+    ck.wait()
+    ck.close()  # lets the copies of committed versions finish
+    status = read_peer_status(mine) if ctx.rank % 2 == 0 else {}
+    return {"status": {str(s): v for s, v in status.items()}}
+
+
 def save_then_lose_node(ctx: Any, view: str, steps: list[int]) -> dict[str, Any]:
     """Save, let the peer copies finish, then node 1's ranks die of SIGKILL (no close())."""
     import signal
@@ -307,3 +334,19 @@ def test_an_interrupted_peer_copy_is_never_listed_and_the_next_save_is_copied(tm
         held = Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))
         assert _versions(held) == ["v000000000002"]
         assert not (held / ".incoming").exists() or not any((held / ".incoming").iterdir())
+
+
+def test_a_sender_that_cannot_read_its_version_fails_that_copy_not_the_copier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that changes under the copier after its size was announced: the receiver
+    refuses that copy (the bytes do not match the manifest), every leader finishes the
+    round, and the next version is copied both ways (the copier goes on)."""
+    nodes = _nodes(tmp_path)
+    monkeypatch.setenv("CKPT_DELAY", "peer-stream:0:3")
+    results, failures = launch(THIS, "stream_breaks", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert results[0]["status"] == {"1": {"1": "failed"}, "2": {"1": "verified"}}, results[0]
+    assert results[2]["status"] == {"1": {"0": "verified"}, "2": {"0": "verified"}}, results[2]
+    held = Path(peer_dir(str(nodes.disks / "node1"), 0))
+    assert _versions(held) == ["v000000000002"]
