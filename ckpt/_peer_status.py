@@ -26,6 +26,7 @@ __all__ = [
     "record_peer_copies",
     "record_peers_stopped",
     "forget_peer_copies",
+    "forget_peer_step",
     "verified_peer_steps",
     "peer_redundant",
     "with_peer_rule",
@@ -106,6 +107,14 @@ def record_peer_copies(root: str, step: int, results: dict[int, str]) -> None:
     present = set(committed_steps(open_tier(root))) | {step}
     steps = {str(s): {str(t): v for t, v in status[s].items()} for s in sorted(status) if s in present}
     _write(root, {"copies": len(results), "steps": steps})
+
+
+def forget_peer_step(root: str, step: int) -> None:
+    """`step` was overwritten: the copies recorded are of the save it replaced."""
+    doc = _read(root)
+    steps = doc.get("steps")
+    if isinstance(steps, dict) and steps.pop(str(step), None) is not None:
+        _write(root, doc)
 
 
 def record_peers_stopped(root: str, why: str) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt._dist import Comm
-from ckpt._peer_status import peer_dir, record_peer_copies, record_peers_stopped
+from ckpt._peer_status import forget_peer_step, peer_dir, record_peer_copies, record_peers_stopped
 from ckpt._roots import node_of
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
@@ -356,19 +356,38 @@ class PeerCopier:
         self._cond = threading.Condition()
         self._committed: set[int] = set()
         self._pending = -1  # the newest committed step not yet copied
-        self._done = -1  # the step of the last round: older commits are not copied again
+        self._done = -1  # the step of the last round: older commits are not copied again, unless overwritten
+        self._copied: dict[int, str] = {}  # step -> the save id of the version this copier sent
+        self._recheck: set[int] = set()  # steps copied whose commit was told again
         self._closing = False
         self.failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-peers", daemon=True)
         self._thread.start()
 
     def committed(self, step: int) -> None:
-        """A commit of this root (again for a step is harmless: a step copied is not copied twice)."""
+        """A commit of this root. Again for a step already copied: the thread compares the
+        version's save id with the one it copied, and copies an overwrite again (the same
+        commit told twice is not copied twice)."""
         with self._cond:
             self._committed.add(step)
             if step > self._done:
                 self._pending = max(self._pending, step)
+            elif step in self._copied:
+                self._recheck.add(step)
             self._cond.notify_all()
+
+    def _requeue_overwritten(self, step: int) -> None:
+        """Queue `step` again if the root's version of it is no longer the one copied."""
+        try:
+            info = read_root_info(open_tier(self._root), step)
+        except (CkptError, OSError) as e:
+            log.warning("%s: cannot read step %d to compare with its peer copy: %s", self._root, step, e)
+            return
+        if info is None or info.save_id == self._copied.get(step):
+            return
+        forget_peer_step(self._root, step)  # its copies are of the save it replaced: none verified now
+        with self._cond:
+            self._pending = max(self._pending, step)
 
     def close(self, timeout: float) -> None:
         """Copy what is committed (every leader does the same), for at most `timeout` s."""
@@ -384,9 +403,15 @@ class PeerCopier:
         try:
             while True:
                 with self._cond:
-                    while self._pending < 0 and not self._closing:
+                    while self._pending < 0 and not self._recheck and not self._closing:
                         self._cond.wait()
+                    recheck, self._recheck = self._recheck, set()
+                for step in sorted(recheck):  # every leader decides alike: an overwrite commits on every root
+                    self._requeue_overwritten(step)
+                with self._cond:
                     mine, closing = self._pending, self._closing
+                if mine < 0 and not closing:  # only a commit told twice
+                    continue
                 # Every leader takes part in each round: the newest step any has, and whether all close.
                 newest, open_ = self._comm.reduce_max([mine, int(not closing)])
                 if newest < 0:
@@ -415,6 +440,11 @@ class PeerCopier:
         version = os.path.join(self._root, version_dirname(step))
         try:
             files = _files(version)
+            info = read_root_info(open_tier(self._root), step)
+            if info is not None:
+                self._copied[step] = info.save_id
+                for old in sorted(self._copied)[:-64]:  # the recent steps are the ones overwritten
+                    del self._copied[old]
             header = json.dumps({"step": step, "files": files}).encode()
         except OSError as e:  # still a full round, sending nothing: no peer waits for this one
             log.error("%s: cannot read step %d for its peer copies: %s", self._root, step, e)

@@ -373,6 +373,9 @@ class Saver:
             if pending.done():
                 self._pending = None
         self.stats.append(stats)
+        # Replaced once committed (every rank alike: a commit ends alike on all of them): a
+        # later save of the step is an ordinary one, refused unless it says overwrite.
+        self.incomplete = self.incomplete - {stats.step}
 
     def close(self) -> None:
         """Stop the threads and free the buffer (after wait())."""

@@ -96,6 +96,32 @@ def stream_breaks(ctx: Any, view: str) -> dict[str, Any]:
     return {"status": {str(s): v for s, v in status.items()}}
 
 
+def overwrite_copied(ctx: Any, view: str) -> dict[str, Any]:
+    """Save steps 1 and 2, let step 2's peer copies be verified, overwrite step 2 with other
+    values; then restore in a new Checkpointer."""
+    import time
+
+    import ckpt
+    from ckpt._peer_status import verified_peer_steps
+
+    root = _view(ctx, view)
+    mine = root.format(node=ctx.rank // 2)
+    with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
+        ck.save(1, _state(ctx.rank, 1))
+        ck.save(2, _state(ctx.rank, 2))
+        ck.wait()
+        deadline = time.monotonic() + 60
+        while ctx.rank % 2 == 0 and 2 not in verified_peer_steps(mine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ck.save(2, _state(ctx.rank, 20), overwrite=True)
+    fresh = _state(ctx.rank, 0, ctx.world)
+    with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
+        got = ck.restore(fresh)
+    want = _state(ctx.rank, 20)
+    same = all(torch.equal(fresh[k].local_tensor, want[k].local_tensor) for k in ("w", "own"))
+    return {"restored": got, "bitwise": bool(same), "verified": sorted(verified_peer_steps(mine))}
+
+
 def save_then_lose_node(ctx: Any, view: str, steps: list[int]) -> dict[str, Any]:
     """Save, let the peer copies finish, then node 1's ranks die of SIGKILL (no close())."""
     import signal
@@ -194,12 +220,20 @@ def resume_and_save_again(ctx: Any, view: str) -> dict[str, Any]:
     with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
         resumed = ck.restore(state)
         ck.save(6, _state(ctx.rank, 60))  # step 6 again, with other values
+        ck.wait()
+        try:  # once replaced, step 6 is a committed version like any other
+            ck.save(6, _state(ctx.rank, 61))
+            ck.wait()
+            refused = False
+        except ckpt.VersionExistsError:
+            refused = True
     fresh = _state(ctx.rank, 0, ctx.world)
     with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
         again = ck.restore(fresh)
     want = _state(ctx.rank, 60)
     same = all(torch.equal(fresh[k].local_tensor, want[k].local_tensor) for k in ("w", "own"))
-    return {"resumed": resumed, "again": again, "bitwise": bool(same) and torch.equal(fresh["scale"], want["scale"])}
+    bitwise = bool(same) and torch.equal(fresh["scale"], want["scale"])
+    return {"resumed": resumed, "again": again, "bitwise": bitwise, "refused": refused}
 
 
 def _versions(path: Path) -> list[str]:
@@ -278,13 +312,16 @@ def test_a_killed_node_restores_on_four_ranks_and_on_two(tmp_path: Path) -> None
 def test_a_version_left_incomplete_by_a_node_loss_is_replaced_by_the_next_save_of_its_step(tmp_path: Path) -> None:
     """Step 6's peer copy of node 1's part never arrived, and node 1 is lost: the job resumes
     from step 3 and saves step 6 again, which replaces node 0's surviving part of the old
-    step 6 (before: VersionExistsError on node 0's root, and the job could not go on)."""
+    step 6 (before: VersionExistsError on node 0's root, and the job could not go on). Once
+    replaced, a further save of step 6 is refused as for any committed step."""
     nodes = _saved_then_node_1_killed(tmp_path)
     shutil.rmtree(Path(peer_dir(str(nodes.disks / "node0"), 1)) / "v000000000006")
     _wipe(nodes.disks / "node1")
     results, failures = launch(THIS, "resume_and_save_again", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
-    assert [(r["resumed"], r["again"], r["bitwise"]) for r in results] == [(3, 6, True)] * 4, results
+    assert [(r["resumed"], r["again"], r["bitwise"], r["refused"]) for r in results] == [(3, 6, True, True)] * 4, (
+        results
+    )
 
 
 def test_both_copies_of_a_part_lost_is_an_error_not_a_partial_state(tmp_path: Path) -> None:
@@ -350,3 +387,18 @@ def test_a_sender_that_cannot_read_its_version_fails_that_copy_not_the_copier(
     assert results[2]["status"] == {"1": {"0": "verified"}, "2": {"0": "verified"}}, results[2]
     held = Path(peer_dir(str(nodes.disks / "node1"), 0))
     assert _versions(held) == ["v000000000002"]
+
+
+def test_an_overwritten_version_is_copied_again(tmp_path: Path) -> None:
+    """A step overwritten after its peer copies were verified is copied again: the peers
+    then hold the new save (before: they kept the old one, two complete saves of step 2
+    made it ambiguous, and restore fell back to step 1)."""
+    nodes = _nodes(tmp_path)
+    results, failures = launch(THIS, "overwrite_copied", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert [(r["restored"], r["bitwise"]) for r in results] == [(2, True)] * 4, results
+    assert results[0]["verified"] == [1, 2] and results[2]["verified"] == [1, 2], results
+    for k in (0, 1):
+        own = json.loads((nodes.disks / f"node{k}" / "v000000000002" / "root.json").read_text())
+        held = Path(peer_dir(str(nodes.disks / f"node{1 - k}"), k)) / "v000000000002" / "root.json"
+        assert json.loads(held.read_text())["save_id"] == own["save_id"]
