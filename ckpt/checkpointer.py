@@ -335,6 +335,7 @@ class Checkpointer:
         files as `ckpt restore --to-safetensors` (restore.to_safetensors); returns their
         paths, the index last, on every rank."""
         from ckpt._export import export_version
+        from ckpt.restore.to_safetensors import export_needs
 
         self._check_open()
         if step is not None:
@@ -355,7 +356,7 @@ class Checkpointer:
             ),
             step=step,
             missing_ok=False,
-            needs=None if step is not None or not prefix else frozenset({prefix.split(".")[0]}),
+            needs=export_needs(step, prefix),
         )
         assert found is not None  # missing_ok=False: VersionNotFoundError instead
         return found[1]

@@ -329,7 +329,7 @@ def _export_safetensors(
     tiers: tuple[str, ...],
     storage_options: tuple[str, ...],
 ) -> None:
-    from ckpt.restore.to_safetensors import parse_size, tensor_names, write_safetensors
+    from ckpt.restore.to_safetensors import export_needs, parse_size, tensor_names, write_safetensors
 
     try:
         parse_size(max_shard_size)
@@ -352,8 +352,7 @@ def _export_safetensors(
                 progress=advance,
             )
 
-    needs = None if step is not None else frozenset({prefix.split(".")[0]})
-    chosen, (total, written) = _newest(sources, export, step, needs)
+    chosen, (total, written) = _newest(sources, export, step, export_needs(step, prefix))
     click.echo(f"exported step {chosen} ({human(total)}) to {out_dir}: {len(written)} files")
 
 

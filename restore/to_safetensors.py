@@ -42,6 +42,7 @@ __all__ = [
     "plan_files",
     "write_safetensors",
     "export_safetensors",
+    "export_needs",
     "finish_export",
     "write_file",
     "DTYPES",
@@ -130,6 +131,12 @@ def tree_tensors(manifest: Manifest, tree: Any, prefix: str) -> list[tuple[str, 
     return out
 
 
+def export_needs(step: int | None, prefix: str) -> frozenset[str] | None:
+    """The top-level state key a version must hold to be the export's choice (None: any
+    version, when the step is given or the export takes the whole state)."""
+    return None if step is not None or not prefix else frozenset({prefix.split(".")[0]})
+
+
 def check_dtype(dtype: str | None) -> Any:
     """The torch dtype floating tensors are cast to (None: as saved); ValueError for another name."""
     import torch
@@ -209,7 +216,7 @@ def export_safetensors(
             force=force,
         )
 
-    needs = None if step is not None or not prefix else frozenset({prefix.split(".")[0]})
+    needs = export_needs(step, prefix)
     found = restore_newest(Comm.solo(), lambda: opened, load, step=step, missing_ok=False, needs=needs)
     assert found is not None  # missing_ok=False: VersionNotFoundError instead
     return found[1]
