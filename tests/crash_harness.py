@@ -388,6 +388,8 @@ class Harness:
         with self._listing:
             self.layout.replace_node(k)
             for tier in self.layout.node_tiers(k):
+                for snap in self.seen:  # the monitor's listings from before the loss: its versions went with it
+                    snap[tier] = {}
                 self.last[tier] = {}
                 self.judged_known[tier] = set()
                 self.gone[tier] = set()
@@ -472,10 +474,10 @@ class Harness:
         """Listings and remote completeness while everything runs."""
         while not self._stop_monitor.wait(0.5):
             try:
-                with self._listing:
+                with self._listing:  # observed inside: a node's loss must not come between
                     snap = snapshot(self.layout)
                     self.seen.append(snap)
-                self.observe(snap)
+                    self.observe(snap)
                 listed, problems = remote_problems(self.layout.remote_dir)
             except Exception as e:  # noqa: BLE001 - a listing racing a deletion; the next one will do
                 self.fig.note(f"monitor: a listing raced a deletion ({type(e).__name__})")
