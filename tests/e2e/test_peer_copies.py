@@ -171,7 +171,10 @@ def interrupted_copy(ctx: Any, view: str) -> dict[str, Any]:
             time.sleep(0.01)
         ctx.check(False, "root 0's copy never began to arrive")
         return {}
-    while not read_peer_stopped(mine) and time.monotonic() < deadline:  # the round fails on node 0
+    # The round fails on node 0: at once when the closed connection is seen, at the latest
+    # after the group's timeout (a peer that stops answering), so wait longer than that.
+    deadline = time.monotonic() + TIMEOUT.total_seconds() + 30
+    while not read_peer_stopped(mine) and time.monotonic() < deadline:
         time.sleep(0.05)
     ctx.check(bool(read_peer_stopped(mine)), "node 0's copier stopped when node 1 died")
     return {}
