@@ -34,7 +34,7 @@ from ckpt._gc import no_cyclic_gc
 from ckpt._job import RankReport, RankTimings, SaveJob, SaveStats
 from ckpt._reports import gather_reports
 from ckpt._timings import summarize
-from ckpt._write import metadata_documents, write_tasks
+from ckpt._write import metadata_documents, open_tree, write_tasks
 from ckpt.provenance import job_provenance, rank_provenance
 from ckpt.store import commit as commit_mod
 from ckpt.store import metrics
@@ -92,6 +92,7 @@ def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, w
         "timings": summarize([p.timings.to_json() for p in reports], created),
         "milestone": req.milestone,
         "keys": sorted({k for p in reports for k in p.keys}),  # every rank's
+        "layout": req.layout,  # which save may reuse this version's tree once retired (store.spare)
     }
     return Manifest(
         step=req.step,
@@ -133,7 +134,7 @@ def _write_rank_file(job: SaveJob, ctx: RootContext, tmp_dir: str) -> tuple[int,
     folder = os.path.join(tmp_dir, RANKS_DIR)
     with contextlib.suppress(FileExistsError):
         os.mkdir(folder, DIR_MODE)
-    write_new(os.path.join(tmp_dir, rank_file_path(ctx.rank)), data, fsync=True)
+    write_new(os.path.join(tmp_dir, rank_file_path(ctx.rank)), data, fsync=True, replace=True)
     job.written.dirs.update((folder, tmp_dir))
     return len(data), xxhash.xxh3_64_hexdigest(data)
 
@@ -200,7 +201,7 @@ def _write(job: SaveJob, ctx: RootContext, tmp_dir: str, pool: ThreadPoolExecuto
             job.received = exchange(comm, job.request.exchange, job.tasks, job.arena, job.ready)
         if job.error is not None:
             return job.error
-        os.makedirs(tmp_dir, mode=DIR_MODE, exist_ok=True)
+        open_tree(job, ctx.root, tmp_dir, ctx.root_groups[ctx.root_index])
         if ctx.is_leader:
             write_tasks(job, tmp_dir, pool, metadata_documents(job, tmp_dir), inline_docs=True)
         else:
@@ -282,7 +283,7 @@ def _commit(
                     if a.name not in job.written.inline_docs and a.inline is not None
                 ]
                 with no_cyclic_gc():  # serializes the manifest
-                    dirs = write_hierarchy(tmp_dir, inline, None)
+                    dirs = write_hierarchy(tmp_dir, inline, None, replace=True)
                     commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs)
             except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
                 error = e

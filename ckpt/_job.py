@@ -59,6 +59,7 @@ class SaveRequest:
     rng: dict[str, Any] | None  # this rank's RNG state
     check_finite: bool  # refuse NaN/Inf in floating tensors
     direct_io: bool  # large chunks with O_DIRECT (store.fsio.write_chunk)
+    layout: str = ""  # ckpt._plan.layout_key of the plans: which spare tree fits (store.spare)
     started: float = field(default_factory=time.perf_counter)  # save() was called (perf_counter)
     started_unix: float = field(default_factory=time.time)
 

@@ -28,8 +28,8 @@ did not copy stay on their own roots and the job goes on.
 
 from __future__ import annotations
 
+import ctypes
 import errno
-import io
 import json
 import logging
 import os
@@ -53,18 +53,19 @@ from ckpt.store.faults import fault_delay
 from ckpt.store.fsio import (
     DIRECT_ALIGN,
     DIRECT_MIN_BYTES,
-    FILE_MODE,
+    end_at,
     fsync_dir,
     fsync_dirs,
     fsync_files,
     makedirs,
+    open_new,
     set_direct,
     write_all,
 )
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
-from ckpt.store.pins import deleting
 from ckpt.store.rank_file import RANKS_DIR
-from ckpt.store.tier import Tier, open_tier
+from ckpt.store.spare import retire, spares, take
+from ckpt.store.tier import open_tier
 from ckpt.store.verify import ChunkProblem, ExpectedChunk, expected_chunks
 from ckpt.store.versions import read_root_info, version_dirname
 
@@ -72,7 +73,6 @@ __all__ = ["PeerPlan", "plan_peers", "PeerCopier"]
 
 log = logging.getLogger("ckpt")
 PIECE = 8 << 20  # bytes per message of a version's stream
-SPARE = ".spare"  # a retired copy's tree, which the next copy writes into (_retire_one)
 PEER_NICE = 10  # the copier thread runs at the lowest priority: training's own compute comes first
 _HEADER, _BODY, _ACK = 1 << 28, 2 << 28, 3 << 28  # tag bases of a round's phases
 
@@ -146,13 +146,18 @@ def _aligned(nbytes: int) -> torch.Tensor:
 
 
 class _Stream:
-    """A version directory's files read as one stream (laid out by _layout), piece by piece."""
+    """A version directory's files read as one stream (laid out by _layout), piece by piece.
+
+    A large file is read with O_DIRECT where the filesystem takes it, straight into the
+    (page-aligned) piece: the save wrote it with O_DIRECT, so it is not in the page cache,
+    and a buffered read would copy every byte once more and fill the cache with it."""
 
     def __init__(self, version: str, files: Sequence[tuple[str, int]]) -> None:
         self._version, self._files = version, list(files)
         self._offsets, self.total = _layout(self._files)
         self._i = self._pos = 0
-        self._fh: io.FileIO | None = None
+        self._fd = -1
+        self._direct = False
 
     def readinto(self, out: memoryview) -> int:
         """Fill `out` with the stream's next bytes (no copy on the way); how many (fewer at its end)."""
@@ -167,22 +172,43 @@ class _Stream:
                 self._pos = upto
                 continue
             if self._pos == off + size:
-                if self._fh is not None:
-                    self._fh.close()
-                self._fh, self._i = None, self._i + 1
+                self._close_file()
+                self._i += 1
                 continue
-            if self._fh is None:
-                self._fh = open(os.path.join(self._version, rel), "rb", buffering=0)
-            upto = min(end, off + size)
-            got = self._fh.readinto(out[self._pos - start : upto - start])
+            if self._fd < 0:
+                self._fd = os.open(os.path.join(self._version, rel), os.O_RDONLY | os.O_CLOEXEC)
+                self._direct = size >= DIRECT_MIN_BYTES and set_direct(self._fd, True)
+            dst = out[self._pos - start : min(end, off + size) - start]
+            got = self._read(dst, self._pos - off)
             if not got:
                 raise CorruptVersionError(f"{rel} of {self._version} shrank while it was copied to peers")
             self._pos += got
         return end - start
 
+    def _read(self, dst: memoryview, at: int) -> int:
+        if self._direct:
+            whole = len(dst) - len(dst) % DIRECT_ALIGN
+            if whole and not _address(dst) % DIRECT_ALIGN and not at % DIRECT_ALIGN:
+                try:
+                    return os.preadv(self._fd, [dst[:whole]], at)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+            set_direct(self._fd, False)  # the last partial block, or a device wanting more alignment
+            self._direct = False
+        return os.preadv(self._fd, [dst], at)
+
+    def _close_file(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = -1
+
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
+        self._close_file()
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class _Sink:
@@ -236,8 +262,7 @@ class _Sink:
         if parent not in self.dirs:
             makedirs(parent)
             self.dirs.add(parent)
-        mode = os.O_TRUNC | os.O_NOFOLLOW if self._reuse else os.O_EXCL
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | mode, FILE_MODE)
+        self._fd = open_new(path, replace=self._reuse)  # a reused file is overwritten in place
         self.paths.append(path)
         self._direct = self._can_direct and size >= DIRECT_MIN_BYTES and set_direct(self._fd, True)
         self._can_direct = self._can_direct and (self._direct or size < DIRECT_MIN_BYTES)
@@ -269,6 +294,8 @@ class _Sink:
         write_all(self._fd, view)
 
     def _close_file(self, rel: str, size: int) -> None:
+        if self._reuse:
+            end_at(self._fd, size)
         written = os.fstat(self._fd).st_size
         os.close(self._fd)
         self._fd, self._i = -1, self._i + 1
@@ -433,7 +460,8 @@ class PeerCopier:
             except OSError as e2:
                 log.error("%s: cannot record that peer copies stopped: %s", self._root, e2)
             for s in self._plan.sources:  # no copy will reuse them
-                shutil.rmtree(os.path.join(peer_dir(self._root, s), SPARE), ignore_errors=True)
+                for tree in spares(peer_dir(self._root, s)):
+                    shutil.rmtree(tree, ignore_errors=True)
 
     def _round(self, step: int) -> None:
         plan, comm = self._plan, self._comm
@@ -476,7 +504,7 @@ class PeerCopier:
             base = os.path.join(peer_dir(self._root, s), ".incoming", version_dirname(step))
             shutil.rmtree(os.path.dirname(base), ignore_errors=True)  # and what an interrupted round left
             try:
-                reuse = _take_spare(peer_dir(self._root, s), base)
+                reuse = take(peer_dir(self._root, s), base)
                 sinks[s] = _Sink(base, step, [(str(r), int(n)) for r, n in incoming[s]["files"]], reuse=reuse)
             except (CkptError, OSError) as e:
                 errors[s] = f"{type(e).__name__}: {e}"
@@ -487,7 +515,7 @@ class PeerCopier:
         # One buffer to send from, and two per source to receive into, used in turn: piece
         # r + 1's receive is posted before piece r is written, so every piece lands straight
         # in its buffer (one that came before its receive was posted would be copied twice).
-        out_buf = torch.empty(PIECE if pieces_out else 0, dtype=torch.uint8)
+        out_buf = _aligned(PIECE if pieces_out else 0)  # O_DIRECT reads land in it
         in_bufs = {s: [_aligned(PIECE if expected[s] else 0) for _ in range(2)] for s in plan.sources}
 
         def post(r: int) -> tuple[dict[int, torch.Tensor], Callable[[], None]]:
@@ -577,35 +605,13 @@ class PeerCopier:
         if self._policy is not None:
             try:
                 tier = open_tier(home)
-                _retire_one(tier, home, collect(tier, self._policy, dry_run=True).deleted)
+                doomed = collect(tier, self._policy, dry_run=True).deleted
+                if doomed:
+                    retire(tier, home, min(doomed))
                 collect(tier, self._policy)
             except Exception as e:  # noqa: BLE001 - the copy is kept; pruning waits for the next round
                 log.warning("%s: pruning the peer copies of root %d failed: %s", self._root, source, e)
         return True
-
-
-def _retire_one(tier: Tier, home: str, doomed: Sequence[int]) -> None:
-    """Keep the tree of one copy retention deletes as `SPARE`, unpublished, for the next copy
-    to write into: creating a file or directory costs ten times overwriting one (ext4,
-    0.5 ms against 0.05 ms of CPU each here), and a version has hundreds of them."""
-    spare = os.path.join(home, SPARE)
-    if not doomed or os.path.lexists(spare):
-        return
-    step = min(doomed)
-    with deleting(tier, step) as free:  # a reader may have pinned it since
-        if free:
-            os.rename(os.path.join(home, version_dirname(step)), spare)  # unpublished, as a deletion does
-            fsync_dir(home)
-
-
-def _take_spare(home: str, base: str) -> bool:
-    """Move a retired copy's tree to `base` for the copy to come; whether there was one."""
-    spare = os.path.join(home, SPARE)
-    if not os.path.isdir(spare) or os.path.islink(spare):
-        return False
-    makedirs(os.path.dirname(base))
-    os.rename(spare, base)
-    return True
 
 
 def _lower_priority() -> None:

@@ -204,3 +204,14 @@ def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -
         raise (kind if isinstance(kind, type) and issubclass(kind, CkptError) else CkptError)(error[1])
     assert plans is not None
     return plans
+
+
+def layout_key(plans: Sequence[ArrayPlan], root_groups: Sequence[Sequence[int]]) -> str:
+    """What decides the files of a version on each root: every array's name, type, shape,
+    chunks and writers, and which ranks write to which root (store.spare reuses a tree only
+    for the same key)."""
+    h = xxhash.xxh3_128()
+    for p in plans:
+        h.update(repr((p.spec.name, p.spec.data_type, p.spec.shape, p.chunk_shape, p.runs, p.inline)).encode())
+    h.update(repr(tuple(tuple(g) for g in root_groups)).encode())
+    return h.hexdigest()

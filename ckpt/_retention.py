@@ -2,6 +2,9 @@
 policy does not keep (with the safety rules of `ckpt gc`: replicator.gc.collect), and warns
 when the root's filesystem has room for fewer than two more versions.
 
+On a disk, the oldest version a pass deletes is kept instead as the spare tree the next
+save of its layout overwrites (store.spare), unless the root is low on space.
+
 It runs on its own thread, one pass at a time (commits that land during a pass are
 covered by the next one), so neither save() nor the commit waits for a deletion. Where a
 replicator runs in the Checkpointer, the policy is the replicator's local policy instead
@@ -25,8 +28,9 @@ from ckpt.replicator.policy import Policy
 from ckpt.replicator.status import read_status, redundant_steps
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError
+from ckpt.store.spare import keeps_spares, retire, spare_key, spares
 from ckpt.store.tier import Tier
-from ckpt.store.versions import version_dirname
+from ckpt.store.versions import read_manifest, read_root_info, version_dirname
 
 __all__ = ["Retention"]
 
@@ -51,6 +55,7 @@ class Retention:
         self._lock = threading.Lock()
         self._queued: Future[None] | None = None
         self._newest = -1
+        self._spares = policy is not None and keeps_spares(root)
 
     def committed(self, step: int) -> None:
         """Called after each commit of this root; queues a pass unless one is still queued."""
@@ -67,6 +72,10 @@ class Retention:
                 # A replicator daemon on this root: keep what it has not copied yet, as `ckpt gc` does.
                 status = read_status(self._root)
                 redundant = with_peer_rule(self._root, None if status is None else redundant_steps(status))
+                if self._spares:
+                    doomed = collect(self._tier, self._policy, redundant=redundant, dry_run=True).deleted
+                    if doomed:
+                        self._retire(min(doomed))
                 result = collect(self._tier, self._policy, redundant=redundant)
                 metrics.RETENTION_DELETED.inc(len(result.deleted))
                 if result.deleted:
@@ -79,10 +88,27 @@ class Retention:
         except Exception:  # a bug: with its traceback, but never failing a save (it runs on its own thread)
             log.exception("%s: retention pass failed", self._root)
 
+    def _retire(self, step: int) -> None:
+        """Keep the tree of `step`, which retention deletes, for the next save of its layout
+        (store.spare); on any doubt it is deleted as usual."""
+        try:
+            layout = read_manifest(self._tier, step).meta.get("layout")
+            info = read_root_info(self._tier, step)
+            if isinstance(layout, str) and layout and info is not None:
+                retire(self._tier, self._root, step, spare_key(layout, info.writers))
+        except (CkptError, OSError) as e:
+            log.info("%s: step %d is deleted, not kept as a spare tree: %s", self._root, step, e)
+
     def _check_space(self, step: int) -> None:
         free = shutil.disk_usage(self._root).free
-        metrics.ROOT_FREE_BYTES.set(free)
         size = _tree_bytes(os.path.join(self._root, version_dirname(step)))
+        kept = spares(self._root) if free < 2 * size else []
+        if kept:  # the space is worth more than the files: a save of another layout needs it
+            log.info("%s: low on space, deleting the spare trees %s", self._root, kept)
+            for tree in kept:
+                shutil.rmtree(tree, ignore_errors=True)
+            free = shutil.disk_usage(self._root).free
+        metrics.ROOT_FREE_BYTES.set(free)
         if free < 2 * size:
             metrics.LOW_SPACE_WARNINGS.inc()
             log.warning(

@@ -30,17 +30,16 @@ from ckpt._dist import Comm
 from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import SaveJob, SaveRequest, SaveStats
-from ckpt._plan import agree_plans
+from ckpt._plan import agree_plans, layout_key
 from ckpt._staging import Arena, Readiness, StageTask, assign_offsets, slot_bytes, stage
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import encode_state
-from ckpt._write import write_tasks
+from ckpt._write import open_tree, write_tasks
 from ckpt.config import CheckpointerConfig
 from ckpt.rng import capture_rng
 from ckpt.store import commit, metrics
 from ckpt.store.errors import CkptError, RankFailures, StateMismatchError, TierUnavailableError, VersionExistsError
 from ckpt.store.faults import fault_delay, fault_point
-from ckpt.store.fsio import makedirs
 from ckpt.store.layout import ArrayPlan, ChunkPlan, flat_index
 from ckpt.store.tier import Tier
 from ckpt.store.versions import committed_steps
@@ -107,6 +106,7 @@ class Saver:
         self._mine: list[tuple[ArrayPlan, ChunkPlan]] = []  # the chunks this rank writes
         self._by_name: dict[str, ArrayPlan] = {}
         self._plan_sig: int | None = None  # hash of this rank's layout when self._plans was made
+        self._layout = ""  # the plans' layout_key
         self._arena = Arena()
         self.gate = StagingGate()
         self._copy_pool = ThreadPoolExecutor(max(1, config.copy_threads - 1), thread_name_prefix="ckpt-copy")
@@ -182,6 +182,7 @@ class Saver:
             self._exchange = schedule(self._plans, self.rank)
             self._mine = [(plan, chunk) for plan in self._plans for chunk in plan.chunks_of(self.rank)]
             self._by_name = {plan.spec.name: plan for plan in self._plans}
+            self._layout = layout_key(self._plans, self._ctx.root_groups)
             self._plan_sig = sig
         request = SaveRequest(
             step=step,
@@ -194,6 +195,7 @@ class Saver:
             rng=rng,
             check_finite=self.config.check_finite,
             direct_io=self.config.direct_io,
+            layout=self._layout,
             started=started,
         )
         job = SaveJob(request, self._arena.get(0, False))
@@ -234,7 +236,7 @@ class Saver:
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
                     stage(job.arena, placed, self._copy_pool)
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
-                    makedirs(tmp_dir)
+                    open_tree(job, self.root, tmp_dir, self._ctx.root_groups[self._ctx.root_index])
                     write_tasks(job, tmp_dir, self._writer_pool)
                     continue
                 job.ready = Readiness(placed)

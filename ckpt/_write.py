@@ -24,15 +24,25 @@ from ckpt._staging import StageTask
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import NonFiniteError
 from ckpt.store.faults import fault_delay
-from ckpt.store.fsio import DIR_MODE, fsync_files, write_chunk, write_new
+from ckpt.store.fsio import DIR_MODE, fsync_files, makedirs, write_chunk, write_new
 from ckpt.store.lanes import run_lanes
 from ckpt.store.layout import block_rows, chunk_file
 from ckpt.store.manifest import STATE_PREFIX
+from ckpt.store.spare import spare_key, take
 from ckpt.store.zarr_meta import ArrayNode, documents
 
-__all__ = ["metadata_documents", "write_tasks"]
+__all__ = ["metadata_documents", "open_tree", "write_tasks"]
 
 _LANES = 16  # at most this many writer lanes per save (bounded by the pool's threads)
+
+
+def open_tree(job: SaveJob, root: str, tmp_dir: str, writers: Sequence[int]) -> None:
+    """The save's tmp directory: the spare tree of its layout where the root keeps one
+    (store.spare: its files are overwritten in place), else a new directory. Every rank of
+    the root tries; the first to rename the spare wins, the others find it in place."""
+    key = spare_key(job.request.layout, writers) if job.request.layout else ""
+    if not (key and take(root, tmp_dir, key)):
+        makedirs(tmp_dir)
 
 
 def metadata_documents(job: SaveJob, tmp_dir: str) -> tuple[list[tuple[str, bytes]], set[str]]:
@@ -63,7 +73,7 @@ def write_tasks(
     written: list[str] = []  # list.append is atomic: the writer threads share it
 
     def doc(item: tuple[str, bytes]) -> None:
-        write_new(*item)
+        write_new(*item, replace=True)  # the tree may be a spare (ckpt.store.spare)
         written.append(item[0])
 
     def one(task: StageTask) -> tuple[str, ChunkRecord, int]:
@@ -97,7 +107,9 @@ def write_tasks(
         # No fsync here: the writer moves on to the next chunk (an O_DIRECT part is on the
         # device already; a buffered part's writeback runs meanwhile); every file is fsynced
         # below, together (one journal commit for all).
-        chunk = write_chunk(path, view, block_bytes=rows * row_bytes, fsync=False, direct=job.request.direct_io)
+        chunk = write_chunk(
+            path, view, block_bytes=rows * row_bytes, fsync=False, direct=job.request.direct_io, replace=True
+        )
         written.append(path)
         return name, ChunkRecord(index, chunk.xxh3, None, tuple(chunk.blocks)), chunk.direct_bytes
 

@@ -29,6 +29,8 @@ __all__ = [
     "write_new",
     "write_chunk",
     "WrittenChunk",
+    "open_new",
+    "end_at",
     "DIRECT_ALIGN",
     "DIRECT_MIN_BYTES",
     "exchange_dirs",
@@ -105,12 +107,28 @@ def fsync_dirs(paths: Iterable[str], threads: int = 8) -> None:
     _each(sorted(set(paths)), fsync_dir, threads)
 
 
-def write_new(path: str, data: bytes, *, fsync: bool = False) -> None:
-    """Create `path` (it must not exist) and write `data`; the caller makes it durable
-    (`fsync_files`) unless `fsync`."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+def open_new(path: str, replace: bool) -> int:
+    """A file to write from its start: created (it must not exist), or with `replace` an
+    existing one overwritten in place (store.spare: its blocks stay allocated; the caller
+    cuts it to length with _end_at)."""
+    how = os.O_NOFOLLOW if replace else os.O_EXCL
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | how, FILE_MODE)
+
+
+def end_at(fd: int, size: int) -> None:
+    """An overwritten file ends where its new bytes do."""
+    if os.fstat(fd).st_size > size:
+        os.ftruncate(fd, size)
+
+
+def write_new(path: str, data: bytes, *, fsync: bool = False, replace: bool = False) -> None:
+    """Create `path` (it must not exist; with `replace` it may, and is overwritten) and
+    write `data`; the caller makes it durable (`fsync_files`) unless `fsync`."""
+    fd = open_new(path, replace)
     try:
         write_all(fd, memoryview(data))
+        if replace:
+            end_at(fd, len(data))
         if fsync:
             os.fsync(fd)
     finally:
@@ -150,7 +168,13 @@ class WrittenChunk:
 
 
 def write_chunk(
-    path: str, data: memoryview, *, block_bytes: int = 0, fsync: bool = True, direct: bool = False
+    path: str,
+    data: memoryview,
+    *,
+    block_bytes: int = 0,
+    fsync: bool = True,
+    direct: bool = False,
+    replace: bool = False,
 ) -> WrittenChunk:
     """Write one chunk file from a staged buffer; return its digests (store.digest: each
     byte is hashed once, from the buffer, not by reading the file back).
@@ -168,12 +192,13 @@ def write_chunk(
 
     With `fsync=False` the caller makes the file durable later (`fsync_files`; the
     O_DIRECT part needs it too: it created extents and may sit in the device's cache).
+    With `replace`, an existing file at `path` is overwritten in place (store.spare).
     """
     view = data.cast("B")
     with_blocks = 0 < block_bytes < len(view)
     step = block_bytes if with_blocks else _WRITE_BLOCK  # whole blocks: one hash call each
     hasher = ChunkHasher(block_bytes if with_blocks else 0)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    fd = open_new(path, replace)
     try:
         direct_end = _direct_prefix(view) if direct else 0
         if direct_end and not set_direct(fd, True):
@@ -206,6 +231,8 @@ def write_chunk(
                 if _sync_file_range is not None and written - flushed >= _WRITE_BLOCK:
                     _start_writeback(fd, flushed, written - flushed)
                     flushed = written
+        if replace:
+            end_at(fd, len(view))
         if fsync:
             os.fsync(fd)
         elif _sync_file_range is not None and written > flushed:

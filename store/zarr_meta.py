@@ -105,20 +105,23 @@ def documents(
     return docs, dirs
 
 
-def write_documents(docs: list[tuple[str, bytes]], dirs: set[str]) -> list[str]:
-    """Create `dirs` and the files of `docs` (which must not exist), without fsync; returns
-    the file paths, for the caller to fsync together with the rest of the version."""
+def write_documents(docs: list[tuple[str, bytes]], dirs: set[str], replace: bool = False) -> list[str]:
+    """Create `dirs` and the files of `docs` (which must not exist, unless `replace`: a
+    reused tree, store.spare), without fsync; returns the file paths, for the caller to
+    fsync together with the rest of the version."""
     for d in sorted(dirs):
         os.makedirs(d, mode=DIR_MODE, exist_ok=True)
     for path, data in docs:
-        write_new(path, data)
+        write_new(path, data, replace=replace)
     return [path for path, _ in docs]
 
 
-def write_hierarchy(version_dir: str, arrays: Iterable[ArrayNode], root_attributes: dict[str, Any] | None) -> list[str]:
-    """Write and fsync zarr.json files (see `documents`); returns the directories touched,
-    for the caller to fsync."""
+def write_hierarchy(
+    version_dir: str, arrays: Iterable[ArrayNode], root_attributes: dict[str, Any] | None, replace: bool = False
+) -> list[str]:
+    """Write and fsync zarr.json files (see `documents`; `replace` as in write_documents);
+    returns the directories touched, for the caller to fsync."""
     docs, dirs = documents(version_dir, arrays, root_attributes)
     # Written first, then fsynced together: concurrent fsyncs share journal commits (ext4).
-    fsync_files(write_documents(docs, dirs))
+    fsync_files(write_documents(docs, dirs, replace))
     return sorted(dirs)

@@ -164,6 +164,59 @@ def test_sigkill_at_fault_point(tmp_path: Path, point: str, overlap: bool) -> No
     assert tmp_dirs(root) == []
 
 
+SPARE_CHILD = """
+fault = os.environ.pop("CKPT_FAULT")  # armed for step 3 only
+import time
+from ckpt import Checkpointer
+from ckpt.store.spare import spares
+
+root = sys.argv[1]
+with Checkpointer(root, keep_last=1) as ck:
+    for step in (1, 2):
+        ck.save(step, state_for(step))
+        ck.wait()
+    deadline = time.monotonic() + 60
+    while not spares(root):  # retention retired step 1's tree
+        assert time.monotonic() < deadline, "no spare tree"
+        time.sleep(0.02)
+    os.environ["CKPT_FAULT"] = fault
+    ck.save(3, state_for(3))  # into step 1's tree
+    ck.wait()
+sys.exit(17)
+"""
+
+
+@pytest.mark.parametrize("point", ["after-write", "after-prepare"])
+def test_sigkill_while_a_save_overwrites_a_spare_tree(tmp_path: Path, point: str) -> None:
+    """A save that writes into a retired version's tree (store.spare) and dies leaves the
+    previous version intact and nothing partial listed; the next save of the step commits."""
+    root = tmp_path / "root"
+    script = _script(tmp_path, "child.py", SPARE_CHILD)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(root)],
+        env=_child_env(CKPT_FAULT=point),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, f"child exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    (torn,) = tmp_dirs(root)
+    assert not glob.glob(os.path.join(root, ".spare*")), "the save should have taken the spare tree"
+    assert glob.glob(os.path.join(torn, "**", "c.*"), recursive=True), "the save should have written chunks"
+    with Checkpointer(root, keep_last=1) as ck:
+        assert tmp_dirs(root) == [], "recovery must remove unfinished saves"
+        assert ck.steps() == [2]
+        got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state_for(2).items()}
+        assert ck.restore(got) == 2
+        assert_bitwise(got, state_for(2))
+        ck.save(3, state_for(3))
+        ck.wait()
+        got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state_for(3).items()}
+        assert ck.restore(got, step=3) == 3
+        assert_bitwise(got, state_for(3))
+
+
 # -- crashes at random moments ----------------------------------------------------------
 
 LOOP_CHILD = """

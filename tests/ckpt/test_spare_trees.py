@@ -1,0 +1,202 @@
+"""Spare trees (store.spare): a save overwrites the files of a version that retention retired."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zarr
+
+from ckpt import Checkpointer
+from ckpt._verify import verify_tier
+from ckpt.store.fsio import write_chunk, write_new
+from ckpt.store.spare import SPARE, keeps_spares, spares
+from ckpt.store.tier import open_tier
+from ckpt.store.versions import version_dirname
+from tests._states import assert_bitwise
+
+MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _state(seed: int, extra: bool = False) -> dict[str, torch.Tensor]:
+    """Chunks written with O_DIRECT (4 MiB), through the page cache (small) and inline (a scalar)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        "big": torch.randn(MIB, generator=g),
+        "rows": torch.randn(300, 700, generator=g),
+        "small": torch.randn(33, generator=g).to(torch.float16),
+        "count": torch.tensor(seed),
+    }
+    if extra:
+        out["more"] = torch.randn(2048, generator=g)
+    return out
+
+
+def _empty(extra: bool = False) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in _state(0, extra).items()}
+
+
+def _files(version: Path) -> dict[str, int]:
+    """Every file of a version (relative path -> inode)."""
+    out = {}
+    for d, _, names in os.walk(version):
+        for n in names:
+            p = os.path.join(d, n)
+            out[os.path.relpath(p, version)] = os.stat(p).st_ino
+    return out
+
+
+def _wait_for_spare(root: Path, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while not (found := spares(str(root))):
+        assert time.monotonic() < deadline, f"retention kept no spare tree in {sorted(os.listdir(root))}"
+        time.sleep(0.02)
+    return found
+
+
+def _check_version(root: Path, step: int, fresh: Path) -> None:
+    """The version holds exactly the files a save into a new directory writes; every chunk
+    verifies; zarr-python reads its arrays."""
+    got, want = _files(root / version_dirname(step)), _files(fresh)
+    assert sorted(got) == sorted(want), f"files differ: extra {set(got) - set(want)}, missing {set(want) - set(got)}"
+    results = list(verify_tier(open_tier(str(root)), step))
+    assert [r.problems for r in results] == [()], results
+    group = zarr.open_group(str(root / version_dirname(step)), mode="r")
+    assert group.attrs["ckpt"]["step"] == step
+
+
+def test_a_save_overwrites_the_tree_retention_retired_and_restores_bitwise(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    assert keeps_spares(str(tmp_path)), "this test needs a disk-backed temp directory (not tmpfs)"
+    with Checkpointer(tmp_path / "fresh") as ck:  # the same layout, saved into new directories
+        ck.save(30, _state(3))
+    with Checkpointer(root, keep_last=1) as ck:
+        ck.save(10, _state(1))
+        ck.wait()
+        first = _files(root / version_dirname(10))
+        ck.save(20, _state(2))
+        ck.wait()
+        assert [os.path.basename(p) for p in _wait_for_spare(root)] != [SPARE]  # a keyed spare, not a peer one
+        assert not (root / version_dirname(10)).exists()  # unpublished as it was retired
+        ck.save(30, _state(3))
+        ck.wait()
+        assert ck.steps()[-1] == 30
+        third = _files(root / version_dirname(30))
+        # The same files, rewritten: a chunk keeps its inode (not created anew).
+        reused = [rel for rel, ino in third.items() if "/c" in rel and first.get(rel) == ino]
+        assert reused, "step 30 should have been written into step 10's tree"
+        _check_version(root, 30, tmp_path / "fresh" / version_dirname(30))
+        for step, seed in ((30, 3), (20, 2)):
+            if step in ck.steps():
+                got = _empty()
+                assert ck.restore(got, step=step) == step
+                assert_bitwise(got, _state(seed), f"step {step}")
+
+
+def test_a_save_of_another_layout_never_takes_a_spare_tree(tmp_path: Path) -> None:
+    """A tree of one layout would hold files another layout does not write: it is left alone."""
+    root = tmp_path / "root"
+    with Checkpointer(tmp_path / "fresh") as ck:
+        ck.save(3, _state(3, extra=True))
+    with Checkpointer(root, keep_last=1) as ck:
+        ck.save(1, _state(1))
+        ck.wait()
+        ck.save(2, _state(2))
+        ck.wait()
+        (spare,) = _wait_for_spare(root)
+        ck.save(3, _state(3, extra=True))
+        ck.wait()
+        assert os.path.isdir(spare), "the other layout's spare was taken"
+        _check_version(root, 3, tmp_path / "fresh" / version_dirname(3))
+        got = _empty(extra=True)
+        assert ck.restore(got, step=3) == 3
+        assert_bitwise(got, _state(3, extra=True))
+
+
+@pytest.fixture
+def shm_root() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    if keeps_spares("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.fail("/dev/shm is not a writable tmpfs on this machine")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_root_in_memory_keeps_no_spare_tree(shm_root: Path) -> None:
+    """On tmpfs a create costs nothing and every byte kept is memory: retention deletes."""
+    with Checkpointer(shm_root, keep_last=1) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, _state(step))
+            ck.wait()
+    assert sorted(os.listdir(shm_root)) == sorted(n for n in os.listdir(shm_root) if not n.startswith(SPARE))
+    assert [n for n in os.listdir(shm_root) if n.startswith("v")] == [version_dirname(3)]
+
+
+def test_an_overwritten_file_ends_where_its_new_bytes_do(tmp_path: Path) -> None:
+    """A reused tree's file may be longer than what replaces it (a zarr.json whose step has
+    more digits, a chunk of another size): nothing of the old bytes stays."""
+    doc = tmp_path / "zarr.json"
+    doc.write_bytes(b"x" * 5000)
+    write_new(str(doc), b'{"a": 1}', replace=True)
+    assert doc.read_bytes() == b'{"a": 1}'
+    chunk = tmp_path / "c.0"
+    chunk.write_bytes(b"y" * (3 * MIB + 123))
+    data = torch.arange(MIB // 4 + 7, dtype=torch.int32)
+    write_chunk(str(chunk), memoryview(data.numpy()).cast("B"), direct=True, replace=True)
+    assert chunk.read_bytes() == data.numpy().tobytes()
+    with pytest.raises(FileExistsError):  # without replace, a file is only ever created
+        write_new(str(doc), b"{}")
+
+
+LOW_SPACE_CHILD = """
+import os, sys
+import torch
+from ckpt import Checkpointer
+from ckpt.store.spare import spares
+
+root = sys.argv[1] + "/ckpt"
+with Checkpointer(root, keep_last=1) as ck:
+    for step in (1, 2):
+        ck.save(step, {"w": torch.full((4_000_000,), float(step))})  # 16 MB on a 51 MB disk
+        ck.wait()
+print("SPARES", len(spares(root)))  # after close(): the last retention pass is over
+print("ENTRIES", sorted(n for n in os.listdir(root) if n.startswith("v")))
+with Checkpointer(root, keep_last=1) as ck:
+    ck.save(3, {"w": torch.full((4_000_000,), 3.0)})
+    ck.wait()
+    print("LATEST", ck.latest_step())
+"""
+
+
+def _can_mount_loop() -> bool:
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("unshare", "mkfs.ext4", "losetup")):
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_loop(), reason="needs root, unshare -m and mkfs.ext4 to mount a small ext4 disk")
+def test_a_root_low_on_space_keeps_no_spare_tree(tmp_path: Path) -> None:
+    """A spare holds a version's space: with room for fewer than two more versions it is
+    deleted, so that a save of another layout can still be written."""
+    image, mnt, script = tmp_path / "disk.img", tmp_path / "disk", tmp_path / "child.py"
+    mnt.mkdir()
+    script.write_text(LOW_SPACE_CHILD)
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    cmd = f"mount -o loop {image} {mnt} && PYTHONPATH={REPO} {sys.executable} {script} {mnt}"
+    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "SPARES 0" in lines, out.stdout + out.stderr
+    assert "ENTRIES ['v000000000002']" in lines
+    assert "LATEST 3" in lines
