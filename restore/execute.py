@@ -66,6 +66,12 @@ class ReadRequest:
     def box(self) -> Box:
         return Box.at(self.offsets, self.dest.shape)
 
+    @functools.cached_property
+    def dest_bytes(self) -> memoryview:
+        """req.dest's bytes (a contiguous CPU tensor's; see _direct), made once: a view per
+        chunk read costs more than the read of a small chunk from the page cache."""
+        return _byte_view(self.dest).cast("B")
+
 
 def _place(piece: torch.Tensor, origin: Sequence[int], req: ReadRequest) -> None:
     """Copy the part of `piece` (a box of the global array starting at `origin`) inside req.dest."""
@@ -112,16 +118,20 @@ def _inline(array: ArrayEntry, chunk: ChunkEntry, verify: bool) -> torch.Tensor:
     return t.view(ZARR_TO_TORCH[array.data_type]).reshape((1,) * len(array.shape))
 
 
-def _read(handle: ReadHandle, out: torch.Tensor, offset: int, where: str) -> None:
-    view = _byte_view(out).cast("B")
+def _bytes_of(out: torch.Tensor | memoryview) -> memoryview:
+    return out if isinstance(out, memoryview) else _byte_view(out).cast("B")
+
+
+def _read(handle: ReadHandle, out: torch.Tensor | memoryview, offset: int, where: str) -> None:
+    view = _bytes_of(out)
     for start in range(0, len(view), _PIECE):
         read_exact(handle, view[start : start + _PIECE], offset + start, where)
 
 
-def _read_block(handle: ReadHandle, block: Block, out: torch.Tensor, where: str, verify: bool) -> None:
-    view = _byte_view(out).cast("B")
+def _read_block(handle: ReadHandle, block: Block, out: torch.Tensor | memoryview, where: str, verify: bool) -> None:
+    view = _bytes_of(out)
     if not verify:
-        _read(handle, out, block.offset, where)
+        _read(handle, view, block.offset, where)
         return
     hasher = xxhash.xxh3_64()  # streamed: each piece is hashed while it is still in the CPU cache
     for start in range(0, len(view), _PIECE):
@@ -155,6 +165,12 @@ def _dest_bytes(req: ReadRequest, chunk: ChunkEntry, rows: tuple[int, int], rb: 
     return req.dest.reshape(-1).view(torch.uint8)[start : start + (rows[1] - rows[0]) * rb]
 
 
+def _dest_view(req: ReadRequest, chunk: ChunkEntry, rows: tuple[int, int], rb: int) -> memoryview:
+    """_dest_bytes as a memoryview, to read into."""
+    start = (chunk.offsets[0] + rows[0] - req.offsets[0]) * rb
+    return req.dest_bytes[start : start + (rows[1] - rows[0]) * rb]
+
+
 def _read_from(
     src: Source, array: ArrayEntry, chunk: ChunkEntry, rows: tuple[int, int], reqs: list[ReadRequest], verify: bool
 ) -> None:
@@ -166,13 +182,13 @@ def _read_from(
         rb = row_bytes(array)
         direct = _direct(array, chunk, reqs[0]) if len(reqs) == 1 else None
         if not verify and direct is not None:  # exactly the needed rows, straight into the destination
-            _read(handle, _dest_bytes(reqs[0], chunk, direct, rb), direct[0] * rb, where)
+            _read(handle, _dest_view(reqs[0], chunk, direct, rb), direct[0] * rb, where)
             return
         if verify:
             for block in blocks(array, chunk, rows):
                 if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
                     # a whole block inside the destination: read (and check) it in place
-                    _read_block(handle, block, _dest_bytes(reqs[0], chunk, block.rows, rb), where, verify)
+                    _read_block(handle, block, _dest_view(reqs[0], chunk, block.rows, rb), where, verify)
                     continue
                 raw = _bounce.get(block.nbytes)
                 _read_block(handle, block, raw, where, verify)

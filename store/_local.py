@@ -2,16 +2,18 @@
 
 Writes go to a temp file beside the target, are fsynced and renamed into place, so a
 reader sees the old object or the whole new one; `put_if_absent` links the temp file to
-its name (link(2) fails if the name exists: atomic create-only). Reads open each path
-component beneath the tier with O_NOFOLLOW, so no symlink planted in a version can lead
-a reader elsewhere.
+its name (link(2) fails if the name exists: atomic create-only). Reads open a file with
+openat2 (RESOLVE_BENEATH, no symlinks) or, on older kernels, each path component beneath
+the tier with O_NOFOLLOW, so no symlink planted in a version can lead a reader elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
+import platform
 import shutil
 import stat
 import uuid
@@ -28,13 +30,57 @@ READ_PIECE = 4 << 20  # pread in small pieces: 1-4 MiB reads measured ~5x faster
 _CAPABILITIES = Capabilities(atomic_rename=True, range_reads=True, direct_io=True, local_files=True)
 
 
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture (a syscall added after 5.0)
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x02, 0x04, 0x08
+_libc = ctypes.CDLL(None, use_errno=True)
+_openat2_works = [platform.system() == "Linux"]  # until the kernel says ENOSYS (before 5.6)
+
+
+def _openat2(top: str, rel: str) -> int | None:
+    """One openat2 call: the kernel itself refuses symlinks and anything outside `top`
+    (ELOOP, EXDEV). None where openat2 is not available."""
+    if not _openat2_works[0]:
+        return None
+    how = _OpenHow(
+        os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+        0,
+        _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS | _RESOLVE_BENEATH,
+    )
+    top_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = _libc.syscall(_SYS_OPENAT2, top_fd, os.fsencode(rel), ctypes.byref(how), ctypes.sizeof(how))
+        err = ctypes.get_errno()
+    finally:
+        os.close(top_fd)
+    if fd >= 0:
+        return int(fd)
+    if err in (errno.ENOSYS, errno.EPERM):  # an old kernel, or a seccomp filter that refuses it
+        _openat2_works[0] = False
+        return None
+    if err in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):
+        path = os.path.join(top, rel)
+        raise CorruptVersionError(f"{path} is or passes through a symlink", path=path)
+    raise OSError(err, os.strerror(err), os.path.join(top, rel))
+
+
 def open_beneath(top: str, rel: str) -> int:
     """Open `top/rel` for reading, refusing '..' and symlinks anywhere in `rel`, and anything
     but a regular file (CorruptVersionError). The final open does not block, so a FIFO
-    planted in a version cannot stall it. A missing file is FileNotFoundError."""
+    planted in a version cannot stall it. A missing file is FileNotFoundError.
+
+    One openat2 call where the kernel has it (5.6+); otherwise one openat per directory of
+    `rel`, each refusing a symlink (a restore opens a file per chunk: a dozen syscalls each
+    was a quarter of a restore's CPU on tmpfs)."""
     parts = rel.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise CorruptVersionError(f"unsafe path {rel!r}", path=rel)
+    out = _openat2(top, rel)
+    if out is not None:
+        return _regular(out, top, rel)
     fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for p in parts[:-1]:
@@ -49,10 +95,14 @@ def open_beneath(top: str, rel: str) -> int:
         raise
     finally:
         os.close(fd)
-    if not stat.S_ISREG(os.fstat(out).st_mode):
-        os.close(out)
+    return _regular(out, top, rel)
+
+
+def _regular(fd: int, top: str, rel: str) -> int:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
         raise CorruptVersionError(f"{os.path.join(top, rel)} is not a regular file", path=rel)
-    return out
+    return fd
 
 
 class _FileHandle:
