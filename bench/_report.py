@@ -27,7 +27,35 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+MEDIA = ("disk", "tmpfs")
+# The peers of each figure (operation keys without the world prefix; {w}: the world size).
+PEER_DURABLE = ["durable/dcp_save_t{best}", "durable/dcp_async_save", "durable/torch_checkpointing"]
+PEER_CPU_SAVE = [
+    "durable/dcp_save_t1",
+    "durable/dcp_save_t2",
+    "durable/dcp_save_t4",
+    "durable/dcp_async_save",
+    "durable/torch_checkpointing",
+    "durable/torch_save",
+]
+PEER_STALL = ["stall/dcp_async_save", "stall/torch_checkpointing"]
+PEER_LOAD = ["restore/dcp_{w}to{w}", "restore/torch_checkpointing_{w}to{w}", "restore/torch_load"]
+
+
 def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
+    """The report: per medium (the disk under --dir, tmpfs) its measurements and tables;
+    the targets of both, each named with its medium."""
+    media: dict[str, Any] = {}
+    targets: list[dict[str, Any]] = []
+    for medium in MEDIA:
+        mine = [r for r in records if r.get("medium", "disk") == medium]
+        if mine:
+            media[medium] = _build_medium(mine, meta[medium], medium)
+            targets += media[medium].pop("targets")
+    return {"env": env, "targets": targets, "media": media}
+
+
+def _build_medium(records: list[dict[str, Any]], meta: dict[str, Any], medium: str) -> dict[str, Any]:
     by_key: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
     for r in records:
         by_key[f"w{r['world']}/{r['op']}"][r["rep"]] = r
@@ -46,19 +74,28 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
             "extra_rss_bytes": _stats(rss),
             "extra_rss_x_state": max(rss) / nbytes,
         }
+        cpu = [r["cpu_s"] for r in reps.values() if r.get("cpu_s") is not None]
+        if cpu:
+            m["cpu_s"] = _stats(cpu)
+            m["cpu_s_per_gb"] = statistics.median(cpu) / (nbytes / 1e9)
         first = next(iter(reps.values()))
         extras = {k: [r[k] for r in reps.values()] for k in ("write_s", "fsync_s", "commit_s") if k in first}
         for k, v in extras.items():
             m[k] = _stats(v)
         measurements[key] = m
 
-    def reps_of(key: str) -> dict[int, float]:
-        return {k: v["seconds"] for k, v in by_key.get(key, {}).items() if k >= 0}
+    def reps_of(key: str, field: str = "seconds") -> dict[int, float]:
+        return {k: v[field] for k, v in by_key.get(key, {}).items() if k >= 0 and v.get(field) is not None}
 
-    def per_rep(num: str | Callable[[int], float | None], den: str | Callable[[int], float | None]) -> list[float]:
+    Rep = Callable[[int], float | None]
+
+    def value(key: str, field: str = "seconds") -> Rep:
+        return lambda r: reps_of(key, field).get(r)
+
+    def per_rep(num: str | Rep, den: str | Rep) -> list[float]:
         """Ratio within each repetition (both measured in it)."""
-        f = num if callable(num) else (lambda r, k=num: reps_of(k).get(r))
-        g = den if callable(den) else (lambda r, k=den: reps_of(k).get(r))
+        f = num if callable(num) else value(num)
+        g = den if callable(den) else value(den)
         out = []
         for rep in sorted({r for key in by_key for r in by_key[key] if r >= 0}):
             a, b = f(rep), g(rep)
@@ -66,110 +103,143 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
                 out.append(a / b)
         return out
 
-    def fastest(prefix: str) -> Callable[[int], float | None]:
-        keys = [k for k in by_key if k.startswith(prefix)]
+    def fastest(keys: list[str], field: str = "seconds") -> Rep:
+        """Per repetition, the lowest of `keys` measured in it."""
 
         def f(rep: int) -> float | None:
-            vals = [by_key[k][rep]["seconds"] for k in keys if rep in by_key[k]]
+            vals = [v for k in keys if (v := reps_of(k, field).get(rep)) is not None]
             return min(vals) if vals else None
 
         return f
 
+    def prefixed(prefix: str) -> list[str]:
+        return [k for k in by_key if k.startswith(prefix)]
+
     def best_by_median(prefix: str) -> str | None:
-        keys = [k for k in by_key if k.startswith(prefix) and reps_of(k)]
+        keys = [k for k in prefixed(prefix) if reps_of(k)]
         return min(keys, key=lambda k: statistics.median(reps_of(k).values())) if keys else None
 
     targets: list[dict[str, Any]] = []
+    info: list[dict[str, Any]] = []  # ratios shown for information, without a goal
 
-    def target(name: str, ratios: list[float], limit: float, at_least: bool = False, how: str = "") -> None:
+    def target(name: str, ratios: list[float], limit: float | None, at_least: bool = False, how: str = "") -> None:
         if not ratios:
             return
-        value = statistics.median(ratios)
-        ok = value >= limit if at_least else value <= limit
-        targets.append(
-            {
-                "name": name,
-                "value": round(value, 3),
-                "target": f"{'>=' if at_least else '<='} {limit}",
-                "pass": ok,
-                "range": [round(min(ratios), 3), round(max(ratios), 3)],
-                "per_rep": [round(x, 3) for x in ratios],
-                "how": how,
-            }
-        )
+        v = statistics.median(ratios)
+        row: dict[str, Any] = {
+            "name": f"{name}, {medium}",
+            "medium": medium,
+            "value": round(v, 3),
+            "range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "per_rep": [round(x, 3) for x in ratios],
+            "how": how,
+        }
+        if limit is None:
+            info.append(row)
+            return
+        row.update(target=f"{'>=' if at_least else '<='} {limit}", **{"pass": v >= limit if at_least else v <= limit})
+        targets.append(row)
 
     for w in (1, 2):
         p = f"w{w}/"
+        best_dcp = best_by_median(p + "durable/dcp_save_t")
+        threads = best_dcp.rsplit("_t", 1)[1] if best_dcp else "1"
+        peers_durable = [p + k.format(best=threads) for k in PEER_DURABLE]
         target(
             f"stall vs copy floor (world {w})",
-            per_rep(p + "stall/ckpt", fastest(p + "stall/floor_copy_")),
+            per_rep(p + "stall/ckpt", fastest(prefixed(p + "stall/floor_copy_"))),
+            1.1,
+            how="ckpt save() / two threads memcpy-ing the same bytes into a warm reused buffer",
+        )
+        target(
+            f"stall with deferred staging vs best peer's blocking time (world {w})",
+            per_rep(p + "stall/ckpt_deferred", fastest([p + k for k in PEER_STALL])),
+            0.3,
+            how="ckpt save() with deferred_staging=True / the lower of DCP async_save's return (reused stager) "
+            "and torch-checkpointing's staging (until its lock() may be taken), same repetition",
+        )
+        target(
+            f"durable vs best peer (world {w})",
+            per_rep(p + "durable/ckpt", fastest(peers_durable)),
+            0.8,
+            how=f"ckpt save()+wait() / the fastest of DCP save (thread_count {threads}, its best median), "
+            "DCP async_save and torch-checkpointing (plus the fsync it never makes), same repetition",
+        )
+        target(
+            f"durable vs same-work floor (world {w})",
+            per_rep(p + "durable/ckpt", fastest(prefixed(p + "durable/same_work_"))),
+            1.15,
+            how="ckpt save()+wait() / copy into a reused buffer, xxh3 every byte, one file per rank, fsync "
+            "(fastest of 1 buffered thread, 4 buffered threads, 4 O_DIRECT threads)",
+        )
+        target(
+            f"durable vs raw write floor (world {w})",
+            per_rep(p + "durable/ckpt", fastest(prefixed(p + "durable/floor_"))),
+            None,
+            how="ckpt save()+wait() / the fastest raw durable write of the same bytes (no copy, no checksum)",
+        )
+        target(
+            f"durable, every file created anew vs writing into a spare tree (world {w})",
+            per_rep(p + "durable/ckpt_new_tree", p + "durable/ckpt"),
+            None,
+            how="ckpt save()+wait() with no retired tree to overwrite / the default (ckpt.store.spare)",
+        )
+        same = p + f"restore/ckpt_{w}to{w}"
+        target(
+            f"same-layout restore vs best peer's load ({w}->{w})",
+            per_rep(same, fastest([p + k.format(w=w) for k in PEER_LOAD])),
+            0.6,
+            how="cold ckpt restore / the fastest cold load of DCP, torch-checkpointing and torch.load, same repetition",
+        )
+        target(
+            f"same-layout restore vs same-work read floor ({w}->{w})",
+            per_rep(same, fastest(prefixed(p + "restore/same_work_read_"))),
             1.2,
-            how="ckpt save() / two threads copying into a warm buffer (fastest of torch copy_ and memcpy), same repetition",
+            how="cold ckpt restore / cold read of one file per rank into the tensors, every byte xxh3-verified "
+            "(fastest of 1 and 4 threads)",
         )
         target(
-            f"stall vs DCP async_save blocking, reused stager (world {w})",
-            per_rep(p + "stall/ckpt", p + "stall/dcp_async_save"),
-            0.8,
-            how="ckpt save() / async_save() return, FileSystemWriter(cache_staged_state_dict=True) reused",
+            f"same-layout restore vs raw read floor ({w}->{w})",
+            per_rep(same, fastest(prefixed(p + "restore/floor_read"))),
+            None,
+            how="cold ckpt restore / the fastest raw read of the same bytes, no verification",
         )
         target(
-            f"stall with deferred staging vs DCP async_save blocking, reused stager (world {w})",
-            per_rep(p + "stall/ckpt_deferred", p + "stall/dcp_async_save"),
-            0.8,
-            how="ckpt save() with deferred_staging=True / async_save() return; what this moves into the "
-            "training step is in the training-step table",
+            f"CPU seconds per GB saved vs best peer (world {w})",
+            per_rep(value(p + "durable/ckpt", "cpu_s"), fastest([p + k for k in PEER_CPU_SAVE], "cpu_s")),
+            0.6,
+            how="process CPU (user + system, all threads and children, all ranks) of ckpt save()+wait() / "
+            "the lowest of DCP save (each thread_count), DCP async_save, torch-checkpointing and torch.save",
         )
-        best = best_by_median(p + "durable/dcp_save_t")
-        for op, label, how in (
-            ("ckpt", "", "ckpt save()+wait()"),
-            ("ckpt_overlap", " with overlap_writes", "ckpt save()+wait() with overlap_writes=True"),
-        ):
+        target(
+            f"CPU seconds per GB restored vs best peer ({w}->{w})",
+            per_rep(value(same, "cpu_s"), fastest([p + k.format(w=w) for k in PEER_LOAD], "cpu_s")),
+            0.6,
+            how="process CPU of the cold ckpt restore / the lowest of DCP load, torch-checkpointing and torch.load",
+        )
+    for w, base in ((1, "w1/restore/ckpt_1to1"), (3, None)):
+        resharded = f"w{w}/restore/ckpt_2to{w}"
+        if base is not None:
             target(
-                f"durable commit{label} vs write floor (world {w})",
-                per_rep(p + f"durable/{op}", fastest(p + "durable/floor_")),
-                1.1,
-                how=f"{how} / fastest raw durable write of the same bytes in that repetition",
+                f"resharded restore 2->{w} vs same-layout {w}->{w}",
+                per_rep(resharded, base),
+                1.25,
+                how="cold, same process and repetition",
             )
-            if best:
-                threads = "" if label else f": {best.rsplit('_', 1)[1]}"
+        else:
+            a, b = reps_of(resharded), reps_of("w2/restore/ckpt_2to2")
+            if a and b:
                 target(
-                    f"durable commit{label} vs DCP save at best thread_count (world {w}{threads})",
-                    per_rep(p + f"durable/{op}", best),
-                    0.9,
-                    how=f"{how} / DCP save with the thread_count of lowest median",
+                    f"resharded restore 2->{w} vs same-layout 2->2",
+                    [statistics.median(a.values()) / statistics.median(b.values())],
+                    1.25,
+                    how="cold; ratio of medians (3 ranks vs 2 ranks reading the same checkpoint, separate phases)",
                 )
         target(
-            f"stall with overlap_writes vs copy floor (world {w})",
-            per_rep(p + "stall/ckpt_overlap", fastest(p + "stall/floor_copy_")),
-            1.2,
-            how="save() with the writers taking CPU and memory bandwidth from the copy (off by default on 2 cores)",
-        )
-        same = f"restore/ckpt_{w}to{w}"
-        target(
-            f"same-layout restore vs read floor ({w}->{w})",
-            per_rep(p + same, fastest(p + "restore/floor_read")),
-            1.2,
-            how="cold ckpt restore / fastest raw read of the same bytes into the existing tensors",
-        )
-        target(
-            f"same-layout restore vs DCP load ({w}->{w})",
-            per_rep(p + same, p + f"restore/dcp_{w}to{w}"),
-            0.6,
-            how="cold ckpt restore / cold DCP load, same repetition",
-        )
-    target(
-        "resharded restore 2->1 vs same-layout 1->1",
-        per_rep("w1/restore/ckpt_2to1", "w1/restore/ckpt_1to1"),
-        1.25,
-        how="cold, same process and repetition",
-    )
-    a, b = reps_of("w3/restore/ckpt_2to3"), reps_of("w2/restore/ckpt_2to2")
-    if a and b:
-        target(
-            "resharded restore 2->3 vs same-layout 2->2",
-            [statistics.median(a.values()) / statistics.median(b.values())],
-            1.25,
-            how="cold; ratio of medians (3 ranks vs 2 ranks reading the same checkpoint, separate phases)",
+            f"resharded restore 2->{w} vs best peer's resharded load",
+            per_rep(resharded, fastest([f"w{w}/restore/dcp_2to{w}", f"w{w}/restore/torch_checkpointing_2to{w}"])),
+            0.5,
+            how="cold ckpt restore / the faster cold resharding load of DCP and torch-checkpointing, same repetition",
         )
     target(
         "replication throughput vs plain s3fs put",
@@ -184,33 +254,33 @@ def build(records: list[dict[str, Any]], meta: dict[str, Any], env: dict[str, An
         steady = [r["extra_rss"] for k, r in by_key.get(f"w{w}/durable/ckpt", {}).items() if k >= 0]
         if first is not None and steady:
             held = mw.get("arena_bytes", 0)
-            value = max(first, held + max(steady)) / mw["state_bytes"]
+            v = max(first, held + max(steady)) / mw["state_bytes"]
             target(
                 f"peak extra RSS during save, x state size (world {w})",
-                [value],
+                [v],
                 1.15,
                 how="max(first save incl. allocating the staging buffer, staging buffer + steady-state peak) / state bytes, summed over ranks",
             )
     steps = []
     for w in (1, 2):
-        base = reps_of(f"w{w}/train_step/none")
+        base_step = reps_of(f"w{w}/train_step/none")
         for mode in ("ckpt", "ckpt_deferred", "ckpt_overlap", "dcp_async_save"):
             with_save = reps_of(f"w{w}/train_step/{mode}")
-            cost = [with_save[r] - base[r] for r in sorted(with_save) if r in base]
+            cost = [with_save[r] - base_step[r] for r in sorted(with_save) if r in base_step]
             if cost:
                 steps.append(
                     {
                         "world": w,
                         "mode": mode,
                         "step_s": statistics.median(with_save.values()),
-                        "without_save_s": statistics.median(base.values()),
+                        "without_save_s": statistics.median(base_step.values()),
                         "cost_s": _stats(cost),
                     }
                 )
     return {
-        "env": env,
         "meta": meta,
         "targets": targets,
+        "info": info,
         "measurements": measurements,
         "rss": rss_table(measurements),
         "train_step": steps,
@@ -229,20 +299,42 @@ _RSS_ROWS: list[tuple[str, dict[str, str]]] = [
             "ckpt": "durable/ckpt",
             "DCP async_save": "durable/dcp_async_save",
             "DCP save": "durable/dcp_save_t1",
+            "torch-ckpting": "durable/torch_checkpointing",
             "torch.save": "durable/torch_save",
         },
     ),
     (
         "restore {w}->{w}",
-        {"ckpt": "restore/ckpt_{w}to{w}", "DCP load": "restore/dcp_{w}to{w}", "torch.load": "restore/torch_load"},
+        {
+            "ckpt": "restore/ckpt_{w}to{w}",
+            "DCP load": "restore/dcp_{w}to{w}",
+            "torch-ckpting": "restore/torch_checkpointing_{w}to{w}",
+            "torch.load": "restore/torch_load",
+        },
     ),
-    ("restore 2->{w} (resharded)", {"ckpt": "restore/ckpt_2to{w}", "DCP load": "restore/dcp_2to{w}"}),
+    (
+        "restore 2->{w} (resharded)",
+        {
+            "ckpt": "restore/ckpt_2to{w}",
+            "DCP load": "restore/dcp_2to{w}",
+            "torch-ckpting": "restore/torch_checkpointing_2to{w}",
+        },
+    ),
     (
         "replication to loopback S3 (x bytes replicated)",
         {"ckpt": "replicate/ckpt_replicator", "s3fs put": "replicate/s3fs_put"},
     ),
 ]
-RSS_COLUMNS = ["ckpt", "DCP async_save", "DCP save", "DCP load", "torch.save", "torch.load", "s3fs put"]
+RSS_COLUMNS = [
+    "ckpt",
+    "DCP async_save",
+    "DCP save",
+    "DCP load",
+    "torch-ckpting",
+    "torch.save",
+    "torch.load",
+    "s3fs put",
+]
 
 
 def rss_table(measurements: dict[str, Any]) -> list[dict[str, Any]]:
@@ -276,15 +368,17 @@ _ORDER = ["stall", "staged", "train_step", "durable", "restore", "replicate"]
 
 
 def markdown(report: dict[str, Any]) -> str:
-    env, meta = report["env"], report["meta"]
-    gb = meta["w1"]["state_bytes"] / 1e9
+    env, media = report["env"], report["media"]
+    sizes = "; ".join(
+        f"{name}: {m['meta']['w1']['state_bytes'] / 1e9:.2f} GB state ({m['meta']['w1']['tensors']} tensors, "
+        f"{m['meta']['w1']['params']:.3g} params + Adam) under {m['meta']['w1'].get('dir', '?')}"
+        for name, m in media.items()
+    )
     lines = [
         "# ckpt benchmark",
         "",
-        f"{env['started']}; {gb:.2f} GB state ({meta['w1']['tensors']} tensors, width {meta['w1']['width']}, "
-        f"{env['params']:.3g} params + Adam), {env['reps']} repetitions, {env['cpus']} CPUs, "
-        f"torch {env['torch']}, load average {', '.join(f'{x:.1f}' for x in env['load_average'])}; "
-        f"wall time {env['wall_seconds']:.0f} s.",
+        f"{env['started']}; {sizes}; {env['reps']} repetitions, {env['cpus']} CPUs, torch {env['torch']}, "
+        f"load average {', '.join(f'{x:.1f}' for x in env['load_average'])}; wall time {env['wall_seconds']:.0f} s.",
         "",
         "## Targets",
         "",
@@ -296,18 +390,34 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {t['name']} | {t['value']:.2f}x | {t['range'][0]:.2f}-{t['range'][1]:.2f} | {t['target']} | "
             f"{'PASS' if t['pass'] else '**FAIL**'} |"
         )
-    lines += [
-        "",
-        "## Measurements",
+    info = [row for m in media.values() for row in m.get("info", [])]
+    if info:
+        lines += [
+            "",
+            "Ratios shown for information (no goal):",
+            "",
+            "| ratio | value (median) | range |",
+            "| --- | --- | --- |",
+        ]
+        lines += [f"| {t['name']} | {t['value']:.2f}x | {t['range'][0]:.2f}-{t['range'][1]:.2f} |" for t in info]
+    for name, m in media.items():
+        lines += ["", *_medium_markdown(name, m)]
+    return "\n".join(lines)
+
+
+def _medium_markdown(medium: str, report: dict[str, Any]) -> list[str]:
+    lines = [
+        f"## Measurements ({medium})",
         "",
         "Seconds: median and range over repetitions (at world > 1, the slowest rank). GB/s over the "
-        "state's bytes (replication: the version's files). Extra RSS: highest peak over the RSS before "
-        "the operation, summed over ranks, as a multiple of the bytes moved (memory freed by an earlier "
-        "operation of the same process may be reused without raising the peak: only `_first` rows show the "
-        "allocation of a reused buffer).",
+        "state's bytes (replication: the version's files). CPU s/GB: process CPU seconds (user + system, "
+        "every thread and child process, summed over ranks) per GB of state. Extra RSS: highest peak over "
+        "the RSS before the operation, summed over ranks, as a multiple of the bytes moved (memory freed by "
+        "an earlier operation of the same process may be reused without raising the peak: only `_first` "
+        "rows show the allocation of a reused buffer).",
         "",
-        "| world | operation | median s | range s | GB/s | extra RSS |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| world | operation | median s | range s | GB/s | CPU s/GB | extra RSS |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     ms = report["measurements"]
 
@@ -319,14 +429,22 @@ def markdown(report: dict[str, Any]) -> str:
         m = ms[key]
         world, op = key.split("/", 1)
         s = m["seconds"]
+        cpu = f"{m['cpu_s_per_gb']:.2f}" if "cpu_s_per_gb" in m else ""
         lines.append(
             f"| {world[1:]} | {op} | {s['median']:.3f} | {s['min']:.3f}-{s['max']:.3f} | {m['gb_per_s']:.2f} | "
-            f"{m['extra_rss_x_state']:.2f}x |"
+            f"{cpu} | {m['extra_rss_x_state']:.2f}x |"
         )
-    lines += ["", "`_first`: the first call (allocates the reused buffer), excluded from the targets.", ""]
+    lines += [
+        "",
+        "`_first`: the first call (allocates the reused buffer), excluded from the targets. "
+        "`written/torch_checkpointing`: its save future (files written, never fsynced); "
+        "`durable/torch_checkpointing` adds the fsync of its files that a durable save needs. "
+        "`durable/ckpt_new_tree`: a ckpt save with no spare tree to overwrite (every file created).",
+        "",
+    ]
     if report.get("train_step"):
         lines += [
-            "## Training step with a save",
+            f"## Training step with a save ({medium})",
             "",
             "A step of fixed compute (matmuls standing in for forward and backward) after save() returns, "
             "then what the next optimizer step must wait for. Cost: the step's time minus the same step "
@@ -345,7 +463,7 @@ def markdown(report: dict[str, Any]) -> str:
             )
         lines.append("")
     lines += [
-        "## Peak extra RSS",
+        f"## Peak extra RSS ({medium})",
         "",
         "Highest peak over the RSS before the operation (summed over ranks), as a multiple of the "
         "bytes the operation moves: the state for saves and restores, the version's files for "
@@ -363,7 +481,7 @@ def markdown(report: dict[str, Any]) -> str:
             cells.append("" if v is None else f"{v:.2f}x" + (f" ({ratio:.2f})" if shown else ""))
         lines.append(f"| {row['figure']} | {row['world']} | " + " | ".join(cells) + " |")
     lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -375,15 +493,25 @@ def plot(report: dict[str, Any], path: str) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install -e .[bench]); no plot")
         return
-    ms = report["measurements"]
-    fig, axes = plt.subplots(2, 3, figsize=(21, 11))
+    media = report["media"]
+    fig = plt.figure(figsize=(24, 17))
+    grid = fig.add_gridspec(3, 3)
     panels = [
-        ("stall", "training stall per save (s, log scale)", True),
-        ("durable", "save until durable and committed (s)", False),
-        ("restore", "cold restore (s)", False),
-        ("replicate", "replication to loopback S3 (MB/s)", False),
+        (medium, kind, title, log, grid[row, col])
+        for row, medium in enumerate(media)
+        for col, (kind, title, log) in enumerate(
+            [
+                ("stall", "training stall per save (s, log scale)", True),
+                ("durable", "save until durable and committed (s)", False),
+                ("restore", "cold restore (s)", False),
+            ]
+        )
     ]
-    for ax, (kind, title, log) in zip(axes.flat, panels):
+    if "disk" in media:
+        panels.append(("disk", "replicate", "replication to loopback S3 (MB/s)", False, grid[2, 0]))
+    for medium, kind, title, log, cell in panels:
+        ax = fig.add_subplot(cell)
+        ms = media[medium]["measurements"]
         keys = sorted(k for k in ms if k.split("/")[1] == kind and not k.endswith("_first"))
         if kind == "replicate":
             med = [ms[k]["bytes"] / ms[k]["seconds"]["median"] / 1e6 for k in keys]
@@ -394,13 +522,21 @@ def plot(report: dict[str, Any], path: str) -> None:
             lo = [m - ms[k]["seconds"]["min"] for k, m in zip(keys, med)]
             hi = [ms[k]["seconds"]["max"] - m for k, m in zip(keys, med)]
         colors = [
-            "tab:green" if "ckpt" in k else "tab:gray" if "floor" in k else "tab:blue" if "dcp" in k else "tab:orange"
+            "tab:green"
+            if "ckpt" in k
+            else "tab:gray"
+            if "floor" in k or "same_work" in k
+            else "tab:blue"
+            if "dcp" in k
+            else "tab:purple"
+            if "torch_checkpointing" in k
+            else "tab:orange"
             for k in keys
         ]
         y = list(range(len(keys)))
         ax.barh(y, med, xerr=[lo, hi], color=colors, capsize=3)
         ax.set_yticks(y)
-        ax.set_yticklabels([k.replace(f"/{kind}/", " ") for k in keys], fontsize=8)
+        ax.set_yticklabels([k.replace(f"/{kind}/", " ") for k in keys], fontsize=7)
         ax.invert_yaxis()
         if log:
             from matplotlib.ticker import FormatStrFormatter, NullFormatter
@@ -408,26 +544,25 @@ def plot(report: dict[str, Any], path: str) -> None:
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
             ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(title)
+        ax.set_title(f"{title}, {medium}")
         ax.grid(axis="x", alpha=0.3)
-    ax = axes.flat[4]
+    ax = fig.add_subplot(grid[2, 1:])
     ts = report["targets"]
     vals = [t["value"] for t in ts]
     limits = [float(t["target"].split()[1]) for t in ts]
     y = list(range(len(ts)))
     ax.barh(y, vals, color=["tab:green" if t["pass"] else "tab:red" for t in ts])
-    ax.scatter(limits, y, marker="|", s=300, color="black", zorder=3, label="goal")
+    ax.scatter(limits, y, marker="|", s=200, color="black", zorder=3, label="goal")
     ax.set_yticks(y)
-    ax.set_yticklabels([t["name"] for t in ts], fontsize=7)
+    ax.set_yticklabels([t["name"] for t in ts], fontsize=6)
     ax.invert_yaxis()
     ax.set_title("targets: ratio (median of repetitions) and goal; green pass, red fail")
     ax.grid(axis="x", alpha=0.3)
-    axes.flat[5].axis("off")
-    gb = report["meta"]["w1"]["state_bytes"] / 1e9
     fig.suptitle(
-        f"ckpt vs DCP, torch.save and the machine's floors: {gb:.2f} GB state, median of {report['env']['reps']} "
-        "(bars: range). green ckpt, blue DCP, orange torch.save/load and s3fs put, gray floors"
+        f"ckpt vs DCP, torch-checkpointing, torch.save and the machine's floors, median of {report['env']['reps']} "
+        "(bars: range). green ckpt, blue DCP, purple torch-checkpointing, orange torch.save/load and s3fs put, "
+        "gray floors"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)

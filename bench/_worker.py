@@ -1,27 +1,35 @@
 """One rank of one benchmark phase (started by bench/run.py; not meant to be run by hand).
 
-Phases:
-  save      world 1 or 2: training stall and time to durable for ckpt, torch.save (world 1),
-            DCP save (thread_count 1/2/4), DCP async_save with a reused stager, and the
-            copy and write floors; each write that has a reader is followed by a cold restore
-            of what it wrote (ckpt, torch.load, DCP load, the read floors), same layout.
-            Also ckpt with overlap_writes=True (stall and durable, no restore), and a
-            training step (fixed compute) without a save and with one from ckpt, ckpt
-            with deferred staging, ckpt with overlap_writes, and DCP async_save.
-            At world 1 (which runs after world 2) also the resharded 2->1 restores of
-            what the world-2 phase left, ckpt and DCP, in the same repetitions.
-  restore   world 3: cold restores 2->3 of what the world-2 phase left; ckpt and DCP.
+Phases (each on the medium under --dir: the disk, or tmpfs):
+  save      world 1 or 2: training stall and time to durable for ckpt (its own retention,
+            keep_last=1: on a disk each save overwrites the tree of the version retention
+            retired; also once with every file created anew), torch.save (world 1), DCP
+            save (thread_count 1/2/4), DCP async_save with a reused stager,
+            torch-checkpointing (bench/_torchckpt.py), the copy and raw write floors and
+            the same-work floors (bench/_floors.SameWork: copy, xxh3, one file, fsync);
+            each write that has a reader is followed by a cold restore of what it wrote
+            (ckpt, torch.load, DCP load, torch-checkpointing, the raw and same-work read
+            floors), same layout. Also ckpt with overlap_writes=True (stall and durable,
+            no restore), and a training step (fixed compute) without a save and with one
+            from ckpt, ckpt with deferred staging, ckpt with overlap_writes, and DCP
+            async_save. At world 1 (which runs after world 2) also the resharded 2->1
+            restores of what the world-2 phase left (ckpt, DCP, torch-checkpointing), in
+            the same repetitions.
+  restore   world 3: cold restores 2->3 of what the world-2 phase left; ckpt, DCP and
+            torch-checkpointing.
   replicate world 1: ckpt's replicator vs a plain s3fs put, to a loopback moto server.
 
 Every measurement is appended as a JSON line to the results file by rank 0: the
 slowest rank's seconds (a collective operation is as slow as its slowest rank), each
-rank's seconds, and the sum over ranks of the extra peak RSS.
+rank's seconds, and the sums over ranks of the extra peak RSS and, for saves and
+restores, of the CPU seconds (bench/_sys.cpu_seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import functools
 import gc
 import json
@@ -42,6 +50,7 @@ sys.path.insert(0, HERE)
 
 import _floors  # noqa: E402
 import _sys  # noqa: E402
+import _torchckpt  # noqa: E402
 import _workload  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -54,8 +63,8 @@ def log(msg: str) -> None:
 
 
 class Recorder:
-    def __init__(self, path: str, phase: str) -> None:
-        self.path, self.phase = path, phase
+    def __init__(self, path: str, phase: str, medium: str) -> None:
+        self.path, self.phase, self.medium = path, phase, medium
 
     def gather(self, obj: Any) -> list[Any]:
         if WORLD == 1:
@@ -64,19 +73,25 @@ class Recorder:
         dist.all_gather_object(out, obj)
         return out
 
-    def add(self, op: str, rep: int, seconds: float, extra_rss: int = 0, **extra: Any) -> None:
-        views = self.gather((seconds, extra_rss))
+    def add(
+        self, op: str, rep: int, seconds: float, extra_rss: int = 0, cpu: float | None = None, **extra: Any
+    ) -> None:
+        """One measurement: the slowest rank's seconds, the RSS and CPU seconds summed over ranks."""
+        views = self.gather((seconds, extra_rss, cpu))
         if RANK == 0:
             rec = {
                 "phase": self.phase,
+                "medium": self.medium,
                 "world": WORLD,
                 "op": op,
                 "rep": rep,
-                "seconds": max(s for s, _ in views),
-                "rank_seconds": [s for s, _ in views],
-                "extra_rss": sum(r for _, r in views),
+                "seconds": max(v[0] for v in views),
+                "rank_seconds": [v[0] for v in views],
+                "extra_rss": sum(v[1] for v in views),
                 **extra,
             }
+            if cpu is not None:
+                rec["cpu_s"] = sum(v[2] for v in views)
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             log(f"rep {rep} {op:34s} {rec['seconds']:7.3f} s  extra RSS {rec['extra_rss'] / 2**30:5.2f} GiB")
@@ -115,7 +130,7 @@ def timed(
     if prep is not None:
         prep()
     m = _sys.Measured(fn)
-    rec.add(op, rep, m.seconds, m.extra_rss, **extra)
+    rec.add(op, rep, m.seconds, m.extra_rss, cpu=m.cpu, **extra)
     return m.result
 
 
@@ -210,7 +225,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from ckpt import Checkpointer
-    from ckpt.store import versions
+    from ckpt.store.spare import spares
 
     base = os.path.join(args.dir, f"w{WORLD}")
     rmtree(base)
@@ -229,6 +244,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                     "tensors": len(tensors),
                     "width": _workload.width_for(args.params),
                     "params": args.params,
+                    "dir": args.dir,
                 },
                 f,
             )
@@ -236,7 +252,11 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     baseline_rss = sum(rec.gather(_sys.rss()))
 
     root = os.path.join(base, "ckpt")
-    ck = Checkpointer(root)
+    # Its own retention, as in a training loop: the version before the newest is deleted
+    # (on a disk, kept as the spare tree the next save overwrites: ckpt.store.spare).
+    ck = Checkpointer(root, keep_last=1)
+    tc = _torchckpt.TorchCheckpointing()
+    same = _floors.SameWork(tensors)
 
     def warm() -> None:
         touch(tensors)
@@ -244,11 +264,10 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     step = [0]
 
     def free_previous() -> None:
-        """Delete the previous write's output (a ckpt version or a sibling directory), then sync."""
+        """Delete the previous write's output (a sibling directory of ckpt's versions, which
+        ckpt's retention deletes itself), then sync."""
         barrier()
         if RANK == 0:
-            for old in versions.committed_steps(root):
-                versions.delete_version(root, old)
             for name in os.listdir(root):
                 if name.startswith("out-"):
                     shutil.rmtree(os.path.join(root, name))
@@ -264,10 +283,10 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         timed(rec, op, rep, fn)
         check(state, fp if verify else None, op)
 
-    # One destination buffer per copy method, each as its previous use left it (as ckpt's
-    # arena and DCP's stager are): a buffer written just before by another method copies
-    # faster than one left alone since the last save on this VM.
-    copies: dict[str, _floors.CopyFloor] = {}
+    # The copy floor: two threads, glibc memcpy (about twice torch's copy_ here), into the
+    # same-work floor's buffer, as its previous use left it (as ckpt's arena and DCP's
+    # stager are).
+    copy_floor = [False]  # measured once DCP's stager exists: the same memory pressure
 
     default_config = ck.config
     # With overlap_writes=True the writers start while save() copies. This machine leaves
@@ -280,35 +299,45 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         ck.config = config
         ck._saver.config = config
 
-    def save_and_wait(config: Any) -> tuple[float, float]:
-        """One ckpt save with `config`: (seconds save() blocked, seconds until committed)."""
+    def save_and_wait(config: Any) -> tuple[float, float, float]:
+        """One ckpt save with `config`: (seconds save() blocked, seconds until committed, CPU seconds)."""
         use(config)
         try:
+            cpu = _sys.cpu_seconds()
             t0 = time.perf_counter()
             ck.save(step[0], state)
             t1 = time.perf_counter()
             ck.wait()
-            return t1 - t0, time.perf_counter() - t0
+            return t1 - t0, time.perf_counter() - t0, _sys.cpu_seconds() - cpu
         finally:
             use(default_config)
 
     # ckpt: the first save allocates the staging buffer; later ones reuse it.
-    def ckpt_save(rep: int, first: bool = False) -> None:
+    def ckpt_save(rep: int, first: bool = False, new_tree: bool = False) -> None:
         free_previous()
-        for method, copy in copies.items():  # the copy floor, under the same conditions, just before
-            timed(rec, f"stall/floor_copy_2_threads_{method}", rep, functools.partial(copy.run, method), warm)
+        if copy_floor[0]:  # the copy floor, under the same conditions, just before
+            timed(rec, "stall/floor_copy_2_threads_memcpy", rep, same.copy, warm)
+        if new_tree:  # no spare tree to overwrite: every file and directory created
+            barrier()
+            if RANK == 0:
+                for tree in spares(root):
+                    shutil.rmtree(tree)
+                os.sync()
         step[0] += 1
         barrier()
         warm()
         _sys.reset_peak()
         before = _sys.rss()
-        stall, durable = save_and_wait(default_config)
+        stall, durable, cpu = save_and_wait(default_config)
         extra = max(0, _sys.peak() - before)
         s = ck.stats()[-1]
-        tag = "_first" if first else ""
-        rec.add(f"stall/ckpt{tag}", rep, stall, extra)
-        rec.add(f"durable/ckpt{tag}", rep, durable, extra, write_s=s.write_s, fsync_s=s.fsync_s, commit_s=s.commit_s)
-        if not first:
+        tag = "_first" if first else "_new_tree" if new_tree else ""
+        if not new_tree:
+            rec.add(f"stall/ckpt{tag}", rep, stall, extra)
+        rec.add(
+            f"durable/ckpt{tag}", rep, durable, extra, cpu, write_s=s.write_s, fsync_s=s.fsync_s, commit_s=s.commit_s
+        )
+        if not first and not new_tree:
             restore(f"restore/ckpt_{WORLD}to{WORLD}", rep, lambda: ck.restore(state, step=step[0]))
 
     ckpt_save(-1, first=True)
@@ -318,9 +347,9 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         step[0] += 1
         barrier()
         warm()
-        stall, durable = save_and_wait(overlap_config)
+        stall, durable, cpu = save_and_wait(overlap_config)
         rec.add("stall/ckpt_overlap", rep, stall)
-        rec.add("durable/ckpt_overlap", rep, durable)
+        rec.add("durable/ckpt_overlap", rep, durable, cpu=cpu)
 
     buf = getattr(getattr(ck, "_arena", None), "buffer", None)  # the staging buffer ckpt keeps between saves
     arena_bytes = sum(rec.gather(buf.numel() if buf is not None else 0))
@@ -336,20 +365,72 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         warm()
         _sys.reset_peak()
         before = _sys.rss()
+        cpu = _sys.cpu_seconds()
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=path, storage_writer=writer)
         t1 = time.perf_counter()
         fut.result()
         t2 = time.perf_counter()
+        cpu = _sys.cpu_seconds() - cpu
         extra = max(0, _sys.peak() - before)
         tag = "_first" if first else ""
         rec.add(f"stall/dcp_async_save{tag}", rep, t1 - t0, extra)
-        rec.add(f"durable/dcp_async_save{tag}", rep, t2 - t0, extra)
+        rec.add(f"durable/dcp_async_save{tag}", rep, t2 - t0, extra, cpu)
 
     dcp_async(-1, first=True)
-    for method in _floors.COPY_METHODS:
-        copies[method] = _floors.CopyFloor(tensors)
-        copies[method].run(method)
+    same.copy()
+    copy_floor[0] = True
+
+    def tc_save(rep: int, first: bool = False) -> None:
+        """torch-checkpointing: stall until its staging is done, its future (files written,
+        not fsynced: it never fsyncs), then the fsync a durable save needs, by this bench."""
+        free_previous()
+        path = out("torch_checkpointing")
+        barrier()
+        warm()
+        _sys.reset_peak()
+        before = _sys.rss()
+        cpu = _sys.cpu_seconds()
+        t0 = time.perf_counter()
+        stall, written = tc.save(path, state)
+        barrier()  # rank 0 renames its tmp directory onto `path` last
+        if RANK == 0:
+            _sys.fsync_tree(path)
+        barrier()
+        durable = time.perf_counter() - t0
+        cpu = _sys.cpu_seconds() - cpu
+        extra = max(0, _sys.peak() - before)
+        tag = "_first" if first else ""
+        rec.add(f"stall/torch_checkpointing{tag}", rep, stall, extra)
+        rec.add(f"written/torch_checkpointing{tag}", rep, written, extra)
+        rec.add(f"durable/torch_checkpointing{tag}", rep, durable, extra, cpu)
+        if not first:
+            restore(f"restore/torch_checkpointing_{WORLD}to{WORLD}", rep, lambda: tc.load(path, state))
+
+    tc_save(-1, first=True)
+
+    def same_work(strategy: str) -> Callable[[int], None]:
+        def run(rep: int) -> None:
+            free_previous()
+            path = out(f"same_{strategy}")
+            try:
+                timed(rec, f"durable/same_work_{strategy}", rep, lambda: same.write(path, RANK, strategy), warm)
+            except OSError as e:  # O_DIRECT refused by the medium: the other strategies stand
+                if e.errno != errno.EINVAL:
+                    raise
+                log(f"same-work {strategy}: {e}")
+                return
+            if strategy == "buffered_4_threads":
+                for threads in (1, 4):
+                    restore(
+                        f"restore/same_work_read_{threads}_thread{'s' if threads > 1 else ''}",
+                        rep,
+                        lambda threads=threads: same.read(path, RANK, threads),  # type: ignore[misc]
+                        verify=False,
+                    )
+                    check(state, fp, "same-work read")
+
+        return run
 
     def torch_save(rep: int) -> None:
         free_previous()
@@ -358,15 +439,17 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         warm()
         _sys.reset_peak()
         before = _sys.rss()
+        cpu = _sys.cpu_seconds()
         t0 = time.perf_counter()
         torch.save(state, path)
         t1 = time.perf_counter()
         _sys.fsync_path(path)
         _sys.fsync_path(os.path.dirname(path))
         t2 = time.perf_counter()
+        cpu = _sys.cpu_seconds() - cpu
         extra = max(0, _sys.peak() - before)
         rec.add("stall/torch_save", rep, t1 - t0, extra)
-        rec.add("durable/torch_save", rep, t2 - t0, extra)
+        rec.add("durable/torch_save", rep, t2 - t0, extra, cpu)
 
         def load() -> None:
             loaded = torch.load(path, map_location="cpu", weights_only=True)
@@ -484,6 +567,11 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         dcp_save(4),
         write_floor("4_files_4_threads_sync_file_range"),
         write_floor("4_files_4_threads_o_direct"),
+        tc_save,
+        same_work("buffered_1_thread"),
+        same_work("buffered_4_threads"),
+        same_work("o_direct_4_threads"),
+        functools.partial(ckpt_save, new_tree=True),
     ]
     ck2 = None
     if WORLD == 1:
@@ -499,11 +587,18 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                 "restore/dcp_2to1", rep, lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))
             ),
         )
+        ops.insert(
+            11,
+            lambda rep: restore(
+                "restore/torch_checkpointing_2to1",
+                rep,
+                lambda: tc.load(os.path.join(w2, "torch_checkpointing"), state),
+            ),
+        )
     for rep in range(args.reps):
         for op in rotate(ops, rep):
             op(rep)
-    for copy in copies.values():
-        copy.close()
+    same.close()
     gc.collect()
     if ck2 is not None:
         ck2.close()
@@ -514,7 +609,12 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         ck.save(step[0], state)
         ck.wait()
         dcp.save(state, checkpoint_id=os.path.join(base, "dcp"))
-        log(f"kept a ckpt version and a DCP checkpoint for the resharding restores ({time.perf_counter() - t:.1f}s)")
+        tc.save(os.path.join(base, "torch_checkpointing"), state)
+        barrier()
+        log(
+            f"kept a version of ckpt, DCP and torch-checkpointing for the resharding restores ({time.perf_counter() - t:.1f}s)"
+        )
+    tc.close()
     ck.close()
     if RANK == 0:
         with open(os.path.join(args.dir, f"rss-w{WORLD}.json"), "w") as f:
@@ -536,9 +636,14 @@ def phase_restore(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     w2 = os.path.join(args.dir, "w2")
     ck2 = Checkpointer(os.path.join(w2, "ckpt"))
     step2 = ck2.latest_step()
+    tc = _torchckpt.TorchCheckpointing()
     ops: list[tuple[str, Callable[[], Any]]] = [
         (f"restore/ckpt_2to{WORLD}", lambda: ck2.restore(state, step=step2)),
         (f"restore/dcp_2to{WORLD}", lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))),
+        (
+            f"restore/torch_checkpointing_2to{WORLD}",
+            lambda: tc.load(os.path.join(w2, "torch_checkpointing"), state),
+        ),
     ]
     for rep in range(args.reps):
         for op, fn in rotate(ops, rep):
@@ -547,6 +652,7 @@ def phase_restore(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             timed(rec, op, rep, fn)
             check(state, fp, op)
         gc.collect()
+    tc.close()
     ck2.close()
 
 
@@ -608,6 +714,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--results", required=True)
+    ap.add_argument("--medium", default="disk", help="what --dir is on: disk or tmpfs (recorded with each figure)")
     ap.add_argument("--endpoint", default="")
     ap.add_argument("--bucket", default="bench")
     ap.add_argument("--replicate-bytes", type=float, default=512e6)
@@ -620,7 +727,7 @@ def main() -> None:
 
             mesh = init_device_mesh("cpu", (WORLD,))
     name = {"save": f"save_w{WORLD}", "restore": f"restore_w{WORLD}", "replicate": "replicate"}[args.phase]
-    rec = Recorder(args.results, name)
+    rec = Recorder(args.results, name, args.medium)
     try:
         if args.phase == "save":
             phase_save(args, rec, mesh)

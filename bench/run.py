@@ -1,31 +1,41 @@
-"""Benchmarks against PyTorch DCP, torch.save and the machine's own limits, in one run.
+"""Benchmarks against PyTorch DCP, torch-checkpointing, torch.save and the machine's own limits, in one run.
 
-    python bench/run.py [--params 250e6] [--reps 3] [--dir DIR] [--skip-s3] [--quick]
+    python bench/run.py [--params 250e6] [--reps 3] [--dir DIR] [--shm-dir DIR] [--skip-s3] [--quick]
 
 Workload: a GPT-like model (24 blocks, 292 float32 tensors, ~`--params` parameters) and
 its Adam state after one step (~12 bytes per parameter: 3 GB at 250e6), at world size 1
 and 2 (gloo on CPU; at 2 every tensor is a DTensor Shard(0) on a 1-D mesh, so the total
 stays the same). The same state object is given to every library.
 
+Two media, each with all of the figures below: the disk under `--dir`, and tmpfs under
+`--shm-dir` (`--shm-params`, default min(params, 120e6): there the files share the RAM
+with every copy of the state), where the medium is no longer the bottleneck and software
+overhead shows. Every target names its medium.
+
 Measured side by side, `--reps` repetitions interleaved (the order rotates every
 repetition), ratios taken within a repetition, then the median:
 
 - training stall per save: ckpt save() (steady state: the staging buffer is reused), and
   with deferred staging, torch.save, DCP save, the blocking part of DCP async_save with a
-  reused stager, and the copy floor (two threads copying the same bytes into a warm
-  preallocated buffer);
+  reused stager, torch-checkpointing's staging (until its lock() may be taken), and the
+  copy floor (two threads memcpy-ing the same bytes into a warm reused buffer);
 - a training step with a save in it (fixed compute after save() returns, then the
   optimizer step) from ckpt, ckpt with deferred staging and DCP async_save, against the
   same step without a save: what each costs training, background work included;
 - time until durable: ckpt save+wait, torch.save+fsync, DCP save at thread_count 1
-  (its default), 2 and 4, and the write floor (fastest of one file per rank, 4 files by
-  4 threads, 4 files by 4 threads with early writeback by sync_file_range, and 4 files
-  by 4 threads with O_DIRECT straight from the tensors);
-- cold restore (page cache dropped before each): ckpt, torch.load, DCP load and the read
-  floor (fastest of 1 thread, 4 files by 4 threads, 1 file by 4 threads) at the same
-  layout (1->1, 2->2), and resharded 2->1 and 2->3 (ckpt and DCP);
-- replication: ckpt's replicator (default config) vs a plain s3fs put of the same
-  files, to a moto server on 127.0.0.1 (`--replicate-mb`, moto manages ~0.1 GB/s);
+  (its default), 2 and 4, DCP async_save, torch-checkpointing (its future, then the
+  fsync it never makes), the raw write floor (fastest of one file per rank, 4 files by
+  4 threads, with early writeback by sync_file_range, with O_DIRECT straight from the
+  tensors) and the same-work floor (copy into a reused buffer, xxh3 every byte, one file
+  per rank, fsync: fastest of 1 buffered thread, 4 buffered threads, 4 O_DIRECT threads);
+- cold restore (page cache dropped before each): ckpt, torch.load, DCP load,
+  torch-checkpointing, the raw read floor (fastest of 1 thread, 4 files by 4 threads,
+  1 file by 4 threads) and the same-work read floor (read + verify every byte) at the
+  same layout (1->1, 2->2), and resharded 2->1 and 2->3 (ckpt, DCP, torch-checkpointing);
+- CPU seconds (user + system, every thread and child process, all ranks) of every save
+  and restore, per GB;
+- replication (on the disk only): ckpt's replicator (default config) vs a plain s3fs put
+  of the same files, to a moto server on 127.0.0.1 (`--replicate-mb`, moto manages ~0.1 GB/s);
 - extra peak RSS of each operation (VmHWM reset through /proc/self/clear_refs);
 - params-only versions and the save on preemption (bench/partial_and_preemption.py, at
   most 50e6 parameters): the bytes of a full and a params-only version, and the time from
@@ -40,15 +50,17 @@ repetition), ratios taken within a repetition, then the median:
 `--extras-only` runs just the last three and merges them into the existing latest.json
 and latest.md (their section says when they were measured).
 
-Writes bench/results/latest.json (targets, each {name, value, target, pass}, and every raw
-measurement with medians and ranges), latest.md (tables) and latest.png (a plot).
-Targets print PASS/FAIL; the exit status does not depend on them. Needs root (to drop
-the page cache) and a quiet machine: check `uptime` first.
+Writes bench/results/latest.json (targets, each {name, value, target, pass}, ratios shown
+for information, and every raw measurement with medians and ranges, per medium),
+latest.md (tables) and latest.png (a plot). Targets print PASS/FAIL; the exit status does
+not depend on them. Needs root (to drop the page cache) and a quiet machine: check
+`uptime` first.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -203,6 +215,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ckpt-bench", help="scratch directory on the disk under test")
     ap.add_argument("--skip-s3", action="store_true", help="skip the replication benchmark")
+    ap.add_argument("--shm-dir", default="/dev/shm/ckpt-bench", help="scratch directory on tmpfs (the second medium)")
+    ap.add_argument(
+        "--shm-params",
+        type=float,
+        default=None,
+        help="parameters on tmpfs (default min(--params, 120e6): its files share the RAM with every copy of the state)",
+    )
+    ap.add_argument("--skip-tmpfs", action="store_true", help="measure the disk under --dir only")
     ap.add_argument("--quick", action="store_true", help="smoke run: 30e6 params, 1 repetition, 64 MB to S3")
     ap.add_argument("--replicate-mb", type=float, default=512)
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where latest.{json,md,png} go")
@@ -210,6 +230,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.params, args.reps, args.replicate_mb = 30e6, 1, 64
+    if args.shm_params is None:
+        args.shm_params = min(args.params, 120e6)
     if not _sys.can_drop_caches():
         sys.exit("bench/run.py needs root: restores are measured on a cold page cache (/proc/sys/vm/drop_caches)")
     started = time.time()
@@ -238,9 +260,16 @@ def main() -> None:
         phases[name] = time.time() - t
         loads.append(load_average())
 
-    phase("save_w2", lambda: launch("save", 2, args, results))
-    phase("save_w1", lambda: launch("save", 1, args, results))  # also restores 2->1
-    phase("restore_w3", lambda: launch("restore", 3, args, results))
+    media = {"disk": args}
+    if not args.skip_tmpfs:
+        media["tmpfs"] = argparse.Namespace(**{**vars(args), "dir": args.shm_dir, "params": args.shm_params})
+        shutil.rmtree(args.shm_dir, ignore_errors=True)
+        os.makedirs(args.shm_dir)
+    for medium, where in media.items():
+        tag = ["--medium", medium]
+        phase(f"save_w2 ({medium})", functools.partial(launch, "save", 2, where, results, tag))
+        phase(f"save_w1 ({medium})", functools.partial(launch, "save", 1, where, results, tag))  # also 2->1
+        phase(f"restore_w3 ({medium})", functools.partial(launch, "restore", 3, where, results, tag))
     if not args.skip_s3:
         moto = Moto(args.dir, "bench")
         try:
@@ -280,12 +309,14 @@ def main() -> None:
     wall = time.time() - started
     with open(results) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    meta = {}
-    for w in (1, 2):
-        with open(os.path.join(args.dir, f"meta-w{w}.json")) as f:
-            meta[f"w{w}"] = json.load(f)
-        with open(os.path.join(args.dir, f"rss-w{w}.json")) as f:
-            meta[f"w{w}"].update(json.load(f))
+    meta: dict[str, dict[str, Any]] = {}
+    for medium, where in media.items():
+        meta[medium] = {}
+        for w in (1, 2):
+            with open(os.path.join(where.dir, f"meta-w{w}.json")) as f:
+                meta[medium][f"w{w}"] = json.load(f)
+            with open(os.path.join(where.dir, f"rss-w{w}.json")) as f:
+                meta[medium][f"w{w}"].update(json.load(f))
     env = {
         "params": args.params,
         "reps": args.reps,
@@ -303,6 +334,7 @@ def main() -> None:
         report["partial_and_preemption"] = json.load(f)
     run_extras(args, report)
     write_report(args, report)
+    shutil.rmtree(args.shm_dir, ignore_errors=True)
     print(f"total wall time {wall:.0f} s; wrote {args.out}/latest.json, latest.md, latest.png")
 
 
