@@ -2,8 +2,8 @@
 policy does not keep (with the safety rules of `ckpt gc`: replicator.gc.collect), and warns
 when the root's filesystem has room for fewer than two more versions.
 
-On a disk, the oldest version a pass deletes is kept instead as the spare tree the next
-save of its layout overwrites (store.spare), unless the root is low on space.
+The oldest version a pass deletes is kept instead as the spare tree the next save of its
+layout overwrites (store.spare), unless the root is low on space.
 
 It runs on its own thread, one pass at a time (commits that land during a pass are
 covered by the next one), so neither save() nor the commit waits for a deletion. Where a
@@ -28,7 +28,7 @@ from ckpt.replicator.policy import Policy
 from ckpt.replicator.status import read_status, redundant_steps
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError
-from ckpt.store.spare import keeps_spares, retire, spare_key, spares
+from ckpt.store.spare import retire, spare_key, spares
 from ckpt.store.tier import Tier
 from ckpt.store.versions import read_manifest, read_root_info, version_dirname
 
@@ -55,7 +55,7 @@ class Retention:
         self._lock = threading.Lock()
         self._queued: Future[None] | None = None
         self._newest = -1
-        self._spares = policy is not None and keeps_spares(root)
+        self._spares = policy is not None
 
     def committed(self, step: int) -> None:
         """Called after each commit of this root; queues a pass unless one is still queued."""

@@ -2,24 +2,24 @@
 
 Creating a file or a directory on ext4 costs ten times overwriting one (0.5-0.8 ms of CPU
 against 0.05 ms here, and with writeback running a create waits for the journal), and a
-version holds a directory and a file per array, and a file per chunk. So retention keeps
-the tree of one version it deletes, unpublished, as `.spare-<layout>`; the next save of
-the same layout renames it to its tmp directory and overwrites its files in place: the
-same paths and sizes, their blocks already allocated. A save of another layout creates its
-tree as before. On tmpfs, where a create costs nothing and every byte kept is memory, no
-tree is kept.
+version holds a directory and a file per array, and a file per chunk. On tmpfs a new file's
+pages are allocated and zeroed, and a deleted version's freed, while an overwritten file
+keeps its pages. So retention keeps the tree of one version it deletes, unpublished, as
+`.spare-<layout>`; the next save of the same layout renames it to its tmp directory and
+overwrites its files in place: the same paths and sizes, their blocks (or pages) already
+allocated. A save of another layout creates its tree as before.
 
 A spare is never listed (its name is no version's), so a crash at any point leaves at
-worst a spare or a tmp directory that the next save or open cleans up. Disk use: a spare
-holds the space the save that takes it would allocate anyway, so a root's peak (retained
-versions plus the one being written) does not grow; between saves it holds one version
-more per kept layout (at most MAX_LAYOUTS).
+worst a spare or a tmp directory that the next save or open cleans up. Space (on tmpfs,
+memory): a spare holds what the save that takes it would allocate anyway, so a root's peak
+(retained versions plus the one being written) does not grow; between saves it holds one
+version more per kept layout (at most MAX_LAYOUTS). A root low on space keeps none
+(ckpt._retention).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
@@ -33,26 +33,10 @@ from ckpt.store.pins import deleting
 from ckpt.store.tier import Tier
 from ckpt.store.versions import version_dirname
 
-__all__ = ["SPARE", "MAX_LAYOUTS", "keeps_spares", "retire", "spare_key", "spares", "take"]
+__all__ = ["SPARE", "MAX_LAYOUTS", "retire", "spare_key", "spares", "take"]
 
 SPARE = ".spare"  # `.spare` (peer copies, any layout) or `.spare-<layout key>`
 MAX_LAYOUTS = 2  # e.g. full versions and params-only ones between them
-
-_TMPFS_MAGIC = 0x01021994
-_RAMFS_MAGIC = 0x858458F6
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _fs_type(path: str) -> int | None:
-    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first field
-    if _libc.statfs(os.fsencode(path), buf) != 0:
-        return None
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-
-
-def keeps_spares(path: str) -> bool:
-    """Whether a root at `path` keeps spare trees: not in memory (tmpfs, ramfs)."""
-    return _fs_type(path) not in (_TMPFS_MAGIC, _RAMFS_MAGIC, None)
 
 
 def spare_key(layout: str, writers: Sequence[int]) -> str:

@@ -18,7 +18,7 @@ import zarr
 from ckpt import Checkpointer
 from ckpt._verify import verify_tier
 from ckpt.store.fsio import write_chunk, write_new
-from ckpt.store.spare import SPARE, keeps_spares, spares
+from ckpt.store.spare import SPARE, spares
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import version_dirname
 from tests._states import assert_bitwise
@@ -76,7 +76,6 @@ def _check_version(root: Path, step: int, fresh: Path) -> None:
 
 def test_a_save_overwrites_the_tree_retention_retired_and_restores_bitwise(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    assert keeps_spares(str(tmp_path)), "this test needs a disk-backed temp directory (not tmpfs)"
     with Checkpointer(tmp_path / "fresh") as ck:  # the same layout, saved into new directories
         ck.save(30, _state(3))
     with Checkpointer(root, keep_last=1) as ck:
@@ -124,21 +123,33 @@ def test_a_save_of_another_layout_never_takes_a_spare_tree(tmp_path: Path) -> No
 
 @pytest.fixture
 def shm_root() -> Iterator[Path]:
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.fail("/dev/shm is not writable on this machine")
     path = Path("/dev/shm") / f"ckpt-test-{uuid.uuid4().hex[:8]}"
-    if keeps_spares("/dev/shm") or not os.access("/dev/shm", os.W_OK):
-        pytest.fail("/dev/shm is not a writable tmpfs on this machine")
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_a_root_in_memory_keeps_no_spare_tree(shm_root: Path) -> None:
-    """On tmpfs a create costs nothing and every byte kept is memory: retention deletes."""
+def test_a_root_in_memory_overwrites_its_spare_tree_too(shm_root: Path, tmp_path: Path) -> None:
+    """On tmpfs an overwritten file keeps its pages (a new one's are allocated and zeroed,
+    a deleted one's freed): the RAM tier reuses a retired tree like a disk does."""
+    with Checkpointer(tmp_path / "fresh") as ck:
+        ck.save(3, _state(3))
     with Checkpointer(shm_root, keep_last=1) as ck:
-        for step in (1, 2, 3):
-            ck.save(step, _state(step))
-            ck.wait()
-    assert sorted(os.listdir(shm_root)) == sorted(n for n in os.listdir(shm_root) if not n.startswith(SPARE))
-    assert [n for n in os.listdir(shm_root) if n.startswith("v")] == [version_dirname(3)]
+        ck.save(1, _state(1))
+        ck.wait()
+        first = _files(shm_root / version_dirname(1))
+        ck.save(2, _state(2))
+        ck.wait()
+        _wait_for_spare(shm_root)
+        ck.save(3, _state(3))
+        ck.wait()
+        third = _files(shm_root / version_dirname(3))
+        assert [rel for rel, ino in third.items() if "/c" in rel and first.get(rel) == ino]
+        _check_version(shm_root, 3, tmp_path / "fresh" / version_dirname(3))
+        got = _empty()
+        assert ck.restore(got, step=3) == 3
+        assert_bitwise(got, _state(3))
 
 
 def test_an_overwritten_file_ends_where_its_new_bytes_do(tmp_path: Path) -> None:
