@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -61,16 +61,34 @@ class ReadRequest:
     array: ArrayEntry
     dest: torch.Tensor  # a plain local tensor, filled in place
     offsets: tuple[int, ...]  # where dest starts in the global array
+    box: Box = field(init=False)  # where dest lies in the global array
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "box", Box.at(self.offsets, self.dest.shape))
 
     @property
-    def box(self) -> Box:
-        return Box.at(self.offsets, self.dest.shape)
+    def dest_bytes(self) -> memoryview | None:
+        """req.dest's bytes where chunk rows can be read straight into it: a contiguous CPU
+        tensor of the array's type (see _direct); else None. Made once, by the first reader
+        thread to ask, without a lock (cached_property's would serialize the readers; two
+        threads making it at once make the same view): a view per chunk read costs more
+        than the read of a small chunk from the page cache."""
+        got = self.__dict__.get("_bytes", _UNSET)
+        if got is _UNSET:
+            d = self.dest
+            ok = (
+                d.dim() > 0
+                and d.is_cpu
+                and d.dtype == ZARR_TO_TORCH[self.array.data_type]
+                and d.is_contiguous()
+                and d.stride(-1) == 1  # a (1,)-shaped tensor may be "contiguous" with another stride
+            )
+            got = memoryview(d.view(torch.uint8).numpy()).cast("B") if ok else None  # type: ignore[arg-type]
+            object.__setattr__(self, "_bytes", got)
+        return got  # type: ignore[no-any-return]
 
-    @functools.cached_property
-    def dest_bytes(self) -> memoryview:
-        """req.dest's bytes (a contiguous CPU tensor's; see _direct), made once: a view per
-        chunk read costs more than the read of a small chunk from the page cache."""
-        return _byte_view(self.dest).cast("B")
+
+_UNSET = object()
 
 
 def _place(piece: torch.Tensor, origin: Sequence[int], req: ReadRequest) -> None:
@@ -146,15 +164,8 @@ def _origin(chunk: ChunkEntry, row: int) -> list[int]:
 
 
 def _direct(array: ArrayEntry, chunk: ChunkEntry, req: ReadRequest) -> tuple[int, int] | None:
-    """reshard.direct_rows, where req.dest can take the bytes: a contiguous CPU tensor of the array's type."""
-    d = req.dest
-    if (
-        d.dim() == 0
-        or d.device.type != "cpu"
-        or d.dtype != ZARR_TO_TORCH[array.data_type]
-        or not d.is_contiguous()
-        or d.stride(-1) != 1  # a (1,)-shaped tensor may be "contiguous" with another stride
-    ):
+    """reshard.direct_rows, where req.dest can take the bytes (ReadRequest.dest_bytes)."""
+    if req.dest_bytes is None:
         return None
     return direct_rows(array, chunk, req.box)
 
@@ -168,7 +179,9 @@ def _dest_bytes(req: ReadRequest, chunk: ChunkEntry, rows: tuple[int, int], rb: 
 def _dest_view(req: ReadRequest, chunk: ChunkEntry, rows: tuple[int, int], rb: int) -> memoryview:
     """_dest_bytes as a memoryview, to read into."""
     start = (chunk.offsets[0] + rows[0] - req.offsets[0]) * rb
-    return req.dest_bytes[start : start + (rows[1] - rows[0]) * rb]
+    flat = req.dest_bytes
+    assert flat is not None  # _direct said so
+    return flat[start : start + (rows[1] - rows[0]) * rb]
 
 
 def _read_from(
@@ -257,14 +270,12 @@ def load_arrays(
     Raises this rank's first read failure; the caller agrees on failures across ranks."""
     error: BaseException | None = None
     plan: list[ChunkRead] = []
-    chunk_of: dict[tuple[str, tuple[int, ...]], ChunkEntry] = {}
     try:
         plan = plan_reads(manifest.arrays, [Request(r.array.name, r.box) for r in requests])
-        chunk_of = {(p.name, p.index): manifest.arrays[p.name].chunk_at(p.index) for p in plan}
     except Exception as e:  # noqa: BLE001 - this rank still joins every collective below, then raises
         error, plan = e, []
     reach = frozenset().union(*(s.writers for s in sources)) if sources else frozenset()
-    remote = sorted(k for k, c in chunk_of.items() if c.inline is None and c.writer not in reach)
+    remote = sorted((p.name, p.index) for p in plan if p.chunk.inline is None and p.chunk.writer not in reach)
     views = comm.all_gather((remote, sorted(reach)))
     by_key = {(p.name, p.index): p for p in plan}
     wanted: dict[tuple[str, tuple[int, ...]], list[int]] = {}
@@ -273,10 +284,10 @@ def load_arrays(
             wanted.setdefault((n, tuple(i)), []).append(r)
     remote_set = set(remote)
     local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set]
-    local.sort(key=lambda p: -chunk_of[(p.name, p.index)].nbytes)  # largest first: no lone big read at the end
+    local.sort(key=lambda p: -p.chunk.nbytes)  # largest first: no lone big read at the end
     first: dict[int, list[str]] = {}  # per source (by position): the chunks it is read first for
     for p in local:
-        c = chunk_of[(p.name, p.index)]
+        c = p.chunk
         at = next((i for i, s in enumerate(sources) if c.inline is None and c.writer in s.writers), None)
         if at is not None:
             first.setdefault(at, []).append(sources[at].key(manifest.arrays[p.name], c))
@@ -284,7 +295,7 @@ def load_arrays(
         sources[i].tier.warm(keys)
 
     def read(p: ChunkRead) -> None:
-        array, chunk = manifest.arrays[p.name], chunk_of[(p.name, p.index)]
+        array, chunk = manifest.arrays[p.name], p.chunk
         reqs = [requests[i] for i in p.requests]
         if chunk.inline is not None:  # in the manifest: a rank whose node was replaced holds no tier of it
             piece = _inline(array, chunk, verify=True)

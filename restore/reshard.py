@@ -54,6 +54,7 @@ class ChunkRead:
     index: tuple[int, ...]  # the chunk's grid index
     rows: tuple[int, int]  # chunk-local rows of dim 0 that the requests need, [lo, hi)
     requests: tuple[int, ...]  # indices (into the planned requests) of the tensors it fills
+    chunk: ChunkEntry  # the chunk as the manifest describes it (schema 3: without its digests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +97,7 @@ def plan_reads(arrays: Mapping[str, ArrayEntry], requests: Sequence[Request]) ->
     out = []
     for (name, index), which in needs.items():
         chunk = arrays[name].chunk_at(index)
-        out.append(ChunkRead(name, index, _rows(chunk, [requests[i].box for i in which]), tuple(which)))
+        out.append(ChunkRead(name, index, _rows(chunk, [requests[i].box for i in which]), tuple(which), chunk))
     return out
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "set_direct",
     "write_all",
     "entries",
+    "in_ram",
 ]
 
 FILE_MODE = 0o644  # never world-writable
@@ -53,6 +54,19 @@ _sync_file_range = getattr(_libc, "sync_file_range", None)
 _renameat2 = getattr(_libc, "renameat2", None)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+_statfs = getattr(_libc, "statfs", None)
+_RAM_FILESYSTEMS = frozenset({0x01021994, 0x858458F6})  # tmpfs, ramfs (linux/magic.h)
+
+
+def in_ram(path: str) -> bool:
+    """Whether `path` is on tmpfs or ramfs: every read is a copy out of memory, so nothing
+    that hides a disk's latency pays there. False where it cannot tell."""
+    if _statfs is None:
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first member, a long
+    if _statfs(os.fsencode(path), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in _RAM_FILESYSTEMS
 
 
 def makedirs(path: str) -> None:

@@ -191,3 +191,25 @@ def test_a_device_refusing_the_alignment_gets_the_rest_buffered(tmp_path: Path) 
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"direct_bytes": 3 << 20, "same": True, "digest": True}  # 3 MiB direct, the rest buffered
+
+
+def _mount_type(path: str) -> str:
+    """The filesystem type /proc/self/mounts gives for the mount holding `path`."""
+    best, kind = "", ""
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, point, fstype, *_ = line.split()
+            if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, kind = point, fstype
+    return kind
+
+
+def test_in_ram_tells_tmpfs_from_a_disk(tmp_path: Path) -> None:
+    from ckpt.store.fsio import in_ram
+
+    if _mount_type("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not tmpfs here")
+    assert in_ram("/dev/shm")
+    assert in_ram(str(tmp_path)) == (_mount_type(str(tmp_path)) in ("tmpfs", "ramfs"))
+    assert not in_ram(str(tmp_path / "missing"))  # cannot tell: not in RAM
