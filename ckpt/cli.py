@@ -505,7 +505,7 @@ def gc_cmd(
 @click.option("--remote-keep-last", type=click.IntRange(min=0), default=None, help="Remote retention: newest N.")
 @click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Remote: keep every K-th step.")
 @_ABANDONED_OPTION
-@click.option("--no-readback", is_flag=True, help="Verify copies by size only, not by reading them back.")
+@click.option("--no-readback", is_flag=True, help="Verify copies by size only, not by their checksums.")
 @click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None, help="Serve Prometheus metrics.")
 @_STORAGE_OPTION
 @_errors_to_exit

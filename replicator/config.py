@@ -25,7 +25,8 @@ class ReplicatorConfig:
     """Cap on the bytes/s all copies and uploads of this replicator send, in MB/s."""
     threads: int = 8
     readback: bool = True
-    """Verify each copy by reading it back and comparing its xxh3 with the manifest."""
+    """Verify each copy against the manifest's xxh3: by the store's own checksum of the bytes
+    sent where it gives one (S3's ETag), else by reading the copy back. False: by size only."""
     interval_s: float = 0.5
     local_policy: Policy | None = None
     """Retention of the source roots (and their replicas); None keeps everything."""

@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import errno
 import functools
+import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -80,6 +81,41 @@ class _RangeHandle:
         self._buf = b""
 
 
+class _Md5Parts:
+    """The ETag S3 gives an object of the bytes fed here: their MD5 (one PUT), or for a
+    multipart upload the MD5 of the parts' MD5s and "-<parts>". Parts follow s3fs's buffer:
+    its file sends what it holds once that reaches the block size (`fixed`: exactly that
+    many bytes per part), and the rest at close. A guess that s3fs ever breaks only costs a
+    read back: a mismatch is never taken for a good copy."""
+
+    def __init__(self, multipart: bool, fixed: int | None) -> None:
+        self._multipart = multipart
+        self._fixed = fixed
+        self._parts: list[bytes] = []
+        self._md5 = hashlib.md5(usedforsecurity=False)
+        self._held = 0  # bytes of the part being filled
+
+    def update(self, block: bytes | memoryview) -> None:
+        view = memoryview(block).cast("B")
+        if not self._multipart:
+            self._md5.update(view)
+            return
+        while len(view):
+            room = (self._fixed - self._held) if self._fixed else len(view)
+            piece, view = view[:room], view[room:]
+            self._md5.update(piece)
+            self._held += len(piece)
+            if self._held >= (self._fixed or _MULTIPART):
+                self._parts.append(self._md5.digest())
+                self._md5, self._held = hashlib.md5(usedforsecurity=False), 0
+
+    def etag(self) -> str:
+        if not self._multipart:
+            return self._md5.hexdigest()
+        parts = self._parts + ([self._md5.digest()] if self._held else [])
+        return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
+
+
 class FsspecTier(Tier):
     capabilities = _CAPABILITIES
 
@@ -96,6 +132,7 @@ class FsspecTier(Tier):
             self.fs, prefix = fsspec.core.url_to_fs(url, **(_s3_options(self.options) if s3 else self.options))
         except (ImportError, ValueError, TypeError, OSError) as e:  # an unknown protocol, bad options
             raise TierUnavailableError(f"cannot open {self.location}: {redact(str(e), self.options)}") from None
+        self._s3 = s3
         if s3:
             self.fs.retries = 1  # s3fs's own loop (an instance of these options only)
         self.prefix = str(prefix).rstrip("/")
@@ -141,16 +178,22 @@ class FsspecTier(Tier):
         path = self._path(key)
         self._call(f"write {key}", lambda: self.fs.pipe_file(path, data))
 
-    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> None:
+    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> bool:
         path = self._path(key)
+        sent: list[_Md5Parts] = []
 
         def upload() -> None:
+            sent[:] = [_Md5Parts(size >= 2 * _MULTIPART, self._part_bytes())]
+            md5 = sent[0]
             if size < 2 * _MULTIPART:  # one PUT
-                self.fs.pipe_file(path, b"".join(bytes(b) for b in blocks()))
+                body = b"".join(bytes(b) for b in blocks())
+                md5.update(body)
+                self.fs.pipe_file(path, body)
                 return
             out = self.fs.open(path, "wb", block_size=_MULTIPART)
             try:
                 for block in blocks():
+                    md5.update(block)
                     out.write(block)
             except BaseException:
                 # Abandon the multipart upload: closing would publish a truncated object, and
@@ -165,6 +208,16 @@ class FsspecTier(Tier):
             out.close()
 
         self._call(f"upload {key}", upload)
+        if not self._s3:
+            return False
+        self._fresh(path)
+        etag = self._call(f"stat {key}", lambda: self.fs.info(path)).get("ETag")
+        return isinstance(etag, str) and etag.strip('"') == sent[0].etag()
+
+    def _part_bytes(self) -> int | None:
+        """The size of each part but the last of s3fs's multipart uploads, where fixed; None
+        where a part is whatever the buffer held once it reached the block size."""
+        return _MULTIPART if getattr(self.fs, "fixed_upload_size", False) else None
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         """S3: a PUT with `If-None-Match: *` (412 -> FileExistsError). A retry after an

@@ -172,12 +172,13 @@ class LocalTier(Tier):
     def put(self, key: str, data: bytes) -> None:
         self._write_atomic(key, lambda fd: _write_all(fd, memoryview(data)), replace=True)
 
-    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> None:
+    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> bool:
         def write(fd: int) -> None:
             for block in blocks():
                 _write_all(fd, memoryview(block))
 
         self._write_atomic(key, write, replace=True)
+        return False  # a disk keeps no checksum of its own: only a read back tells
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         self._write_atomic(key, lambda fd: _write_all(fd, memoryview(data)), replace=False)

@@ -108,11 +108,15 @@ class Tier(ABC):
         """Create or replace the object, atomically for readers."""
 
     @abstractmethod
-    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> None:
+    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> bool:
         """Create or replace the object from the blocks `blocks()` yields (`size` bytes in
         all), atomically for readers; `blocks` is called again for each attempt. An exception
         raised by the blocks (a stop request) abandons the upload and propagates. A block may
-        be a view of a buffer the iterator reuses: it is consumed before the next one."""
+        be a view of a buffer the iterator reuses: it is consumed before the next one.
+
+        True when the store itself confirms that it holds exactly the bytes sent (S3: the
+        object's ETag is their MD5), so no read back is needed to know it; False where it
+        cannot say."""
 
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> None:

@@ -38,6 +38,7 @@ from ckpt.replicator.policy import KeepMilestones
 from ckpt.replicator.service import Replicator
 from ckpt.replicator.status import Status
 from ckpt.store import versions
+from ckpt.store._fsspec import FsspecTier
 from ckpt.store.digest import chunk_digest
 from ckpt.store.manifest import parse_manifest
 from ckpt.store.rank_file import RankFiles, parse_rank_file, rank_file_path
@@ -328,6 +329,20 @@ def test_replication_through_faults(s3: S3Place, proxy: FlakyProxy, tmp_path: Pa
     print(f"watch: {watch.polls} listings; polls without a manifest per version: {watch.absent_polls}")
 
 
+@pytest.fixture
+def etags_no_md5(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose ETags are no MD5 of the bytes (S3 with SSE-KMS): it never confirms an
+    upload (Tier.put_stream returns False), so every copy is read back to be verified."""
+    real = FsspecTier.put_stream
+
+    def put_stream(self: FsspecTier, *args: Any, **kwargs: Any) -> bool:
+        real(self, *args, **kwargs)
+        return False
+
+    monkeypatch.setattr(FsspecTier, "put_stream", put_stream)
+
+
+@pytest.mark.usefixtures("etags_no_md5")
 def test_copy_read_back_wrong_is_sent_again(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
     """The replicator's first two read-backs of a chunk arrive with a flipped bit that no
     transport checksum covers: the chunk is sent again and the version completes, exact."""
@@ -346,6 +361,7 @@ def test_copy_read_back_wrong_is_sent_again(s3: S3Place, proxy: FlakyProxy, tmp_
     assert get(s3.server, s3.server.client(), f"{s3.prefix}/{vdir}/state/big/c.0") == local
 
 
+@pytest.mark.usefixtures("etags_no_md5")
 def test_copy_that_never_reads_back_right_is_never_committed(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
     root = tmp_path / "root"
     save_steps(root, {1: make_state(1)})

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt.store._fsspec import FsspecTier
 from ckpt.store.errors import TierUnavailableError
 from ckpt.store.tier import Tier, open_tier
 from tests.s3_server import S3Place
@@ -63,8 +64,9 @@ def test_put_stream_from_a_reused_buffer(tier: Tier) -> None:
             buf[:] = bytes([i]) * 4  # the same buffer each time: consumed before the next
             yield memoryview(buf)
 
-    tier.put_stream("v/s", blocks, 20)
+    confirmed = tier.put_stream("v/s", blocks, 20)
     assert tier.get("v/s") == b"".join(bytes([i]) * 4 for i in range(5))
+    assert confirmed is isinstance(tier, FsspecTier)  # S3's ETag is the MD5 of the bytes sent
 
 
 def test_a_large_stream_goes_up_whole(tier: Tier) -> None:
@@ -75,7 +77,7 @@ def test_a_large_stream_goes_up_whole(tier: Tier) -> None:
         for _ in range(33):
             yield piece
 
-    tier.put_stream("v/big", blocks, 33 << 20)
+    assert tier.put_stream("v/big", blocks, 33 << 20) is isinstance(tier, FsspecTier)  # multipart's ETag too
     handle = tier.open_read("v/big")
     try:
         assert handle.size == 33 << 20
