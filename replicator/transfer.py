@@ -67,24 +67,33 @@ class Transfer:
         return f"{self.dest.tier.location}/{join_key(self.name, rel)}"
 
 
+@dataclass
+class _Sent:
+    """What one attempt of an upload read from the source and sent."""
+
+    digest: ChunkHasher
+    nbytes: int = 0
+
+
 def _blocks(
-    t: Transfer, key: str, sent: list[ChunkHasher] | None = None, block_bytes: int = 0
+    t: Transfer, key: str, sent: list[_Sent] | None = None, block_bytes: int = 0
 ) -> Callable[[], Iterator[memoryview]]:
     """The source object in READ_BLOCK pieces, under the rate limit, until a stop. With
-    `sent`, each attempt leaves in sent[0] the digest of the bytes it yields (its
-    `block_bytes`: see ChunkHasher), to check against the manifest."""
+    `sent`, each attempt leaves in sent[0] the digest (its `block_bytes`: see ChunkHasher)
+    and count of the bytes it yields, to check against the manifest."""
 
     def gen() -> Iterator[memoryview]:
         handle = t.source.open_read(key)
         buf = memoryview(bytearray(min(READ_BLOCK, max(handle.size, 1))))
         if sent is not None:
-            sent[:] = [ChunkHasher(block_bytes)]
+            sent[:] = [_Sent(ChunkHasher(block_bytes))]
         try:
             for start in range(0, handle.size, len(buf)):
                 piece = buf[: min(len(buf), handle.size - start)]
                 handle.read_into(start, piece)
                 if sent is not None:
-                    sent[0].update(piece)
+                    sent[0].digest.update(piece)
+                    sent[0].nbytes += len(piece)
                 t.limiter.acquire(len(piece), t.stop)
                 if t.stop.is_set():
                     raise StoppedError(f"stopped while copying {key}")
@@ -133,11 +142,15 @@ def _send_once(t: Transfer, rel: str, size: int, digest: str | None, block_bytes
     """Upload one file and check it arrived: its digest (readback) or its size."""
     key = join_key(t.name, rel)
     t.dest.check_disk()
-    sent = [ChunkHasher(block_bytes)]
+    sent: list[_Sent] = []
     confirmed = t.dest.tier.put_stream(key, _blocks(t, key, sent, block_bytes), size)
-    if t.readback and digest is not None and confirmed and sent[0].hexdigest() == digest:
-        # The bytes sent are the manifest's, and the store says it holds exactly them (S3:
-        # the ETag is their MD5): reading the copy back would only tell the same again.
+    if (
+        confirmed
+        and sent[0].nbytes == size
+        and (digest is None or not t.readback or sent[0].digest.hexdigest() == digest)
+    ):
+        # The store says it received exactly the bytes sent (S3: their MD5 is the ETag of
+        # its answer), and they are the manifest's: a read back would only say it again.
         pass
     elif t.readback and digest is not None:
         for resend in range(_RESENDS + 1):

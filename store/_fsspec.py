@@ -82,11 +82,11 @@ class _RangeHandle:
 
 
 class _Md5Parts:
-    """The ETag S3 gives an object of the bytes fed here: their MD5 (one PUT), or for a
-    multipart upload the MD5 of the parts' MD5s and "-<parts>". Parts follow s3fs's buffer:
-    its file sends what it holds once that reaches the block size (`fixed`: exactly that
-    many bytes per part), and the rest at close. A guess that s3fs ever breaks only costs a
-    read back: a mismatch is never taken for a good copy."""
+    """The MD5s of the bytes fed here as S3 gives them in its answers: of them all (one PUT),
+    or of each part of a multipart upload. Parts follow s3fs's buffer: its file sends what
+    it holds once that reaches the block size (`fixed`: exactly that many bytes per part),
+    and the rest at close. A guess that s3fs ever breaks only costs a read back: a
+    mismatch is never taken for a good copy."""
 
     def __init__(self, multipart: bool, fixed: int | None) -> None:
         self._multipart = multipart
@@ -109,11 +109,15 @@ class _Md5Parts:
                 self._parts.append(self._md5.digest())
                 self._md5, self._held = hashlib.md5(usedforsecurity=False), 0
 
-    def etag(self) -> str:
-        if not self._multipart:
-            return self._md5.hexdigest()
-        parts = self._parts + ([self._md5.digest()] if self._held else [])
-        return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"
+    def matches(self, etags: list[Any]) -> bool:
+        """Whether S3's ETags of the upload (one for a PUT, one per part) are the MD5s of
+        the bytes fed here, part by part."""
+        if self._multipart:
+            mine = self._parts + ([self._md5.digest()] if self._held else [])
+        else:
+            mine = [self._md5.digest()]
+        got = [e.strip('"') for e in etags if isinstance(e, str)]
+        return len(got) == len(etags) == len(mine) and got == [m.hex() for m in mine]
 
 
 class FsspecTier(Tier):
@@ -180,15 +184,16 @@ class FsspecTier(Tier):
 
     def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> bool:
         path = self._path(key)
-        sent: list[_Md5Parts] = []
+        confirmed = [False]
 
         def upload() -> None:
-            sent[:] = [_Md5Parts(size >= 2 * _MULTIPART, self._part_bytes())]
-            md5 = sent[0]
+            md5 = _Md5Parts(size >= 2 * _MULTIPART, self._part_bytes())
+            confirmed[0] = False
             if size < 2 * _MULTIPART:  # one PUT
                 body = b"".join(bytes(b) for b in blocks())
                 md5.update(body)
-                self.fs.pipe_file(path, body)
+                answer = self.fs.pipe_file(path, body)
+                confirmed[0] = self._s3 and isinstance(answer, dict) and md5.matches([answer.get("ETag")])
                 return
             out = self.fs.open(path, "wb", block_size=_MULTIPART)
             try:
@@ -206,13 +211,11 @@ class FsspecTier(Tier):
                     out.closed = True
                 raise
             out.close()
+            parts = getattr(out, "parts", None)  # s3fs: each part's ETag as S3 answered its upload
+            confirmed[0] = self._s3 and isinstance(parts, list) and md5.matches([p.get("ETag") for p in parts])
 
         self._call(f"upload {key}", upload)
-        if not self._s3:
-            return False
-        self._fresh(path)
-        etag = self._call(f"stat {key}", lambda: self.fs.info(path)).get("ETag")
-        return isinstance(etag, str) and etag.strip('"') == sent[0].etag()
+        return confirmed[0]
 
     def _part_bytes(self) -> int | None:
         """The size of each part but the last of s3fs's multipart uploads, where fixed; None

@@ -114,9 +114,9 @@ class Tier(ABC):
         raised by the blocks (a stop request) abandons the upload and propagates. A block may
         be a view of a buffer the iterator reuses: it is consumed before the next one.
 
-        True when the store itself confirms that it holds exactly the bytes sent (S3: the
-        object's ETag is their MD5), so no read back is needed to know it; False where it
-        cannot say."""
+        True when the store itself confirms that it received exactly the bytes sent (S3: the
+        ETag in its answer to the PUT, or to each part's upload, is their MD5), so no read
+        back is needed to know it; False where it cannot say."""
 
     @abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> None:
