@@ -15,7 +15,10 @@
   steps (fixed matmul work, ~0.5 s alone, and the optimizer step, which waits for the
   deferred copy), from save() until the steps are done, the version committed and (with
   `peer_copies=1`) each root's peer copy verified, against the same without peer copies:
-  the whole cost of the copy, wherever it falls. Also when the steps and commit were done.
+  the whole cost of the copy, wherever it falls. Also when the steps and commit were done,
+  and a transport floor: the same save without peer copies while a background thread sends
+  and receives a root's part over a gloo group (no reads, writes or hashing): the share of
+  the cost that loopback TCP alone takes on this machine.
 - RAM tier: time to committed (save + wait) on `/dev/shm`, against the tmpfs write floor
   (the fastest of bench/_floors.py's write strategies, writing the same bytes there).
 
@@ -139,6 +142,9 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         "recovery from peer copies / same-layout local restore": ratio("restore after node loss, from peers", "restore, all roots in place"),
         "recovery from the remote / from peer copies": ratio("restore after node loss, from the remote", "restore after node loss, from peers"),
         "training step with peer_copies=1 / without": ratio("save + steps, peer_copies=1", "save + steps, no peer copies"),
+        "training step with the copy's bytes over gloo alone / without": ratio(
+            "save + steps, no peer copies + the copy's bytes over gloo", "save + steps, no peer copies"
+        ),
         "RAM-tier save / tmpfs write floor": ratio("ckpt save + wait, /dev/shm", "tmpfs write floor"),
     }  # fmt: skip
     how = {
@@ -344,11 +350,15 @@ def _recovery(args: argparse.Namespace, ranks: _Ranks) -> None:
 
 
 def _step_cost(args: argparse.Namespace, ranks: _Ranks) -> None:
+    import threading
+
+    import _sys
     import torch
     from partial_and_preemption import build_model
 
     from ckpt import Checkpointer
     from ckpt._peer_status import verified_peer_steps
+    from ckpt.store import versions
 
     model, opt = build_model(args.params / 2)
     state = {"model": model, "optim": opt, "step": 0}
@@ -374,23 +384,46 @@ def _step_cost(args: argparse.Namespace, ranks: _Ranks) -> None:
         )
         for mode in ("none", "peers")
     }
-    label = {"none": "save + steps, no peer copies", "peers": "save + steps, peer_copies=1"}
+    label = {
+        "none": "save + steps, no peer copies",
+        "peers": "save + steps, peer_copies=1",
+        "floor": "save + steps, no peer copies + the copy's bytes over gloo",
+    }
     step = 0
     for ck in cks.values():  # the first save of a layout plans it: not measured
         step += 1
         ck.save(step, state)
         ck.wait()
+    # The transport floor: what moving a root's part to its peer costs by itself, the same
+    # bytes each way over a gloo group of their own on a background thread (no reads,
+    # writes, hashing or commits), alongside a save without peer copies.
+    part = _sys.du(os.path.join(mine.format(mode="peers", node=ranks.rank), versions.version_dirname(step)))
+    wire = ranks.dist.new_group(backend="gloo")
+    other = 1 - ranks.rank
+    pieces = [torch.empty(8 << 20, dtype=torch.uint8) for _ in range(2)]
+
+    def transfer() -> None:
+        for r in range(-(-part // (8 << 20))):
+            got = ranks.dist.irecv(pieces[(r + 1) % 2], src=other, group=wire, tag=r)
+            ranks.dist.isend(pieces[r % 2], dst=other, group=wire, tag=r).wait()
+            got.wait()
+
     for rep in range(args.reps):
-        for mode in _rotate(list(cks), rep):
-            ck = cks[mode]
+        for mode in _rotate([*cks, "floor"], rep):
+            ck = cks["none" if mode == "floor" else mode]
             step += 1
             time.sleep(0.5)  # the previous round's background work is over
             ranks.barrier()
             cpu0, sys0 = _cpu_seconds(), _system_cpu()
             t0 = time.perf_counter()
             ck.save(step, state)
+            wire_thread = threading.Thread(target=transfer) if mode == "floor" else None
+            if wire_thread is not None:
+                wire_thread.start()
             train()
             ck.wait()
+            if wire_thread is not None:
+                wire_thread.join()
             steps_done = time.perf_counter() - t0
             if mode == "peers":  # the window ends once this root's copy is verified too: all of its cost
                 path = mine.format(mode=mode, node=ranks.rank)
