@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import xxhash
 
@@ -101,7 +102,22 @@ def _place(piece: torch.Tensor, origin: Sequence[int], req: ReadRequest) -> None
     if ov is None:
         return
     src = piece[tuple(slice(a - o, b - o) for a, b, o in zip(ov.lo, ov.hi, origin))]
-    req.dest[tuple(slice(a - d, b - d) for a, b, d in zip(ov.lo, ov.hi, dest.lo))].copy_(src)
+    _copy_into(req.dest[tuple(slice(a - d, b - d) for a, b, d in zip(ov.lo, ov.hi, dest.lo))], src)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) for CPU tensors of one dtype, as numpy's copy of same-sized integers:
+    one thread, the GIL released. torch's copy_ runs on its intra-op threads, and with the
+    reader threads of several ranks on few cores those spin against each other (a 2->3
+    restore on 2 cores spent 0.9 s of its 0.9 s in copy_, against 0.1 s here)."""
+    as_int = _SAME_SIZE_INT.get(src.element_size())
+    if as_int is None or dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype:
+        dst.copy_(src)
+        return
+    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy(), casting="no")
 
 
 _PIECE = 1 << 20  # bytes per read: copies out of the page cache run ~1.5x faster in 1 MiB than in 4 MiB pieces here

@@ -780,3 +780,37 @@ def test_empty_piece_plans_no_chunk() -> None:
     )
     (plan,) = plan_arrays([odd])
     assert plan.chunk_shape == (4,) and [c.writer for c in plan.chunks] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.int64,
+        torch.complex64,
+        torch.complex128,
+    ],
+)
+def test_placing_a_piece_copies_exactly_what_torch_would(dtype: torch.dtype) -> None:
+    """restore.execute._copy_into (numpy's single-threaded copy) against torch's copy_, on
+    row ranges, column ranges (strided) and transposed views, bitwise."""
+    from ckpt.restore.execute import _copy_into
+
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(
+        0, 256, (40 * 24 * torch.empty((), dtype=dtype).element_size(),), generator=g, dtype=torch.uint8
+    )
+    src = (raw % 2 if dtype == torch.bool else raw).view(dtype).reshape(40, 24)  # bools as torch stores them: 0, 1
+    for pick in ((slice(3, 17), slice(None)), (slice(None), slice(5, 19)), (slice(2, 30), slice(1, 23, 2))):
+        part = src[pick]
+        for dst_full in (torch.zeros(40, 24, dtype=dtype), torch.zeros(24, 40, dtype=dtype).t()):
+            want = dst_full.clone()
+            want[pick].copy_(part)
+            _copy_into(dst_full[pick], part)
+            assert torch.equal(dst_full.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
