@@ -9,9 +9,8 @@ word differs, the copy is read back and checked against the same digest; a copy 
 reads back wrong may have been damaged on the way (up or down) where no transport
 checksum covers it, so it is sent again before it counts as corrupt. (Reading every
 upload back doubled the traffic to the store: the replication bench ran at 0.74x a plain
-s3fs put.) Verified files go
-into a journal beside the source root, so a restarted replicator resumes without sending
-them again (unless the destination lost them). Once every file is there, the caller
+s3fs put.) Verified files go into a journal beside the source root, so a restarted
+replicator resumes without sending them again (unless the destination lost them). Once every file is there, the caller
 commits (replicator.publish): the manifest goes up last.
 """
 
