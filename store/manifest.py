@@ -435,16 +435,15 @@ def _with_runs(head: ArrayEntry, doc: dict[str, Any], world: int) -> ArrayEntry:
         raise ManifestError(f"array {name!r}: sharding must be an object", path=name)
     h = head  # built whole, not with dataclasses.replace: a third of a parse per array
     return ArrayEntry(
-        h.name,
-        h.data_type,
-        h.shape,
-        h.chunk_shape,
-        h.replicated,
-        sharding,
-        (),
-        h.block_rows,
-        h.schema,
-        tuple(runs),
+        name=h.name,
+        data_type=h.data_type,
+        shape=h.shape,
+        chunk_shape=h.chunk_shape,
+        replicated=h.replicated,
+        sharding=sharding,
+        block_rows=h.block_rows,
+        schema=h.schema,
+        runs=tuple(runs),
         inline=inline,
         inline_xxh3=digest,
     )
