@@ -187,18 +187,20 @@ class FsspecTier(Tier):
         confirmed = [False]
 
         def upload() -> None:
-            md5 = _Md5Parts(size >= 2 * _MULTIPART, self._part_bytes())
+            md5 = _Md5Parts(size >= 2 * _MULTIPART, self._part_bytes()) if self._s3 else None  # S3's ETags only
             confirmed[0] = False
             if size < 2 * _MULTIPART:  # one PUT
                 body = b"".join(bytes(b) for b in blocks())
-                md5.update(body)
+                if md5 is not None:
+                    md5.update(body)
                 answer = self.fs.pipe_file(path, body)
-                confirmed[0] = self._s3 and isinstance(answer, dict) and md5.matches([answer.get("ETag")])
+                confirmed[0] = md5 is not None and isinstance(answer, dict) and md5.matches([answer.get("ETag")])
                 return
             out = self.fs.open(path, "wb", block_size=_MULTIPART)
             try:
                 for block in blocks():
-                    md5.update(block)
+                    if md5 is not None:
+                        md5.update(block)
                     out.write(block)
             except BaseException:
                 # Abandon the multipart upload: closing would publish a truncated object, and
@@ -212,7 +214,7 @@ class FsspecTier(Tier):
                 raise
             out.close()
             parts = getattr(out, "parts", None)  # s3fs: each part's ETag as S3 answered its upload
-            confirmed[0] = self._s3 and isinstance(parts, list) and md5.matches([p.get("ETag") for p in parts])
+            confirmed[0] = md5 is not None and isinstance(parts, list) and md5.matches([p.get("ETag") for p in parts])
 
         self._call(f"upload {key}", upload)
         return confirmed[0]
