@@ -55,7 +55,7 @@ class CheckpointerConfig:
     """Replicated arrays larger than this are split along dim 0 so several ranks write them."""
 
     verify_on_restore: bool = True
-    """Check xxh3 while restoring. Resharded reads then read whole ~4 MiB checksummed blocks;
+    """Check xxh3 while restoring. Resharded reads then read whole ~1 MiB checksummed blocks;
     without it, exactly the byte ranges each rank needs."""
 
     reader_threads: int = 4

@@ -62,6 +62,7 @@ __all__ = [
     "flat_index",
     "INLINE_TYPES",
     "BLOCK_BYTES",
+    "LEGACY_BLOCK_BYTES",
     "GRID_BYTES",
     "CHUNK_SEPARATOR",
 ]
@@ -257,8 +258,10 @@ def _unravel(flat: int, grid: Sequence[int]) -> tuple[int, ...]:
 
 
 # Target size of a checksummed block: a partial read verifies whole blocks, so this bounds
-# both the over-read and the bounce buffer of a resharded restore.
-BLOCK_BYTES = 4 << 20
+# the over-read and the bounce copies of a resharded restore (at 4 MiB, a rank of a 2->3
+# reshard read 8.7 MB to use 3.1 MB of a 9.4 MB matrix). Schemas 1-3 used LEGACY_BLOCK_BYTES.
+BLOCK_BYTES = 1 << 20
+LEGACY_BLOCK_BYTES = 4 << 20
 # Target chunk size of an array whose region boundaries share no useful divisor: bounds
 # both its file count and the bytes a straddling chunk's writer receives from a neighbour.
 GRID_BYTES = 16 << 20

@@ -28,7 +28,16 @@ import xxhash
 from ckpt.store.digest import combine_blocks
 from ckpt.store.dtypes import ITEMSIZE
 from ckpt.store.errors import CorruptVersionError, ManifestError, UnsupportedSchemaError
-from ckpt.store.layout import CHUNK_SEPARATOR, Sharding, WriterRun, chunk_file, flat_index, grid_shape
+from ckpt.store.layout import (
+    BLOCK_BYTES,
+    CHUNK_SEPARATOR,
+    LEGACY_BLOCK_BYTES,
+    Sharding,
+    WriterRun,
+    chunk_file,
+    flat_index,
+    grid_shape,
+)
 from ckpt.store.layout import block_rows as expected_block_rows
 
 __all__ = [
@@ -49,8 +58,9 @@ __all__ = [
 
 # 2: "." chunk keys; a blocked chunk's xxh3 is the digest of its block digests (store/digest.py)
 # 3: run-length encoded writers; digests, trees and RNG in per-rank files (store/rank_file.py)
-SCHEMA_VERSION = 3
-READABLE_SCHEMAS = (1, 2, 3)
+# 4: checksummed blocks of ~1 MiB (store.layout.BLOCK_BYTES), where they were ~4 MiB
+SCHEMA_VERSION = 4
+READABLE_SCHEMAS = (1, 2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 ROOT_INFO_NAME = "root.json"
 STATE_PREFIX = "state"
@@ -363,6 +373,11 @@ def _ints(v: Any, what: str, lo: int = 0) -> tuple[int, ...]:
     return tuple(_int(x, what, lo) for x in v)
 
 
+def block_bytes_of(schema: int) -> int:
+    """The target block size of a manifest schema: a reader checks `block_rows` against it."""
+    return LEGACY_BLOCK_BYTES if schema < 4 else BLOCK_BYTES
+
+
 def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
     if not isinstance(doc, dict):
         raise ManifestError(f"array {name!r} is not an object")
@@ -382,7 +397,7 @@ def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
     ):
         raise ManifestError(f"array {name!r}: shape {shape} is absurdly large", path=name)
     block_rows = _int(doc.get("block_rows", 0), f"{name}.block_rows", 0, chunk_shape[0] if chunk_shape else 0)
-    if block_rows != expected_block_rows(chunk_shape, ITEMSIZE[dtype]):
+    if block_rows != expected_block_rows(chunk_shape, ITEMSIZE[dtype], block_bytes_of(schema)):
         raise ManifestError(f"array {name!r}: block_rows {block_rows} does not follow from its chunk shape", path=name)
     if chunk_shape and math.prod(chunk_shape[1:]) * ITEMSIZE[dtype] > MAX_ROW_BYTES:
         raise ManifestError(f"array {name!r}: rows of {chunk_shape[1:]} are absurdly large", path=name)

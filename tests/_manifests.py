@@ -9,7 +9,10 @@ from typing import Any
 
 import xxhash
 
-from ckpt.store.manifest import with_checksum
+from ckpt.store.digest import chunk_digest
+from ckpt.store.dtypes import ITEMSIZE
+from ckpt.store.layout import LEGACY_BLOCK_BYTES, block_rows
+from ckpt.store.manifest import parse_manifest, with_checksum
 
 
 def crafted(doc: dict[str, Any]) -> bytes:
@@ -40,9 +43,54 @@ def chunk_digests(version: Path) -> dict[str, dict[int, list[Any]]]:
     return out
 
 
+def as_schema_3(version: Path) -> None:
+    """Rewrite a version directory (schema 4) as ckpt wrote schema 3: the same files, their
+    digests over ~4 MiB blocks (LEGACY_BLOCK_BYTES), recomputed here from the chunk files."""
+    manifest = parse_manifest((version / "manifest.json").read_bytes())
+    doc = json.loads((version / "manifest.json").read_bytes())
+    rows: dict[str, int] = {}
+    for name, a in doc["arrays"].items():
+        rows[name] = block_rows(a["chunk_shape"], ITEMSIZE[a["data_type"]], LEGACY_BLOCK_BYTES)
+        a["block_rows"] = rows[name]
+    paths = {
+        (name, array.flat(chunk.index)): version / array.chunk_path(chunk)
+        for name, array in manifest.arrays.items()
+        for chunk in array.iter_chunks()
+    }
+    ranks = rank_docs(version)
+    raws = []
+    for rank in ranks:
+        for name, entries in rank["chunks"].items():
+            a = doc["arrays"][name]
+            block_bytes = rows[name] * ITEMSIZE[a["data_type"]] * _prod(a["chunk_shape"][1:])
+            for i, e in enumerate(entries):
+                data = paths[name, e[0]].read_bytes()
+                xxh3 = chunk_digest(data, block_bytes)
+                blocks = [] if not block_bytes or len(data) <= block_bytes else _blocks(data, block_bytes)
+                entries[i] = [e[0], xxh3, blocks] if blocks else [e[0], xxh3]
+        raws.append(json.dumps(rank, separators=(",", ":")).encode())
+    for r, raw in enumerate(raws):
+        (version / "ranks" / f"{r}.json").write_bytes(raw)
+    doc["ranks"] = [[len(raw), xxhash.xxh3_64_hexdigest(raw)] for raw in raws]
+    (version / "manifest.json").write_bytes(crafted({**doc, "schema_version": 3}))
+
+
+def _prod(xs: list[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _blocks(data: bytes, block_bytes: int) -> list[str]:
+    return [xxhash.xxh3_64_hexdigest(data[i : i + block_bytes]) for i in range(0, len(data), block_bytes)]
+
+
 def as_schema_2(version: Path) -> None:
-    """Rewrite a schema-3 version directory as ckpt wrote schema 2: every chunk listed in the
-    manifest with its digests, the trees and RNG there, no rank files."""
+    """Rewrite a version directory as ckpt wrote schema 2: every chunk listed in the
+    manifest with its digests (over ~4 MiB blocks, as schema 3), the trees and RNG there,
+    no rank files."""
+    as_schema_3(version)
     doc = json.loads((version / "manifest.json").read_bytes())
     ranks = rank_docs(version)
     digests = chunk_digests(version)

@@ -34,6 +34,7 @@ from ckpt.replicator.transfer import Transfer, copy_files
 from ckpt.restore.locate import restore_newest
 from ckpt.store._fsspec import FsspecTier
 from ckpt.store.errors import TierUnavailableError
+from ckpt.store.manifest import SCHEMA_VERSION
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.tier import open_tier
 from ckpt.store.verify import verify_chunks
@@ -335,7 +336,7 @@ def test_gc_keeps_a_version_of_a_schema_it_does_not_read(tmp_path: Path) -> None
     _save(root, 1, 2, 3)
     path = root / "v000000000003" / "manifest.json"
     doc = json.loads(path.read_bytes())
-    path.write_bytes(crafted({**doc, "schema_version": 4}))
+    path.write_bytes(crafted({**doc, "schema_version": SCHEMA_VERSION + 1}))
     result = gcmod.collect(open_tier(str(root)), KeepLast(1))
     assert result.deleted == [1] and 3 in result.unjudged, result
     assert committed_steps(open_tier(str(root))) == [2, 3]  # 2: the newest proven intact

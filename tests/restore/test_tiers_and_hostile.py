@@ -3,7 +3,7 @@
 - a corrupt, truncated or missing chunk (or manifest) of the newest version on the
   primary root is read from the next tier: restore() still returns the newest step,
   bit for bit; only when no tier holds a good copy does it fall back to an older one;
-- chunks above 4 MiB are verified block by block, partial reads included;
+- chunks above 1 MiB are verified block by block, partial reads included;
 - verify_on_restore=False skips checksums but not size checks;
 - crafted manifests ('..' or absolute names, overflowing shapes, absurd chunk shapes)
   and symlinks or FIFOs in a version are refused before anything outside the version is
@@ -44,8 +44,9 @@ from ckpt.store.manifest import parse_manifest
 from tests._manifests import chunk_digests, crafted, edit_rank_file
 from tests._states import assert_bitwise, blank, save_steps
 
-BIG = "state/big/c.0.0"  # 2048 x 1024 float32 = 8 MiB: two checksummed 4 MiB blocks
+BIG = "state/big/c.0.0"  # 2048 x 1024 float32 = 8 MiB: eight checksummed 1 MiB blocks
 BIG_BYTES = 2048 * 1024 * 4
+LAST = 1792  # the first row of its last block
 W = "state/w/c.0.0"  # 40 x 30 float32 = 4800 bytes
 
 
@@ -74,7 +75,7 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def flip_last_block(version: Path) -> None:
-    """One byte in the last 4 MiB block of the 8 MiB chunk (its first block stays intact)."""
+    """One byte in the last 1 MiB block of the 8 MiB chunk (the other blocks stay intact)."""
     flip_byte(version / BIG, BIG_BYTES - 4096 + 17)
 
 
@@ -107,7 +108,7 @@ def two_tiers(tmp_path: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any
     shutil.copytree(vdir(root, 2), vdir(tier, 2))
     big = json.loads((vdir(root, 2) / "manifest.json").read_bytes())["arrays"]["big"]
     blocks = chunk_digests(vdir(root, 2))["big"][0][1]
-    assert big["block_rows"] == 1024 and len(blocks) == 2  # the blocks under test exist
+    assert big["block_rows"] == 2048 - LAST and len(blocks) == 8  # the blocks under test exist
     return root, tier, old, new
 
 
@@ -116,7 +117,7 @@ def two_tiers(tmp_path: Path) -> tuple[Path, Path, dict[str, Any], dict[str, Any
 
 CHUNK_DAMAGE: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "flipped-byte": (lambda v: flip_byte(v / W, 2400), W, "checksum"),
-    "flipped-byte-last-block": (flip_last_block, BIG, "rows (1024, 2048) fail their checksum"),
+    "flipped-byte-last-block": (flip_last_block, BIG, "rows (1792, 2048) fail their checksum"),
     "truncated": (lambda v: truncate(v / BIG), BIG, f"has {BIG_BYTES // 2} bytes"),
     "missing": (lambda v: (v / "state/i/c.0.0").unlink(), "state/i/c.0.0", "missing"),
 }
@@ -213,16 +214,16 @@ def test_partial_reads_verify_the_blocks_they_read(
         return t
 
     with Checkpointer(root) as ck:
-        got = target((0, 1024))  # the first block only: intact
+        got = target((0, LAST))  # every block but the last: intact
         assert ck.restore(got) == 2
-        assert_bitwise(got["big"].local_tensor, new["big"][:1024], "big[:1024]")
-        got = target((1536, 2048))  # within the corrupt block, and no other tier
+        assert_bitwise(got["big"].local_tensor, new["big"][:LAST], "big[:LAST]")
+        got = target((1900, 2048))  # within the corrupt block, and no other tier
         assert ck.restore(got) == 1
-        assert_bitwise(got["big"].local_tensor, old["big"][1536:], "big[1536:]")
+        assert_bitwise(got["big"].local_tensor, old["big"][1900:], "big[1900:]")
     with Checkpointer(root, tiers=[tier]) as ck:
-        got = target((1000, 1100))  # straddles both blocks
+        got = target((1700, 1800))  # straddles the last two blocks
         assert ck.restore(got) == 2
-        assert_bitwise(got["big"].local_tensor, new["big"][1000:1100], "big[1000:1100]")
+        assert_bitwise(got["big"].local_tensor, new["big"][1700:1800], "big[1700:1800]")
         assert_bitwise(got["model"], new["model"])
 
 

@@ -20,12 +20,13 @@ from ckpt import Checkpointer, CorruptVersionError
 from ckpt.cli import main as cli
 from ckpt.store.digest import ChunkHasher, chunk_digest
 from ckpt.store.errors import ManifestError
-from ckpt.store.manifest import parse_manifest
+from ckpt.store.layout import BLOCK_BYTES, LEGACY_BLOCK_BYTES
+from ckpt.store.manifest import SCHEMA_VERSION, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
-from tests._manifests import as_schema_2, chunk_digests, crafted, legacy
+from tests._manifests import as_schema_2, as_schema_3, chunk_digests, crafted, legacy
 from tests._states import assert_bitwise
 
-BIG = "state/big/c.0.0"  # 3000 x 1000 float32: 12 MB, three 4 MiB blocks (the last one shorter)
+BIG = "state/big/c.0.0"  # 3000 x 1000 float32: 12 MB, twelve ~1 MiB blocks (schema 3: three ~4 MiB)
 BIG_V1 = "state/big/c/0/0"  # the same chunk's key in schema 1
 
 
@@ -59,15 +60,15 @@ def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
 def test_manifest_digests_follow_the_documented_rule(saved: tuple[Path, dict[str, Any]]) -> None:
     root, _ = saved
     doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
-    assert doc["schema_version"] == 3
+    assert doc["schema_version"] == SCHEMA_VERSION == 4
     big = doc["arrays"]["big"]
     row_bytes = big["chunk_shape"][1] * 4
     block_bytes = big["block_rows"] * row_bytes
-    assert block_bytes == (4 << 20) // row_bytes * row_bytes
-    digests = chunk_digests(vdir(root, 1))  # schema 3: in the writers' rank files
+    assert block_bytes == BLOCK_BYTES // row_bytes * row_bytes == 262 * 4000
+    digests = chunk_digests(vdir(root, 1))  # since schema 3: in the writers' rank files
     xxh3, chunk_blocks = digests["big"][0]
     combined, blocks = documented_digests((vdir(root, 1) / BIG).read_bytes(), block_bytes)
-    assert len(blocks) == 3 and chunk_blocks == blocks
+    assert len(blocks) == 12 and chunk_blocks == blocks
     assert xxh3 == combined
     small, small_blocks = digests["w"][0]
     assert small_blocks == []
@@ -121,6 +122,41 @@ def test_schema_2_versions_still_restore_and_verify(saved: tuple[Path, dict[str,
     _flip_last_byte(vdir(root, 1) / BIG)
     result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
     assert result.exit_code == 1 and "BAD" in result.output, result.output
+
+
+def test_schema_3_versions_with_4_mib_blocks_still_restore_and_verify(saved: tuple[Path, dict[str, Any]]) -> None:
+    """A version written before blocks shrank to ~1 MiB: its ~4 MiB blocks are checked as such."""
+    root, state = saved
+    as_schema_3(vdir(root, 1))
+    doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
+    assert doc["schema_version"] == 3
+    assert doc["arrays"]["big"]["block_rows"] * 4000 == LEGACY_BLOCK_BYTES // 4000 * 4000
+    assert len(chunk_digests(vdir(root, 1))["big"][0][1]) == 3
+    with Checkpointer(root) as ck:
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(got) == 1
+    assert_bitwise(got, state)
+    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    _flip_last_byte(vdir(root, 1) / BIG)
+    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
+    assert result.exit_code == 1 and "BAD" in result.output, result.output
+
+
+@pytest.mark.parametrize("schema", [3, 4])
+def test_block_rows_must_follow_the_rule_of_the_manifests_schema(
+    saved: tuple[Path, dict[str, Any]], schema: int
+) -> None:
+    """Each schema has one block rule: a manifest whose blocks follow the other schema's is refused."""
+    root, _ = saved
+    if schema == 3:
+        as_schema_3(vdir(root, 1))
+    doc = json.loads((vdir(root, 1) / "manifest.json").read_bytes())
+    parse_manifest(crafted(doc))
+    other = {3: BLOCK_BYTES, 4: LEGACY_BLOCK_BYTES}[schema]
+    doc["arrays"]["big"]["block_rows"] = other // 4000
+    with pytest.raises(ManifestError, match="block_rows .* does not follow"):
+        parse_manifest(crafted(doc))
 
 
 def _flip_last_byte(path: Path) -> None:
@@ -228,7 +264,7 @@ def test_a_checksummed_manifest_must_end_as_written(saved: tuple[Path, dict[str,
         parse_manifest(raw + b"  \n")
     stripped = json.loads(raw)
     del stripped["manifest_xxh3"]
-    assert stripped["schema_version"] == 3
+    assert stripped["schema_version"] == SCHEMA_VERSION
     with pytest.raises(ManifestError, match="lacks its manifest_xxh3"):
         parse_manifest(json.dumps(stripped).encode())
 

@@ -27,7 +27,7 @@ import zarr
 
 import ckpt
 from ckpt import Checkpointer, CheckpointerConfig
-from ckpt.store.manifest import parse_manifest
+from ckpt.store.manifest import SCHEMA_VERSION, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
 from tests._manifests import chunk_digests, crafted, vouch_rank_file
 from tests._states import assert_bitwise, blank
@@ -411,7 +411,7 @@ MANIFEST_EDITS = {
     "absolute": lambda d: _rename_array(d, "/etc/w"),
     "dot": lambda d: _rename_array(d, "./w"),
     "empty-component": lambda d: _rename_array(d, "a//w"),
-    "schema-version": lambda d: {**d, "schema_version": 4},
+    "schema-version": lambda d: {**d, "schema_version": SCHEMA_VERSION + 1},
     "no-schema-version": lambda d: {k: v for k, v in d.items() if k != "schema_version"},
     "unknown-dtype": lambda d: d["arrays"]["w"].update(data_type="float128") or d,
     "absurd-shape": lambda d: d["arrays"]["w"].update(shape=[1 << 30, 1 << 30], chunk_shape=[1 << 30, 1 << 30]) or d,
