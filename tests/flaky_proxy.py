@@ -22,7 +22,11 @@ bodies framed by Content-Length or `Transfer-Encoding: chunked` relayed byte for
 `faults()` counts the faults actually injected, per kind, so a test can assert that each
 kind really happened. `only` (a regex on "METHOD /path?query") limits faults to some
 requests, `scope` one kind to some requests (e.g. corrupt only chunk downloads), and
-`max_faults` their number. Responses are buffered (chunked ones re-framed with a
+`max_faults` their number.
+
+`opaque_etags = True` (not a fault: a store's behaviour) answers every upload (PUT, and the
+POST that completes a multipart upload) with ETags that are no MD5 of the bytes, as S3
+does under SSE-KMS or SSE-C encryption. Responses are buffered (chunked ones re-framed with a
 Content-Length) so a fault can cut or flip at any byte; request bodies are streamed.
 
 In-process: `with FlakyProxy(upstream_port, FaultPlan(rate=0.2, seed=1)) as proxy: ...`
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -186,6 +191,9 @@ async def _relay_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             await writer.drain()
 
 
+_ETAG_XML = re.compile(rb"<ETag>(.*?)</ETag>", re.S)
+
+
 class FlakyProxy:
     """The proxy, run by an asyncio loop in a daemon thread of this process."""
 
@@ -208,6 +216,8 @@ class FlakyProxy:
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.on_change: Any = None  # called (no arguments, in the proxy's thread) after each fault
+        self.opaque_etags = False  # uploads answered with ETags that are no MD5 (module docstring)
+        self._etags: dict[bytes, bytes] = {}  # opaque ETag -> the server's, for CompleteMultipartUpload
 
     # -- control, from any thread -----------------------------------------------------------------
 
@@ -360,7 +370,17 @@ class FlakyProxy:
             await self._send_error(writer, req, 500 if kind == "error500" else 503)
             return True
 
-        status_line, headers, body = await self._forward(req, reader, writer)
+        sent = None
+        if self.opaque_etags and req.method == "POST" and not req.chunked and "uploadId=" in req.target:
+            # CompleteMultipartUpload names its parts by the (opaque) ETags the client was given
+            sent = _ETAG_XML.sub(
+                lambda m: b"<ETag>" + self._etags.get(m[1], m[1]) + b"</ETag>", await reader.readexactly(length)
+            )
+        status_line, headers, body = await self._forward(req, reader, writer, sent)
+        if self.opaque_etags and req.method in ("PUT", "POST"):
+            headers = [(k, self._opaque(v)) if k.lower() == "etag" else (k, v) for k, v in headers]
+            if body is not None:
+                body = _ETAG_XML.sub(lambda m: b"<ETag>" + self._opaque(m[1].decode()).encode() + b"</ETag>", body)
         has_body = req.method != "HEAD" and body is not None
         if kind == "drop":  # applied by the server, the answer lost
             self._count("drop")
@@ -401,18 +421,30 @@ class FlakyProxy:
         await writer.drain()
         return True
 
+    def _opaque(self, etag: str) -> str:
+        """An ETag as an encrypting store gives it: 32 hex digits, but not the bytes' MD5."""
+        out = '"' + hashlib.sha256(etag.encode()).hexdigest()[:32] + '"'
+        self._etags[out.encode()] = etag.encode()
+        return out
+
     async def _forward(
-        self, req: _Request, reader: asyncio.StreamReader, client: asyncio.StreamWriter
+        self, req: _Request, reader: asyncio.StreamReader, client: asyncio.StreamWriter, body: bytes | None = None
     ) -> tuple[str, list[tuple[str, str]], bytes | None]:
-        """Send the request to the server (one connection per request), streaming its body;
-        return the server's answer: status line, headers, body (None: no body)."""
+        """Send the request to the server (one connection per request), streaming its body
+        (or sending `body` in its place); return the server's answer: status line, headers,
+        body (None: no body)."""
         up_reader, up_writer = await asyncio.open_connection(*self.upstream, limit=_HEAD_LIMIT)
         try:
             head = [f"{req.method} {req.target} {req.version}"]
-            head += [f"{k}: {v}" for k, v in req.headers if k.lower() not in _HOP_BY_HOP]
+            skip = _HOP_BY_HOP | ({"content-length"} if body is not None else set())
+            head += [f"{k}: {v}" for k, v in req.headers if k.lower() not in skip]
+            if body is not None:
+                head.append(f"Content-Length: {len(body)}")
             head.append("Connection: close")
             up_writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
-            if req.chunked:
+            if body is not None:
+                up_writer.write(body)
+            elif req.chunked:
                 await _relay_chunked(reader, up_writer)
             else:
                 await _relay_exact(reader, up_writer, int(req.header("content-length") or 0))
