@@ -45,6 +45,7 @@ from ckpt.store.fsio import DIR_MODE, fsync_dirs, write_new
 from ckpt.store.layout import block_rows, flat_index, grid_shape
 from ckpt.store.manifest import ArrayEntry, Manifest, RankRef, parse_manifest
 from ckpt.store.rank_file import RANKS_DIR, rank_file_bytes, rank_file_path
+from ckpt.store.versions import remember_manifest
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
 __all__ = ["RootContext", "run_once", "run_commit"]
@@ -282,9 +283,9 @@ def _commit(
                     for a in manifest.arrays.values()
                     if a.name not in job.written.inline_docs and a.inline is not None
                 ]
-                with no_cyclic_gc():  # serializes the manifest
-                    dirs = write_hierarchy(tmp_dir, inline, None, replace=True)
-                    commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs)
+                dirs = write_hierarchy(tmp_dir, inline, None, replace=True)
+                commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs, raw)
+                remember_manifest(raw, manifest)  # retention judges it next, without parsing it again
             except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
                 error = e
         comm.agree(error)

@@ -30,7 +30,7 @@ from ckpt.store import metrics
 from ckpt.store.errors import CkptError
 from ckpt.store.spare import retire, spare_key, spares
 from ckpt.store.tier import Tier
-from ckpt.store.versions import read_manifest, read_root_info, version_dirname
+from ckpt.store.versions import read_manifest_facts, read_root_info, version_dirname
 
 __all__ = ["Retention"]
 
@@ -56,6 +56,7 @@ class Retention:
         self._queued: Future[None] | None = None
         self._newest = -1
         self._spares = policy is not None
+        self._sizes: dict[str, int] = {}  # bytes of a version on this root, per save layout
 
     def committed(self, step: int) -> None:
         """Called after each commit of this root; queues a pass unless one is still queued."""
@@ -92,16 +93,31 @@ class Retention:
         """Keep the tree of `step`, which retention deletes, for the next save of its layout
         (store.spare); on any doubt it is deleted as usual."""
         try:
-            layout = read_manifest(self._tier, step).meta.get("layout")
+            layout = read_manifest_facts(self._tier, step).layout
             info = read_root_info(self._tier, step)
-            if isinstance(layout, str) and layout and info is not None:
+            if layout and info is not None:
                 retire(self._tier, self._root, step, spare_key(layout, info.writers))
         except (CkptError, OSError) as e:
             log.info("%s: step %d is deleted, not kept as a spare tree: %s", self._root, step, e)
 
+    def _version_bytes(self, step: int) -> int:
+        """Bytes of `step` on this root. Measured once per save layout: its chunk files
+        are of fixed sizes, and a walk of a large version's tree (a directory per array)
+        takes ~0.1 s of Python, on the GIL the training loop wants."""
+        try:
+            layout = read_manifest_facts(self._tier, step).layout
+        except (CkptError, OSError):
+            layout = None
+        size = self._sizes.get(layout) if layout else None
+        if size is None:
+            size = _tree_bytes(os.path.join(self._root, version_dirname(step)))
+            if layout:
+                self._sizes[layout] = size
+        return size
+
     def _check_space(self, step: int) -> None:
         free = shutil.disk_usage(self._root).free
-        size = _tree_bytes(os.path.join(self._root, version_dirname(step)))
+        size = self._version_bytes(step)
         kept = spares(self._root) if free < 2 * size else []
         if kept:  # the space is worth more than the files: a save of another layout needs it
             log.info("%s: low on space, deleting the spare trees %s", self._root, kept)

@@ -47,7 +47,7 @@ from ckpt.store.versions import (
     delete_version,
     finish_deletions,
     parse_version_dirname,
-    read_manifest,
+    read_manifest_facts,
 )
 
 __all__ = ["GcResult", "judge", "collect", "collect_abandoned", "collect_damaged"]
@@ -72,7 +72,7 @@ def judge(tier: Tier, redundant: Iterable[int] | None = None) -> tuple[list[Vers
     versions, unjudged = [], {}
     for step in committed_steps(tier):
         try:
-            m = read_manifest(tier, step)
+            m = read_manifest_facts(tier, step)
         except VersionNotFoundError:
             continue  # deleted (another GC) since the listing
         except (TierUnavailableError, OSError, UnsupportedSchemaError) as e:  # no proof of damage
@@ -83,10 +83,7 @@ def judge(tier: Tier, redundant: Iterable[int] | None = None) -> tuple[list[Vers
         except CorruptVersionError:  # proven: a checksum or parse failure
             versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
             continue
-        keys = None if m.keys is None else frozenset(m.keys)
-        versions.append(
-            VersionInfo(step, m.created, True, bool(m.meta.get("milestone")), ok is None or step in ok, keys)
-        )
+        versions.append(VersionInfo(step, m.created, True, m.milestone, ok is None or step in ok, m.keys))
     return versions, unjudged
 
 

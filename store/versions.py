@@ -23,9 +23,13 @@ import logging
 import os
 import re
 import stat
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import xxhash
 
 from ckpt.store.errors import CorruptVersionError, ManifestError, TierUnavailableError, VersionNotFoundError
 from ckpt.store.faults import fault_point
@@ -49,6 +53,9 @@ __all__ = [
     "committed",
     "damaged_entries",
     "read_manifest",
+    "ManifestFacts",
+    "read_manifest_facts",
+    "remember_manifest",
     "read_root_info",
     "delete_version",
     "delete_uncommitted",
@@ -258,6 +265,66 @@ def read_manifest(where: Tier | str | os.PathLike[str], step: int) -> Manifest:
     ManifestError (a CorruptVersionError) if the manifest is damaged, TierUnavailableError
     if it cannot be read (an I/O error, a store that does not answer)."""
     tier = as_tier(where)
+    return _parsed(tier, step, _manifest_bytes(tier, step))
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestFacts:
+    """What retention judges a version by: its manifest parsed and validated, and these."""
+
+    step: int
+    created: float
+    milestone: bool
+    keys: frozenset[str] | None  # the saved state's top-level keys (None: every key)
+    layout: str | None  # the save layout's key (store.spare)
+
+
+_FACTS: OrderedDict[tuple[int, bytes], ManifestFacts] = OrderedDict()
+_FACTS_LOCK = threading.Lock()
+_FACTS_KEPT = 4096  # facts of this many manifests (~200 bytes each)
+
+
+def read_manifest_facts(where: Tier | str | os.PathLike[str], step: int) -> ManifestFacts:
+    """read_manifest's verdict on `step` (same errors), and the facts retention needs.
+
+    Every retention pass judges every retained version, so the manifest is read each time,
+    but parsed (for a large job ~35 ms of Python, competing with the training loop for the
+    GIL) only when its bytes differ from those of a manifest parsed before: the facts are
+    kept by the bytes' xxh3_128, and parsing is a pure function of them."""
+    tier = as_tier(where)
+    raw = _manifest_bytes(tier, step)
+    key = (step, xxhash.xxh3_128_digest(raw))
+    with _FACTS_LOCK:
+        facts = _FACTS.get(key)
+        if facts is not None:
+            _FACTS.move_to_end(key)
+            return facts
+    return _remember(raw, _parsed(tier, step, raw))
+
+
+def remember_manifest(raw: bytes, manifest: Manifest) -> None:
+    """Let read_manifest_facts know the facts of `raw`, whose parse is `manifest` (a
+    manifest this process has just committed)."""
+    _remember(raw, manifest)
+
+
+def _remember(raw: bytes, m: Manifest) -> ManifestFacts:
+    layout = m.meta.get("layout")
+    facts = ManifestFacts(
+        m.step,
+        m.created,
+        bool(m.meta.get("milestone")),
+        None if m.keys is None else frozenset(m.keys),
+        layout if isinstance(layout, str) else None,
+    )
+    with _FACTS_LOCK:
+        _FACTS[(m.step, xxhash.xxh3_128_digest(raw))] = facts
+        while len(_FACTS) > _FACTS_KEPT:
+            _FACTS.popitem(last=False)
+    return facts
+
+
+def _manifest_bytes(tier: Tier, step: int) -> bytes:
     key = join_key(version_dirname(step), MANIFEST_NAME)
     try:
         raw = tier.get(key)
@@ -269,8 +336,13 @@ def read_manifest(where: Tier | str | os.PathLike[str], step: int) -> Manifest:
         raise
     except OSError as e:
         raise TierUnavailableError(e.errno, f"cannot read {tier.location}/{key}: {e.strerror or e}") from None
+    return raw
+
+
+def _parsed(tier: Tier, step: int, raw: bytes) -> Manifest:
     manifest = parse_manifest(raw)
     if manifest.step != step:
+        key = join_key(version_dirname(step), MANIFEST_NAME)
         raise ManifestError(f"{tier.location}/{key} describes step {manifest.step}, not {step}", path=key)
     return manifest
 
