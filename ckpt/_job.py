@@ -83,6 +83,7 @@ class Written:
     inline_docs: set[str] = field(default_factory=set)  # inline arrays whose zarr.json is written
     dirs: set[str] = field(default_factory=set)  # directories created, to fsync
     rank_file: tuple[int, str] = (0, "")  # size and xxh3 of this rank's file, once written
+    reused: bool = False  # this rank took a spare tree as the save's tmp directory (store.spare)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from ckpt.store.layout import (
     MeshSpec,
     plan_arrays,
 )
+from ckpt.store.zarr_meta import DOCUMENT_FORMAT
 
 __all__ = ["Announcement", "announce", "merge", "plain_signature", "agree_plans"]
 
@@ -214,4 +215,5 @@ def layout_key(plans: Sequence[ArrayPlan], root_groups: Sequence[Sequence[int]])
     for p in plans:
         h.update(repr((p.spec.name, p.spec.data_type, p.spec.shape, p.chunk_shape, p.runs, p.inline)).encode())
     h.update(repr(tuple(tuple(g) for g in root_groups)).encode())
+    h.update(DOCUMENT_FORMAT)  # a spare tree's zarr.json files are then byte for byte this save's
     return h.hexdigest()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,19 +42,37 @@ def open_tree(job: SaveJob, root: str, tmp_dir: str, writers: Sequence[int]) -> 
     (store.spare: its files are overwritten in place), else a new directory. Every rank of
     the root tries; the first to rename the spare wins, the others find it in place."""
     key = spare_key(job.request.layout, writers) if job.request.layout else ""
-    if not (key and take(root, tmp_dir, key)):
+    if job.written.reused:  # by an earlier batch of this save (bounded staging)
+        return
+    job.written.reused = bool(key) and take(root, tmp_dir, key)
+    if not job.written.reused:
         makedirs(tmp_dir)
 
 
 def metadata_documents(job: SaveJob, tmp_dir: str) -> tuple[list[tuple[str, bytes]], set[str]]:
     """The zarr.json files known before the data is written: groups and every array but the
     inline ones (whose value is their fill_value and comes with the manifest); and every
-    metadata directory, the inline arrays' included."""
+    metadata directory, the inline arrays' included.
+
+    In a spare tree this rank took (job.written.reused), the documents of the groups below
+    the root and of the arrays are those of a committed version of the same layout key,
+    which covers everything they say (ckpt._plan.layout_key): they stay as they are, durable
+    already, unless one is missing or of another size. The root group's names the step."""
     plans = job.request.plans
     nodes = [ArrayNode(f"{STATE_PREFIX}/{p.spec.name}", p.spec.data_type, p.spec.shape, p.chunk_shape) for p in plans]
     docs, dirs = documents(tmp_dir, nodes, {"ckpt": {"step": job.step}})
     inline = {os.path.join(tmp_dir, STATE_PREFIX, p.spec.name, "zarr.json") for p in plans if p.inline}
-    return [d for d in docs if d[0] not in inline], dirs
+    top = os.path.join(tmp_dir, "zarr.json")
+    return [d for d in docs if d[0] not in inline and (d[0] == top or not (job.written.reused and _holds(*d)))], dirs
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether `path` is a file of data's size (of a spare tree of the same layout key)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == len(data)
 
 
 def write_tasks(

@@ -20,7 +20,7 @@ from ckpt.store.fsio import DIR_MODE, fsync_files, write_new
 from ckpt.store.layout import CHUNK_SEPARATOR
 from ckpt.store.manifest import ArrayEntry
 
-__all__ = ["ArrayNode", "array_document", "documents", "write_documents", "write_hierarchy"]
+__all__ = ["ArrayNode", "DOCUMENT_FORMAT", "array_document", "documents", "write_documents", "write_hierarchy"]
 
 _INT_TYPES = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 
@@ -76,6 +76,11 @@ def array_document(node: ArrayNode, attributes: dict[str, Any]) -> dict[str, Any
         "attributes": attributes,
         "storage_transformers": [],
     }
+
+
+DOCUMENT_FORMAT = json.dumps(array_document(ArrayNode("a/b", "float32", (3, 2), (2, 2)), {})).encode()
+"""What this code writes as an array's zarr.json, by example: part of a save layout's key
+(ckpt._plan.layout_key), so a spare tree's documents are this code's when the key matches."""
 
 
 def documents(

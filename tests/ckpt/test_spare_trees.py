@@ -101,6 +101,35 @@ def test_a_save_overwrites_the_tree_retention_retired_and_restores_bitwise(tmp_p
                 assert_bitwise(got, _state(seed), f"step {step}")
 
 
+def test_a_spare_trees_zarr_documents_stay_and_equal_a_fresh_saves(tmp_path: Path) -> None:
+    """The zarr.json files of the groups and arrays follow from the layout: in a spare tree
+    they stay as written (durable already); the root group's (it names the step), an inline
+    array's (its value) and a missing one are written."""
+    root = tmp_path / "root"
+    with Checkpointer(tmp_path / "fresh") as ck:
+        ck.save(30, _state(3))
+    with Checkpointer(root, keep_last=1) as ck:
+        ck.save(10, _state(1))
+        ck.wait()
+        ck.save(20, _state(2))
+        ck.wait()
+        (spare,) = _wait_for_spare(root)
+        before = {
+            rel: os.stat(os.path.join(spare, rel)).st_mtime_ns for rel in _files(Path(spare)) if rel.endswith("zarr.json")
+        }
+        assert len(before) == 6  # the root and "state" groups, four arrays
+        os.unlink(os.path.join(spare, "state", "rows", "zarr.json"))
+        time.sleep(0.05)  # past the filesystem's timestamp granularity
+        ck.save(30, _state(3))
+        ck.wait()
+    version, fresh = root / version_dirname(30), tmp_path / "fresh" / version_dirname(30)
+    for rel in before:
+        assert (version / rel).read_bytes() == (fresh / rel).read_bytes(), rel
+    written = {rel for rel, t in before.items() if os.stat(version / rel).st_mtime_ns != t}
+    assert written == {"zarr.json", "state/rows/zarr.json", "state/count/zarr.json"}, written
+    _check_version(root, 30, fresh)
+
+
 def test_a_save_of_another_layout_never_takes_a_spare_tree(tmp_path: Path) -> None:
     """A tree of one layout would hold files another layout does not write: it is left alone."""
     root = tmp_path / "root"
