@@ -63,6 +63,15 @@ def _wait_for_spare(root: Path, timeout: float = 30) -> list[str]:
     return found
 
 
+def _two_saves_and_a_spare(ck: Checkpointer, root: Path, *steps: int) -> str:
+    """Save `steps` (seeds 1, 2) with keep_last=1: retention keeps the first one's tree as a spare."""
+    for seed, step in enumerate(steps, 1):
+        ck.save(step, _state(seed))
+        ck.wait()
+    (spare,) = _wait_for_spare(root)
+    return spare
+
+
 def _check_version(root: Path, step: int, fresh: Path) -> None:
     """The version holds exactly the files a save into a new directory writes; every chunk
     verifies; zarr-python reads its arrays."""
@@ -109,13 +118,11 @@ def test_a_spare_trees_zarr_documents_stay_and_equal_a_fresh_saves(tmp_path: Pat
     with Checkpointer(tmp_path / "fresh") as ck:
         ck.save(30, _state(3))
     with Checkpointer(root, keep_last=1) as ck:
-        ck.save(10, _state(1))
-        ck.wait()
-        ck.save(20, _state(2))
-        ck.wait()
-        (spare,) = _wait_for_spare(root)
+        spare = _two_saves_and_a_spare(ck, root, 10, 20)
         before = {
-            rel: os.stat(os.path.join(spare, rel)).st_mtime_ns for rel in _files(Path(spare)) if rel.endswith("zarr.json")
+            rel: os.stat(os.path.join(spare, rel)).st_mtime_ns
+            for rel in _files(Path(spare))
+            if rel.endswith("zarr.json")
         }
         assert len(before) == 6  # the root and "state" groups, four arrays
         os.unlink(os.path.join(spare, "state", "rows", "zarr.json"))
@@ -136,11 +143,7 @@ def test_a_save_of_another_layout_never_takes_a_spare_tree(tmp_path: Path) -> No
     with Checkpointer(tmp_path / "fresh") as ck:
         ck.save(3, _state(3, extra=True))
     with Checkpointer(root, keep_last=1) as ck:
-        ck.save(1, _state(1))
-        ck.wait()
-        ck.save(2, _state(2))
-        ck.wait()
-        (spare,) = _wait_for_spare(root)
+        spare = _two_saves_and_a_spare(ck, root, 1, 2)
         ck.save(3, _state(3, extra=True))
         ck.wait()
         assert os.path.isdir(spare), "the other layout's spare was taken"

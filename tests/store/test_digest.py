@@ -113,15 +113,7 @@ def test_schema_2_versions_still_restore_and_verify(saved: tuple[Path, dict[str,
     as_schema_2(vdir(root, 1))
     assert json.loads((vdir(root, 1) / "manifest.json").read_bytes())["schema_version"] == 2
     assert not (vdir(root, 1) / "ranks").exists()
-    with Checkpointer(root) as ck:
-        got = {k: torch.zeros_like(v) for k, v in state.items()}
-        assert ck.restore(got) == 1
-    assert_bitwise(got, state)
-    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    _flip_last_byte(vdir(root, 1) / BIG)
-    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
-    assert result.exit_code == 1 and "BAD" in result.output, result.output
+    _restores_bitwise_and_verifies(root, state)
 
 
 def test_schema_3_versions_with_4_mib_blocks_still_restore_and_verify(saved: tuple[Path, dict[str, Any]]) -> None:
@@ -132,15 +124,7 @@ def test_schema_3_versions_with_4_mib_blocks_still_restore_and_verify(saved: tup
     assert doc["schema_version"] == 3
     assert doc["arrays"]["big"]["block_rows"] * 4000 == LEGACY_BLOCK_BYTES // 4000 * 4000
     assert len(chunk_digests(vdir(root, 1))["big"][0][1]) == 3
-    with Checkpointer(root) as ck:
-        got = {k: torch.zeros_like(v) for k, v in state.items()}
-        assert ck.restore(got) == 1
-    assert_bitwise(got, state)
-    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    _flip_last_byte(vdir(root, 1) / BIG)
-    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
-    assert result.exit_code == 1 and "BAD" in result.output, result.output
+    _restores_bitwise_and_verifies(root, state)
 
 
 @pytest.mark.parametrize("schema", [3, 4])
@@ -157,6 +141,19 @@ def test_block_rows_must_follow_the_rule_of_the_manifests_schema(
     doc["arrays"]["big"]["block_rows"] = other // 4000
     with pytest.raises(ManifestError, match="block_rows .* does not follow"):
         parse_manifest(crafted(doc))
+
+
+def _restores_bitwise_and_verifies(root: Path, state: dict[str, Any]) -> None:
+    """Version 1 restores bitwise and `ckpt verify` passes it; with a byte of BIG flipped, it fails it."""
+    with Checkpointer(root) as ck:
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(got) == 1
+    assert_bitwise(got, state)
+    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    _flip_last_byte(vdir(root, 1) / BIG)
+    result = CliRunner().invoke(cli, ["verify", str(root)], catch_exceptions=False)
+    assert result.exit_code == 1 and "BAD" in result.output, result.output
 
 
 def _flip_last_byte(path: Path) -> None:
