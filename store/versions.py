@@ -299,16 +299,12 @@ def read_manifest_facts(where: Tier | str | os.PathLike[str], step: int) -> Mani
         if facts is not None:
             _FACTS.move_to_end(key)
             return facts
-    return _remember(raw, _parsed(tier, step, raw))
+    return remember_manifest(raw, _parsed(tier, step, raw), key[1])
 
 
-def remember_manifest(raw: bytes, manifest: Manifest) -> None:
-    """Let read_manifest_facts know the facts of `raw`, whose parse is `manifest` (a
-    manifest this process has just committed)."""
-    _remember(raw, manifest)
-
-
-def _remember(raw: bytes, m: Manifest) -> ManifestFacts:
+def remember_manifest(raw: bytes, m: Manifest, digest: bytes | None = None) -> ManifestFacts:
+    """Let read_manifest_facts know the facts of `raw`, whose parse is `m` (e.g. a manifest
+    this process has just committed); `digest`: the xxh3_128 of `raw`, where known."""
     layout = m.meta.get("layout")
     facts = ManifestFacts(
         m.step,
@@ -318,7 +314,7 @@ def _remember(raw: bytes, m: Manifest) -> ManifestFacts:
         layout if isinstance(layout, str) else None,
     )
     with _FACTS_LOCK:
-        _FACTS[(m.step, xxhash.xxh3_128_digest(raw))] = facts
+        _FACTS[(m.step, digest or xxhash.xxh3_128_digest(raw))] = facts
         while len(_FACTS) > _FACTS_KEPT:
             _FACTS.popitem(last=False)
     return facts
