@@ -21,6 +21,11 @@ sender records it in `<root>/.ckpt-peers.json`, and no GC of the root deletes th
 version whose peer copies are all verified, nor a newer one (ckpt._peer_status).
 Peer copies are pruned by the Checkpointer's retention policy.
 
+The thread runs at the job's own CPU priority. A lowered one (nice) stalls training: the
+thread holds its process's GIL between calls and, starved of CPU, keeps the training
+thread waiting for it (bench/peers.py: nice +10 cost 1.09-1.20x a training step's time,
+nice 0 1.05-1.09x).
+
 A peer that stops answering fails the round after the group's timeout; the thread logs it
 and stops copying (the process group cannot be trusted after a timeout); the versions it
 did not copy stay on their own roots and the job goes on.
@@ -73,7 +78,6 @@ __all__ = ["PeerPlan", "plan_peers", "PeerCopier"]
 
 log = logging.getLogger("ckpt")
 PIECE = 8 << 20  # bytes per message of a version's stream
-PEER_NICE = 10  # the copier thread runs at the lowest priority: training's own compute comes first
 _HEADER, _BODY, _ACK = 1 << 28, 2 << 28, 3 << 28  # tag bases of a round's phases
 
 
@@ -426,7 +430,6 @@ class PeerCopier:
             log.warning("%s: peer copies still running after %.0f s; left behind", self._root, timeout)
 
     def _run(self) -> None:
-        _lower_priority()
         try:
             while True:
                 with self._cond:
@@ -612,12 +615,3 @@ class PeerCopier:
             except Exception as e:  # noqa: BLE001 - the copy is kept; pruning waits for the next round
                 log.warning("%s: pruning the peer copies of root %d failed: %s", self._root, source, e)
         return True
-
-
-def _lower_priority() -> None:
-    """This thread yields the CPU to training: on Linux a thread has its own nice value."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + PEER_NICE))
-    except (AttributeError, OSError):  # not Linux, or not allowed: the copies run at the job's priority
-        pass
