@@ -29,7 +29,18 @@ import numpy as np
 import torch
 import xxhash
 
-from ckpt.restore.reshard import Block, Box, ChunkRead, Request, blocks, direct_rows, overlap, plan_reads, row_bytes
+from ckpt.restore.reshard import (
+    Block,
+    Box,
+    ChunkRead,
+    Request,
+    block_at,
+    blocks,
+    direct_rows,
+    overlap,
+    plan_reads,
+    row_bytes,
+)
 from ckpt.restore.sources import Source, from_first_good
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
 from ckpt.store.chunk_read import check_digest, open_chunk, read_exact
@@ -398,7 +409,7 @@ def _prepare_round(
         parts = blocks(array, chunk)
         size = sum(b.nbytes for b in parts)
         if comm.rank == holder:
-            buf = torch.zeros(size, dtype=torch.uint8)
+            buf = torch.empty(size, dtype=torch.uint8)  # every byte read into it, or zeroed below
             reads += [(array, chunk, i, buf[b.offset : b.offset + b.nbytes]) for i, b in enumerate(parts)]
             sends += [(r, tag, buf) for r in wanted[(name, index)]]
         elif comm.rank in wanted[(name, index)]:
@@ -418,6 +429,8 @@ def _prepare_round(
         )
 
     _, failed = run_lanes(reads, read, max(1, threads), name="ckpt-send")
+    for i, _ in failed:  # sent as zeros: no stale memory leaves this rank
+        reads[i][3].zero_()
     return _Round(sends, recvs, places, failed[0][1] if failed else None)
 
 
@@ -438,7 +451,7 @@ def _finish_round(comm: Comm, rnd: _Round) -> BaseException | None:
 
 def _one_block(src: Source, chunk: ChunkEntry, array: ArrayEntry, i: int, out: torch.Tensor, verify: bool) -> None:
     """Block `i` of a chunk (with its digests, from `src`) into `out`."""
-    block = blocks(array, chunk)[i]
+    block = block_at(array, chunk, i)
     handle = open_chunk(src.tier, src.step, array, chunk)
     try:
         _read_block(handle, block, out, f"{src.name}/{src.key(array, chunk)}", verify or src.always_verify)

@@ -116,6 +116,21 @@ def row_bytes(array: ArrayEntry) -> int:
     return math.prod(array.chunk_shape[1:]) * itemsize(array.data_type)
 
 
+def block_at(array: ArrayEntry, chunk: ChunkEntry, i: int) -> Block:
+    """blocks(array, chunk)[i], without making the others (IndexError past the last)."""
+    shape = array.chunk_shape or (1,)
+    if not array.block_rows or chunk.inline is not None:
+        if i != 0:
+            raise IndexError(f"block {i} of a chunk checksummed whole")
+        return Block((0, shape[0]), 0, chunk.nbytes, chunk.xxh3)
+    k, rb = array.block_rows, row_bytes(array)
+    count = len(chunk.blocks) if chunk.blocks else -(-shape[0] // k)
+    if not 0 <= i < count:
+        raise IndexError(f"block {i} of {count}")
+    lo, hi = i * k, min(shape[0], (i + 1) * k)
+    return Block((lo, hi), lo * rb, (hi - lo) * rb, chunk.blocks[i] if chunk.blocks else "")
+
+
 def blocks(array: ArrayEntry, chunk: ChunkEntry, rows: tuple[int, int] | None = None) -> list[Block]:
     """The chunk's checksummed blocks, or only those overlapping chunk-local `rows`."""
     shape = array.chunk_shape or (1,)

@@ -814,3 +814,25 @@ def test_placing_a_piece_copies_exactly_what_torch_would(dtype: torch.dtype) -> 
             want[pick].copy_(part)
             _copy_into(dst_full[pick], part)
             assert torch.equal(dst_full.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+def test_a_block_by_its_index_is_the_one_blocks_lists() -> None:
+    """restore.reshard.block_at(i) (a peer's round reads one block per lane) equals
+    blocks()[i] for chunks with block digests, unresolved ones (schema 3), a last short
+    block and a chunk checksummed whole; past the last block it raises IndexError."""
+    from ckpt.restore.reshard import block_at, blocks
+    from ckpt.store.manifest import ArrayEntry, ChunkEntry
+
+    array = ArrayEntry("w", "float32", (10, 3), (10, 3), False, {}, block_rows=4)
+    whole = ArrayEntry("v", "float32", (10, 3), (10, 3), False, {})
+    cases = [
+        (array, ChunkEntry((0, 0), 0, (0, 0), (10, 3), 120, "c0", blocks=("b0", "b1", "b2"))),
+        (array, ChunkEntry((0, 0), 0, (0, 0), (10, 3), 120, "")),  # digests in a rank file, not yet read
+        (whole, ChunkEntry((0, 0), 0, (0, 0), (10, 3), 120, "c1")),
+    ]
+    for arr, chunk in cases:
+        listed = blocks(arr, chunk)
+        assert [block_at(arr, chunk, i) for i in range(len(listed))] == listed
+        with pytest.raises(IndexError):
+            block_at(arr, chunk, len(listed))
+    assert blocks(array, cases[0][1])[2].rows == (8, 10)
