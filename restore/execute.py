@@ -400,7 +400,7 @@ def _prepare_round(
     lands there whole and contiguous). A holder that cannot read a chunk still sends it
     (zeros) so that no rank waits; its error fails the version on every rank."""
     sends: list[tuple[int, int, torch.Tensor]] = []
-    reads: list[tuple[ArrayEntry, ChunkEntry, int, torch.Tensor]] = []
+    reads: list[tuple[ArrayEntry, ChunkEntry, range, torch.Tensor]] = []
     recvs: list[tuple[int, int, torch.Tensor]] = []
     places: list[tuple[torch.Tensor, ArrayEntry, ChunkEntry, list[ReadRequest]]] = []
     for tag, (holder, name, index) in enumerate(batch):
@@ -410,7 +410,9 @@ def _prepare_round(
         size = sum(b.nbytes for b in parts)
         if comm.rank == holder:
             buf = torch.empty(size, dtype=torch.uint8)  # every byte read into it, or zeroed below
-            reads += [(array, chunk, i, buf[b.offset : b.offset + b.nbytes]) for i, b in enumerate(parts)]
+            for span in _spans(len(parts), threads):  # each lane reads its blocks in file order
+                lo, hi = parts[span[0]], parts[span[-1]]
+                reads.append((array, chunk, span, buf[lo.offset : hi.offset + hi.nbytes]))
             sends += [(r, tag, buf) for r in wanted[(name, index)]]
         elif comm.rank in wanted[(name, index)]:
             mine = [requests[i] for i in by_key[(name, index)].requests]
@@ -422,10 +424,10 @@ def _prepare_round(
             recvs.append((holder, tag, buf))
             places.append((buf, array, chunk, mine))
 
-    def read(item: tuple[ArrayEntry, ChunkEntry, int, torch.Tensor]) -> None:
-        array, chunk, i, out = item
+    def read(item: tuple[ArrayEntry, ChunkEntry, range, torch.Tensor]) -> None:
+        array, chunk, span, out = item
         from_first_good(
-            sources, manifest, array, chunk, functools.partial(_one_block, array=array, i=i, out=out, verify=verify)
+            sources, manifest, array, chunk, functools.partial(_blocks, array=array, span=span, out=out, verify=verify)
         )
 
     _, failed = run_lanes(reads, read, max(1, threads), name="ckpt-send")
@@ -449,11 +451,22 @@ def _finish_round(comm: Comm, rnd: _Round) -> BaseException | None:
     return error
 
 
-def _one_block(src: Source, chunk: ChunkEntry, array: ArrayEntry, i: int, out: torch.Tensor, verify: bool) -> None:
-    """Block `i` of a chunk (with its digests, from `src`) into `out`."""
-    block = block_at(array, chunk, i)
+def _spans(count: int, lanes: int) -> list[range]:
+    """0..count in at most `lanes` runs of consecutive indices, as even as can be."""
+    n = max(1, min(count, lanes))
+    return [range(count * k // n, count * (k + 1) // n) for k in range(n)] if count else []
+
+
+def _blocks(src: Source, chunk: ChunkEntry, array: ArrayEntry, span: range, out: torch.Tensor, verify: bool) -> None:
+    """Blocks `span` of a chunk (with its digests, from `src`) into `out`, which starts at the
+    first of them: one open file read in order, so the kernel's readahead follows it."""
+    where = f"{src.name}/{src.key(array, chunk)}"
+    base = block_at(array, chunk, span[0]).offset
     handle = open_chunk(src.tier, src.step, array, chunk)
     try:
-        _read_block(handle, block, out, f"{src.name}/{src.key(array, chunk)}", verify or src.always_verify)
+        for i in span:
+            block = block_at(array, chunk, i)
+            at = block.offset - base
+            _read_block(handle, block, out[at : at + block.nbytes], where, verify or src.always_verify)
     finally:
         handle.close()

@@ -341,6 +341,27 @@ def test_both_copies_of_a_part_lost_is_an_error_not_a_partial_state(tmp_path: Pa
         assert "step 2 lacks the part of ranks [2, 3]" in r.get("error", ""), r
 
 
+def test_a_damaged_block_in_the_only_surviving_copy_falls_back_to_the_older_step(tmp_path: Path) -> None:
+    """Node 1 is lost, and a byte of its part of step 4 is flipped in the copy node 0 holds:
+    the rank of node 0 that reads the chunk for node 1's ranks finds it damaged, and every
+    rank restores step 2 bitwise instead (never step 4 with a wrong chunk)."""
+    nodes = _nodes(tmp_path)
+    _, failures = launch(
+        THIS, "save_job", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view), steps=[2, 4], keep_last=None
+    )
+    assert not failures, failures
+    _wipe(nodes.disks / "node1")
+    copy = Path(peer_dir(str(nodes.disks / "node0"), 1)) / "v000000000004" / "state"
+    chunks = sorted((p for p in copy.rglob("c.*") if p.is_file()), key=lambda p: p.stat().st_size)
+    assert chunks, list(copy.rglob("*"))
+    raw = bytearray(chunks[-1].read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    chunks[-1].write_bytes(bytes(raw))
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert [(r.get("step"), r.get("bitwise")) for r in results] == [(2, True)] * 4, results
+
+
 def test_retention_keeps_what_the_peers_lack_and_prunes_peer_copies(tmp_path: Path) -> None:
     """keep_last=1 with peer copies: each root ends with its newest version, and each peer
     copy directory with the newest copy (older ones pruned once newer are verified)."""
