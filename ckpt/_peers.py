@@ -21,9 +21,10 @@ sender records it in `<root>/.ckpt-peers.json`, and no GC of the root deletes th
 version whose peer copies are all verified, nor a newer one (ckpt._peer_status).
 Peer copies are pruned by the Checkpointer's retention policy.
 
-The thread runs at the job's own CPU priority. A lowered one (nice) stalls training: the
-thread holds its process's GIL between calls and, starved of CPU, keeps the training
-thread waiting for it (bench/peers.py: nice +10 cost 1.09-1.20x a training step's time,
+The thread runs at the job's own CPU priority. A lowered one (nice) slows training: the
+thread holds its process's GIL except inside calls that release it (reads, writes,
+hashing, gloo), and when it is starved of CPU while holding it, the training thread of
+its process waits (bench/peers.py: nice +10 cost 1.09-1.20x a training step's time,
 nice 0 1.05-1.09x).
 
 A peer that stops answering fails the round after the group's timeout; the thread logs it

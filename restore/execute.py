@@ -398,7 +398,7 @@ def _prepare_round(
     """This rank's part of a round: the chunks it holds, read (verified) into send buffers,
     and receive buffers for the chunks it needs (the destination itself where the chunk
     lands there whole and contiguous). A holder that cannot read a chunk still sends it
-    (zeros) so that no rank waits; its error fails the version on every rank."""
+    (what it could not read as zeros) so that no rank waits; its error fails the version on every rank."""
     sends: list[tuple[int, int, torch.Tensor]] = []
     reads: list[tuple[ArrayEntry, ChunkEntry, range, torch.Tensor]] = []
     recvs: list[tuple[int, int, torch.Tensor]] = []
@@ -410,7 +410,7 @@ def _prepare_round(
         size = sum(b.nbytes for b in parts)
         if comm.rank == holder:
             buf = torch.empty(size, dtype=torch.uint8)  # every byte read into it, or zeroed below
-            for span in _spans(len(parts), threads):  # each lane reads its blocks in file order
+            for span in _spans(len(parts), threads):  # a span: read in file order through one open file
                 lo, hi = parts[span[0]], parts[span[-1]]
                 reads.append((array, chunk, span, buf[lo.offset : hi.offset + hi.nbytes]))
             sends += [(r, tag, buf) for r in wanted[(name, index)]]

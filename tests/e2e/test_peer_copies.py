@@ -36,12 +36,22 @@ def _full(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w, own
 
 
-def _state(rank: int, step: int, world: int = 4) -> dict[str, Any]:
+BIG_ROWS = 4 * 1100  # x 1000 float32: 4.4 MB a rank at world 4, five ~1 MiB blocks, the last short
+
+
+def _state(rank: int, step: int, world: int = 4, big: bool = False) -> dict[str, Any]:
+    """`big` adds an array whose chunks span several checksummed blocks."""
     import ckpt
 
     w, own = _full(step)
     rows, n = 64 // world, 4000 // world
+    extra = {}
+    if big:
+        k = BIG_ROWS // world
+        part = torch.arange(k * 1000, dtype=torch.float32).reshape(k, 1000) + (1e6 * rank + step)
+        extra["big"] = ckpt.Shard(part, (BIG_ROWS, 1000), (k * rank, 0))
     return {
+        **extra,
         "w": ckpt.Shard(w[rows * rank : rows * (rank + 1)].clone(), (64, 6), (rows * rank, 0)),
         "own": ckpt.Shard(own[n * rank : n * (rank + 1)].clone(), (4000,), (n * rank,)),
         "step": step,
@@ -58,13 +68,13 @@ def _view(ctx: Any, view: str) -> str:
     return f"{view}/node{{node}}"
 
 
-def save_job(ctx: Any, view: str, steps: list[int], keep_last: int | None) -> dict[str, Any]:
+def save_job(ctx: Any, view: str, steps: list[int], keep_last: int | None, big: bool = False) -> dict[str, Any]:
     import ckpt
 
     root = _view(ctx, view)
     with ckpt.Checkpointer(root, peer_copies=1, keep_last=keep_last, timeout=TIMEOUT) as ck:
         for step in steps:
-            ck.save(step, _state(ctx.rank, step))
+            ck.save(step, _state(ctx.rank, step, big=big))
         ck.wait()
     return {}
 
@@ -198,18 +208,19 @@ def save_again(ctx: Any, view: str) -> dict[str, Any]:
     return {}
 
 
-def restore_job(ctx: Any, view: str) -> dict[str, Any]:
+def restore_job(ctx: Any, view: str, big: bool = False) -> dict[str, Any]:
     import ckpt
 
     root = _view(ctx, view)
-    state = _state(ctx.rank, 0, ctx.world)
+    state = _state(ctx.rank, 0, ctx.world, big=big)
     with ckpt.Checkpointer(root, timeout=TIMEOUT) as ck:
         try:
             got = ck.restore(state)
         except ckpt.IncompleteVersionError as e:
             return {"error": str(e)}
-    want = _state(ctx.rank, got if got is not None else 0, ctx.world)
-    same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in ("w", "own"))
+    want = _state(ctx.rank, got if got is not None else 0, ctx.world, big=big)
+    keys = ("w", "own", "big") if big else ("w", "own")
+    same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in keys)
     same = same and torch.equal(state["scale"], want["scale"])
     return {"step": got, "bitwise": bool(same) and state["step"] == got}
 
@@ -342,22 +353,34 @@ def test_both_copies_of_a_part_lost_is_an_error_not_a_partial_state(tmp_path: Pa
 
 
 def test_a_damaged_block_in_the_only_surviving_copy_falls_back_to_the_older_step(tmp_path: Path) -> None:
-    """Node 1 is lost, and a byte of its part of step 4 is flipped in the copy node 0 holds:
-    the rank of node 0 that reads the chunk for node 1's ranks finds it damaged, and every
-    rank restores step 2 bitwise instead (never step 4 with a wrong chunk)."""
+    """Node 1 is lost. Its part, chunks of five ~1 MiB blocks each, comes from node 0's copy
+    (the holders read runs of blocks for node 1's ranks) and restores bitwise. Then a byte
+    in a middle block of the newest step's copy is flipped: the holder finds it damaged, and
+    every rank restores the older step bitwise instead (never step 4 with a wrong chunk)."""
     nodes = _nodes(tmp_path)
     _, failures = launch(
-        THIS, "save_job", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view), steps=[2, 4], keep_last=None
+        THIS,
+        "save_job",
+        4,
+        tmp_path / "job",
+        isolate=nodes,
+        view=str(nodes.view),
+        steps=[2, 4],
+        keep_last=None,
+        big=True,
     )
     assert not failures, failures
     _wipe(nodes.disks / "node1")
-    copy = Path(peer_dir(str(nodes.disks / "node0"), 1)) / "v000000000004" / "state"
-    chunks = sorted((p for p in copy.rglob("c.*") if p.is_file()), key=lambda p: p.stat().st_size)
-    assert chunks, list(copy.rglob("*"))
-    raw = bytearray(chunks[-1].read_bytes())
-    raw[len(raw) // 2] ^= 0x01
-    chunks[-1].write_bytes(bytes(raw))
-    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view), big=True)
+    assert not failures, failures
+    assert [(r.get("step"), r.get("bitwise")) for r in results] == [(4, True)] * 4, results
+    copy = Path(peer_dir(str(nodes.disks / "node0"), 1)) / "v000000000004" / "state" / "big"
+    chunks = [p for p in copy.rglob("c.*") if p.is_file()]
+    assert len(chunks) == 2 and all(p.stat().st_size == BIG_ROWS // 4 * 4000 for p in chunks), chunks
+    raw = bytearray(chunks[0].read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # the third of its five blocks
+    chunks[0].write_bytes(bytes(raw))
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job3", isolate=nodes, view=str(nodes.view), big=True)
     assert not failures, failures
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(2, True)] * 4, results
 

@@ -817,7 +817,7 @@ def test_placing_a_piece_copies_exactly_what_torch_would(dtype: torch.dtype) -> 
 
 
 def test_a_block_by_its_index_is_the_one_blocks_lists() -> None:
-    """restore.reshard.block_at(i) (a peer's round reads one block per lane) equals
+    """restore.reshard.block_at(i) (a peer's round reads runs of blocks by index) equals
     blocks()[i] for chunks with block digests, unresolved ones (schema 3), a last short
     block and a chunk checksummed whole; past the last block it raises IndexError."""
     from ckpt.restore.reshard import block_at, blocks
