@@ -116,19 +116,16 @@ def row_bytes(array: ArrayEntry) -> int:
     return math.prod(array.chunk_shape[1:]) * itemsize(array.data_type)
 
 
-def block_at(array: ArrayEntry, chunk: ChunkEntry, i: int) -> Block:
-    """blocks(array, chunk)[i], without making the others (IndexError past the last)."""
-    shape = array.chunk_shape or (1,)
+def block_count(array: ArrayEntry, chunk: ChunkEntry) -> int:
+    """How many checksummed blocks the chunk has (1: checksummed whole)."""
     if not array.block_rows or chunk.inline is not None:
-        if i != 0:
-            raise IndexError(f"block {i} of a chunk checksummed whole")
-        return Block((0, shape[0]), 0, chunk.nbytes, chunk.xxh3)
-    k, rb = array.block_rows, row_bytes(array)
-    count = len(chunk.blocks) if chunk.blocks else -(-shape[0] // k)
-    if not 0 <= i < count:
-        raise IndexError(f"block {i} of {count}")
-    lo, hi = i * k, min(shape[0], (i + 1) * k)
-    return Block((lo, hi), lo * rb, (hi - lo) * rb, chunk.blocks[i] if chunk.blocks else "")
+        return 1
+    return len(chunk.blocks) or -(-(array.chunk_shape or (1,))[0] // array.block_rows)
+
+
+def _nth(i: int, block_rows: int, rows: int, rb: int, digest: str) -> Block:
+    lo, hi = i * block_rows, min(rows, (i + 1) * block_rows)
+    return Block((lo, hi), lo * rb, (hi - lo) * rb, digest)
 
 
 def blocks(array: ArrayEntry, chunk: ChunkEntry, rows: tuple[int, int] | None = None) -> list[Block]:
@@ -138,14 +135,23 @@ def blocks(array: ArrayEntry, chunk: ChunkEntry, rows: tuple[int, int] | None = 
         out = [Block((0, shape[0]), 0, chunk.nbytes, chunk.xxh3)]
     else:  # the geometry follows from block_rows; the digests are "" where not resolved (schema 3)
         k, rb = array.block_rows, row_bytes(array)
-        digests = chunk.blocks or ("",) * -(-shape[0] // k)
-        out = [
-            Block((i * k, min(shape[0], (i + 1) * k)), i * k * rb, (min(shape[0], (i + 1) * k) - i * k) * rb, d)
-            for i, d in enumerate(digests)
-        ]
+        digests = chunk.blocks or ("",) * block_count(array, chunk)
+        out = [_nth(i, k, shape[0], rb, d) for i, d in enumerate(digests)]
     if rows is None:
         return out
     return [b for b in out if b.rows[0] < rows[1] and b.rows[1] > rows[0]]
+
+
+def block_at(array: ArrayEntry, chunk: ChunkEntry, i: int) -> Block:
+    """blocks(array, chunk)[i] for 0 <= i < block_count, without making the others
+    (IndexError otherwise)."""
+    count = block_count(array, chunk)
+    if not 0 <= i < count:
+        raise IndexError(f"block {i} of {count}")
+    if not array.block_rows or chunk.inline is not None:
+        return blocks(array, chunk)[0]
+    shape = array.chunk_shape or (1,)
+    return _nth(i, array.block_rows, shape[0], row_bytes(array), chunk.blocks[i] if chunk.blocks else "")
 
 
 def direct_rows(array: ArrayEntry, chunk: ChunkEntry, box: Box) -> tuple[int, int] | None:
