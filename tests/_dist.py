@@ -102,6 +102,7 @@ def launch(
     # Several ranks share few cores: one intra-op thread each keeps them from thrashing.
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env.pop("PYTHONHASHSEED", None)  # each process hashes differently, as in a real job
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts in native code logs every thread's Python stack
     spec = json.dumps(
         {
             "module": str(module_file),
@@ -180,7 +181,7 @@ def launch(
     return results, failures
 
 
-def _worker(spec_json: str, rank: int, world: int) -> int:
+def _worker(spec_json: str, rank: int, world: int) -> None:
     spec = json.loads(spec_json)
     import torch.distributed as dist
 
@@ -210,8 +211,14 @@ def _worker(spec_json: str, rank: int, world: int) -> int:
         sys.stdout.flush()
         os._exit(0)
     dist.destroy_process_group()
-    return 0
+    # DCP and DeviceMesh keep references to the default group past destroy_process_group,
+    # so its gloo threads would otherwise be torn down during interpreter finalization,
+    # where they can abort the process (SIGABRT) after a passing scenario. The result is
+    # written: end without finalization.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -118,3 +118,31 @@ def test_packed_reports_come_back_whole() -> None:
     for b, r in zip(back, reports):
         assert (b.timings.stage_s, b.timings.bytes) == (r.timings.stage_s, r.timings.bytes)
         assert abs(b.timings.started - r.timings.started) < 1e-3
+
+
+def _gloo_threads() -> int:
+    """Threads of this process that gloo groups run (torch names them)."""
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return sum(n in ("gloo_tcp_loop", "pt_gloo_runloop") for n in names)
+
+
+def groups_job(ctx: Any, base: str) -> dict[str, Any]:
+    import ckpt
+
+    before = _gloo_threads()
+    # A root per rank with peer copies: the ctl and data groups and the leaders' group.
+    with ckpt.Checkpointer(f"{base}/rank{ctx.rank}", timeout=TIMEOUT, peer_copies=1) as ck:
+        ck.save(1, {"w": torch.full((256,), float(ctx.rank))})
+        ck.wait()
+        opened = _gloo_threads()
+    return {"before": before, "opened": opened, "closed": _gloo_threads()}
+
+
+def test_close_frees_the_gloo_groups_it_opened(tmp_path: Path) -> None:
+    """A job that opens and closes Checkpointers must not pile up gloo groups (each holds
+    sockets and threads); close() leaves only what the job had before."""
+    results, failures = launch(THIS, "groups_job", 2, tmp_path, base=str(tmp_path))
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert r["opened"] > r["before"], (rank, r)  # the count sees the groups Checkpointer opens
+        assert r["closed"] == r["before"], (rank, r)
