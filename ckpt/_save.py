@@ -31,7 +31,7 @@ from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import SaveJob, SaveRequest, SaveStats
 from ckpt._plan import agree_plans, layout_key
-from ckpt._staging import Arena, Readiness, StageTask, assign_offsets, slot_bytes, stage
+from ckpt._staging import Arena, Readiness, Slot, StageTask, assign_offsets, slot_bytes, stage
 from ckpt._tensors import LocalPiece, describe
 from ckpt._tree import encode_state
 from ckpt._write import open_tree, write_tasks
@@ -106,6 +106,9 @@ class Saver:
         self._mine: list[tuple[ArrayPlan, ChunkPlan]] = []  # the chunks this rank writes
         self._by_name: dict[str, ArrayPlan] = {}
         self._plan_sig: int | None = None  # hash of this rank's layout when self._plans was made
+        # Each staging batch's slots and arena size: a function of the plans alone, so
+        # computed by the layout's first save and reused by the next ones.
+        self._slots: list[tuple[list[Slot], int]] | None = None
         self._layout = ""  # the plans' layout_key
         self._arena = Arena()
         self.gate = StagingGate()
@@ -177,7 +180,7 @@ class Saver:
             exists = [e for e in info if e and e[0] == VersionExistsError.__name__]
             raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
-            self._plan_sig = None
+            self._plan_sig, self._slots = None, None
             self._plans = agree_plans(self._ctl, pieces, self.config.split_bytes)
             self._exchange = schedule(self._plans, self.rank)
             self._mine = [(plan, chunk) for plan in self._plans for chunk in plan.chunks_of(self.rank)]
@@ -226,11 +229,9 @@ class Saver:
         now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
         pin = False
         try:
-            tasks = self._tasks(pieces)
-            pin = any(t.piece.data.is_cuda for t in tasks)
-            batches = _batches(tasks, self.config.max_staging_bytes)
-            for i, batch in enumerate(batches):
-                placed, size = assign_offsets(batch)
+            batches = self._placed(pieces)
+            pin = any(t.piece.data.is_cuda for batch, _ in batches for t in batch)
+            for i, (placed, size) in enumerate(batches):
                 job.arena = self._arena.get(size, pin)
                 job.tasks = placed
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
@@ -267,14 +268,22 @@ class Saver:
             self._copy_now(job, now, ready)
             self._stalled(job, ready)
 
-    def _tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
-        """What this rank copies: the chunks it writes and the parts of others' chunks it sends."""
+    def _placed(self, pieces: Mapping[str, LocalPiece]) -> list[tuple[list[StageTask], int]]:
+        """This save's staging batches: each batch's tasks at their arena offsets, and its size."""
         unplanned = sorted(set(pieces) - set(self._by_name))
         if unplanned:  # its mesh's lowest rank has no such array
             raise StateMismatchError(f"{unplanned[:5]} of rank {self.rank}'s state are not in the job's layout")
         absent = sorted({plan.spec.name for plan, _ in self._mine} - set(pieces))
         if absent:  # its mesh names this rank, which has no such array
             raise StateMismatchError(f"{absent[:5]} are in the job's layout with rank {self.rank}, not in its state")
+        if self._slots is None:
+            batches = [assign_offsets(b) for b in _batches(self._tasks(pieces), self.config.max_staging_bytes)]
+            self._slots = [([Slot.of(t) for t in placed], size) for placed, size in batches]
+            return batches
+        return [([s.task(pieces[s.array.spec.name]) for s in slots], size) for slots, size in self._slots]
+
+    def _tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
+        """What this rank copies: the chunks it writes and the parts of others' chunks it sends."""
         tasks = [StageTask(plan, chunk, pieces[plan.spec.name]) for plan, chunk in self._mine]
         for send in self._exchange.sends:  # the parts of other ranks' chunks that this rank sends
             plan = self._by_name[send.chunk[0]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -28,12 +29,12 @@ import torch
 from ckpt._tensors import LocalPiece
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import CkptError
-from ckpt.store.faults import fault_delay
+from ckpt.store.faults import fault_delay, faults_armed
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.lanes import LaneGroup
 from ckpt.store.layout import ArrayPlan, ChunkPlan, Sliver
 
-__all__ = ["StageTask", "Arena", "Readiness", "assign_offsets", "slot_bytes", "stage"]
+__all__ = ["StageTask", "Slot", "Arena", "Readiness", "assign_offsets", "slot_bytes", "stage"]
 
 _ALIGN = 64
 _MEMCPY_MIN = 1024  # elements; smaller copies stay with torch (no numpy round trip)
@@ -50,7 +51,7 @@ class StageTask:
     offset: int = 0
     sliver: Sliver | None = None
 
-    @property
+    @functools.cached_property  # read by the batching, the offsets, the lanes and the writers
     def staged_bytes(self) -> int:
         item = itemsize(self.array.spec.data_type)
         if self.sliver is not None:
@@ -61,6 +62,23 @@ class StageTask:
     def exchanged(self) -> bool:
         """Whether the task takes part in the sliver exchange (ckpt._exchange)."""
         return self.sliver is not None or bool(self.chunk.slivers)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A StageTask without its piece: what a save of the same layout reuses."""
+
+    array: ArrayPlan
+    chunk: ChunkPlan
+    offset: int
+    sliver: Sliver | None
+
+    @staticmethod
+    def of(task: StageTask) -> Slot:
+        return Slot(task.array, task.chunk, task.offset, task.sliver)
+
+    def task(self, piece: LocalPiece) -> StageTask:
+        return StageTask(self.array, self.chunk, piece, self.offset, self.sliver)
 
 
 def _alignment(task: StageTask) -> int:
@@ -213,6 +231,20 @@ def _own_part(task: StageTask) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
+def _whole_piece(flat: np.ndarray, task: StageTask) -> bool:
+    """Copy the task if it is the most common kind, with no tensor views made: a chunk that
+    is this rank's whole piece, fills its slot, and can go through memcpy. Whether it did."""
+    chunk, data = task.chunk, task.piece.data
+    if task.sliver is not None or chunk.slivers or chunk.inline or chunk.offsets != task.piece.offsets:
+        return False
+    if chunk.shape != task.array.chunk_shape or chunk.shape != data.shape:  # (an edge chunk is padded)
+        return False
+    if data.numel() < _MEMCPY_MIN or not data.is_contiguous() or data.is_conj() or data.is_neg():
+        return False
+    np.copyto(flat[task.offset : task.offset + task.staged_bytes], _bytes(data), casting="no")
+    return True
+
+
 def _copy_one(arena: torch.Tensor, task: StageTask, non_blocking: bool) -> None:
     piece = task.piece
     offsets, shape = _own_part(task)
@@ -285,9 +317,14 @@ def _copy_cpu(
     pool: ThreadPoolExecutor | None,
     copied: Callable[[StageTask], None] | None,
 ) -> None:
+    slow = faults_armed()  # the environment is read once per copy, not once per chunk
+    flat = arena.numpy()
+
     def copy(t: StageTask) -> None:
-        fault_delay("stage", t.chunk.writer)  # a slow copy, for tests of writes overlapping it
-        _copy_one(arena, t, False)
+        if slow:
+            fault_delay("stage", t.chunk.writer)  # a slow copy, for tests of writes overlapping it
+        if not _whole_piece(flat, t):
+            _copy_one(arena, t, False)
         if copied is not None:
             copied(t)
 

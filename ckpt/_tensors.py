@@ -128,7 +128,8 @@ def describe(value: Any, key: str) -> LocalPiece:
         data, shape, offsets = value, tuple(value.shape), (0,) * value.dim()
     else:
         raise UnsupportedStateError(f"{key}: not a tensor")
-    _refuse_unusual(data, key)
+    if data is not value:  # (a plain tensor was checked above)
+        _refuse_unusual(data, key)
     if data.dtype not in TORCH_TO_ZARR:
         raise UnsupportedStateError(f"{key}: dtype {data.dtype} is not supported")
     return LocalPiece(data.detach(), TORCH_TO_ZARR[data.dtype], shape, offsets, kind, mesh, placed)

@@ -73,6 +73,35 @@ def test_round_trip_is_bitwise_and_fills_in_place(tmp_path):
     assert list(iter(dst_sampler)) == reference[11:]
 
 
+def _layout(kind: str, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "big": torch.randn(600, 1024, generator=g),  # 2.3 MiB: chunks of ~1 MiB, an edge chunk
+        "small": torch.randn(7, generator=g),
+        "scalar": torch.tensor(float(seed)),
+        "strided": torch.randn(64, 48, generator=g).t(),  # not contiguous
+        "bf16": torch.randn(3000, generator=g).to(torch.bfloat16),
+    }
+    if kind == "b":  # another layout: an array more, one reshaped
+        state["extra"] = torch.randn(5000, generator=g)
+        state["small"] = torch.randn(9, generator=g)
+    return state
+
+
+def test_saves_that_change_layout_and_back_restore_bitwise(tmp_path):
+    """Each save of a layout reuses the staging slots its first save computed: a save of
+    another layout, then of the first again with new values, restores each bitwise."""
+    saves = {1: _layout("a", 1), 2: _layout("a", 2), 3: _layout("b", 3), 4: _layout("a", 4), 5: _layout("b", 5)}
+    with Checkpointer(tmp_path, split_bytes=1 << 20, max_staging_bytes=3 << 20, keep_last=None) as ck:
+        for step, state in saves.items():
+            ck.save(step, state)
+        ck.wait()
+        for step, state in saves.items():
+            out = {k: torch.zeros_like(v) for k, v in state.items()}
+            assert ck.restore(out, step=step) == step
+            assert_bitwise(out, state, f"step {step}")
+
+
 def test_a_saved_state_dict_restores_into_the_object_and_an_object_into_its_state_dict(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)
