@@ -38,6 +38,8 @@ __all__ = ["StageTask", "Slot", "Arena", "Readiness", "assign_offsets", "slot_by
 
 _ALIGN = 64
 _MEMCPY_MIN = 1024  # elements; smaller copies stay with torch (no numpy round trip)
+_LANE_MIN_BYTES = 256 << 10  # smaller chunks are copied by save()'s own thread
+_CHUNK_COST_BYTES = 128 << 10  # ~15 us of Python per chunk, at ~9 GB/s of memcpy
 
 
 @dataclass(frozen=True)
@@ -328,17 +330,22 @@ def _copy_cpu(
         if copied is not None:
             copied(t)
 
-    if pool is None or len(tasks) < 2:
+    # Two lanes balanced by cost (bytes, and Python per chunk); numpy and torch release the
+    # GIL while copying. Chunks under _LANE_MIN_BYTES all stay on this thread: split over
+    # both lanes, their Python would pass the GIL between the threads at every chunk.
+    big = sorted((t for t in tasks if t.staged_bytes >= _LANE_MIN_BYTES), key=lambda t: -t.staged_bytes)
+    if pool is None or len(big) < 2:
         for t in tasks:
             copy(t)
         return
-    # Two lanes balanced by bytes; numpy and torch release the GIL while copying.
+    small = [t for t in tasks if t.staged_bytes < _LANE_MIN_BYTES]
     lanes: list[list[StageTask]] = [[], []]
-    loads = [0, 0]
-    for t in sorted(tasks, key=lambda t: -t.staged_bytes):
+    loads = [sum(t.staged_bytes + _CHUNK_COST_BYTES for t in small), 0]
+    for t in big:
         i = 0 if loads[0] <= loads[1] else 1
         lanes[i].append(t)
-        loads[i] += t.staged_bytes
+        loads[i] += t.staged_bytes + _CHUNK_COST_BYTES
+    lanes[0].extend(small)
 
     group = LaneGroup(pool)
 

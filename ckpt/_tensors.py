@@ -132,4 +132,8 @@ def describe(value: Any, key: str) -> LocalPiece:
         _refuse_unusual(data, key)
     if data.dtype not in TORCH_TO_ZARR:
         raise UnsupportedStateError(f"{key}: dtype {data.dtype} is not supported")
-    return LocalPiece(data.detach(), TORCH_TO_ZARR[data.dtype], shape, offsets, kind, mesh, placed)
+    # Detached only where autograd tracks it: a state_dict() tensor is detached already, and
+    # a second tensor object per leaf would cost its allocation here and its deallocation
+    # (which releases the GIL) when the save's objects are freed.
+    local = data.detach() if data.requires_grad else data
+    return LocalPiece(local, TORCH_TO_ZARR[data.dtype], shape, offsets, kind, mesh, placed)

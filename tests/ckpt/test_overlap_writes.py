@@ -108,7 +108,7 @@ def test_an_interrupted_save_fails_or_commits_exactly_and_the_next_save_is_exact
     lanes are balanced by bytes (one large chunk on save()'s thread, ten small ones on the
     pool's), so a stray lane would write step 2's bytes into the buffer step 3 (another
     layout) is staged in, and step 3 would be committed wrong."""
-    small = 16384
+    small = 65536  # 256 KiB: chunks this small or smaller stay on save()'s thread
     state2 = {"a": torch.full((1 << 20,), 2.0), **{f"b{i}": torch.full((small,), 2.0) for i in range(10)}}
     state3 = {"a": torch.full(((1 << 20) + 10 * small,), 3.0)}
     with Checkpointer(tmp_path, overlap_writes=overlap, capture_rng=False) as ck:
