@@ -45,7 +45,10 @@ repetition), ratios taken within a repetition, then the median:
   training-step cost of `peer_copies=1`, a save to /dev/shm against the tmpfs floor;
 - DCP through ckpt and the safetensors export (bench/integrations.py, at most 100e6
   parameters): `ckpt.dcp` against DCP's own FileSystemWriter/Reader, the export against a
-  plain `safetensors.torch.save_file`.
+  plain `safetensors.torch.save_file`;
+- many small tensors (bench/small_tensors.py: 2,336 tensors, ~10 MB, modules and Adam
+  passed as objects): ckpt's save() stall against DCP `async_save`'s blocking time and a
+  `state_dict()` + `_foreach_copy_` floor.
 
 `--extras-only` runs just the last three and merges them into the existing latest.json
 and latest.md (their section says when they were measured).
@@ -81,6 +84,7 @@ import _sys  # noqa: E402
 import integrations  # noqa: E402
 import partial_and_preemption  # noqa: E402
 import peers  # noqa: E402
+import small_tensors  # noqa: E402
 
 
 def free_port() -> int:
@@ -338,17 +342,19 @@ def main() -> None:
     print(f"total wall time {wall:.0f} s; wrote {args.out}/latest.json, latest.md, latest.png")
 
 
-EXTRAS = {"peers": peers, "integrations": integrations}
+EXTRAS = {"peers": peers, "integrations": integrations, "small_tensors": small_tensors}
 
 
 def run_extras(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    """bench/peers.py and bench/integrations.py, each in its own processes; their figures
-    (and the peer targets) into the report."""
-    sizes = {"peers": min(args.params, 40e6), "integrations": min(args.params, 100e6)}
+    """bench/peers.py, bench/integrations.py and bench/small_tensors.py, each in its own
+    processes; their figures (and their targets) into the report."""
+    sizes = {"peers": min(args.params, 40e6), "integrations": min(args.params, 100e6), "small_tensors": None}
     report["targets"] = [t for t in report["targets"] if not t.get("extra")]
     for name in EXTRAS:
         out = os.path.join(args.dir, f"{name}.json")
-        cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), "--params", str(sizes[name])]
+        cmd = [sys.executable, os.path.join(HERE, f"{name}.py")]
+        if sizes[name] is not None:  # (small_tensors has its own fixed size)
+            cmd += ["--params", str(sizes[name])]
         cmd += ["--reps", str(args.reps), "--dir", os.path.join(args.dir, name), "--out", out]
         if name == "peers" and args.skip_s3:
             cmd.append("--skip-s3")
