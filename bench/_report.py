@@ -566,3 +566,19 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def extra_section(title: str, medians: list[str], ratios: dict[str, float]) -> list[str]:
+    """An extra script's section of latest.md: its title, its medians' rows, its ratios."""
+    rows = [f"| {name} | {v:.2f}x |" for name, v in ratios.items()]
+    return [
+        title,
+        "",
+        "| operation | median |",
+        "| --- | --- |",
+        *medians,
+        "",
+        "| ratio | value |",
+        "| --- | --- |",
+        *rows,
+    ]

@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import _report  # noqa: E402
 import _sys  # noqa: E402
 import _workload  # noqa: E402
 import torch  # noqa: E402
@@ -183,18 +184,13 @@ def main() -> None:
 def markdown(out: dict[str, Any]) -> list[str]:
     """The figures as markdown (bench/run.py appends it to latest.md)."""
     mib = 1 << 20
-    lines = [
+    title = (
         f"### DCP through ckpt, and the safetensors export ({out['params']:.3g} parameters, Adam; "
         f"{out['state_bytes'] / mib:,.0f} MiB state, {out['model_bytes'] / mib:,.0f} MiB model; "
-        f"{out['reps']} repetitions)",
-        "",
-        "| operation | median |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {op} | {s:.3f} s |" for op, s in out["medians_s"].items()]
-    lines += ["", "| ratio | value |", "| --- | --- |"]
-    lines += [f"| {name} | {v:.2f}x |" for name, v in out["ratios"].items()]
-    return lines
+        f"{out['reps']} repetitions)"
+    )
+    medians = [f"| {op} | {s:.3f} s |" for op, s in out["medians_s"].items()]
+    return _report.extra_section(title, medians, out["ratios"])
 
 
 if __name__ == "__main__":

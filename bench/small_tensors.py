@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import _report  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from _worker import _caching_writer  # noqa: E402
@@ -172,18 +173,13 @@ def main() -> None:
 
 def markdown(out: dict[str, Any]) -> list[str]:
     """The figures as markdown (bench/run.py appends it to latest.md)."""
-    lines = [
+    title = (
         f"### Many small tensors ({out['tensors']:,} tensors, {out['state_bytes'] / (1 << 20):.1f} MiB: "
         f"{out['layers']} Linear({out['width']}, {out['width']}) layers and Adam; "
-        f"{out['reps']} rounds of {out['saves_per_rep']} saves)",
-        "",
-        "| operation | median |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {op} | {s * 1e3:.1f} ms |" for op, s in out["medians_s"].items()]
-    lines += ["", "| ratio | value |", "| --- | --- |"]
-    lines += [f"| {name} | {v:.2f}x |" for name, v in out["ratios"].items()]
-    return lines
+        f"{out['reps']} rounds of {out['saves_per_rep']} saves)"
+    )
+    medians = [f"| {op} | {s * 1e3:.1f} ms |" for op, s in out["medians_s"].items()]
+    return _report.extra_section(title, medians, out["ratios"])
 
 
 if __name__ == "__main__":
