@@ -172,8 +172,10 @@ def run_once(
     try:
         stats = run_commit(job, ctx, comm, pool, straggler_threshold)
     except BaseException as e:  # noqa: BLE001 - raised by wait()
+        job.release()
         job.outcome.set_exception(e)
     else:
+        job.release()
         job.outcome.set_result(stats)
 
 

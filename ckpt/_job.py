@@ -119,6 +119,12 @@ class SaveJob:
             self._claimed = True
             return True
 
+    def release(self) -> None:
+        """Drop the save's references to the state (its tasks hold a tensor each) before the
+        outcome is set. Freed after it, on this thread, they would compete for the GIL with
+        the next save(): each tensor's deallocation lets another thread run."""
+        self.tasks, self.received, self.deferred = [], {}, None
+
     def fail(self, error: BaseException) -> bool:
         """save() was interrupted: the commit fails on every rank. If it has not started, it
         is failed at once and runs no deferred copy; True then."""

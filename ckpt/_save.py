@@ -128,6 +128,12 @@ class Saver:
                 log.info("rank %d step %d: skipped, a save is still in flight", self.rank, step)
                 return False
         self.wait()
+        # The stall allocates a few small objects per tensor: cyclic collections they would
+        # trigger walk the training process's whole heap (ckpt/_gc.py), inside the stall.
+        with no_cyclic_gc():
+            return self._save(step, state, started, overwrite=overwrite, milestone=milestone)
+
+    def _save(self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool) -> bool:
         pieces: dict[str, LocalPiece] = {}
         local: list[LocalSpec] = []
         deferrable: dict[str, tuple[str, Any]] = {}  # array name -> (key, leaf), copied after save() returns
@@ -135,28 +141,16 @@ class Saver:
         rng = None
         error: BaseException | None = None
         try:
-            with no_cyclic_gc():
-                tree, leaves = encode_state(state)
-                owned: set[tuple[str, int]] = set()
-                if self.config.deferred_staging:
-                    owned = self.gate.owned_storages(find_optimizers(state))
-                for leaf in leaves:
-                    p = describe(leaf.value, leaf.key)
-                    pieces[leaf.name] = p
-                    local.append(
-                        (
-                            leaf.name,
-                            p.data_type,
-                            p.global_shape,
-                            p.offsets,
-                            tuple(p.data.shape),
-                            p.kind,
-                            p.placements,
-                            id(p.mesh),
-                        )
-                    )
-                    if owned and can_defer(leaf.value, p.data, owned):
-                        deferrable[leaf.name] = (leaf.key, leaf.value)
+            tree, leaves = encode_state(state)
+            owned: set[tuple[str, int]] = set()
+            if self.config.deferred_staging:
+                owned = self.gate.owned_storages(find_optimizers(state))
+            for leaf in leaves:
+                name, p = leaf.name, describe(leaf.value, leaf.key)
+                pieces[name] = p
+                local.append((name, p.data_type, p.global_shape, p.offsets, p.shape, p.kind, p.placements, id(p.mesh)))
+                if owned and can_defer(leaf.value, p.data, owned):
+                    deferrable[name] = (str(leaf.key), leaf.value)
             rng = capture_rng() if self.config.capture_rng else None
             if step in self.incomplete:
                 overwrite = True  # on every rank alike: the restore's listing was gathered
@@ -270,16 +264,16 @@ class Saver:
 
     def _placed(self, pieces: Mapping[str, LocalPiece]) -> list[tuple[list[StageTask], int]]:
         """This save's staging batches: each batch's tasks at their arena offsets, and its size."""
+        if self._slots is not None:  # the layout's names are this rank's, as when it was checked
+            return [([s.task(pieces[s.array.spec.name]) for s in slots], size) for slots, size in self._slots]
         unplanned = sorted(set(pieces) - set(self._by_name))
         if unplanned:  # its mesh's lowest rank has no such array
             raise StateMismatchError(f"{unplanned[:5]} of rank {self.rank}'s state are not in the job's layout")
         absent = sorted({plan.spec.name for plan, _ in self._mine} - set(pieces))
         if absent:  # its mesh names this rank, which has no such array
             raise StateMismatchError(f"{absent[:5]} are in the job's layout with rank {self.rank}, not in its state")
-        if self._slots is None:
-            batches = [assign_offsets(b) for b in _batches(self._tasks(pieces), self.config.max_staging_bytes)]
-            self._slots = [([Slot.of(t) for t in placed], size) for placed, size in batches]
-            return batches
+        batches = [assign_offsets(b) for b in _batches(self._tasks(pieces), self.config.max_staging_bytes)]
+        self._slots = [([Slot.of(t) for t in placed], size) for placed, size in batches]
         return [([s.task(pieces[s.array.spec.name]) for s in slots], size) for slots, size in self._slots]
 
     def _tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
@@ -394,4 +388,5 @@ class Saver:
             pool.shutdown(wait=True)
         self.gate.open()  # a failed save may have left it closed
         self.gate.remove_hooks()
+        self._slots = None  # (their views of the arena hold its memory)
         self._arena.release()

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckpt._keys import KeyPath
 from ckpt.restore.torch_dtypes import TORCH_TO_ZARR, ZARR_TO_TORCH
 from ckpt.shard import Shard
 from ckpt.store.errors import UnsupportedStateError
@@ -17,7 +18,7 @@ from ckpt.store.layout import REPLICATE, Mesh
 __all__ = ["TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LocalPiece:
     """A rank's view of one leaf."""
 
@@ -25,6 +26,7 @@ class LocalPiece:
     data_type: str
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    shape: tuple[int, ...]  # of `data`
     # How the other ranks' pieces are known when the layout is planned: from a DTensor's
     # mesh and placements ("mesh"), from every holder's listed region ("listed": hand-made
     # shards, unusual placements), or as a whole array its rank group holds ("plain").
@@ -83,23 +85,27 @@ def _dtensor_offsets(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, .
     return tuple(int(o) for o in offsets)
 
 
-def _refuse_unusual(data: torch.Tensor, key: str) -> None:
+def _refuse_unusual(data: torch.Tensor, key: KeyPath | str) -> None:
     if data.is_nested:
         raise UnsupportedStateError(f"{key}: nested tensors cannot be checkpointed; save their components")
     if data.layout != torch.strided:
         raise UnsupportedStateError(f"{key}: {data.layout} tensors cannot be checkpointed; save a dense copy")
     if data.is_quantized:
         raise UnsupportedStateError(f"{key}: quantized tensors cannot be checkpointed; save int_repr() and the scales")
-    if data.device.type == "meta":
+    if data.is_meta:
         raise UnsupportedStateError(f"{key}: a meta tensor has no data to checkpoint")
 
 
-def describe(value: Any, key: str) -> LocalPiece:
+def describe(value: Any, key: KeyPath | str) -> LocalPiece:
     """The local piece of a tensor, DTensor, Shard or ndarray; refuses what cannot be stored."""
     kind = "plain"
     mesh: Mesh | None = None
     placed: tuple[int, ...] = ()
-    if isinstance(value, Shard):
+    if isinstance(value, torch.Tensor) and not (DTensor is not None and isinstance(value, DTensor)):
+        _refuse_unusual(value, key)  # before .shape, which a nested tensor does not have
+        data, shape = value, tuple(value.shape)
+        offsets = (0,) * len(shape)
+    elif isinstance(value, Shard):
         data, shape, offsets = value.local_tensor, tuple(value.global_shape), tuple(value.offsets)
         kind = "listed"
     elif DTensor is not None and isinstance(value, DTensor):
@@ -123,9 +129,6 @@ def describe(value: Any, key: str) -> LocalPiece:
         except TypeError:
             raise UnsupportedStateError(f"{key}: numpy dtype {value.dtype} cannot be checkpointed") from None
         shape, offsets = tuple(data.shape), (0,) * data.dim()
-    elif isinstance(value, torch.Tensor):
-        _refuse_unusual(value, key)  # before .shape, which a nested tensor does not have
-        data, shape, offsets = value, tuple(value.shape), (0,) * value.dim()
     else:
         raise UnsupportedStateError(f"{key}: not a tensor")
     if data is not value:  # (a plain tensor was checked above)
@@ -136,4 +139,5 @@ def describe(value: Any, key: str) -> LocalPiece:
     # a second tensor object per leaf would cost its allocation here and its deallocation
     # (which releases the GIL) when the save's objects are freed.
     local = data.detach() if data.requires_grad else data
-    return LocalPiece(local, TORCH_TO_ZARR[data.dtype], shape, offsets, kind, mesh, placed)
+    local_shape = shape if data is value else tuple(data.shape)
+    return LocalPiece(local, TORCH_TO_ZARR[data.dtype], shape, offsets, local_shape, kind, mesh, placed)

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckpt._keys import KeyPath
 from ckpt._tensors import is_tensor_like
+from ckpt.shard import Shard
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import escape_component
 
@@ -37,49 +39,65 @@ _MARKERS = {TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY}
 _KEY_TYPES = (str, int, bool, type(None))
 
 
-@dataclass
+@dataclass(slots=True)
 class Leaf:
     name: str  # the array name: escaped key path
-    key: str  # human-readable key path, for errors
+    key: KeyPath | str  # human-readable key path, for errors
     value: Any  # tensor, DTensor, Shard or ndarray (None when restoring into nothing)
 
 
 def _key_str(path: tuple[Any, ...]) -> str:
-    return "state" + "".join(f"[{k!r}]" for k in path)
+    return str(KeyPath(path))
 
 
 def _has_state_dict(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
+_TENSOR_LIKE = (torch.Tensor, Shard, np.ndarray)  # is_tensor_like's, inlined: encode_state runs per leaf
+
+
 def encode_state(state: Mapping[str, Any]) -> tuple[Any, list[Leaf]]:
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
-    leaves: list[Leaf] = []
-    names: dict[str, str] = {}
+    enc = _Encoder()
+    tree = {k: enc.enc(v, (k,), escape_component(str(k))) for k, v in state.items()}
+    return tree, enc.leaves
 
-    def enc(v: Any, path: tuple[Any, ...]) -> Any:
-        if is_tensor_like(v) or (hasattr(v, "to_local") and isinstance(v, torch.Tensor)):
-            name = "/".join(escape_component(str(k)) for k in path)
-            key = _key_str(path)
-            if name in names:
-                raise UnsupportedStateError(f"{key} and {names[name]} map to the same array name {name!r}")
-            names[name] = key
-            leaves.append(Leaf(name, key, v))
+
+class _Encoder:
+    """encode_state's walk. A method, not a nested function: a recursive closure is a
+    reference cycle, which would keep every leaf (and its tensor) alive until the cyclic
+    collector runs, and make the collector's next full pass longer."""
+
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.names: dict[str, KeyPath] = {}
+
+    # `name` is the escaped path so far, extended per level rather than joined per leaf.
+    def enc(self, v: Any, path: tuple[Any, ...], name: str) -> Any:
+        if isinstance(v, _TENSOR_LIKE):
+            key = KeyPath(path)
+            if name in self.names:
+                raise UnsupportedStateError(f"{key} and {self.names[name]} map to the same array name {name!r}")
+            self.names[name] = key
+            self.leaves.append(Leaf(name, key, v))
             return {NDARRAY if isinstance(v, np.ndarray) else TENSOR: name}
-        if _has_state_dict(v):
-            return {OBJECT: enc(v.state_dict(), path)}
-        if isinstance(v, Mapping):
+        enc = self.enc
+        plain = type(v) is dict  # the common case; a plain dict has no state_dict()
+        if not plain and _has_state_dict(v):
+            return {OBJECT: enc(v.state_dict(), path, name)}
+        if plain or isinstance(v, Mapping):
             if all(isinstance(k, str) and k not in _MARKERS for k in v):
-                return {k: enc(x, path + (k,)) for k, x in v.items()}
+                return {k: enc(x, path + (k,), f"{name}/{escape_component(str(k))}") for k, x in v.items()}
             for k in v:
                 if not isinstance(k, _KEY_TYPES):
                     raise UnsupportedStateError(f"{_key_str(path)}: dict key {k!r} of type {type(k).__name__}")
-            return {DICT: [[k, enc(x, path + (k,))] for k, x in v.items()]}
+            return {DICT: [[k, enc(x, path + (k,), f"{name}/{escape_component(str(k))}")] for k, x in v.items()]}
         if isinstance(v, tuple):
-            return {TUPLE: [enc(x, path + (i,)) for i, x in enumerate(v)]}
+            return {TUPLE: [enc(x, path + (i,), f"{name}/{i}") for i, x in enumerate(v)]}
         if isinstance(v, list):
-            return [enc(x, path + (i,)) for i, x in enumerate(v)]
+            return [enc(x, path + (i,), f"{name}/{i}") for i, x in enumerate(v)]
         if v is None or isinstance(v, (bool, str)):
             return v
         if isinstance(v, int):
@@ -90,9 +108,6 @@ def encode_state(state: Mapping[str, Any]) -> tuple[Any, list[Leaf]]:
             f"{_key_str(path)}: cannot checkpoint a {type(v).__module__}.{type(v).__qualname__}; "
             "use tensors, objects with state_dict()/load_state_dict(), dicts, lists and JSON scalars"
         )
-
-    tree = {k: enc(v, (k,)) for k, v in state.items()}
-    return tree, leaves
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -100,6 +102,61 @@ def test_saves_that_change_layout_and_back_restore_bitwise(tmp_path):
             out = {k: torch.zeros_like(v) for k, v in state.items()}
             assert ck.restore(out, step=step) == step
             assert_bitwise(out, state, f"step {step}")
+
+
+def _small_kinds(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(6, 2, dtype=torch.complex64, generator=g)
+    return {
+        "f32": torch.randn(48, 48, generator=g),
+        "bias": torch.randn(48, generator=g),
+        "step": torch.tensor(float(seed)),  # 0-d: stored inline
+        "one": torch.tensor([seed], dtype=torch.int64),  # single element: inline
+        "strided": torch.randn(20, 30, generator=g).t(),  # not contiguous
+        "expanded": torch.randn(1, 16, generator=g).expand(8, 16),  # stride 0
+        "conj": z.conj(),  # a conjugate view: its bytes are not its values
+        "neg": z.conj().imag,  # a negative view
+        "bool": torch.rand(33, generator=g) > 0.5,
+        "bf16": torch.randn(100, generator=g).to(torch.bfloat16),
+        "f8": torch.randn(64, generator=g).to(torch.float8_e4m3fn),
+        "i16": torch.randint(-(2**15), 2**15, (7, 3), dtype=torch.int16, generator=g),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def test_small_tensors_of_every_kind_are_copied_together_and_restore_bitwise(tmp_path):
+    """Small chunks that their tensors fill go through one batched copy: views, strides,
+    conjugate and negative bits, every dtype, across saves of the same layout."""
+    saves = {step: _small_kinds(step) for step in (1, 2, 3)}
+    with Checkpointer(tmp_path, keep_last=None) as ck:
+        for step, state in saves.items():
+            ck.save(step, state)
+        ck.wait()
+        slots = [s for batch, _ in ck._saver._slots or [] for s in batch]
+        assert sum(s.batched for s in slots) >= 10  # the batched path, not the per-chunk one, ran
+        for step, state in saves.items():
+            out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+            assert ck.restore(out, step=step) == step
+            assert_bitwise(out, state, f"step {step}")
+
+
+def test_the_state_is_not_kept_alive_once_the_save_is_committed(tmp_path):
+    """Nothing of a save holds the user's tensors once wait() returns, even with the cyclic
+    collector off: a reference cycle would keep them (and their memory) until it runs."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        state = {"w": torch.randn(100), "deep": {"b": [torch.randn(3), (torch.tensor(1.0),)]}}
+        refs = [weakref.ref(state["w"]), weakref.ref(state["deep"]["b"][1][0])]
+        with Checkpointer(tmp_path) as ck:
+            for step in (1, 2):
+                ck.save(step, state)
+                ck.wait()
+            del state
+            assert [r() is None for r in refs] == [True, True]
+    finally:
+        if was:
+            gc.enable()
 
 
 def test_a_saved_state_dict_restores_into_the_object_and_an_object_into_its_state_dict(tmp_path):
