@@ -224,7 +224,7 @@ class Saver:
         pin = False
         try:
             batches = self._placed(pieces)
-            pin = any(t.piece.data.is_cuda for batch, _ in batches for t in batch)
+            pin = any(p.data.is_cuda for p in pieces.values())
             for i, (placed, size) in enumerate(batches):
                 job.arena = self._arena.get(size, pin)
                 job.tasks = placed
@@ -237,8 +237,10 @@ class Saver:
                 job.ready = Readiness(placed)
                 # Slivers are copied now, deferrable or not: the exchange sends them before any
                 # chunk is written, and marks nothing a deferred copy would make.
-                now = [t for t in placed if t.array.spec.name not in deferrable or t.sliver is not None]
-                later = [t for t in placed if t.array.spec.name in deferrable and t.sliver is None]
+                now, later = placed, []
+                if deferrable:
+                    now = [t for t in placed if t.array.spec.name not in deferrable or t.sliver is not None]
+                    later = [t for t in placed if t.array.spec.name in deferrable and t.sliver is None]
                 if later:  # the rest now; the deferred part is the commit thread's to copy
                     stage(job.arena, now, self._copy_pool, copied=job.ready.mark)
                     now = []
@@ -265,7 +267,7 @@ class Saver:
     def _placed(self, pieces: Mapping[str, LocalPiece]) -> list[tuple[list[StageTask], int]]:
         """This save's staging batches: each batch's tasks at their arena offsets, and its size."""
         if self._slots is not None:  # the layout's names are this rank's, as when it was checked
-            return [([s.task(pieces[s.array.spec.name]) for s in slots], size) for slots, size in self._slots]
+            return [([s.task(pieces[s.name]) for s in slots], size) for slots, size in self._slots]
         unplanned = sorted(set(pieces) - set(self._by_name))
         if unplanned:  # its mesh's lowest rank has no such array
             raise StateMismatchError(f"{unplanned[:5]} of rank {self.rank}'s state are not in the job's layout")
@@ -274,7 +276,7 @@ class Saver:
             raise StateMismatchError(f"{absent[:5]} are in the job's layout with rank {self.rank}, not in its state")
         batches = [assign_offsets(b) for b in _batches(self._tasks(pieces), self.config.max_staging_bytes)]
         self._slots = [([Slot.of(t) for t in placed], size) for placed, size in batches]
-        return [([s.task(pieces[s.array.spec.name]) for s in slots], size) for slots, size in self._slots]
+        return [([s.task(pieces[s.name]) for s in slots], size) for slots, size in self._slots]
 
     def _tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
         """What this rank copies: the chunks it writes and the parts of others' chunks it sends."""

@@ -84,12 +84,14 @@ class Slot:
     sliver: Sliver | None
     staged_bytes: int
     batched: bool  # small, and the layout's piece fills it exactly: copied with the others like it
+    name: str  # the array's
     _view: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @staticmethod
     def of(task: StageTask) -> Slot:
         size = task.staged_bytes
-        return Slot(task.array, task.chunk, task.offset, task.sliver, size, size < _BATCH_MAX_BYTES and _fills(task))
+        batched = size < _BATCH_MAX_BYTES and _fills(task)
+        return Slot(task.array, task.chunk, task.offset, task.sliver, size, batched, task.array.spec.name)
 
     def task(self, piece: LocalPiece) -> StageTask:
         return StageTask(self.array, self.chunk, piece, self.offset, self.sliver, self)
