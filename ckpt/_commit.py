@@ -276,18 +276,22 @@ def _commit(
             raw = comm.recv_bytes(0, _MANIFEST_TAG)
         if ctx.is_leader and raw and error is None:  # PREPARE
             try:
+                # The parsed manifest (a few objects per array) lives and dies inside: no
+                # collection sees it, so none moves it to an older generation, whose growth
+                # triggers full collections that stop the training loop (~0.2 s here).
                 with no_cyclic_gc():
                     manifest = parse_manifest(raw)
-                # The rest of the zarr metadata went with the data (metadata_documents, and
-                # the inline arrays this rank wrote): what is left are other ranks' inline values.
-                inline = [
-                    ArrayNode.of(a)
-                    for a in manifest.arrays.values()
-                    if a.name not in job.written.inline_docs and a.inline is not None
-                ]
-                dirs = write_hierarchy(tmp_dir, inline, None, replace=True)
-                commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs, raw)
-                remember_manifest(raw, manifest)  # retention judges it next, without parsing it again
+                    # The rest of the zarr metadata went with the data (metadata_documents, and
+                    # the inline arrays this rank wrote): what is left are other ranks' inline values.
+                    inline = [
+                        ArrayNode.of(a)
+                        for a in manifest.arrays.values()
+                        if a.name not in job.written.inline_docs and a.inline is not None
+                    ]
+                    dirs = write_hierarchy(tmp_dir, inline, None, replace=True)
+                    commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs, raw)
+                    remember_manifest(raw, manifest)  # retention judges it next, without parsing it again
+                    del manifest, inline
             except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
                 error = e
         comm.agree(error)

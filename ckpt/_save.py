@@ -48,8 +48,10 @@ __all__ = ["Saver"]
 
 log = logging.getLogger("ckpt")
 # What changes a rank's layout: name, dtype, global shape, offsets, local shape, kind,
-# placements and mesh (by identity: ckpt._tensors keeps one object per DeviceMesh).
-LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], str, tuple[int, ...], int]
+# placements, mesh (by identity: ckpt._tensors keeps one object per DeviceMesh), and
+# whether the tensor is on a GPU (the staging buffer is pinned for those, and the
+# layout's slots keep views of it: a new buffer comes with a new layout).
+LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], str, tuple[int, ...], int, bool]
 
 
 def _staging_error(e: BaseException, step: int, root: str) -> BaseException:
@@ -148,7 +150,19 @@ class Saver:
             for leaf in leaves:
                 name, p = leaf.name, describe(leaf.value, leaf.key)
                 pieces[name] = p
-                local.append((name, p.data_type, p.global_shape, p.offsets, p.shape, p.kind, p.placements, id(p.mesh)))
+                local.append(
+                    (
+                        name,
+                        p.data_type,
+                        p.global_shape,
+                        p.offsets,
+                        p.shape,
+                        p.kind,
+                        p.placements,
+                        id(p.mesh),
+                        p.data.is_cuda,
+                    )
+                )
                 if owned and can_defer(leaf.value, p.data, owned):
                     deferrable[name] = (str(leaf.key), leaf.value)
             rng = capture_rng() if self.config.capture_rng else None

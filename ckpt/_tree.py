@@ -189,23 +189,37 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
     load_state_dict judges the keys.
     """
     out = Bound()
+    if not isinstance(saved, dict):
+        raise StateMismatchError(f"the checkpoint's state is {_saved_kind(saved)}, not a dict")
+    out.finish = _Binder(out.leaves, out.results, strict).b(saved, target, (), False)
+    return out
 
-    def b(s: Any, t: Any, path: tuple[Any, ...], in_object: bool) -> Callable[[], Any]:
+
+class _Binder:
+    """bind's walk. A method, not a nested function, and closures that hold `results`, not
+    the Bound: either cycle would keep the state's tensors alive until the cyclic collector
+    runs."""
+
+    def __init__(self, leaves: list[Leaf], results: dict[str, torch.Tensor], strict: bool) -> None:
+        self.leaves, self.results, self.strict = leaves, results, strict
+
+    def b(self, s: Any, t: Any, path: tuple[Any, ...], in_object: bool) -> Callable[[], Any]:
         key = _key_str(path)
         if t is not None and _kind(t) != _saved_kind(s):
             raise StateMismatchError(f"{key}: the checkpoint has {_saved_kind(s)} here, the state has {_what(t)}")
         if isinstance(s, dict) and (TENSOR in s or NDARRAY in s):
             name = str(s.get(TENSOR, s.get(NDARRAY)))
             is_array = NDARRAY in s
-            out.leaves.append(Leaf(name, key, t))
+            self.leaves.append(Leaf(name, key, t))
+            results = self.results  # (the closures hold the dict, not the binder)
             if is_array:
-                return lambda: _to_ndarray(out.results[name], t)
-            return lambda: out.results[name]
+                return lambda: _to_ndarray(results[name], t)
+            return lambda: results[name]
         plain = isinstance(s, dict) and (DICT in s or not (_MARKERS & s.keys()))
         if plain and _has_state_dict(t) and not isinstance(t, Mapping):
             s = {OBJECT: s}  # a saved state_dict() restores into the live object, through load_state_dict
         if isinstance(s, dict) and OBJECT in s and isinstance(t, Mapping) and not _has_state_dict(t):
-            return b(s[OBJECT], t, path, in_object)  # a saved object restores into a plain state dict, in place
+            return self.b(s[OBJECT], t, path, in_object)  # a saved object restores into a plain state dict, in place
         if isinstance(s, dict) and OBJECT in s:
             if not _has_state_dict(t):
                 raise StateMismatchError(
@@ -214,7 +228,7 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
             if isinstance(t, torch.optim.Optimizer) and _tree_has_tensor(s[OBJECT]):
                 _init_optimizer_state(t, s[OBJECT].get("state") if isinstance(s[OBJECT], dict) else None)
             sd = t.state_dict()
-            sub = b(s[OBJECT], sd, path, True)
+            sub = self.b(s[OBJECT], sd, path, True)
 
             def finish_object() -> Any:
                 # Always through load_state_dict: extra state, hooks, strict key checks and
@@ -232,7 +246,7 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
                 # At the top, the state's keys choose what is restored: {"model": m} loads
                 # the model of a version that holds more. Below, the shapes must match.
                 only_saved = [k for k, _ in items if k not in t_map] if path else []
-                if strict and (only_state or only_saved):
+                if self.strict and (only_state or only_saved):
                     raise StateMismatchError(_key_mismatch(key, only_state, only_saved))
                 items = [(k, v) for k, v in items if k in t_map]
             elif isinstance(t, Mapping):
@@ -240,7 +254,7 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
                 tensor_missing = [k for k in missing if is_tensor_like(t_map[k]) or _has_state_dict(t_map[k])]
                 if tensor_missing:
                     raise StateMismatchError(f"{key}: {tensor_missing[:5]} are in the state but not in the checkpoint")
-            subs = [(k, b(v, t_map.get(k), path + (k,), in_object)) for k, v in items]
+            subs = [(k, self.b(v, t_map.get(k), path + (k,), in_object)) for k, v in items]
 
             def finish_dict() -> Any:
                 if isinstance(t, dict):
@@ -252,11 +266,11 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
             return finish_dict
         if isinstance(s, dict) and TUPLE in s:
             t_seq = t if isinstance(t, (tuple, list)) and len(t) == len(s[TUPLE]) else [None] * len(s[TUPLE])
-            subs_t = [b(v, tv, path + (i,), in_object) for i, (v, tv) in enumerate(zip(s[TUPLE], t_seq))]
+            subs_t = [self.b(v, tv, path + (i,), in_object) for i, (v, tv) in enumerate(zip(s[TUPLE], t_seq))]
             return lambda: tuple(f() for f in subs_t)
         if isinstance(s, list):
             t_list = t if isinstance(t, list) and len(t) == len(s) else None
-            subs_l = [b(v, t_list[i] if t_list else None, path + (i,), in_object) for i, v in enumerate(s)]
+            subs_l = [self.b(v, t_list[i] if t_list else None, path + (i,), in_object) for i, v in enumerate(s)]
 
             def finish_list() -> Any:
                 if t_list is not None:
@@ -269,11 +283,6 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
             value = float(s[FLOAT])
             return lambda: value
         return lambda: s
-
-    if not isinstance(saved, dict):
-        raise StateMismatchError(f"the checkpoint's state is {_saved_kind(saved)}, not a dict")
-    out.finish = b(saved, target, (), False)
-    return out
 
 
 def _key_mismatch(key: str, only_state: list[Any], only_saved: list[Any]) -> str:

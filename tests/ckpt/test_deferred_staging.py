@@ -311,7 +311,7 @@ def test_cuda_deferred_copy_reads_the_values_of_the_save_call(tmp_path: Path) ->
             model(x).square().mean().backward()
         opt.step()
         ck.wait()
-        assert ck._arena.buffer is not None and ck._arena.buffer.is_pinned()
+        assert ck._saver._arena.buffer is not None and ck._saver._arena.buffer.is_pinned()
         fresh = copy.deepcopy(model)
         fresh_opt = torch.optim.Adam(fresh.parameters())
         fresh(x).sum().backward()

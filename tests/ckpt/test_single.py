@@ -159,6 +159,25 @@ def test_the_state_is_not_kept_alive_once_the_save_is_committed(tmp_path):
             gc.enable()
 
 
+def test_the_state_is_not_kept_alive_after_restore(tmp_path):
+    """Nothing of a restore holds the tensors it filled once it returns, with the cyclic
+    collector off (a reference cycle in the saved tree's binding would)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with Checkpointer(tmp_path) as ck:
+            ck.save(1, {"w": torch.randn(100), "deep": {"b": [torch.randn(3)]}, "n": np.arange(4.0)})
+            ck.wait()
+            into = {"w": torch.zeros(100), "deep": {"b": [torch.zeros(3)]}, "n": np.zeros(4)}
+            refs = [weakref.ref(into["w"]), weakref.ref(into["deep"]["b"][0]), weakref.ref(into["n"])]
+            assert ck.restore(into) == 1
+            del into
+            assert [r() is None for r in refs] == [True, True, True]
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_a_saved_state_dict_restores_into_the_object_and_an_object_into_its_state_dict(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)
