@@ -277,8 +277,8 @@ def _commit(
         if ctx.is_leader and raw and error is None:  # PREPARE
             try:
                 # The parsed manifest (a few objects per array) lives and dies inside: no
-                # collection sees it, so none moves it to an older generation, whose growth
-                # triggers full collections that stop the training loop (~0.2 s here).
+                # collection sees it, so none moves it to the oldest generation, whose growth
+                # by survivors triggers the full collections that stop every thread.
                 with no_cyclic_gc():
                     manifest = parse_manifest(raw)
                     # The rest of the zarr metadata went with the data (metadata_documents, and
