@@ -15,7 +15,7 @@ from ckpt.shard import Shard
 from ckpt.store.errors import UnsupportedStateError
 from ckpt.store.layout import REPLICATE, Mesh
 
-__all__ = ["TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]
+__all__ = ["TENSOR_LIKE", "TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +41,11 @@ except ImportError:  # torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 
+TENSOR_LIKE = (torch.Tensor, Shard, np.ndarray)  # what a state stores as an array (DTensor is a Tensor)
+
+
 def is_tensor_like(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, Shard, np.ndarray))
+    return isinstance(value, TENSOR_LIKE)
 
 
 @functools.lru_cache(maxsize=1 << 10)

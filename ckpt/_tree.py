@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from ckpt._keys import KeyPath
-from ckpt._tensors import is_tensor_like
-from ckpt.shard import Shard
+from ckpt._tensors import TENSOR_LIKE, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import escape_component
 
@@ -54,9 +53,6 @@ def _has_state_dict(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
-_TENSOR_LIKE = (torch.Tensor, Shard, np.ndarray)  # is_tensor_like's, inlined: encode_state runs per leaf
-
-
 def encode_state(state: Mapping[str, Any]) -> tuple[Any, list[Leaf]]:
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
@@ -76,7 +72,7 @@ class _Encoder:
 
     # `name` is the escaped path so far, extended per level rather than joined per leaf.
     def enc(self, v: Any, path: tuple[Any, ...], name: str) -> Any:
-        if isinstance(v, _TENSOR_LIKE):
+        if isinstance(v, TENSOR_LIKE):  # (is_tensor_like, inlined: this runs per node of every save)
             key = KeyPath(path)
             if name in self.names:
                 raise UnsupportedStateError(f"{key} and {self.names[name]} map to the same array name {name!r}")
