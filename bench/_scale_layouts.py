@@ -72,7 +72,7 @@ def _meshed(
                 if d != REPLICATE:
                     offsets[d], local[d] = _ceil_split(shape[d], mesh.shape[m], coord[m])
             out[f"model/p{a}"] = LocalPiece(
-                _meta(tuple(local), tdtype), dtype, shape, tuple(offsets), "mesh", mesh, placements
+                _meta(tuple(local), tdtype), dtype, shape, tuple(offsets), tuple(local), "mesh", mesh, placements
             )
         return out
 
@@ -119,7 +119,7 @@ def _zero1_entries(world: int, arrays: int) -> list[list[ListedEntry]]:
 
 def _zero1_pieces(world: int, arrays: int, rank: int) -> dict[str, LocalPiece]:
     return {
-        name: LocalPiece(_meta(local, torch.float32), dtype, shape, offsets, "listed")
+        name: LocalPiece(_meta(local, torch.float32), dtype, shape, offsets, tuple(local), "listed")
         for name, dtype, shape, offsets, local in _zero1_entries(world, arrays)[rank]
     }
 
@@ -140,7 +140,7 @@ def _moe_pieces(world: int, arrays: int, rank: int) -> dict[str, LocalPiece]:
     ep = min(64, world)
     shape = (2048, 1024)
     return {
-        f"experts/e{a}": LocalPiece(_meta(shape, torch.bfloat16), "bfloat16", shape, (0, 0))
+        f"experts/e{a}": LocalPiece(_meta(shape, torch.bfloat16), "bfloat16", shape, (0, 0), shape)
         for a in range(rank % ep, arrays, ep)
     }
 

@@ -148,7 +148,7 @@ def test_fully_replicated_arrays_spread_their_writing_over_the_holders() -> None
 
 
 def _piece(data: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ...], **kw: object) -> LocalPiece:
-    return LocalPiece(data, "float32", shape, offsets, **kw)  # type: ignore[arg-type]
+    return LocalPiece(data, "float32", shape, offsets, tuple(data.shape), **kw)  # type: ignore[arg-type]
 
 
 def test_plain_arrays_are_held_by_their_signature_group() -> None:
