@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ckpt._cores import rank_cores
 from ckpt._dist import Comm, describe_error
 from ckpt._gc import no_cyclic_gc
 from ckpt._tensors import describe
@@ -110,7 +111,13 @@ def read_agreed(
     error: BaseException | None = None
     try:
         load_arrays(
-            ctl, located.sources, manifest, requests, verify=config.verify_on_restore, threads=config.reader_threads
+            ctl,
+            located.sources,
+            manifest,
+            requests,
+            verify=config.verify_on_restore,
+            threads=config.reader_threads,
+            cores=rank_cores(),
         )
     except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
         error = e

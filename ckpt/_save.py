@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ckpt._commit import RootContext, run_once
+from ckpt._cores import rank_cores
 from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
 from ckpt._dist import Comm
 from ckpt._exchange import Schedule, schedule
@@ -344,10 +345,7 @@ class Saver:
             return self.config.overlap_writes
         if cuda:  # the copy is DMA: the host's cores are free for the writers
             return True
-        cores = len(os.sched_getaffinity(0))
-        if cores == os.cpu_count():  # not pinned to its own cores: shared with this node's other ranks
-            cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        return cores >= self.config.copy_threads + self.config.writer_threads
+        return rank_cores() >= self.config.copy_threads + self.config.writer_threads
 
     def _defer(
         self, arena: torch.Tensor, tasks: list[StageTask], leaves: Mapping[str, tuple[str, Any]]

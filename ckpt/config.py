@@ -59,7 +59,8 @@ class CheckpointerConfig:
     without it, exactly the byte ranges each rank needs."""
 
     reader_threads: int = 4
-    """Threads reading chunks in parallel during restore."""
+    """Threads reading chunks in parallel during restore; from a tier in memory (tmpfs), at
+    most this rank's cores (as overlap_writes counts them): there each read is a copy."""
 
     timeout: timedelta = timedelta(minutes=30)
     """Timeout of the checkpointer's own gloo collectives."""

@@ -43,7 +43,7 @@ from ckpt.restore.reshard import (
 )
 from ckpt.restore.sources import Source, from_first_good
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
-from ckpt.store.chunk_read import check_digest, open_chunk, read_exact
+from ckpt.store.chunk_read import check_digest, open_checked, open_chunk, read_exact
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import CkptError, CorruptVersionError
 from ckpt.store.lanes import run_lanes
@@ -216,8 +216,9 @@ def _read_from(
 ) -> None:
     """Read what `reqs` need of one chunk (chunk-local `rows`) from one source."""
     verify = verify or src.always_verify
-    where = f"{src.name}/{src.key(array, chunk)}"
-    handle = open_chunk(src.tier, src.step, array, chunk)
+    key = src.key(array, chunk)
+    where = f"{src.name}/{key}"
+    handle = open_checked(src.tier, key, chunk.nbytes, chunk.xxh3)
     try:
         rb = row_bytes(array)
         direct = _direct(array, chunk, reqs[0]) if len(reqs) == 1 else None
@@ -292,9 +293,14 @@ def load_arrays(
     *,
     verify: bool = True,
     threads: int = 4,
+    cores: int | None = None,
 ) -> None:
     """Fill every request. Collective: every rank of `comm` calls it, with its own requests.
-    Raises this rank's first read failure; the caller agrees on failures across ranks."""
+    Raises this rank's first read failure; the caller agrees on failures across ranks.
+
+    `threads` read this rank's chunks; at most `cores` where every source read first is in
+    memory (tmpfs): there a read is a copy, and readers beyond the cores only contend for
+    them and for the GIL (1.5 GB on 2 cores: 0.19 s with 2 readers, 0.22 s with 4)."""
     error: BaseException | None = None
     plan: list[ChunkRead] = []
     try:
@@ -320,6 +326,8 @@ def load_arrays(
             first.setdefault(at, []).append(sources[at].key(manifest.arrays[p.name], c))
     for i, keys in first.items():
         sources[i].tier.warm(keys)
+    if cores is not None and first and all(sources[i].tier.in_memory() for i in first):
+        threads = min(threads, cores)
 
     def read(p: ChunkRead) -> None:
         array, chunk = manifest.arrays[p.name], p.chunk

@@ -21,7 +21,7 @@ import re
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -71,6 +71,10 @@ MAX_RANK_FILE = 1 << 30  # bytes of one rank file: anything larger is crafted
 MAX_COMPONENT = 128  # characters of one array path component (file names stop at 255 bytes)
 _RESERVED = frozenset({"zarr.json"})  # names a group directory holds besides its children
 _COMPONENT = re.compile(r"^[A-Za-z0-9_.~%+-]+$")
+# A safe array name in one match: components of _COMPONENT's characters, none "." or ".."
+# and none starting "__", joined by single slashes.
+_PART = r"(?!\.\.?(?:/|\Z))(?!__)[A-Za-z0-9_.~%+-]+"
+_NAME = re.compile(rf"(?:{_PART}/)*{_PART}")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 SAVE_ID = re.compile(r"[0-9a-f]{32}")
 """A save's id: 32 lowercase hex digits (it becomes part of paths: tmp and journal names)."""
@@ -95,10 +99,8 @@ def escape_component(key: str) -> str:
 
 
 def _check_name(name: str) -> None:
-    parts = name.split("/")
-    for p in parts:
-        if not _COMPONENT.match(p) or p in (".", "..") or p.startswith("__"):
-            raise ManifestError(f"array name {name!r} is not a safe relative path", path=name)
+    if not _NAME.fullmatch(name):
+        raise ManifestError(f"array name {name!r} is not a safe relative path", path=name)
 
 
 def keys_of(value: Any) -> tuple[str, ...] | None:
@@ -361,7 +363,10 @@ def _chunk_doc(c: ChunkEntry) -> dict[str, Any]:
     return doc
 
 
-def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+_INT_MAX = 1 << 62
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = _INT_MAX) -> int:
     if type(v) is not int or not lo <= v <= hi:
         raise ManifestError(f"manifest field {what} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
@@ -370,6 +375,8 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
 def _ints(v: Any, what: str, lo: int = 0) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > MAX_NDIM:
         raise ManifestError(f"manifest field {what} must be a list of at most {MAX_NDIM} integers")
+    if all(type(x) is int and lo <= x <= _INT_MAX for x in v):  # the usual case, without a call per item
+        return tuple(v)
     return tuple(_int(x, what, lo) for x in v)
 
 
@@ -402,10 +409,21 @@ def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
     if chunk_shape and math.prod(chunk_shape[1:]) * ITEMSIZE[dtype] > MAX_ROW_BYTES:
         raise ManifestError(f"array {name!r}: rows of {chunk_shape[1:]} are absurdly large", path=name)
     replicated = bool(doc.get("replicated"))
-    head = ArrayEntry(name, dtype, shape, chunk_shape, replicated, {}, (), block_rows, schema)
     if schema >= 3:
-        return _with_runs(head, doc, world)
-    return _with_listed(head, doc, world)
+        return _with_runs(_Head(name, dtype, shape, chunk_shape, replicated, block_rows, schema), doc, world)
+    return _with_listed(ArrayEntry(name, dtype, shape, chunk_shape, replicated, {}, (), block_rows, schema), doc, world)
+
+
+class _Head(NamedTuple):
+    """An array's validated fields before its writers (schema 3): the ArrayEntry is made once, with them."""
+
+    name: str
+    data_type: str
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    replicated: bool
+    block_rows: int
+    schema: int
 
 
 def _check_inline(name: str, inline: Any, dtype: str, shape: tuple[int, ...]) -> None:
@@ -417,13 +435,14 @@ def _check_inline(name: str, inline: Any, dtype: str, shape: tuple[int, ...]) ->
         raise ManifestError(f"array {name!r}: malformed inline value", path=name) from None
 
 
-def _with_runs(head: ArrayEntry, doc: dict[str, Any], world: int) -> ArrayEntry:
+def _with_runs(head: _Head, doc: dict[str, Any], world: int) -> ArrayEntry:
     """Schema 3: the writers as runs covering the grid in order, and an inline value."""
     name = head.name
     raw = doc.get("writers")
     if not isinstance(raw, list):
         raise ManifestError(f"array {name!r}: writers must be a list of runs", path=name)
-    want = math.prod(head.grid) if math.prod(head.shape) > 0 else None
+    grid = grid_shape(head.shape, head.chunk_shape)
+    want = math.prod(grid) if math.prod(head.shape) > 0 else None
     runs: list[WriterRun] = []
     start = 0
     for run in raw:
@@ -437,7 +456,7 @@ def _with_runs(head: ArrayEntry, doc: dict[str, Any], world: int) -> ArrayEntry:
         runs.append(WriterRun(start, count, first, stride))
         start += count
     if (want is not None and start != want) or (want is None and start > 1):
-        raise ManifestError(f"array {name!r}: writers do not cover the grid {list(head.grid)} exactly once", path=name)
+        raise ManifestError(f"array {name!r}: writers do not cover the grid {list(grid)} exactly once", path=name)
     inline = doc.get("inline")
     digest: Any = ""
     if inline is not None:

@@ -42,7 +42,7 @@ def is_url(location: str) -> bool:
 
 
 def join_key(*parts: str) -> str:
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+    return "/".join([s for p in parts if (s := p.strip("/"))])
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +163,11 @@ class Tier(ABC):
         """A hint that these objects are about to be read (a local tier reads their inodes
         and directory entries ahead, many at once); no effect elsewhere."""
         return None
+
+    def in_memory(self) -> bool:
+        """Whether its objects are in this machine's memory (a local tier on tmpfs): every
+        read is a copy, bound by the cores, with no latency for more readers to hide."""
+        return False
 
 
 def open_tier(

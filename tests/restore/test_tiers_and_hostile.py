@@ -265,6 +265,17 @@ def tree_outside(tmp_path: Path, root: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+@pytest.mark.parametrize("name", ["w\n", "w\n/x"])
+def test_array_name_with_a_line_break_is_refused(tmp_path: Path, name: str) -> None:
+    """A component ending in a line break once passed the name check (a regex's '$' also
+    matches before a final newline): the name would become a path with a newline in it."""
+    root = tmp_path / "root"
+    assert save_steps(root, {1: make_state(1)}) == [1]
+    edit_manifest(vdir(root, 1), lambda doc: doc["arrays"].__setitem__(name, doc["arrays"].pop("w")))
+    with pytest.raises(ckpt.ManifestError, match="not a safe relative path"):
+        parse_manifest((vdir(root, 1) / "manifest.json").read_bytes())
+
+
 @pytest.mark.parametrize("name", ["../../../planted", "model/../../../../planted", "ABSOLUTE"])
 def test_array_name_leaving_the_version_is_refused(tmp_path: Path, name: str) -> None:
     """The manifest points 'w' at a planted file outside, with its true checksum: nothing reads it."""

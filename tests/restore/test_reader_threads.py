@@ -1,0 +1,78 @@
+"""How many threads a restore reads with: `reader_threads` from a disk, at most the rank's
+cores from a root in memory (tmpfs), where each read is a copy and more readers only
+contend for the cores and the GIL."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt.restore.execute as execute
+from ckpt import Checkpointer
+from ckpt._cores import rank_cores
+from ckpt.store.fsio import in_ram
+from tests._states import assert_bitwise, blank
+
+READERS = 8
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5)
+    return {"model": {f"w{i}": torch.randn(64 + i, 32, generator=g) for i in range(12)}}
+
+
+@pytest.fixture
+def shm_root() -> Iterator[Path]:
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.fail("/dev/shm is not writable on this machine")
+    path = Path("/dev/shm") / f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _readers_of_a_restore(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The thread counts the restore's chunk reads ran with; the restore checked bitwise."""
+    seen: list[int] = []
+    real = execute.run_lanes
+
+    def spy(items: Any, fn: Callable[[Any], Any], threads: int, **kw: Any) -> Any:
+        if kw.get("name") == "ckpt-read":
+            seen.append(threads)
+        return real(items, fn, threads, **kw)
+
+    with Checkpointer(root, reader_threads=READERS) as ck:
+        ck.save(1, _state())
+        ck.wait()
+        got = blank(_state())
+        monkeypatch.setattr(execute, "run_lanes", spy)
+        assert ck.restore(got) == 1
+    assert_bitwise(got, _state())
+    return seen
+
+
+def test_a_root_in_memory_is_read_with_at_most_the_ranks_cores(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert in_ram("/dev/shm")
+    assert _readers_of_a_restore(shm_root, monkeypatch) == [min(READERS, rank_cores())]
+
+
+def test_a_root_on_disk_is_read_with_reader_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if in_ram(str(tmp_path)):
+        pytest.skip("the test's temporary directory is in memory here")
+    assert _readers_of_a_restore(tmp_path / "root", monkeypatch) == [READERS]
+
+
+def test_a_ranks_cores_are_its_share_of_an_unpinned_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    machine = len(os.sched_getaffinity(0))
+    if machine != os.cpu_count():
+        pytest.skip("this process is pinned to some cores")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert rank_cores() == machine
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(machine * 2))
+    assert rank_cores() == 1
