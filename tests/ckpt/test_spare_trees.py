@@ -7,8 +7,6 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -148,15 +146,6 @@ def test_a_save_of_another_layout_never_takes_a_spare_tree(tmp_path: Path) -> No
         got = _empty(extra=True)
         assert ck.restore(got, step=3) == 3
         assert_bitwise(got, _state(3, extra=True))
-
-
-@pytest.fixture
-def shm_root() -> Iterator[Path]:
-    if not os.access("/dev/shm", os.W_OK):
-        pytest.fail("/dev/shm is not writable on this machine")
-    path = Path("/dev/shm") / f"ckpt-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_root_in_memory_overwrites_its_spare_tree_too(shm_root: Path, tmp_path: Path) -> None:

@@ -5,9 +5,7 @@ contend for the cores and the GIL."""
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +24,6 @@ READERS = 8
 def _state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(5)
     return {"model": {f"w{i}": torch.randn(64 + i, 32, generator=g) for i in range(12)}}
-
-
-@pytest.fixture
-def shm_root() -> Iterator[Path]:
-    if not os.access("/dev/shm", os.W_OK):
-        pytest.fail("/dev/shm is not writable on this machine")
-    path = Path("/dev/shm") / f"ckpt-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _readers_of_a_restore(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[int]:
