@@ -31,7 +31,7 @@ from ckpt.restore.export import assemble
 from ckpt.restore.locate import Located, first_manifest, restore_newest
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
 from ckpt.store.tier import open_tier
-from ckpt.store.versions import Candidate, committed
+from ckpt.store.versions import Candidate, committed, committed_steps
 from tests._harness_worker import ROWS, digest, flatten
 
 WORLD = 2
@@ -103,8 +103,27 @@ def candidates(location: str) -> list[Candidate]:
     return committed(open_tier(location))
 
 
+def listing(location: str) -> dict[int, str]:
+    """A tier's committed versions, {step: save_id}.
+
+    A retention pass publishes a version, then deletes or retires an older one. A listing
+    that runs across it can name the old one, find its record gone when it reads it, and
+    miss the new one, named too late: then neither shows, and the old one's deletion looks
+    like one with fewer newer versions than it had. So when a version named at the start
+    is gone by its read, the tier is listed again and what that adds counts too (it was
+    there before the deletion the first listing ran into)."""
+    if not location.startswith("file://") and not os.path.isdir(location):
+        return {}
+    tier = open_tier(location)
+    named = set(committed_steps(tier))
+    found = {c.step: c.save_id for c in committed(tier)}
+    if named - set(found):
+        found.update({c.step: c.save_id for c in committed(tier) if c.step not in found})
+    return found
+
+
 def snapshot(layout: Layout) -> Snapshot:
-    return {name: {c.step: c.save_id for c in candidates(loc)} for name, loc in layout.tiers().items()}
+    return {name: listing(loc) for name, loc in layout.tiers().items()}
 
 
 # -- retention -------------------------------------------------------------------------------

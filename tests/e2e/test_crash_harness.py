@@ -4,10 +4,18 @@ The long run is `python -m tests.crash_harness --kills 200 --seed 1 --out DIR`."
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from ckpt.store import versions
+from ckpt.store.versions import version_dirname
+from tests._harness_checks import listing
+from tests._states import save_steps
 from tests.crash_harness import KINDS, Harness, HarnessConfig, summary
 
 
@@ -27,3 +35,26 @@ def test_twenty_kills_lose_and_corrupt_nothing(tmp_path: Path) -> None:
     assert fig.versions_checked >= 50 and fig.versions_verified >= 100, (fig.versions_checked, fig.versions_verified)
     assert fig.deletions_seen >= 20, "retention never deleted anything: the lost-version check checked nothing"
     assert fig.remote_scans >= 20
+
+
+def test_a_listing_across_a_retention_pass_still_shows_what_it_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention publishes v239 and then retires v234 while the harness lists the tier: the
+    listing names v234 and finds its record gone, and named the tier before v239 came. The
+    listing must still show v239, or the harness calls 234's deletion premature (CI saw it:
+    'peer0 step 234: deleted, but retention keeps it (known newer: [237, 238])')."""
+    root = tmp_path / "root"
+    save_steps(root, {s: {"w": torch.full((4,), float(s))} for s in (234, 237, 238, 239)})
+    aside = tmp_path / "v239-not-yet-published"
+    os.rename(root / version_dirname(239), aside)
+    real = versions.read_root_info
+
+    def racing(where: Any, step: int) -> Any:
+        if step == 234 and aside.exists():  # the pass runs now: publish 239, retire 234
+            os.rename(aside, root / version_dirname(239))
+            shutil.rmtree(root / version_dirname(234))
+        return real(where, step)
+
+    monkeypatch.setattr(versions, "read_root_info", racing)
+    assert sorted(listing(str(root))) == [237, 238, 239]
