@@ -70,9 +70,8 @@ MAX_ROW_BYTES = 1 << 30  # one row of a chunk is the smallest unit a reader buff
 MAX_RANK_FILE = 1 << 30  # bytes of one rank file: anything larger is crafted
 MAX_COMPONENT = 128  # characters of one array path component (file names stop at 255 bytes)
 _RESERVED = frozenset({"zarr.json"})  # names a group directory holds besides its children
-_COMPONENT = re.compile(r"^[A-Za-z0-9_.~%+-]+$")
-# A safe array name in one match: components of _COMPONENT's characters, none "." or ".."
-# and none starting "__", joined by single slashes.
+# A safe array name in one match: components of these characters, none "." or ".." and
+# none starting "__", joined by single slashes (and no final newline, which "$" allows).
 _PART = r"(?!\.\.?(?:/|\Z))(?!__)[A-Za-z0-9_.~%+-]+"
 _NAME = re.compile(rf"(?:{_PART}/)*{_PART}")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
