@@ -60,7 +60,9 @@ class CheckpointerConfig:
 
     reader_threads: int = 4
     """Threads reading chunks in parallel during restore; from a tier in memory (tmpfs), at
-    most this rank's cores (as overlap_writes counts them): there each read is a copy."""
+    most this rank's cores (as overlap_writes counts them): there each read is a copy. From
+    a disk, each reads chunks of 1 MiB and more with O_DIRECT, 16 MiB at a time, into a
+    buffer of its own (the page cache is left to the job)."""
 
     timeout: timedelta = timedelta(minutes=30)
     """Timeout of the checkpointer's own gloo collectives."""

@@ -3,9 +3,11 @@ I/O half of a restore (restore.reshard plans what to read).
 
 Only the rows of each chunk that overlap a destination are read. With verification on,
 whole checksummed blocks are read and checked; with it off, exactly the needed rows (and,
-for a split along dim 1, only the needed span of each row). Extra memory is one block per
-reader thread, or none when a block lands contiguously in a destination tensor and is
-read straight into it.
+for a split along dim 1, only the needed span of each row). From a disk, chunks of 1 MiB
+and more are read with O_DIRECT, in windows of consecutive blocks, into one aligned
+buffer per reader thread (_WINDOW), checked there and copied out; elsewhere (tmpfs, a
+remote store, small chunks) extra memory is one block per reader thread, or none when a
+block lands contiguously in a destination tensor and is read straight into it.
 
 A chunk is read from the first source that holds a good copy (restore.sources). A chunk
 that no source of this rank holds (ranks do not share filesystems) is read by a rank that
@@ -43,9 +45,10 @@ from ckpt.restore.reshard import (
 )
 from ckpt.restore.sources import Source, from_first_good
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
-from ckpt.store.chunk_read import check_digest, open_checked, open_chunk, read_exact
+from ckpt.store.chunk_read import check_digest, open_checked, open_chunk, read_direct_exact, read_exact
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import CkptError, CorruptVersionError
+from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.lanes import run_lanes
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.tier import ReadHandle
@@ -149,6 +152,28 @@ class _Bounce(threading.local):
 
 _bounce = _Bounce()
 
+_WINDOW = 16 << 20  # bytes of blocks per O_DIRECT read: one read keeps several device requests in flight
+
+
+class _Window(threading.local):
+    """A reader thread's page-aligned buffer for O_DIRECT reads: _WINDOW bytes of blocks and
+    the partial DIRECT_ALIGN blocks on either side of them."""
+
+    buf: torch.Tensor | None = None
+    view: memoryview | None = None
+
+    def get(self) -> tuple[torch.Tensor, memoryview]:
+        if self.buf is None or self.view is None:
+            size = _WINDOW + 2 * DIRECT_ALIGN
+            raw = torch.empty(size + DIRECT_ALIGN, dtype=torch.uint8)
+            skip = -raw.data_ptr() % DIRECT_ALIGN
+            self.buf = raw[skip : skip + size]
+            self.view = _byte_view(self.buf).cast("B")
+        return self.buf, self.view
+
+
+_window = _Window()
+
 
 def _typed(raw: torch.Tensor, array: ArrayEntry, rows: int) -> torch.Tensor:
     shape = array.chunk_shape or (1,)
@@ -225,6 +250,11 @@ def _read_from(
         if not verify and direct is not None:  # exactly the needed rows, straight into the destination
             _read(handle, _dest_view(reqs[0], chunk, direct, rb), direct[0] * rb, where)
             return
+        if verify and src.direct and chunk.nbytes >= DIRECT_MIN_BYTES:
+            todo = blocks(array, chunk, rows)
+            if max(b.nbytes for b in todo) <= _WINDOW:
+                _read_windows(handle, array, chunk, todo, reqs, direct, where)
+                return
         if verify:
             for block in blocks(array, chunk, rows):
                 if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
@@ -240,6 +270,51 @@ def _read_from(
         _read_unverified(handle, array, chunk, reqs, rows, where)
     finally:
         handle.close()
+
+
+def _read_windows(
+    handle: ReadHandle,
+    array: ArrayEntry,
+    chunk: ChunkEntry,
+    todo: list[Block],
+    reqs: list[ReadRequest],
+    direct: tuple[int, int] | None,
+    where: str,
+) -> None:
+    """Blocks (each at most _WINDOW bytes) read with O_DIRECT, in windows of consecutive ones,
+    into the reader's aligned buffer; each checked there, then copied to its destination.
+    A disk read so moves no page-cache pages: a buffered read allocates one per 4 KiB and
+    copies it again: 2.9 GB cold took 0.8-1.3 CPU s so, 2.2-3.8 buffered (the dev machine)."""
+    buf, view = _window.get()
+    rb = row_bytes(array)
+    i = 0
+    while i < len(todo):
+        start = todo[i].offset // DIRECT_ALIGN * DIRECT_ALIGN
+        j = i + 1
+        while j < len(todo) and _align_up(todo[j].offset + todo[j].nbytes) - start <= len(view):
+            j += 1
+        need = todo[j - 1].offset + todo[j - 1].nbytes - start
+        read_direct_exact(handle, view[: _align_up(need + start) - start], start, need, where)
+        for block in todo[i:j]:
+            lo = block.offset - start
+            check_digest(
+                xxhash.xxh3_64_hexdigest(view[lo : lo + block.nbytes]),
+                block.xxh3,
+                f"chunk {where} rows {block.rows} fail their checksum",
+                where,
+            )
+            piece = buf[lo : lo + block.nbytes]
+            if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
+                _copy_into(_dest_bytes(reqs[0], chunk, block.rows, rb), piece)
+                continue
+            typed = _typed(piece, array, block.rows[1] - block.rows[0])
+            for r in reqs:
+                _place(typed, _origin(chunk, block.rows[0]), r)
+        i = j
+
+
+def _align_up(n: int) -> int:
+    return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
 def _read_unverified(

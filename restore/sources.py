@@ -60,6 +60,12 @@ class Source:
         covers them (S3 range reads carry none)."""
         return not self.tier.capabilities.local_files
 
+    @property
+    def direct(self) -> bool:
+        """Whether its chunks are read with O_DIRECT: files on a disk (not tmpfs, where a read
+        is a copy from the file's own pages, and not a remote store)."""
+        return self.tier.capabilities.direct_io and not self.tier.in_memory()
+
     def holds(self, chunk: ChunkEntry) -> bool:
         return chunk.inline is not None or chunk.writer in self.writers
 

@@ -77,6 +77,11 @@ class _RangeHandle:
         start = offset - self._at
         view[:] = self._buf[start : start + len(view)]
 
+    def read_direct(self, offset: int, out: memoryview) -> int:
+        n = max(0, min(len(out), self.size - offset))
+        self.read_into(offset, out[:n])
+        return n
+
     def close(self) -> None:
         self._buf = b""
 

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
-from ckpt.store.fsio import FILE_MODE, fsync_dir, fsync_dirs, in_ram, makedirs
+from ckpt.store.fsio import DIRECT_ALIGN, FILE_MODE, fsync_dir, fsync_dirs, in_ram, makedirs, set_direct
 from ckpt.store.lanes import run_lanes
 from ckpt.store.tier import Capabilities, ObjectInfo, Tier
 
@@ -112,8 +112,11 @@ class _FileHandle:
         self._fd = fd
         self.path = path
         self.size = os.fstat(fd).st_size
+        self._direct: bool | None = None  # O_DIRECT on the fd: unknown until read_direct asks
 
     def read_into(self, offset: int, out: memoryview) -> None:
+        if self._direct:
+            self._buffered()
         view = out.cast("B")
         done = 0
         while done < len(view):
@@ -121,6 +124,35 @@ class _FileHandle:
             if n <= 0:
                 raise EOFError(f"{self.path} ends at {offset + done}, before {offset + len(view)}")
             done += n
+
+    def read_direct(self, offset: int, out: memoryview) -> int:
+        """O_DIRECT reads where the filesystem takes them, each the whole of what is left (a
+        large one keeps several device requests in flight); buffered ones after a refusal,
+        and after a read that ended off a DIRECT_ALIGN boundary (the file's end)."""
+        view = out.cast("B")
+        if self._direct is None:
+            self._direct = set_direct(self._fd, True)
+        done = 0
+        while done < len(view):
+            if self._direct and done % DIRECT_ALIGN:
+                self._buffered()
+            try:
+                n = os.preadv(
+                    self._fd, [view[done:] if self._direct else view[done : done + READ_PIECE]], offset + done
+                )
+            except OSError as e:
+                if not (self._direct and e.errno == errno.EINVAL):
+                    raise
+                self._buffered()  # a device that wants more alignment than DIRECT_ALIGN
+                continue
+            if n <= 0:
+                break
+            done += n
+        return done
+
+    def _buffered(self) -> None:
+        set_direct(self._fd, False)
+        self._direct = False
 
     def close(self) -> None:
         os.close(self._fd)

@@ -22,7 +22,7 @@ from ckpt.store.manifest import ArrayEntry, ChunkEntry
 from ckpt.store.tier import ReadHandle, Tier, join_key
 from ckpt.store.versions import version_dirname
 
-__all__ = ["READ_BLOCK", "open_chunk", "open_checked", "read_exact", "read_chunk", "check_digest"]
+__all__ = ["READ_BLOCK", "open_chunk", "open_checked", "read_exact", "read_direct_exact", "read_chunk", "check_digest"]
 
 READ_BLOCK = 4 << 20
 
@@ -84,16 +84,30 @@ def read_exact(handle: ReadHandle, out: memoryview, offset: int, where: str) -> 
     """Fill `out` from `offset`; an object that ends first, or a local I/O error, is damage."""
     try:
         handle.read_into(offset, out)
-    except TierUnavailableError:
-        raise
-    except EOFError:
-        raise CorruptVersionError(f"chunk {where} ended early", path=where) from None
-    except OSError as e:
-        if _unavailable(e):
-            raise TierUnavailableError(
-                e.errno or errno.EIO, f"chunk {where} cannot be read: {e.strerror or e}"
-            ) from None
-        raise CorruptVersionError(f"chunk {where} cannot be read: {e.strerror or e}", path=where) from None
+    except (EOFError, OSError) as e:
+        raise _read_error(e, where) from None
+
+
+def read_direct_exact(handle: ReadHandle, out: memoryview, offset: int, need: int, where: str) -> None:
+    """ReadHandle.read_direct into `out` (aligned as it asks), which must bring at least
+    `need` bytes: the rest of `out` may lie past the object's end."""
+    try:
+        if handle.read_direct(offset, out) < need:
+            raise EOFError(where)
+    except (EOFError, OSError) as e:
+        raise _read_error(e, where) from None
+
+
+def _read_error(e: EOFError | OSError, where: str) -> Exception:
+    """What a failed read raises: TierUnavailableError as it is, or for a failure that says
+    nothing about the bytes; damage (CorruptVersionError) otherwise."""
+    if isinstance(e, TierUnavailableError):
+        return e
+    if isinstance(e, EOFError):
+        return CorruptVersionError(f"chunk {where} ended early", path=where)
+    if _unavailable(e):
+        return TierUnavailableError(e.errno or errno.EIO, f"chunk {where} cannot be read: {e.strerror or e}")
+    return CorruptVersionError(f"chunk {where} cannot be read: {e.strerror or e}", path=where)
 
 
 def read_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry, out: memoryview) -> None:

@@ -54,7 +54,8 @@ class Capabilities:
     range_reads: bool
     """A ReadHandle reads any byte range without fetching the rest of the object."""
     direct_io: bool
-    """Files can be written with O_DIRECT from aligned buffers (the save path's writer)."""
+    """Files can be written with O_DIRECT from aligned buffers (the save path's writer),
+    and read so into them (ReadHandle.read_direct)."""
     local_files: bool
     """Keys are files of this machine's filesystem (`local_path`): readers may pin them
     against GC with flocks, and warm their directory entries before reading."""
@@ -74,6 +75,12 @@ class ReadHandle(Protocol):
 
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill `out` from `offset`; an object that ends first is an EOFError."""
+
+    def read_direct(self, offset: int, out: memoryview) -> int:
+        """Fill `out` from `offset` up to the object's end; how many bytes that is. `out`
+        starts on a DIRECT_ALIGN boundary of memory, and `offset` and len(out) are
+        multiples of it: where `capabilities.direct_io`, the file is read with O_DIRECT
+        (straight into `out`, not through the page cache) wherever its filesystem takes it."""
 
     def close(self) -> None: ...
 
