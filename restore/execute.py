@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -250,13 +250,21 @@ def _read_from(
         if not verify and direct is not None:  # exactly the needed rows, straight into the destination
             _read(handle, _dest_view(reqs[0], chunk, direct, rb), direct[0] * rb, where)
             return
-        if verify and src.direct and chunk.nbytes >= DIRECT_MIN_BYTES:
-            todo = blocks(array, chunk, rows)
-            if max(b.nbytes for b in todo) <= _WINDOW:
-                _read_windows(handle, array, chunk, todo, reqs, direct, where)
-                return
+        todo = blocks(array, chunk, rows)
+        if _windowed(src, chunk, todo, verify):
+
+            def land(block: Block, piece: torch.Tensor) -> None:
+                if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
+                    _copy_into(_dest_bytes(reqs[0], chunk, block.rows, rb), piece)
+                    return
+                typed = _typed(piece, array, block.rows[1] - block.rows[0])
+                for r in reqs:
+                    _place(typed, _origin(chunk, block.rows[0]), r)
+
+            _read_windows(handle, todo, where, land)
+            return
         if verify:
-            for block in blocks(array, chunk, rows):
+            for block in todo:
                 if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
                     # a whole block inside the destination: read (and check) it in place
                     _read_block(handle, block, _dest_view(reqs[0], chunk, block.rows, rb), where, verify)
@@ -273,20 +281,14 @@ def _read_from(
 
 
 def _read_windows(
-    handle: ReadHandle,
-    array: ArrayEntry,
-    chunk: ChunkEntry,
-    todo: list[Block],
-    reqs: list[ReadRequest],
-    direct: tuple[int, int] | None,
-    where: str,
+    handle: ReadHandle, todo: list[Block], where: str, land: Callable[[Block, torch.Tensor], None]
 ) -> None:
     """Blocks (each at most _WINDOW bytes) read with O_DIRECT, in windows of consecutive ones,
-    into the reader's aligned buffer; each checked there, then copied to its destination.
-    A disk read so moves no page-cache pages: a buffered read allocates one per 4 KiB and
-    copies it again: 2.9 GB cold took 0.8-1.3 CPU s so, 2.2-3.8 buffered (the dev machine)."""
+    into the reader's aligned buffer; each checked there, then given to land(block, its
+    bytes) to copy out. A disk read so moves no page-cache pages: a buffered read allocates
+    one per 4 KiB and copies it again: 2.9 GB cold took 0.8-1.3 CPU s so, 2.2-3.8 buffered
+    (the dev machine)."""
     buf, view = _window.get()
-    rb = row_bytes(array)
     i = 0
     while i < len(todo):
         start = todo[i].offset // DIRECT_ALIGN * DIRECT_ALIGN
@@ -303,14 +305,18 @@ def _read_windows(
                 f"chunk {where} rows {block.rows} fail their checksum",
                 where,
             )
-            piece = buf[lo : lo + block.nbytes]
-            if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
-                _copy_into(_dest_bytes(reqs[0], chunk, block.rows, rb), piece)
-                continue
-            typed = _typed(piece, array, block.rows[1] - block.rows[0])
-            for r in reqs:
-                _place(typed, _origin(chunk, block.rows[0]), r)
+            land(block, buf[lo : lo + block.nbytes])
         i = j
+
+
+def _windowed(src: Source, chunk: ChunkEntry, todo: list[Block], verify: bool) -> bool:
+    """Whether these blocks are read by _read_windows: checked, from a disk, large enough."""
+    return (
+        (verify or src.always_verify)
+        and src.direct
+        and chunk.nbytes >= DIRECT_MIN_BYTES
+        and max(b.nbytes for b in todo) <= _WINDOW
+    )
 
 
 def _align_up(n: int) -> int:
@@ -542,13 +548,22 @@ def _spans(count: int, lanes: int) -> list[range]:
 
 def _blocks(src: Source, chunk: ChunkEntry, array: ArrayEntry, span: range, out: torch.Tensor, verify: bool) -> None:
     """Blocks `span` of a chunk (with its digests, from `src`) into `out`, which starts at the
-    first of them: one open file read in order, so the kernel's readahead follows it."""
+    first of them: one open file read in order (so the kernel's readahead follows it, or
+    in O_DIRECT windows from a disk)."""
     where = f"{src.name}/{src.key(array, chunk)}"
-    base = block_at(array, chunk, span[0]).offset
+    todo = [block_at(array, chunk, i) for i in span]
+    base = todo[0].offset
     handle = open_chunk(src.tier, src.step, array, chunk)
     try:
-        for i in span:
-            block = block_at(array, chunk, i)
+        if _windowed(src, chunk, todo, verify):
+            _read_windows(
+                handle,
+                todo,
+                where,
+                lambda b, piece: _copy_into(out[b.offset - base : b.offset - base + b.nbytes], piece),
+            )
+            return
+        for block in todo:
             at = block.offset - base
             _read_block(handle, block, out[at : at + block.nbytes], where, verify or src.always_verify)
     finally:
