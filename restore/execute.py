@@ -171,6 +171,11 @@ class _Window(threading.local):
             self.view = _byte_view(self.buf).cast("B")
         return self.buf, self.view
 
+    def release(self) -> None:
+        """Free this thread's buffer (a pool's threads free theirs as they end; the thread
+        that called load_arrays may have read too, and lives on)."""
+        self.buf = self.view = None
+
 
 _window = _Window()
 
@@ -455,7 +460,10 @@ def load_arrays(
     if wanted:
         reader.join()
     else:
-        reader.run()
+        try:
+            reader.run()
+        finally:
+            _window.release()
     _, failed = own[0] if own else ([], [(0, CkptError("this rank's reads were interrupted"))])
     if failed and error is None:
         error = failed[0][1]  # the first in reading order

@@ -148,6 +148,8 @@ class _FileHandle:
             if n <= 0:
                 break
             done += n
+            if offset + done >= self.size:  # the file's end: no second read to learn it
+                break
         return done
 
     def _buffered(self) -> None:

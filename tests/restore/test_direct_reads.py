@@ -160,3 +160,29 @@ def test_read_direct_fills_any_file_end_and_falls_back_where_refused(disk_root: 
         assert bytes(out) == data[MiB + 7 : MiB + 107]
     finally:
         handle.close()
+
+
+def test_the_read_window_of_the_restoring_thread_is_freed(disk_root: Path) -> None:
+    """With one reader the restoring thread reads itself; its 16 MiB window does not outlive
+    the restore (reader pool threads free theirs as they end)."""
+    from ckpt.restore import execute
+
+    with Checkpointer(disk_root, reader_threads=1) as ck:
+        ck.save(1, _state())
+        ck.wait()
+        got = blank(_state())
+        seen: list[bool] = []
+        real = execute._read_windows
+
+        def spy(*args: Any) -> None:
+            real(*args)
+            seen.append(execute._window.buf is not None)
+
+        execute._read_windows = spy  # type: ignore[assignment]
+        try:
+            assert ck.restore(got) == 1
+        finally:
+            execute._read_windows = real  # type: ignore[assignment]
+    assert seen and all(seen)  # the windows were used, on this thread
+    assert execute._window.buf is None
+    assert_bitwise(got, _state())
