@@ -255,11 +255,14 @@ def _read_from(
         if not verify and direct is not None:  # exactly the needed rows, straight into the destination
             _read(handle, _dest_view(reqs[0], chunk, direct, rb), direct[0] * rb, where)
             return
+        if not verify:
+            _read_unverified(handle, array, chunk, reqs, rows, where)
+            return
         todo = blocks(array, chunk, rows)
         if _windowed(src, chunk, todo, verify):
 
             def land(block: Block, piece: torch.Tensor) -> None:
-                if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
+                if _inside(block, direct):
                     _copy_into(_dest_bytes(reqs[0], chunk, block.rows, rb), piece)
                     return
                 typed = _typed(piece, array, block.rows[1] - block.rows[0])
@@ -268,21 +271,22 @@ def _read_from(
 
             _read_windows(handle, todo, where, land)
             return
-        if verify:
-            for block in todo:
-                if direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]:
-                    # a whole block inside the destination: read (and check) it in place
-                    _read_block(handle, block, _dest_view(reqs[0], chunk, block.rows, rb), where, verify)
-                    continue
-                raw = _bounce.get(block.nbytes)
-                _read_block(handle, block, raw, where, verify)
-                piece = _typed(raw, array, block.rows[1] - block.rows[0])
-                for r in reqs:
-                    _place(piece, _origin(chunk, block.rows[0]), r)
-            return
-        _read_unverified(handle, array, chunk, reqs, rows, where)
+        for block in todo:
+            if _inside(block, direct):  # read (and check) it in place
+                _read_block(handle, block, _dest_view(reqs[0], chunk, block.rows, rb), where, verify)
+                continue
+            raw = _bounce.get(block.nbytes)
+            _read_block(handle, block, raw, where, verify)
+            piece = _typed(raw, array, block.rows[1] - block.rows[0])
+            for r in reqs:
+                _place(piece, _origin(chunk, block.rows[0]), r)
     finally:
         handle.close()
+
+
+def _inside(block: Block, direct: tuple[int, int] | None) -> bool:
+    """Whether the whole block lands contiguously in the destination (rows `direct`, see _direct)."""
+    return direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]
 
 
 def _read_windows(
