@@ -31,6 +31,7 @@ from ckpt._dist import Comm
 from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import SaveJob, SaveRequest, SaveStats
+from ckpt._keys import KeyPath
 from ckpt._plan import agree_plans, layout_key
 from ckpt._staging import Arena, Readiness, Slot, StageTask, assign_offsets, slot_bytes, stage
 from ckpt._tensors import LocalPiece, describe
@@ -140,6 +141,7 @@ class Saver:
         pieces: dict[str, LocalPiece] = {}
         local: list[LocalSpec] = []
         deferrable: dict[str, tuple[str, Any]] = {}  # array name -> (key, leaf), copied after save() returns
+        cuda = False  # whether any piece is on a GPU (the staging buffer is pinned then)
         tree: Any = None
         rng = None
         error: BaseException | None = None
@@ -148,24 +150,16 @@ class Saver:
             owned: set[tuple[str, int]] = set()
             if self.config.deferred_staging:
                 owned = self.gate.owned_storages(find_optimizers(state))
-            for leaf in leaves:
-                name, p = leaf.name, describe(leaf.value, leaf.key)
+            for (name, path), value in zip(leaves.paths.items(), leaves.values):
+                p = describe(value, path)
                 pieces[name] = p
+                on_gpu = p.data.is_cuda
+                cuda |= on_gpu
                 local.append(
-                    (
-                        name,
-                        p.data_type,
-                        p.global_shape,
-                        p.offsets,
-                        p.shape,
-                        p.kind,
-                        p.placements,
-                        id(p.mesh),
-                        p.data.is_cuda,
-                    )
+                    (name, p.data_type, p.global_shape, p.offsets, p.shape, p.kind, p.placements, id(p.mesh), on_gpu)
                 )
-                if owned and can_defer(leaf.value, p.data, owned):
-                    deferrable[name] = (str(leaf.key), leaf.value)
+                if owned and can_defer(value, p.data, owned):
+                    deferrable[name] = (str(KeyPath(path)), value)
             rng = capture_rng() if self.config.capture_rng else None
             if step in self.incomplete:
                 overwrite = True  # on every rank alike: the restore's listing was gathered
@@ -215,7 +209,7 @@ class Saver:
         # must still queue its commit, to fail on every rank, and leave no copy running
         # into the staging buffer.
         try:
-            self._stage_and_queue(job, pieces, deferrable)
+            self._stage_and_queue(job, pieces, deferrable, cuda)
         except BaseException as e:
             # A second interrupt may strike while this handler runs (Ctrl-C pressed twice):
             # failing and queueing again is harmless (SaveJob.fail, run_once), so it is
@@ -232,14 +226,12 @@ class Saver:
         return True
 
     def _stage_and_queue(
-        self, job: SaveJob, pieces: Mapping[str, LocalPiece], deferrable: Mapping[str, tuple[str, Any]]
+        self, job: SaveJob, pieces: Mapping[str, LocalPiece], deferrable: Mapping[str, tuple[str, Any]], pin: bool
     ) -> None:
         step, save_id = job.step, job.request.save_id
         now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
-        pin = False
         try:
             batches = self._placed(pieces)
-            pin = any(p.data.is_cuda for p in pieces.values())
             for i, (placed, size) in enumerate(batches):
                 job.arena = self._arena.get(size, pin)
                 job.tasks = placed

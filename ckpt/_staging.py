@@ -46,17 +46,19 @@ _BATCH_MAX_BYTES = 64 << 10
 _BATCH_COST_BYTES = 16 << 10
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class StageTask:
     """One chunk this rank writes, or (`sliver` set) the part of another rank's chunk that
-    this rank sends it: its plan, the local piece it comes from, and its arena offset."""
+    this rank sends it: its plan, the local piece it comes from, and its arena offset. Not
+    changed once made (not frozen: save() makes one per chunk, and a frozen dataclass's
+    __init__ costs ~0.5 us more per object)."""
 
     array: ArrayPlan
     chunk: ChunkPlan
     piece: LocalPiece
     offset: int = 0
     sliver: Sliver | None = None
-    slot: Slot | None = field(default=None, compare=False, repr=False)  # a layout's reused one
+    slot: Slot | None = field(default=None, repr=False)  # a layout's reused one
 
     @property  # read by the batching, the offsets, the lanes and the writers
     def staged_bytes(self) -> int:
@@ -164,7 +166,12 @@ class Readiness:
         """These tasks' bytes are in the arena."""
         with self._lock:
             self._marked.update(map(id, tasks))
-            waiters = [w for w in map(self._waiting.pop, map(id, tasks), itertools.repeat(None)) if w is not None]
+            waiting = self._waiting
+            waiters = (
+                [w for w in map(waiting.pop, map(id, tasks), itertools.repeat(None)) if w is not None]
+                if waiting
+                else []
+            )
         for waiter in waiters:
             waiter.set()
 
@@ -315,9 +322,11 @@ def stage(
     ones, each once its own event on the side stream has fired). Even when interrupted,
     no copy into the arena is still running when this returns or raises."""
     cuda_tasks: list[StageTask] = []
-    cpu_tasks: list[StageTask] = []
-    for t in tasks:
-        (cuda_tasks if t.piece.data.is_cuda else cpu_tasks).append(t)
+    cpu_tasks = tasks
+    # No tensor is on a GPU before CUDA is initialized: no loop over the tasks then.
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
+        cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda] if cuda_tasks else tasks
     device = cuda_tasks[0].piece.data.device if cuda_tasks else None
     # All CUDA calls on the sources' device: a thread of its own (deferred staging) would
     # otherwise make device 0 current, and create a context there on every rank.
@@ -349,8 +358,10 @@ def stage(
 
 
 def _slot_view(arena: torch.Tensor, task: StageTask) -> torch.Tensor:
-    assert task.slot is not None  # (a batchable task's)
-    return task.slot.view(arena, task)
+    slot = task.slot
+    assert slot is not None  # (a batchable task's)
+    cached = slot._view  # (Slot.view, inlined for the common case: this runs per small chunk of every save)
+    return cached[1] if cached is not None and cached[0] is arena else slot.view(arena, task)
 
 
 def _copy_cpu(
@@ -374,10 +385,9 @@ def _copy_cpu(
     # faults, whose per-chunk delays the tests of overlapping writes rely on).
     batched: list[StageTask] = []
     if not slow:
-        rest: list[StageTask] = []
-        for t in tasks:
-            (batched if t.slot is not None and t.slot.batched else rest).append(t)
-        tasks = rest
+        batched = [t for t in tasks if t.slot is not None and t.slot.batched]
+        if batched:
+            tasks = [t for t in tasks if t.slot is None or not t.slot.batched]
 
     def copy_batched() -> None:
         if batched:
@@ -388,7 +398,9 @@ def _copy_cpu(
     # Two lanes balanced by cost (bytes, and Python per chunk); numpy and torch release the
     # GIL while copying. Chunks under _LANE_MIN_BYTES all stay on this thread: split over
     # both lanes, their Python would pass the GIL between the threads at every chunk.
-    big = sorted((t for t in tasks if t.staged_bytes >= _LANE_MIN_BYTES), key=lambda t: -t.staged_bytes)
+    big = (
+        sorted((t for t in tasks if t.staged_bytes >= _LANE_MIN_BYTES), key=lambda t: -t.staged_bytes) if tasks else []
+    )
     if pool is None or len(big) < 2:
         copy_batched()
         for t in tasks:

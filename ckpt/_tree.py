@@ -24,7 +24,7 @@ from ckpt._tensors import TENSOR_LIKE, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import escape_component
 
-__all__ = ["Leaf", "encode_state", "bind", "Bound"]
+__all__ = ["Leaf", "Leaves", "encode_state", "bind", "Bound"]
 
 TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = (
     "__tensor__",
@@ -45,6 +45,16 @@ class Leaf:
     value: Any  # tensor, DTensor, Shard or ndarray (None when restoring into nothing)
 
 
+@dataclass(slots=True)
+class Leaves:
+    """encode_state's tensors in the state's order, as two aligned containers rather than
+    an object per tensor (save() encodes thousands of them, every save): each one's array
+    name and key path (`paths`, whose keys prove the names unique), and its value."""
+
+    paths: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    values: list[Any] = field(default_factory=list)
+
+
 def _key_str(path: tuple[Any, ...]) -> str:
     return str(KeyPath(path))
 
@@ -53,7 +63,7 @@ def _has_state_dict(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
-def encode_state(state: Mapping[str, Any]) -> tuple[Any, list[Leaf]]:
+def encode_state(state: Mapping[str, Any]) -> tuple[Any, Leaves]:
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
     enc = _Encoder()
@@ -67,17 +77,18 @@ class _Encoder:
     collector runs, and make the collector's next full pass longer."""
 
     def __init__(self) -> None:
-        self.leaves: list[Leaf] = []
-        self.names: dict[str, KeyPath] = {}
+        self.leaves = Leaves()
 
     # `name` is the escaped path so far, extended per level rather than joined per leaf.
     def enc(self, v: Any, path: tuple[Any, ...], name: str) -> Any:
         if isinstance(v, TENSOR_LIKE):  # (is_tensor_like, inlined: this runs per node of every save)
-            key = KeyPath(path)
-            if name in self.names:
-                raise UnsupportedStateError(f"{key} and {self.names[name]} map to the same array name {name!r}")
-            self.names[name] = key
-            self.leaves.append(Leaf(name, key, v))
+            paths = self.leaves.paths
+            if name in paths:
+                raise UnsupportedStateError(
+                    f"{KeyPath(path)} and {KeyPath(paths[name])} map to the same array name {name!r}"
+                )
+            paths[name] = path
+            self.leaves.values.append(v)
             return {NDARRAY if isinstance(v, np.ndarray) else TENSOR: name}
         enc = self.enc
         plain = type(v) is dict  # the common case; a plain dict has no state_dict()

@@ -310,3 +310,11 @@ def test_unsupported_tensors_raise_the_documented_type(tmp_path: Path, value: ob
     with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedStateError, match=why) as info:
         ck.save(1, {"t": value()})  # type: ignore[operator]
     assert "torch.strided" not in str(info.value)
+    assert str(info.value).startswith("state['t']: ")
+
+
+def test_two_keys_that_name_one_array_are_refused_with_both_key_paths(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedStateError) as info:
+        ck.save(1, {"x": {1: torch.ones(2), "1": torch.zeros(2)}})
+    assert str(info.value) == "state['x']['1'] and state['x'][1] map to the same array name 'x/1'"
+    assert ck.steps() == []

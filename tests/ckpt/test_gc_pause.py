@@ -1,0 +1,81 @@
+"""The cyclic collector's pause around save()'s allocations (ckpt/_gc.py), with the real
+collector: what a section leaves alive costs no young collection after it, the process's
+own frozen objects stay frozen, and cyclic garbage is still collected."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from ckpt._gc import no_cyclic_gc
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+@pytest.fixture
+def collections_seen() -> Iterator[list[int]]:
+    """The generations of the collections that start while the test runs, with the collector on."""
+    seen: list[int] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    was = gc.isenabled()
+    gc.enable()
+    gc.collect()
+    gc.callbacks.append(callback)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(callback)
+        if not was:
+            gc.disable()
+
+
+def test_what_a_section_leaves_alive_starts_no_young_collection_after_it(collections_seen):
+    with no_cyclic_gc():
+        assert not gc.isenabled()
+        survivors = [[i] for i in range(30_000)]  # tracked objects, as a save's records are
+    assert gc.isenabled()
+    after = [[i] for i in range(300)]  # well under the young generation's threshold (700)
+    assert collections_seen == []  # re-enabled with 30,000 young objects, the first allocation would start one
+    assert len(survivors) + len(after) == 30_300
+
+
+def test_a_nested_section_leaves_the_collector_to_the_outer_one(collections_seen):
+    with no_cyclic_gc():
+        with no_cyclic_gc():
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_the_processes_own_frozen_objects_stay_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with no_cyclic_gc():
+            kept = [[i] for i in range(1000)]
+        assert gc.get_freeze_count() == frozen
+        assert len(kept) == 1000
+    finally:
+        gc.unfreeze()
+
+
+def test_a_cycle_made_in_a_section_is_still_collected(collections_seen):
+    with no_cyclic_gc():
+        a, b = _Node(), _Node()
+        a.other, b.other = b, a
+        ref = weakref.ref(a)
+    del a, b
+    assert ref() is not None  # a cycle: reference counting cannot free it
+    gc.collect()
+    assert ref() is None
