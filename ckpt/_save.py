@@ -44,7 +44,7 @@ from ckpt.store.errors import CkptError, RankFailures, StateMismatchError, TierU
 from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.layout import ArrayPlan, ChunkPlan, flat_index
 from ckpt.store.tier import Tier
-from ckpt.store.versions import committed_steps
+from ckpt.store.versions import is_committed
 
 __all__ = ["Saver"]
 
@@ -163,9 +163,9 @@ class Saver:
             rng = capture_rng() if self.config.capture_rng else None
             if step in self.incomplete:
                 overwrite = True  # on every rank alike: the restore's listing was gathered
-                if self._ctx.is_leader and step in committed_steps(self._tier):
+                if self._ctx.is_leader and is_committed(self._tier, step):
                     log.warning("%s: step %d replaces this root's part of an incomplete version", self.root, step)
-            elif self._ctx.is_leader and step in committed_steps(self._tier):
+            elif self._ctx.is_leader and is_committed(self._tier, step):
                 if not overwrite:
                     raise VersionExistsError(f"step {step} is already committed under {self.root}; pass overwrite=True")
         except Exception as e:  # noqa: BLE001 - every rank must reach the collective below, then raises alike

@@ -44,6 +44,7 @@ _CHUNK_COST_BYTES = 128 << 10  # ~15 us of Python per chunk, at ~9 GB/s of memcp
 # views of the arena kept by their Slot): ~1 us each against ~8 us through Python.
 _BATCH_MAX_BYTES = 64 << 10
 _BATCH_COST_BYTES = 16 << 10
+_BATCH_SPLIT_MIN = 256  # chunks in one _foreach_copy_ (~0.5 us each) worth a second thread's start
 
 
 @dataclass(slots=True, eq=False)
@@ -389,45 +390,53 @@ def _copy_cpu(
         if batched:
             tasks = [t for t in tasks if t.slot is None or not t.slot.batched]
 
-    def copy_batched() -> None:
-        if batched:
-            torch._foreach_copy_([_slot_view(arena, t) for t in batched], [t.piece.data for t in batched])
+    def copy_batched(part: list[StageTask]) -> None:
+        if part:
+            torch._foreach_copy_([_slot_view(arena, t) for t in part], [t.piece.data for t in part])
             if copied is not None:
-                copied(batched)
+                copied(part)
 
+    # Many small chunks: half in each lane (torch releases the GIL inside _foreach_copy_).
+    halves: tuple[list[StageTask], list[StageTask]] = (batched, [])
+    if pool is not None and len(batched) >= _BATCH_SPLIT_MIN:
+        halves = (batched[: len(batched) // 2], batched[len(batched) // 2 :])
     # Two lanes balanced by cost (bytes, and Python per chunk); numpy and torch release the
     # GIL while copying. Chunks under _LANE_MIN_BYTES all stay on this thread: split over
     # both lanes, their Python would pass the GIL between the threads at every chunk.
     big = (
         sorted((t for t in tasks if t.staged_bytes >= _LANE_MIN_BYTES), key=lambda t: -t.staged_bytes) if tasks else []
     )
-    if pool is None or len(big) < 2:
-        copy_batched()
+    if pool is None or (len(big) < 2 and not halves[1]):
+        copy_batched(batched)
         for t in tasks:
             copy(t)
         return
     small = [t for t in tasks if t.staged_bytes < _LANE_MIN_BYTES]
     lanes: list[list[StageTask]] = [[], []]
-    loads = [sum(t.staged_bytes + _CHUNK_COST_BYTES for t in small), 0]
-    loads[0] += sum(t.staged_bytes + _BATCH_COST_BYTES for t in batched)
-    for t in big:
-        i = 0 if loads[0] <= loads[1] else 1
-        lanes[i].append(t)
-        loads[i] += t.staged_bytes + _CHUNK_COST_BYTES
+    if big:
+        loads = [sum(t.staged_bytes + _CHUNK_COST_BYTES for t in small), 0]
+        for i, half in enumerate(halves):
+            loads[i] += sum(t.staged_bytes + _BATCH_COST_BYTES for t in half)
+        for t in big:
+            i = 0 if loads[0] <= loads[1] else 1
+            lanes[i].append(t)
+            loads[i] += t.staged_bytes + _CHUNK_COST_BYTES
     lanes[0].extend(small)
 
     group = LaneGroup(pool)
 
     def other_lane() -> None:
+        if not group.stop.is_set():  # (set: this thread failed or was interrupted)
+            copy_batched(halves[1])
         for t in lanes[1]:
-            if group.stop.is_set():  # this thread failed or was interrupted
+            if group.stop.is_set():
                 return
             copy(t)
 
     try:
         group.start(other_lane)
-        fault_delay("lane-started", (lanes[0] or lanes[1])[0].chunk.writer)
-        copy_batched()
+        fault_delay("lane-started", (lanes[0] or lanes[1] or batched)[0].chunk.writer)
+        copy_batched(halves[0])
         for t in lanes[0]:
             copy(t)
     except BaseException:

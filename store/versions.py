@@ -50,6 +50,7 @@ __all__ = [
     "parse_version_dirname",
     "check_step",
     "committed_steps",
+    "is_committed",
     "committed",
     "damaged_entries",
     "read_manifest",
@@ -156,12 +157,21 @@ class Candidate:
 def _version_names(tier: Tier) -> Iterator[tuple[int, str]]:
     for name in tier.listdir(""):
         step = parse_version_dirname(name)
-        if step is None:
-            continue
-        path = tier.local_path(name)
-        if path is not None and (os.path.islink(path) or not os.path.isdir(path)):
-            continue  # a version is a directory of the tier, never a link to elsewhere
-        yield step, name
+        if step is not None and _may_be_version(tier, name):
+            yield step, name
+
+
+def _may_be_version(tier: Tier, name: str) -> bool:
+    """A version is a directory of the tier, never a link to elsewhere (nor a file)."""
+    path = tier.local_path(name)
+    return path is None or (not os.path.islink(path) and os.path.isdir(path))
+
+
+def _holds_commit(tier: Tier, name: str) -> bool:
+    """Whether a version's directory holds a committed version: its manifest, and no
+    `.deleting` marker (an object store's GC killed before removing the manifest leaves one)."""
+    inside = tier.listdir(name)  # one request on an object store
+    return MANIFEST_NAME in inside and DELETING_MARKER not in inside
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,12 +229,15 @@ def committed_steps(where: Tier | str | os.PathLike[str]) -> list[int]:
     a directory that carries the `.deleting` marker is no longer listed: its deletion was
     decided (a GC killed before removing the manifest leaves it so)."""
     tier = as_tier(where)
-    out = []
-    for step, name in _version_names(tier):
-        inside = tier.listdir(name)  # one request per version on an object store
-        if MANIFEST_NAME in inside and DELETING_MARKER not in inside:
-            out.append(step)
-    return out
+    return [step for step, name in _version_names(tier) if _holds_commit(tier, name)]
+
+
+def is_committed(where: Tier | str | os.PathLike[str], step: int) -> bool:
+    """Whether committed_steps(where) holds `step`, from that version's directory alone
+    (save() asks before every save: one listing, not one per version)."""
+    tier = as_tier(where)
+    name = version_dirname(step)
+    return _may_be_version(tier, name) and _holds_commit(tier, name)
 
 
 def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import threading
 import weakref
 
 import numpy as np
@@ -450,3 +451,27 @@ def test_cli_ls_table_fits_80_columns(tmp_path):
     assert "partial" in rows[0] and "committed*" in rows[1] and "damaged" in rows[2]
     assert any(line.startswith("partial: ") for line in lines)
     assert any(line.startswith(f"step {10**11}: ") and "not valid JSON" in line for line in lines)
+
+
+def test_many_small_tensors_are_copied_by_two_threads_and_restore_exactly(tmp_path, monkeypatch):
+    """A state of hundreds of small tensors: their one batched copy is split between save()'s
+    thread and the copy thread (torch releases the GIL inside it), and every byte lands."""
+    threads: list[tuple[int, int]] = []
+    real = torch._foreach_copy_
+
+    def spy(dst, src, *args, **kwargs):
+        threads.append((threading.get_ident(), len(dst)))
+        return real(dst, src, *args, **kwargs)
+
+    torch.manual_seed(0)
+    state = {f"t{i}": torch.randn(i % 7 + 1, 5) for i in range(600)}
+    state["ints"] = torch.arange(11, dtype=torch.int64)
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    with Checkpointer(tmp_path, copy_threads=2, capture_rng=False) as ck:
+        ck.save(1, state)
+        ck.wait()
+        assert len({t for t, _ in threads}) == 2
+        assert sum(n for _, n in threads) == 601
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(into) == 1
+    assert_bitwise(into, state, "state")
