@@ -107,3 +107,12 @@ def du(path: str) -> int:
             if os.path.isfile(p) and not os.path.islink(p):
                 total += os.path.getsize(p)
     return total
+
+
+def available_memory() -> int:
+    """MemAvailable: what the kernel can give without swapping (tmpfs files are not in it)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
