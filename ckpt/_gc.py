@@ -8,9 +8,14 @@ from collections.abc import Iterator
 
 __all__ = ["no_cyclic_gc"]
 
+# Set once the process is seen holding frozen objects of its own (a server that froze its
+# heap before forking): from then on no section promotes (gc.unfreeze() would release
+# them), and none pays gc.get_freeze_count(), which walks the frozen list.
+_user_froze = False
+
 
 @contextlib.contextmanager
-def no_cyclic_gc() -> Iterator[None]:
+def no_cyclic_gc(*, promote: bool = False) -> Iterator[None]:
     """Pause the cyclic GC for a short section that allocates thousands of small objects
     (describing ~1000 tensors at save(), building or parsing a manifest).
 
@@ -18,24 +23,30 @@ def no_cyclic_gc() -> Iterator[None]:
     whole heap: 0.1-0.4 s measured with a ~1200-tensor state, paid inside the save stall.
     What the section frees is freed by reference counting; nothing waits for the collector.
 
-    On exit, what the section leaves alive (a save's records, held until its commit) joins
-    the oldest generation at once (gc.freeze() then gc.unfreeze(): two list splices, and the
-    young generation's count restarts at 0). Re-enabled with those objects still young, the
-    collector's next allocation would start a young collection that traverses every one of
-    them: ~1 ms of a 2,336-tensor save's stall. They die by reference counting, so no
-    collection needs to see them. Skipped when the process has frozen objects of its own
-    (gc.unfreeze() would release them too).
+    `promote` (save()'s section): on exit, every object in the young generations moves to
+    the oldest (gc.freeze() then gc.unfreeze(): list splices, and the young count restarts
+    at 0). What save() leaves alive (a record or two per tensor, held until the commit)
+    would otherwise be traversed by the young collection that the next allocation starts
+    (~1 ms of a 2,336-tensor stall), then move up through the generations, where its
+    number starts a full collection every few saves (~0.2 s each, with that state). It
+    dies by reference counting, so no collection needs to see it. The cost: a garbage
+    cycle the training loop made shortly before the save is moved too, and is freed by
+    the next full collection instead of a young one.
 
     Nested or concurrent use (the commit thread) is safe: only the section that found the
     collector enabled enables it again, so it is never left off unless the user turned it off.
     """
+    global _user_froze
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
-            if gc.get_freeze_count() == 0:
-                gc.freeze()
-                gc.unfreeze()
+            if promote and not _user_froze:
+                if gc.get_freeze_count() == 0:
+                    gc.freeze()
+                    gc.unfreeze()
+                else:
+                    _user_froze = True
             gc.enable()

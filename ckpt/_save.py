@@ -116,7 +116,12 @@ class Saver:
         self._layout = ""  # the plans' layout_key
         self._arena = Arena()
         self.gate = StagingGate()
-        self._copy_pool = ThreadPoolExecutor(max(1, config.copy_threads - 1), thread_name_prefix="ckpt-copy")
+        # save()'s thread is the first copy thread: copy_threads=1 copies on it alone.
+        self._copy_pool = (
+            ThreadPoolExecutor(config.copy_threads - 1, thread_name_prefix="ckpt-copy")
+            if config.copy_threads > 1
+            else None
+        )
         self._writer_pool = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="ckpt-write")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
 
@@ -134,7 +139,7 @@ class Saver:
         self.wait()
         # The stall allocates a few small objects per tensor: cyclic collections they would
         # trigger walk the training process's whole heap (ckpt/_gc.py), inside the stall.
-        with no_cyclic_gc():
+        with no_cyclic_gc(promote=True):
             return self._save(step, state, started, overwrite=overwrite, milestone=milestone)
 
     def _save(self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool) -> bool:
@@ -236,7 +241,7 @@ class Saver:
                 job.arena = self._arena.get(size, pin)
                 job.tasks = placed
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
-                    stage(job.arena, placed, self._copy_pool)
+                    stage(job.arena, placed, self._copy_pool, gpu=pin)
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
                     open_tree(job, self.root, tmp_dir, self._ctx.root_groups[self._ctx.root_index])
                     write_tasks(job, tmp_dir, self._writer_pool)
@@ -249,7 +254,7 @@ class Saver:
                     now = [t for t in placed if t.array.spec.name not in deferrable or t.sliver is not None]
                     later = [t for t in placed if t.array.spec.name in deferrable and t.sliver is None]
                 if later:  # the rest now; the deferred part is the commit thread's to copy
-                    stage(job.arena, now, self._copy_pool, copied=job.ready.mark)
+                    stage(job.arena, now, self._copy_pool, copied=job.ready.mark, gpu=pin)
                     now = []
                     job.deferred = self._defer(job.arena, later, deferrable)
         except Exception as e:  # noqa: BLE001 - reported through the commit so every rank aborts together
@@ -261,14 +266,14 @@ class Saver:
         copy_while_queued = ready is not None and job.overlap  # the writers take each chunk as it lands
         if not copy_while_queued:
             if ready is not None:
-                self._copy_now(job, now, ready)
+                self._copy_now(job, now, ready, pin)
             self._stalled(job, ready)
         if job.deferred is not None:
             self.gate.close()  # optimizer steps wait from here until the commit thread has copied
         self._queue(job)
         if copy_while_queued:
             assert ready is not None
-            self._copy_now(job, now, ready)
+            self._copy_now(job, now, ready, pin)
             self._stalled(job, ready)
 
     def _placed(self, pieces: Mapping[str, LocalPiece]) -> list[tuple[list[StageTask], int]]:
@@ -294,11 +299,11 @@ class Saver:
             tasks.append(StageTask(plan, chunk, pieces[plan.spec.name], sliver=send.sliver))
         return tasks
 
-    def _copy_now(self, job: SaveJob, tasks: list[StageTask], ready: Readiness) -> None:
+    def _copy_now(self, job: SaveJob, tasks: list[StageTask], ready: Readiness, pin: bool) -> None:
         """save()'s copy into the arena, each chunk marked ready as it lands. A failure fails
         the commit (on every rank); an interruption propagates (to _fail_save)."""
         try:
-            stage(job.arena, tasks, self._copy_pool, copied=ready.mark)
+            stage(job.arena, tasks, self._copy_pool, copied=ready.mark, gpu=pin)
         except Exception as e:  # noqa: BLE001 - the commit raises it, on every rank
             ready.fail(_staging_error(e, job.step, self.root))
 
@@ -358,7 +363,7 @@ class Saver:
         def copy(job: SaveJob) -> None:
             assert job.ready is not None
             try:
-                stage(arena, tasks, self._copy_pool, after=after, copied=job.ready.mark)
+                stage(arena, tasks, self._copy_pool, after=after, copied=job.ready.mark, gpu=device is not None)
                 versions.check()
             except BaseException as e:  # noqa: BLE001 - the commit raises it, on every rank
                 job.ready.fail(_staging_error(e, job.step, self.root))
@@ -391,7 +396,8 @@ class Saver:
     def close(self) -> None:
         """Stop the threads and free the buffer (after wait())."""
         for pool in (self._committer, self._writer_pool, self._copy_pool):
-            pool.shutdown(wait=True)
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.gate.open()  # a failed save may have left it closed
         self.gate.remove_hooks()
         self._slots = None  # (their views of the arena hold its memory)

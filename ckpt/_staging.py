@@ -314,18 +314,20 @@ def stage(
     pool: ThreadPoolExecutor | None,
     after: torch.cuda.Event | None = None,
     copied: Callable[[Sequence[StageTask]], None] | None = None,
+    gpu: bool = True,
 ) -> None:
     """Copy every task into the arena; returns when all bytes are in host memory.
 
     CUDA sources are read once the work queued before `after` (an event recorded by the
     caller) is done, or, without it, the work queued so far on the current stream.
     `copied(tasks)` is called as tasks' bytes are in the arena (CUDA ones: after the CPU
-    ones, each once its own event on the side stream has fired). Even when interrupted,
-    no copy into the arena is still running when this returns or raises."""
+    ones, each once its own event on the side stream has fired). `gpu=False` says that no
+    task's piece is on a GPU (save() knows it from describing them): the tasks are then
+    not looked at one by one to find out. Even when interrupted, no copy into the arena is
+    still running when this returns or raises."""
     cuda_tasks: list[StageTask] = []
     cpu_tasks = tasks
-    # No tensor is on a GPU before CUDA is initialized: no loop over the tasks then.
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if gpu:
         cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
         cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda] if cuda_tasks else tasks
     device = cuda_tasks[0].piece.data.device if cuda_tasks else None

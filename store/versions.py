@@ -73,7 +73,7 @@ COMMIT_CLAIM = ".commit"
 """In a version directory of an object store: written create-only by whoever commits the
 version (its save_id) or collects it as an abandoned upload ("gc"), so the two exclude
 each other."""
-_VERSION = re.compile(r"^v(\d{12})$")
+_VERSION = re.compile(r"v([0-9]{12})")  # ASCII digits only, and nothing after them (fullmatch)
 MAX_STEP = 10**12 - 1
 """The largest step: a version directory's name holds 12 digits."""
 
@@ -92,7 +92,7 @@ def version_dirname(step: int) -> str:
 
 
 def parse_version_dirname(name: str) -> int | None:
-    m = _VERSION.match(name)
+    m = _VERSION.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -237,7 +237,17 @@ def is_committed(where: Tier | str | os.PathLike[str], step: int) -> bool:
     (save() asks before every save: one listing, not one per version)."""
     tier = as_tier(where)
     name = version_dirname(step)
-    return _may_be_version(tier, name) and _holds_commit(tier, name)
+    path = tier.local_path(name)
+    if path is not None:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return False
+        except OSError as e:  # the root is a file (ENOTDIR), a dead disk: as committed_steps' listing fails
+            raise TierUnavailableError(e.errno, f"cannot examine {path}: {e.strerror}") from None
+        if not stat.S_ISDIR(mode):
+            return False  # a link or a file named like a version
+    return _holds_commit(tier, name)
 
 
 def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo | None:

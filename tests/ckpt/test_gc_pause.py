@@ -1,6 +1,6 @@
 """The cyclic collector's pause around save()'s allocations (ckpt/_gc.py), with the real
-collector: what a section leaves alive costs no young collection after it, the process's
-own frozen objects stay frozen, and cyclic garbage is still collected."""
+collector: what save()'s section leaves alive costs no young collection after it, the
+process's own frozen objects stay frozen, and a cycle made in a section is still freed."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import ckpt._gc
 from ckpt._gc import no_cyclic_gc
 
 
@@ -19,14 +20,16 @@ class _Node:
 
 
 @pytest.fixture
-def collections_seen() -> Iterator[list[int]]:
-    """The generations of the collections that start while the test runs, with the collector on."""
+def collections_seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The generations of the collections that start while the test runs, with the collector
+    on (and no frozen objects seen by an earlier test)."""
     seen: list[int] = []
 
     def callback(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             seen.append(info["generation"])
 
+    monkeypatch.setattr(ckpt._gc, "_user_froze", False)
     was = gc.isenabled()
     gc.enable()
     gc.collect()
@@ -39,8 +42,8 @@ def collections_seen() -> Iterator[list[int]]:
             gc.disable()
 
 
-def test_what_a_section_leaves_alive_starts_no_young_collection_after_it(collections_seen):
-    with no_cyclic_gc():
+def test_what_saves_section_leaves_alive_starts_no_young_collection_after_it(collections_seen):
+    with no_cyclic_gc(promote=True):
         assert not gc.isenabled()
         survivors = [[i] for i in range(30_000)]  # tracked objects, as a save's records are
     assert gc.isenabled()
@@ -49,29 +52,40 @@ def test_what_a_section_leaves_alive_starts_no_young_collection_after_it(collect
     assert len(survivors) + len(after) == 30_300
 
 
-def test_a_nested_section_leaves_the_collector_to_the_outer_one(collections_seen):
+def test_other_sections_leave_the_young_generation_as_it_is(collections_seen):
     with no_cyclic_gc():
-        with no_cyclic_gc():
+        survivors = [[i] for i in range(30_000)]
+    after = [[i] for i in range(300)]
+    assert collections_seen[:1] == [0]  # the young collection, over the section's survivors
+    assert len(survivors) + len(after) == 30_300
+
+
+def test_a_nested_section_leaves_the_collector_to_the_outer_one(collections_seen):
+    with no_cyclic_gc(promote=True):
+        with no_cyclic_gc(promote=True):
             pass
         assert not gc.isenabled()
     assert gc.isenabled()
 
 
-def test_the_processes_own_frozen_objects_stay_frozen():
+def test_the_processes_own_frozen_objects_stay_frozen(collections_seen):
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        with no_cyclic_gc():
-            kept = [[i] for i in range(1000)]
-        assert gc.get_freeze_count() == frozen
+        for _ in range(2):
+            with no_cyclic_gc(promote=True):
+                kept = [[i] for i in range(1000)]
+            assert gc.isenabled()
+            assert gc.get_freeze_count() == frozen
+        assert ckpt._gc._user_froze  # seen once: not counted again
         assert len(kept) == 1000
     finally:
         gc.unfreeze()
 
 
-def test_a_cycle_made_in_a_section_is_still_collected(collections_seen):
-    with no_cyclic_gc():
+def test_a_cycle_made_in_a_section_is_freed_by_a_full_collection(collections_seen):
+    with no_cyclic_gc(promote=True):
         a, b = _Node(), _Node()
         a.other, b.other = b, a
         ref = weakref.ref(a)

@@ -6,6 +6,7 @@ import gc
 import json
 import random
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -453,9 +454,11 @@ def test_cli_ls_table_fits_80_columns(tmp_path):
     assert any(line.startswith(f"step {10**11}: ") and "not valid JSON" in line for line in lines)
 
 
-def test_many_small_tensors_are_copied_by_two_threads_and_restore_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("copy_threads", [2, 1])
+def test_many_small_tensors_are_copied_by_copy_threads_and_restore_exactly(tmp_path, monkeypatch, copy_threads):
     """A state of hundreds of small tensors: their one batched copy is split between save()'s
-    thread and the copy thread (torch releases the GIL inside it), and every byte lands."""
+    thread and the copy thread (torch releases the GIL inside it), or made by save()'s
+    thread alone with copy_threads=1, and every byte lands."""
     threads: list[tuple[int, int]] = []
     real = torch._foreach_copy_
 
@@ -466,12 +469,50 @@ def test_many_small_tensors_are_copied_by_two_threads_and_restore_exactly(tmp_pa
     torch.manual_seed(0)
     state = {f"t{i}": torch.randn(i % 7 + 1, 5) for i in range(600)}
     state["ints"] = torch.arange(11, dtype=torch.int64)
+    big = torch.randn(300_000)  # two chunks large enough for the lanes
+    state["big"], state["big2"] = big, big + 1
     monkeypatch.setattr(torch, "_foreach_copy_", spy)
-    with Checkpointer(tmp_path, copy_threads=2, capture_rng=False) as ck:
+    with Checkpointer(tmp_path, copy_threads=copy_threads, capture_rng=False) as ck:
         ck.save(1, state)
         ck.wait()
-        assert len({t for t, _ in threads}) == 2
+        used = {t for t, _ in threads}
+        assert len(used) == copy_threads
+        assert threading.get_ident() in used
         assert sum(n for _, n in threads) == 601
         into = {k: torch.zeros_like(v) for k, v in state.items()}
         assert ck.restore(into) == 1
+    assert_bitwise(into, state, "state")
+
+
+def test_an_interrupt_during_the_two_thread_copy_waits_for_the_other_half(tmp_path, monkeypatch):
+    """Ctrl-C in save()'s half of the batched copy: save() raises it only once the copy
+    thread's half has ended (no copy into the staging buffer outlives save()), the step is
+    not committed, and the next save is exact."""
+    ended: list[float] = []
+    real = torch._foreach_copy_
+    main = threading.get_ident()
+
+    def spy(dst, src, *args, **kwargs):
+        if threading.get_ident() == main:
+            raise KeyboardInterrupt
+        time.sleep(0.3)
+        real(dst, src, *args, **kwargs)
+        ended.append(time.monotonic())
+
+    state = {f"t{i}": torch.full((i % 5 + 1,), float(i)) for i in range(600)}
+    with Checkpointer(tmp_path, copy_threads=2, capture_rng=False) as ck:
+        monkeypatch.setattr(torch, "_foreach_copy_", spy)
+        with pytest.raises(KeyboardInterrupt):
+            ck.save(1, state)
+        raised = time.monotonic()
+        monkeypatch.setattr(torch, "_foreach_copy_", real)
+        assert len(ended) == 1 and ended[0] <= raised
+        with pytest.raises(ckpt.CkptError):
+            ck.wait()
+        assert ck.steps() == []
+        state["t0"] += 1
+        ck.save(2, state)
+        ck.wait()
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(into) == 2
     assert_bitwise(into, state, "state")
