@@ -77,6 +77,9 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# Memory the full run needs, in state sizes (~12 bytes a parameter): it ran with 22 GB
+# available at 250e6 parameters and a rank was OOM-killed with 19.5 GB.
+MEMORY_PER_STATE = 7
 sys.path.insert(0, HERE)
 
 import _report  # noqa: E402
@@ -248,10 +251,10 @@ def main() -> None:
         print("warning: the machine is busy; results will be noisy", flush=True)
     # The world-2 disk phase holds two copies of each rank's state, and torch-checkpointing's
     # load a third, beside the tmpfs files: an OOM kill of a rank there fails the whole run.
-    need = MEMORY_PER_STATE * 12 * args.params
-    if _sys.available_memory() < need:
+    need, available = MEMORY_PER_STATE * 12 * args.params, _sys.available_memory()
+    if available < need and not args.extras_only:
         print(
-            f"warning: {_sys.available_memory() / 1e9:.1f} GB of memory available, the run peaks near "
+            f"warning: {available / 1e9:.1f} GB of memory available, the run peaks near "
             f"{need / 1e9:.1f} GB; files left in /dev/shm take memory ({_sys.du('/dev/shm') / 1e9:.1f} GB now)",
             flush=True,
         )
@@ -351,9 +354,6 @@ def main() -> None:
     print(f"total wall time {wall:.0f} s; wrote {args.out}/latest.json, latest.md, latest.png")
 
 
-# Memory the full run needs, in state sizes (~12 bytes a parameter): it ran with 22 GB
-# available at 250e6 parameters and a rank was OOM-killed with 19.5 GB.
-MEMORY_PER_STATE = 7
 EXTRAS = {"peers": peers, "integrations": integrations, "small_tensors": small_tensors}
 
 
