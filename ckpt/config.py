@@ -49,7 +49,9 @@ class CheckpointerConfig:
     LOCAL_WORLD_SIZE if it is not pinned); off otherwise."""
 
     copy_threads: int = 2
-    """Threads copying tensors into the staging buffer (the training stall)."""
+    """Threads copying tensors into the staging buffer (the training stall), save()'s own
+    included: 1 copies on save()'s thread alone. Large chunks are spread over them by size,
+    and a state of hundreds of small tensors copies half of them on each of two threads."""
 
     split_bytes: int = 64 << 20
     """Replicated arrays larger than this are split along dim 0 so several ranks write them."""
