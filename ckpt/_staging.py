@@ -361,10 +361,8 @@ def stage(
 
 
 def _slot_view(arena: torch.Tensor, task: StageTask) -> torch.Tensor:
-    slot = task.slot
-    assert slot is not None  # (a batchable task's)
-    cached = slot._view  # (Slot.view, inlined for the common case: this runs per small chunk of every save)
-    return cached[1] if cached is not None and cached[0] is arena else slot.view(arena, task)
+    assert task.slot is not None  # (a batchable task's)
+    return task.slot.view(arena, task)
 
 
 def _copy_cpu(

@@ -240,14 +240,12 @@ def is_committed(where: Tier | str | os.PathLike[str], step: int) -> bool:
     path = tier.local_path(name)
     if path is not None:
         try:
-            mode = os.lstat(path).st_mode
+            os.lstat(path)
         except FileNotFoundError:
             return False
         except OSError as e:  # the root is a file (ENOTDIR), a dead disk: as committed_steps' listing fails
             raise TierUnavailableError(e.errno, f"cannot examine {path}: {e.strerror}") from None
-        if not stat.S_ISDIR(mode):
-            return False  # a link or a file named like a version
-    return _holds_commit(tier, name)
+    return _may_be_version(tier, name) and _holds_commit(tier, name)
 
 
 def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo | None:
