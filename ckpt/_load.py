@@ -128,7 +128,7 @@ def load_version(
     ctl: Comm, config: CheckpointerConfig, located: Located, state: Mapping[str, Any], *, strict: bool = True
 ) -> None:
     """Fill `state` in place from the located version (collective); `strict`: see ckpt._tree.bind."""
-    with no_cyclic_gc():  # thousands of manifest objects: see ckpt/_gc.py
+    with no_cyclic_gc(promote=True):  # thousands of manifest objects: see ckpt/_gc.py
         manifest = agreed_manifest(ctl, located)
         saved_world = manifest.world_size
         mine = _saved_rank(ctl, manifest, located)
