@@ -26,12 +26,11 @@ import torch
 
 from ckpt._commit import RootContext, run_once
 from ckpt._cores import rank_cores
-from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
+from ckpt._deferred import StagingGate, StorageKey, Versions, can_defer, find_optimizers
 from ckpt._dist import Comm
 from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import SaveJob, SaveRequest, SaveStats
-from ckpt._keys import KeyPath
 from ckpt._plan import agree_plans, layout_key
 from ckpt._staging import Arena, Readiness, Slot, StageTask, assign_offsets, slot_bytes, stage
 from ckpt._tensors import LocalPiece, describe
@@ -145,14 +144,14 @@ class Saver:
     def _save(self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool) -> bool:
         pieces: dict[str, LocalPiece] = {}
         local: list[LocalSpec] = []
-        deferrable: dict[str, tuple[str, Any]] = {}  # array name -> (key, leaf), copied after save() returns
+        deferrable: dict[str, tuple[tuple[Any, ...], Any]] = {}  # array name -> (key path, leaf), copied later
         cuda = False  # whether any piece is on a GPU (the staging buffer is pinned then)
         tree: Any = None
         rng = None
         error: BaseException | None = None
         try:
             tree, leaves = encode_state(state)
-            owned: set[tuple[str, int]] = set()
+            owned: set[StorageKey] = set()
             if self.config.deferred_staging:
                 owned = self.gate.owned_storages(find_optimizers(state))
             for (name, path), value in zip(leaves.paths.items(), leaves.values):
@@ -164,7 +163,7 @@ class Saver:
                     (name, p.data_type, p.global_shape, p.offsets, p.shape, p.kind, p.placements, id(p.mesh), on_gpu)
                 )
                 if owned and can_defer(value, p.data, owned):
-                    deferrable[name] = (str(KeyPath(path)), value)
+                    deferrable[name] = (path, value)
             rng = capture_rng() if self.config.capture_rng else None
             if step in self.incomplete:
                 overwrite = True  # on every rank alike: the restore's listing was gathered
@@ -231,7 +230,11 @@ class Saver:
         return True
 
     def _stage_and_queue(
-        self, job: SaveJob, pieces: Mapping[str, LocalPiece], deferrable: Mapping[str, tuple[str, Any]], pin: bool
+        self,
+        job: SaveJob,
+        pieces: Mapping[str, LocalPiece],
+        deferrable: Mapping[str, tuple[tuple[Any, ...], Any]],
+        pin: bool,
     ) -> None:
         step, save_id = job.step, job.request.save_id
         now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
@@ -256,7 +259,7 @@ class Saver:
                 if later:  # the rest now; the deferred part is the commit thread's to copy
                     stage(job.arena, now, self._copy_pool, copied=job.ready.mark, gpu=pin)
                     now = []
-                    job.deferred = self._defer(job.arena, later, deferrable)
+                    job.deferred = self._defer(job.arena, later, deferrable, pin)
         except Exception as e:  # noqa: BLE001 - reported through the commit so every rank aborts together
             job.error = _staging_error(e, step, self.root)
         if job.error is not None:
@@ -345,19 +348,24 @@ class Saver:
         return rank_cores() >= self.config.copy_threads + self.config.writer_threads
 
     def _defer(
-        self, arena: torch.Tensor, tasks: list[StageTask], leaves: Mapping[str, tuple[str, Any]]
+        self,
+        arena: torch.Tensor,
+        tasks: list[StageTask],
+        leaves: Mapping[str, tuple[tuple[Any, ...], Any]],
+        gpu: bool,
     ) -> Callable[[SaveJob], None]:
-        """The copy of `tasks` that the commit thread makes before writing (deferred staging)."""
+        """The copy of `tasks` that the commit thread makes before writing (deferred staging).
+        `gpu=False`: no task's piece is on a GPU (as for stage())."""
         after = None
-        device = next((t.piece.data.device for t in tasks if t.piece.data.is_cuda), None)
+        device = next((t.piece.data.device for t in tasks if t.piece.data.is_cuda), None) if gpu else None
         if device is not None:  # the values as of this save(): the work queued so far on its stream
             after = torch.cuda.Event()  # type: ignore[no-untyped-call]
             after.record(torch.cuda.current_stream(device))
-        watched: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        watched: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]] = {}
         for t in tasks:
-            key, value = leaves[t.array.spec.name]
-            wrapper = [value] if isinstance(value, torch.Tensor) and value is not t.piece.data else []
-            watched[t.array.spec.name] = (key, [t.piece.data, *wrapper])
+            name, data = t.array.spec.name, t.piece.data
+            path, value = leaves[name]
+            watched[name] = (path, (data,) if value is data or not isinstance(value, torch.Tensor) else (data, value))
         versions = Versions(watched.values())
 
         def copy(job: SaveJob) -> None:

@@ -57,7 +57,6 @@ def _mesh_of(device_mesh: Any) -> Mesh:
     return Mesh(tuple(int(n) for n in ranks.shape), tuple(int(r) for r in ranks.flatten().tolist()))
 
 
-@functools.lru_cache(maxsize=1 << 10)
 def _mesh_placements(placements: tuple[Any, ...]) -> tuple[int, ...] | None:
     """Shard(d) -> d and Replicate -> REPLICATE; None when some placement is another kind
     (a strided shard): such arrays are planned from their listed regions."""
@@ -75,18 +74,27 @@ def _mesh_placements(placements: tuple[Any, ...]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+_DTensorLayout = tuple[tuple[int, ...], str, Mesh | None, tuple[int, ...]]
+
+
 @functools.lru_cache(maxsize=1 << 16)
-def _dtensor_offsets(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> tuple[int, ...] | None:
-    """Where this rank's piece of a DTensor starts; None for a Partial placement (DeviceMesh
-    and placements are hashable; isinstance on placements alone costs ~50 us)."""
+def _dtensor_layout(shape: tuple[int, ...], device_mesh: Any, placements: tuple[Any, ...]) -> _DTensorLayout | None:
+    """Where this rank's piece of a DTensor starts, and how the plan learns the other
+    pieces: (offsets, "mesh", its Mesh, placements as dims) or (offsets, "listed", None,
+    ()); None for a Partial placement. Cached: a pure function of shape and layout, and one
+    lookup per leaf (DeviceMesh and placements hash in Python; isinstance on placements
+    alone costs ~50 us)."""
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(isinstance(p, Partial) for p in placements):
         return None
-
-    _, offsets = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
-    return tuple(int(o) for o in offsets)
+    _, found = compute_local_shape_and_global_offset(torch.Size(shape), device_mesh, placements)
+    offsets = tuple(int(o) for o in found)
+    placed = _mesh_placements(placements)
+    if placed is None:
+        return offsets, "listed", None, ()
+    return offsets, "mesh", _mesh_of(device_mesh), placed
 
 
 def _named(key: KeyPath | tuple[Any, ...] | str) -> str:
@@ -122,6 +130,11 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
         shape = tuple(value.shape)
         offsets = _ZEROS[len(shape)] if len(shape) < len(_ZEROS) else (0,) * len(shape)
         return LocalPiece(value.detach() if value.requires_grad else value, TORCH_TO_ZARR[dtype], shape, offsets, shape)
+    if DTensor is not None and type(value) is DTensor:  # an FSDP or TP state's leaves
+        # The local tensor without to_local(): an autograd op per call.
+        local = getattr(value, "_local_tensor", None)
+        if type(local) is torch.Tensor:
+            return _describe_dtensor(value, local, key)
     kind = "plain"
     mesh: Mesh | None = None
     placed: tuple[int, ...] = ()
@@ -132,21 +145,11 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
     elif isinstance(value, Shard):
         data, shape, offsets = value.local_tensor, tuple(value.global_shape), tuple(value.offsets)
         kind = "listed"
-    elif DTensor is not None and isinstance(value, DTensor):
-        # The local tensor without to_local(): an autograd op per call, and describe() runs for
-        # every tensor of every save. Offsets are cached: a pure function of shape and layout.
+    elif DTensor is not None and isinstance(value, DTensor):  # a subclass of DTensor
         local = getattr(value, "_local_tensor", None)
         data = local if isinstance(local, torch.Tensor) else value.to_local()
         shape = tuple(value.shape)
-        found = _dtensor_offsets(shape, value.device_mesh, tuple(value.placements))
-        if found is None:
-            raise UnsupportedStateError(f"{_named(key)}: DTensor with Partial placement must be reduced before saving")
-        offsets = found
-        found_placements = _mesh_placements(tuple(value.placements))
-        if found_placements is None:
-            kind = "listed"
-        else:
-            kind, mesh, placed = "mesh", _mesh_of(value.device_mesh), found_placements
+        offsets, kind, mesh, placed = _layout_of(value, shape, key)
     elif isinstance(value, np.ndarray):
         try:
             data = torch.from_numpy(np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="), copy=False))
@@ -165,3 +168,24 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
     local = data.detach() if data.requires_grad else data
     local_shape = shape if data is value else tuple(data.shape)
     return LocalPiece(local, TORCH_TO_ZARR[data.dtype], shape, offsets, local_shape, kind, mesh, placed)
+
+
+def _layout_of(value: Any, shape: tuple[int, ...], key: KeyPath | tuple[Any, ...] | str) -> _DTensorLayout:
+    found = _dtensor_layout(shape, value.device_mesh, tuple(value.placements))
+    if found is None:
+        raise UnsupportedStateError(f"{_named(key)}: DTensor with Partial placement must be reduced before saving")
+    return found
+
+
+def _describe_dtensor(value: Any, local: torch.Tensor, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
+    """describe() of a DTensor whose local piece is a plain tensor: the general path's
+    checks and refusals, in its order, with one cached lookup of the layout."""
+    shape = tuple(value.shape)
+    offsets, kind, mesh, placed = _layout_of(value, shape, key)
+    if local.is_nested or local.layout != torch.strided or local.is_quantized or local.is_meta:
+        _refuse_unusual(local, key)
+    dtype = local.dtype
+    if dtype not in TORCH_TO_ZARR:
+        raise UnsupportedStateError(f"{_named(key)}: dtype {dtype} is not supported")
+    data = local.detach() if local.requires_grad else local
+    return LocalPiece(data, TORCH_TO_ZARR[dtype], shape, offsets, tuple(local.shape), kind, mesh, placed)

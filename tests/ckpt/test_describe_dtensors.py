@@ -1,0 +1,113 @@
+"""describe() of DTensors on a real 2-rank gloo job: for each placement, the local piece,
+its global offsets and how the plan learns the other pieces; and the refusals, with the
+messages the general path gives. A DTensor whose local piece is a plain tensor takes a
+fast path (one cached layout lookup); a subclass of DTensor takes the general one, and
+both must describe alike."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests._dist import launch
+
+THIS = os.path.abspath(__file__)
+
+
+def _shown(piece: Any) -> dict[str, Any]:
+    return {
+        "kind": piece.kind,
+        "offsets": list(piece.offsets),
+        "global": list(piece.global_shape),
+        "shape": list(piece.shape),
+        "placements": list(piece.placements),
+        "mesh": None if piece.mesh is None else [list(piece.mesh.shape), list(piece.mesh.ranks)],
+        "dtype": piece.data_type,
+        "plain": type(piece.data) is torch.Tensor,
+        "requires_grad": piece.data.requires_grad,
+        "values": piece.data.flatten().tolist(),
+    }
+
+
+def describe_job(ctx: Any) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckpt._tensors import describe
+    from ckpt.store.errors import UnsupportedStateError
+
+    class Sub(DTensor):  # a subclass: the general path
+        pass
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    full = torch.arange(5 * 4, dtype=torch.float32).reshape(5, 4)
+    cases = {
+        "rows": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None),  # 3 rows and 2
+        "cols": distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None),
+        "replicated": distribute_tensor(full, mesh, [Replicate()], src_data_rank=None),
+        "strided": DTensor.from_local(
+            full[ctx.rank * 2 : ctx.rank * 2 + 2].clone(), mesh, [_StridedShard(0, split_factor=2)], run_check=False
+        ),
+        "param": torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)),
+    }
+    out: dict[str, Any] = {name: _shown(describe(value, (name,))) for name, value in cases.items()}
+    six = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)  # 3 rows per rank
+    plain = DTensor.from_local(six[ctx.rank * 3 : ctx.rank * 3 + 3].clone(), mesh, [Shard(0)], run_check=False)
+    sub = Sub(plain._local_tensor, plain._spec, requires_grad=False)
+    out["subclass_is_sub"] = type(sub) is Sub
+    out["subclass"] = _shown(describe(sub, ("subclass",)))
+    refused = {
+        "partial": DTensor.from_local(torch.ones(3), mesh, [Partial()], run_check=False),
+        "complex32": distribute_tensor(torch.zeros(4, dtype=torch.complex32), mesh, [Shard(0)], src_data_rank=None),
+    }
+    for name, value in refused.items():
+        try:
+            describe(value, ("opt", 3, name))
+            out[f"refused_{name}"] = None
+        except UnsupportedStateError as e:
+            out[f"refused_{name}"] = str(e)
+    return out
+
+
+def test_every_placement_is_described_by_its_layout_and_the_refusals_name_the_leaf(tmp_path: Path) -> None:
+    results, failures = launch(THIS, "describe_job", 2, tmp_path, timeout=120)
+    assert not failures, failures
+    full = torch.arange(5 * 4, dtype=torch.float32).reshape(5, 4)
+    mesh = [[2], [0, 1]]
+    for rank, got in enumerate(results):
+        lo, hi = (0, 3) if rank == 0 else (3, 5)
+        rows = full[lo:hi].flatten().tolist()
+        assert got["rows"] == {
+            "kind": "mesh",
+            "offsets": [lo, 0],
+            "global": [5, 4],
+            "shape": [hi - lo, 4],
+            "placements": [0],
+            "mesh": mesh,
+            "dtype": "float32",
+            "plain": True,
+            "requires_grad": False,
+            "values": rows,
+        }, (rank, got["rows"])
+        assert got["cols"]["offsets"] == [0, 2 * rank] and got["cols"]["shape"] == [5, 2], (rank, got["cols"])
+        assert got["cols"]["values"] == full[:, 2 * rank : 2 * rank + 2].flatten().tolist()
+        assert got["cols"]["placements"] == [1]
+        assert got["replicated"]["offsets"] == [0, 0] and got["replicated"]["shape"] == [5, 4]
+        assert got["replicated"]["placements"] == [-1] and got["replicated"]["kind"] == "mesh"
+        # A strided shard is planned from the listed regions: no mesh, no placements.
+        assert got["strided"]["kind"] == "listed" and got["strided"]["mesh"] is None, (rank, got["strided"])
+        assert got["strided"]["placements"] == [] and got["strided"]["global"] == [4, 4]
+        # A parameter (autograd tracks it) is described by a detached local piece.
+        assert got["param"]["plain"] and not got["param"]["requires_grad"], (rank, got["param"])
+        assert got["param"]["values"] == rows and got["param"]["offsets"] == [lo, 0]
+        assert got["subclass_is_sub"]
+        assert got["subclass"]["offsets"] == [3 * rank, 0] and got["subclass"]["kind"] == "mesh", got["subclass"]
+        assert got["subclass"]["global"] == [6, 4] and got["subclass"]["mesh"] == mesh
+        assert got["refused_partial"] == (
+            "state['opt'][3]['partial']: DTensor with Partial placement must be reduced before saving"
+        )
+        assert got["refused_complex32"] == "state['opt'][3]['complex32']: dtype torch.complex32 is not supported"
