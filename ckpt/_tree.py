@@ -211,7 +211,7 @@ class _Binder:
         self.leaves, self.results, self.strict = leaves, results, strict
 
     def b(self, s: Any, t: Any, path: tuple[Any, ...], in_object: bool) -> Callable[[], Any]:
-        key = _key_str(path)
+        key = KeyPath(path)  # rendered only in an error: a restore binds every node of the tree
         if t is not None and _kind(t) != _saved_kind(s):
             raise StateMismatchError(f"{key}: the checkpoint has {_saved_kind(s)} here, the state has {_what(t)}")
         if isinstance(s, dict) and (TENSOR in s or NDARRAY in s):
@@ -292,7 +292,7 @@ class _Binder:
         return lambda: s
 
 
-def _key_mismatch(key: str, only_state: list[Any], only_saved: list[Any]) -> str:
+def _key_mismatch(key: KeyPath, only_state: list[Any], only_saved: list[Any]) -> str:
     parts = []
     if only_state:
         parts.append(f"{only_state[:5]} are in the state but not in the checkpoint")
