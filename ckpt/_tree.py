@@ -41,7 +41,7 @@ _KEY_TYPES = (str, int, bool, type(None))
 @dataclass(slots=True)
 class Leaf:
     name: str  # the array name: escaped key path
-    key: KeyPath | str  # human-readable key path, for errors
+    key: KeyPath  # the leaf's key path, rendered in errors
     value: Any  # tensor, DTensor, Shard or ndarray (None when restoring into nothing)
 
 

@@ -71,7 +71,7 @@ class Comm(Protocol):
     ) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (its fields hold tensors and a Box: nothing compares or hashes one)
 class ReadRequest:
     array: ArrayEntry
     dest: torch.Tensor  # a plain local tensor, filled in place

@@ -54,15 +54,22 @@ def describe_job(ctx: Any) -> dict[str, Any]:
         ),
         "param": torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)),
     }
+    # A DTensor made from a local tensor that autograd tracks: its local piece tracks it too.
+    rows_local = cases["rows"].to_local().clone().requires_grad_()
+    cases["tracked"] = DTensor.from_local(rows_local, mesh, [Shard(0)], run_check=False, shape=(5, 4), stride=(4, 1))
     out: dict[str, Any] = {name: _shown(describe(value, (name,))) for name, value in cases.items()}
-    six = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)  # 3 rows per rank
-    plain = DTensor.from_local(six[ctx.rank * 3 : ctx.rank * 3 + 3].clone(), mesh, [Shard(0)], run_check=False)
-    sub = Sub(plain._local_tensor, plain._spec, requires_grad=False)
+    out["tracked_local_requires_grad"] = cases["tracked"]._local_tensor.requires_grad
+    rows = cases["rows"]
+    sub = Sub(rows._local_tensor, rows._spec, requires_grad=False)
     out["subclass_is_sub"] = type(sub) is Sub
     out["subclass"] = _shown(describe(sub, ("subclass",)))
+    partial = DTensor.from_local(torch.ones(3), mesh, [Partial()], run_check=False)
+    complex32 = distribute_tensor(torch.zeros(4, dtype=torch.complex32), mesh, [Shard(0)], src_data_rank=None)
     refused = {
-        "partial": DTensor.from_local(torch.ones(3), mesh, [Partial()], run_check=False),
-        "complex32": distribute_tensor(torch.zeros(4, dtype=torch.complex32), mesh, [Shard(0)], src_data_rank=None),
+        "partial": partial,
+        "complex32": complex32,
+        "sub_partial": Sub(partial._local_tensor, partial._spec, requires_grad=False),
+        "sub_complex32": Sub(complex32._local_tensor, complex32._spec, requires_grad=False),
     }
     for name, value in refused.items():
         try:
@@ -101,13 +108,16 @@ def test_every_placement_is_described_by_its_layout_and_the_refusals_name_the_le
         # A strided shard is planned from the listed regions: no mesh, no placements.
         assert got["strided"]["kind"] == "listed" and got["strided"]["mesh"] is None, (rank, got["strided"])
         assert got["strided"]["placements"] == [] and got["strided"]["global"] == [4, 4]
-        # A parameter (autograd tracks it) is described by a detached local piece.
-        assert got["param"]["plain"] and not got["param"]["requires_grad"], (rank, got["param"])
-        assert got["param"]["values"] == rows and got["param"]["offsets"] == [lo, 0]
+        assert got["param"] == got["rows"], (rank, got["param"])  # an FSDP2 parameter
+        # A local piece that autograd tracks is described detached.
+        assert got["tracked_local_requires_grad"]
+        assert got["tracked"] == got["rows"], (rank, got["tracked"])
+        # A subclass takes the general path, and describes alike.
         assert got["subclass_is_sub"]
-        assert got["subclass"]["offsets"] == [3 * rank, 0] and got["subclass"]["kind"] == "mesh", got["subclass"]
-        assert got["subclass"]["global"] == [6, 4] and got["subclass"]["mesh"] == mesh
-        assert got["refused_partial"] == (
-            "state['opt'][3]['partial']: DTensor with Partial placement must be reduced before saving"
-        )
-        assert got["refused_complex32"] == "state['opt'][3]['complex32']: dtype torch.complex32 is not supported"
+        assert got["subclass"] == got["rows"], (rank, got["subclass"])
+        for name in ("partial", "sub_partial"):
+            assert got[f"refused_{name}"] == (
+                f"state['opt'][3]['{name}']: DTensor with Partial placement must be reduced before saving"
+            )
+        for name in ("complex32", "sub_complex32"):
+            assert got[f"refused_{name}"] == f"state['opt'][3]['{name}']: dtype torch.complex32 is not supported"
