@@ -78,7 +78,7 @@ def open_beneath(top: str, rel: str) -> int:
     `rel`, each refusing a symlink (a restore opens a file per chunk: a dozen syscalls each
     was a quarter of a restore's CPU on tmpfs)."""
     parts = rel.split("/")
-    if any(p in ("", ".", "..") for p in parts):
+    if "" in parts or "." in parts or ".." in parts:
         raise CorruptVersionError(f"unsafe path {rel!r}", path=rel)
     out = _openat2(top, rel)
     if out is not None:

@@ -126,7 +126,10 @@ class ChunkEntry:
         return bool(self.xxh3)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (a manifest parse makes one per array, and a frozen dataclass's __init__ sets
+# each field through object.__setattr__: ~2 us of ~10 per array); never changed once made,
+# and never hashed (`sharding` is a dict).
+@dataclass(slots=True)
 class ArrayEntry:
     name: str  # escaped components joined by '/'; the zarr path is state/<name>
     data_type: str
@@ -143,8 +146,8 @@ class ArrayEntry:
 
     def __post_init__(self) -> None:
         # Derived once: a restore asks for them per chunk, thousands of times.
-        object.__setattr__(self, "run_starts", tuple(r.start for r in self.runs))
-        object.__setattr__(self, "grid", grid_shape(self.shape, self.chunk_shape))
+        self.run_starts = tuple(r.start for r in self.runs)
+        self.grid = grid_shape(self.shape, self.chunk_shape)
 
     inline: str | None = None  # schema 3: a single-element array's value (hex), when it has no chunk file
     inline_xxh3: str = ""  # schema 3: the xxh3_64 of the inline value's bytes
