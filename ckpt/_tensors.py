@@ -145,7 +145,7 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
     elif isinstance(value, Shard):
         data, shape, offsets = value.local_tensor, tuple(value.global_shape), tuple(value.offsets)
         kind = "listed"
-    elif DTensor is not None and isinstance(value, DTensor):  # a subclass of DTensor
+    elif DTensor is not None and isinstance(value, DTensor):  # a subclass, or a local piece that is one
         local = getattr(value, "_local_tensor", None)
         data = local if isinstance(local, torch.Tensor) else value.to_local()
         shape = tuple(value.shape)
