@@ -130,11 +130,6 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
         shape = tuple(value.shape)
         offsets = _ZEROS[len(shape)] if len(shape) < len(_ZEROS) else (0,) * len(shape)
         return LocalPiece(value.detach() if value.requires_grad else value, TORCH_TO_ZARR[dtype], shape, offsets, shape)
-    if DTensor is not None and type(value) is DTensor:  # an FSDP or TP state's leaves
-        # The local tensor without to_local(): an autograd op per call.
-        local = getattr(value, "_local_tensor", None)
-        if type(local) is torch.Tensor:
-            return _describe_dtensor(value, local, key)
     kind = "plain"
     mesh: Mesh | None = None
     placed: tuple[int, ...] = ()
@@ -145,11 +140,16 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
     elif isinstance(value, Shard):
         data, shape, offsets = value.local_tensor, tuple(value.global_shape), tuple(value.offsets)
         kind = "listed"
-    elif DTensor is not None and isinstance(value, DTensor):  # a subclass, or a local piece that is one
+    elif DTensor is not None and isinstance(value, DTensor):
+        # The local tensor without to_local(): an autograd op per call, and describe() runs for
+        # every tensor of every save.
         local = getattr(value, "_local_tensor", None)
         data = local if isinstance(local, torch.Tensor) else value.to_local()
         shape = tuple(value.shape)
-        offsets, kind, mesh, placed = _layout_of(value, shape, key)
+        found = _dtensor_layout(shape, value.device_mesh, tuple(value.placements))
+        if found is None:
+            raise UnsupportedStateError(f"{_named(key)}: DTensor with Partial placement must be reduced before saving")
+        offsets, kind, mesh, placed = found
     elif isinstance(value, np.ndarray):
         try:
             data = torch.from_numpy(np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="), copy=False))
@@ -168,24 +168,3 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
     local = data.detach() if data.requires_grad else data
     local_shape = shape if data is value else tuple(data.shape)
     return LocalPiece(local, TORCH_TO_ZARR[data.dtype], shape, offsets, local_shape, kind, mesh, placed)
-
-
-def _layout_of(value: Any, shape: tuple[int, ...], key: KeyPath | tuple[Any, ...] | str) -> _DTensorLayout:
-    found = _dtensor_layout(shape, value.device_mesh, tuple(value.placements))
-    if found is None:
-        raise UnsupportedStateError(f"{_named(key)}: DTensor with Partial placement must be reduced before saving")
-    return found
-
-
-def _describe_dtensor(value: Any, local: torch.Tensor, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
-    """describe() of a DTensor whose local piece is a plain tensor: the general path's
-    checks and refusals, in its order, with one cached lookup of the layout."""
-    shape = tuple(value.shape)
-    offsets, kind, mesh, placed = _layout_of(value, shape, key)
-    if local.is_nested or local.layout != torch.strided or local.is_quantized or local.is_meta:
-        _refuse_unusual(local, key)
-    dtype = local.dtype
-    if dtype not in TORCH_TO_ZARR:
-        raise UnsupportedStateError(f"{_named(key)}: dtype {dtype} is not supported")
-    data = local.detach() if local.requires_grad else local
-    return LocalPiece(data, TORCH_TO_ZARR[dtype], shape, offsets, tuple(local.shape), kind, mesh, placed)

@@ -1,8 +1,6 @@
 """describe() of DTensors on a real 2-rank gloo job: for each placement, the local piece,
 its global offsets and how the plan learns the other pieces; and the refusals, with the
-messages the general path gives. A DTensor whose local piece is a plain tensor takes a
-fast path (one cached layout lookup); a subclass of DTensor takes the general one, and
-both must describe alike."""
+messages. A subclass of DTensor must describe and refuse exactly like a DTensor."""
 
 from __future__ import annotations
 
