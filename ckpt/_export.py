@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
 from ckpt._dist import Comm, describe_error
@@ -42,6 +41,7 @@ from ckpt.restore.to_safetensors import (
 from ckpt.store.errors import CkptError, RankFailures, VersionNotFoundError
 from ckpt.store.fsio import DIR_MODE
 from ckpt.store.manifest import ArrayEntry, Manifest
+from ckpt.store.removal import remove_tree
 
 __all__ = ["export_version"]
 
@@ -94,7 +94,7 @@ def export_version(
         ok, paths = ctl.broadcast(result, src=0)
     finally:
         if ctl.rank == 0:  # after the broadcast or an agreed failure: no rank still writes into it
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp, ignore_errors=True)
     if not ok:
         raise RankFailures({0: str(paths)})
     assert isinstance(paths, list)
@@ -172,6 +172,6 @@ def _agreed_tmp(ctl: Comm, manifest: Manifest, out_dir: str, force: bool) -> str
         ctl.agree(error)
     except BaseException:
         if ctl.rank == 0:
-            shutil.rmtree(tmp_or_none, ignore_errors=True)
+            remove_tree(tmp_or_none, ignore_errors=True)
         raise
     return str(tmp_or_none)

@@ -39,7 +39,6 @@ import errno
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +69,7 @@ from ckpt.store.fsio import (
 )
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
 from ckpt.store.rank_file import RANKS_DIR
+from ckpt.store.removal import remove_tree
 from ckpt.store.spare import retire, spares, take
 from ckpt.store.tier import open_tier
 from ckpt.store.verify import ChunkProblem, ExpectedChunk, expected_chunks
@@ -352,7 +352,7 @@ class _Sink:
                     os.unlink(path)
             gone = [d for d in dirnames if os.path.join(dirpath, d) not in keep_dirs]
             for name in gone:  # nothing of the copy is in it
-                shutil.rmtree(os.path.join(dirpath, name))
+                remove_tree(os.path.join(dirpath, name))
             dirnames[:] = [d for d in dirnames if d not in gone]
 
     def verified(self) -> None:
@@ -465,7 +465,7 @@ class PeerCopier:
                 log.error("%s: cannot record that peer copies stopped: %s", self._root, e2)
             for s in self._plan.sources:  # no copy will reuse them
                 for tree in spares(peer_dir(self._root, s)):
-                    shutil.rmtree(tree, ignore_errors=True)
+                    remove_tree(tree, ignore_errors=True)
 
     def _round(self, step: int) -> None:
         plan, comm = self._plan, self._comm
@@ -506,7 +506,7 @@ class PeerCopier:
                 errors[s] = f"root {s} could not send it: {incoming[s]['error']}"
                 continue
             base = os.path.join(peer_dir(self._root, s), ".incoming", version_dirname(step))
-            shutil.rmtree(os.path.dirname(base), ignore_errors=True)  # and what an interrupted round left
+            remove_tree(os.path.dirname(base), ignore_errors=True)  # and what an interrupted round left
             try:
                 reuse = take(peer_dir(self._root, s), base)
                 sinks[s] = _Sink(base, step, [(str(r), int(n)) for r, n in incoming[s]["files"]], reuse=reuse)
@@ -570,7 +570,7 @@ class PeerCopier:
             ok = s not in errors and self._publish(s, step, sinks[s], errors)
             acks[s] = torch.tensor([int(ok)], dtype=torch.int64)
             if not ok:
-                shutil.rmtree(os.path.join(peer_dir(self._root, s), ".incoming"), ignore_errors=True)
+                remove_tree(os.path.join(peer_dir(self._root, s), ".incoming"), ignore_errors=True)
         got = {t: torch.zeros(1, dtype=torch.int64) for t in plan.targets}
         comm.exchange(
             [(plan.leaders[s], _ACK, acks[s]) for s in plan.sources],
@@ -598,7 +598,7 @@ class PeerCopier:
             with open(os.path.join(incoming, version_dirname(step), MANIFEST_NAME), "rb") as f:
                 manifest = parse_manifest(f.read())
             tmp_name = commit.tmp_dirname(step, manifest.save_id)
-            shutil.rmtree(os.path.join(home, tmp_name), ignore_errors=True)  # left by a round that failed there
+            remove_tree(os.path.join(home, tmp_name), ignore_errors=True)  # left by a round that failed there
             os.rename(os.path.join(incoming, version_dirname(step)), os.path.join(home, tmp_name))
             fsync_dir(incoming)
             commit.publish(home, tmp_name, step, overwrite=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from ckpt.store.dtypes import ITEMSIZE
 from ckpt.store.errors import CkptError, VersionNotFoundError
 from ckpt.store.fsio import DIR_MODE, fsync_dir
 from ckpt.store.manifest import ArrayEntry, Manifest
+from ckpt.store.removal import remove_tree
 
 __all__ = [
     "OutFile",
@@ -262,7 +262,7 @@ def write_safetensors(
                 pass
         return finish_export(tmp, out_dir, files)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp, ignore_errors=True)
 
 
 def export_dirname(manifest: Manifest) -> str:

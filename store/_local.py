@@ -14,7 +14,6 @@ import ctypes
 import errno
 import os
 import platform
-import shutil
 import stat
 import uuid
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from collections.abc import Callable, Iterable
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
 from ckpt.store.fsio import DIRECT_ALIGN, FILE_MODE, fsync_dir, fsync_dirs, in_ram, makedirs, set_direct
 from ckpt.store.lanes import run_lanes
+from ckpt.store.removal import remove_tree
 from ckpt.store.tier import Capabilities, ObjectInfo, Tier
 
 __all__ = ["LocalTier", "open_beneath"]
@@ -256,16 +256,7 @@ class LocalTier(Tier):
             os.unlink(self.local_path(key))
 
     def delete_tree(self, prefix: str) -> None:
-        def gone_already(fn: object, path: str, exc_info: tuple[type[BaseException], BaseException, object]) -> None:
-            if not isinstance(exc_info[1], FileNotFoundError):
-                raise exc_info[1]
-
-        path = self.local_path(prefix)
-        if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # a link (never followed) or a file where a directory was expected
-            return
-        shutil.rmtree(path, onerror=gone_already)
+        remove_tree(self.local_path(prefix))  # a link (never followed) or a file goes as itself
 
     def rename(self, src: str, dst: str) -> None:
         target = self.local_path(dst)

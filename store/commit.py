@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import uuid
 from dataclasses import dataclass
 
 from ckpt.store.errors import VersionExistsError
 from ckpt.store.fsio import DIR_MODE, entries, exchange_dirs, fsync_dir, fsync_dirs, write_durable
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
+from ckpt.store.removal import remove_tree
 from ckpt.store.versions import TRASH_NAME, RootInfo, parse_root_info, version_dirname
 
 __all__ = [
@@ -115,7 +115,7 @@ def publish(root: str, tmp_name: str, step: int, *, overwrite: bool) -> None:
         os.rename(final, aside)
         os.rename(tmp, final)
         fsync_dir(root)
-        shutil.rmtree(aside, ignore_errors=True)
+        remove_tree(aside, ignore_errors=True)
         return
     os.rename(tmp, final)
     fsync_dir(root)
@@ -148,7 +148,7 @@ def _discard(root: str, path: str) -> None:
     if os.path.islink(target) or not os.path.isdir(target):
         os.unlink(target)
         return
-    shutil.rmtree(target, ignore_errors=True)
+    remove_tree(target, ignore_errors=True)
 
 
 def empty_trash(root: str) -> None:
@@ -164,4 +164,4 @@ def empty_trash(root: str) -> None:
         if os.path.islink(e.path) or not os.path.isdir(e.path):
             os.unlink(e.path)
             continue
-        shutil.rmtree(e.path, ignore_errors=True)
+        remove_tree(e.path, ignore_errors=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 from collections.abc import Sequence
 
 import xxhash
@@ -30,6 +29,7 @@ import xxhash
 from ckpt.store.fsio import fsync_dir, makedirs
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME
 from ckpt.store.pins import deleting
+from ckpt.store.removal import remove_tree
 from ckpt.store.tier import Tier
 from ckpt.store.versions import version_dirname
 
@@ -73,7 +73,7 @@ def retire(tier: Tier, home: str, step: int, key: str = "") -> bool:
         os.rename(os.path.join(home, version_dirname(step)), target)  # unpublished, as a deletion does
     os.utime(target)  # the newest spare: kept longest
     for old in spares(home)[:-MAX_LAYOUTS]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_tree(old, ignore_errors=True)
     fsync_dir(home)
     return True
 
