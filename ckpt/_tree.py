@@ -95,8 +95,10 @@ class _Encoder:
         if not plain and _has_state_dict(v):
             return {OBJECT: enc(v.state_dict(), path, name)}
         if plain or isinstance(v, Mapping):
-            if all(isinstance(k, str) and k not in _MARKERS for k in v):
-                return {k: enc(x, path + (k,), f"{name}/{escape_component(str(k))}") for k, x in v.items()}
+            if _MARKERS.isdisjoint(v):
+                out = self.enc_str_keyed(v, path, name)
+                if out is not None:
+                    return out
             for k in v:
                 if not isinstance(k, _KEY_TYPES):
                     raise UnsupportedStateError(f"{_key_str(path)}: dict key {k!r} of type {type(k).__name__}")
@@ -115,6 +117,29 @@ class _Encoder:
             f"{_key_str(path)}: cannot checkpoint a {type(v).__module__}.{type(v).__qualname__}; "
             "use tensors, objects with state_dict()/load_state_dict(), dicts, lists and JSON scalars"
         )
+
+    def enc_str_keyed(self, v: Mapping[Any, Any], path: tuple[Any, ...], name: str) -> dict[str, Any] | None:
+        """A mapping as a JSON object, or None if some key is not a string (it is then
+        encoded as a DICT, and what this call added is taken back). Plain tensors, most
+        leaves of a state_dict(), are taken here without a call of enc() each."""
+        leaves = self.leaves
+        paths, values = leaves.paths, leaves.values
+        start = len(values)
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                while len(values) > start:  # (a leaf adds one entry to each)
+                    values.pop()
+                    paths.popitem()
+                return None
+            child = f"{name}/{escape_component(k)}"
+            if type(x) is torch.Tensor and child not in paths:
+                paths[child] = path + (k,)
+                values.append(x)
+                out[k] = {TENSOR: child}
+            else:
+                out[k] = self.enc(x, path + (k,), child)
+        return out
 
 
 @dataclass

@@ -313,6 +313,21 @@ def test_unsupported_tensors_raise_the_documented_type(tmp_path: Path, value: ob
     assert str(info.value).startswith("state['t']: ")
 
 
+def test_a_dict_whose_later_keys_are_not_strings_round_trips(tmp_path: Path) -> None:
+    """Encoded as a dict of keyed pairs once a non-string key turns up, after its string
+    keys' tensors were taken: those are taken back, not stored twice."""
+    state = {"x": {"a": torch.arange(2.0), "b": {"c": torch.arange(3.0)}, 7: torch.arange(4.0), None: 5}}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state)
+        ck.wait()
+        got = {"x": {"a": torch.zeros(2), "b": {"c": torch.zeros(3)}, 7: torch.zeros(4), None: 0}}
+        assert ck.restore(got) == 1
+    assert_bitwise(got, state)
+    manifest = json.loads((tmp_path / version_dirname(1) / MANIFEST_NAME).read_text())
+    names = sorted(manifest["arrays"])
+    assert names == ["x/7", "x/a", "x/b/c"], names
+
+
 def test_two_keys_that_name_one_array_are_refused_with_both_key_paths(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedStateError) as info:
         ck.save(1, {"x": {1: torch.ones(2), "1": torch.zeros(2)}})
