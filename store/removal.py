@@ -37,6 +37,16 @@ def remove_tree(path: str, *, ignore_errors: bool = False) -> None:
     """Delete `path` and everything beneath it; links are removed, never followed. A path
     that does not exist (or is deleted meanwhile) is no error; any other failure raises
     its OSError unless `ignore_errors`."""
+    try:
+        if os.path.islink(path) or not os.path.isdir(path):  # a link or a file goes as itself, without a child
+            os.unlink(path)
+            return
+    except FileNotFoundError:
+        return
+    except OSError:
+        if ignore_errors:
+            return
+        raise
     rm = _rm()
     if rm is not None:
         try:
@@ -49,15 +59,6 @@ def remove_tree(path: str, *, ignore_errors: bool = False) -> None:
             )
         except OSError:  # it could not be started (no memory, no processes left): Python's walk does it
             pass
-    if not os.path.lexists(path):
-        return
-    if os.path.islink(path) or not os.path.isdir(path):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            if not ignore_errors:
-                raise
-        return
+        if not os.path.lexists(path):
+            return
     shutil.rmtree(path, ignore_errors=ignore_errors, onerror=None if ignore_errors else _gone_already)
