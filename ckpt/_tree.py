@@ -36,6 +36,7 @@ TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = (
 )
 _MARKERS = {TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY}
 _KEY_TYPES = (str, int, bool, type(None))
+_is_str = str.__instancecheck__  # isinstance(k, str) without a Python frame, for all(map(...))
 
 
 @dataclass(slots=True)
@@ -95,10 +96,8 @@ class _Encoder:
         if not plain and _has_state_dict(v):
             return {OBJECT: enc(v.state_dict(), path, name)}
         if plain or isinstance(v, Mapping):
-            if _MARKERS.isdisjoint(v):
-                out = self.enc_str_keyed(v, path, name)
-                if out is not None:
-                    return out
+            if _MARKERS.isdisjoint(v) and all(map(_is_str, v)):
+                return self.enc_str_keyed(v, path, name)
             for k in v:
                 if not isinstance(k, _KEY_TYPES):
                     raise UnsupportedStateError(f"{_key_str(path)}: dict key {k!r} of type {type(k).__name__}")
@@ -118,20 +117,12 @@ class _Encoder:
             "use tensors, objects with state_dict()/load_state_dict(), dicts, lists and JSON scalars"
         )
 
-    def enc_str_keyed(self, v: Mapping[Any, Any], path: tuple[Any, ...], name: str) -> dict[str, Any] | None:
-        """A mapping as a JSON object, or None if some key is not a string (it is then
-        encoded as a DICT, and what this call added is taken back). Plain tensors, most
-        leaves of a state_dict(), are taken here without a call of enc() each."""
-        leaves = self.leaves
-        paths, values = leaves.paths, leaves.values
-        start = len(values)
+    def enc_str_keyed(self, v: Mapping[str, Any], path: tuple[Any, ...], name: str) -> dict[str, Any]:
+        """A mapping with string keys as a JSON object. Plain tensors, most leaves of a
+        state_dict(), are taken here without a call of enc() each."""
+        paths, values = self.leaves.paths, self.leaves.values
         out = {}
         for k, x in v.items():
-            if not isinstance(k, str):
-                while len(values) > start:  # (a leaf adds one entry to each)
-                    values.pop()
-                    paths.popitem()
-                return None
             child = f"{name}/{escape_component(k)}"
             if type(x) is torch.Tensor and child not in paths:
                 paths[child] = path + (k,)

@@ -313,19 +313,51 @@ def test_unsupported_tensors_raise_the_documented_type(tmp_path: Path, value: ob
     assert str(info.value).startswith("state['t']: ")
 
 
+class _Counted:
+    """An object with state whose state_dict() calls are counted."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w, self.calls = w, 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        return {"w": self.w}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.w.copy_(sd["w"])
+
+
 def test_a_dict_whose_later_keys_are_not_strings_round_trips(tmp_path: Path) -> None:
-    """Encoded as a dict of keyed pairs once a non-string key turns up, after its string
-    keys' tensors were taken: those are taken back, not stored twice."""
-    state = {"x": {"a": torch.arange(2.0), "b": {"c": torch.arange(3.0)}, 7: torch.arange(4.0), None: 5}}
+    """A dict whose later keys are not strings is encoded as keyed pairs, each tensor once,
+    each object's state_dict() called once."""
+    obj = _Counted(torch.arange(5.0))
+    state = {
+        "p": torch.arange(1.0),
+        "x": {"a": torch.arange(2.0), "b": {"c": torch.arange(3.0), 2: obj}, 7: torch.arange(4.0), None: 5},
+    }
     with Checkpointer(tmp_path) as ck:
         ck.save(1, state)
         ck.wait()
-        got = {"x": {"a": torch.zeros(2), "b": {"c": torch.zeros(3)}, 7: torch.zeros(4), None: 0}}
+        assert obj.calls == 1
+        back = _Counted(torch.zeros(5))
+        got = {
+            "p": torch.zeros(1),
+            "x": {"a": torch.zeros(2), "b": {"c": torch.zeros(3), 2: back}, 7: torch.zeros(4), None: 0},
+        }
         assert ck.restore(got) == 1
+    assert_bitwise(back.w, obj.w)
+    got["x"]["b"][2] = state["x"]["b"][2] = None  # type: ignore[index]
     assert_bitwise(got, state)
     manifest = json.loads((tmp_path / version_dirname(1) / MANIFEST_NAME).read_text())
     names = sorted(manifest["arrays"])
-    assert names == ["x/7", "x/a", "x/b/c"], names
+    assert names == ["p", "x/7", "x/a", "x/b/2/w", "x/b/c"], names
+
+
+def test_a_key_of_an_unsupported_type_is_named_before_any_value_is_encoded(tmp_path: Path) -> None:
+    state = {"x": {"b": {"1": torch.ones(1), 1: torch.ones(1)}, (1,): 0}}
+    with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedStateError) as info:
+        ck.save(1, state)  # type: ignore[dict-item]
+    assert str(info.value) == "state['x']: dict key (1,) of type tuple"
 
 
 def test_two_keys_that_name_one_array_are_refused_with_both_key_paths(tmp_path: Path) -> None:
