@@ -3,9 +3,12 @@ Python's own walk where the child cannot do it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,16 +88,17 @@ def test_a_missing_path_or_a_file(tmp_path: Path) -> None:
     assert not f.exists()
 
 
-@pytest.mark.parametrize("rm", ["missing", "fails"])
+@pytest.mark.parametrize("rm", ["missing", "unstartable", "fails"])
 def test_pythons_walk_finishes_without_rm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_calls: list[str], rm: str
 ) -> None:
-    """No rm binary, or one that deletes nothing and fails: the tree still goes, through
-    shutil.rmtree (whose calls this process then makes)."""
+    """No rm binary, one that cannot start, or one that deletes nothing and fails: the tree
+    still goes, through shutil.rmtree (whose calls this process then makes)."""
     false = shutil.which("false")
     if rm == "fails" and false is None:
         pytest.skip("needs a false binary")
-    monkeypatch.setattr(removal, "_rm", lambda: None if rm == "missing" else false)
+    binary = {"missing": None, "unstartable": str(tmp_path / "no-such-rm"), "fails": false}[rm]
+    monkeypatch.setattr(removal, "_rm", lambda: binary)
     top = _version_like(tmp_path, arrays=5)
     remove_tree(str(top))
     assert not top.exists()
@@ -109,3 +113,42 @@ def test_a_local_tiers_delete_tree(tmp_path: Path, python_calls: list[str]) -> N
     assert not (tmp_path / "tier" / "v").exists()
     if shutil.which("rm") is not None:
         assert "os.rmdir" not in python_calls
+
+
+def test_what_cannot_go_raises_its_oserror_unless_ignored(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_bytes(b"f")
+    with pytest.raises(NotADirectoryError):
+        remove_tree(str(f / "below"))
+    remove_tree(str(f / "below"), ignore_errors=True)
+    assert f.exists()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare(1)")
+def test_a_tree_on_a_read_only_mount_raises_erofs_and_stays(tmp_path: Path) -> None:
+    """rm fails on a read-only bind mount (in a private mount namespace); Python's walk
+    then raises the OSError with its errno, or nothing with ignore_errors, and the tree stays."""
+    top = _version_like(tmp_path / "ro", arrays=3)
+    script = textwrap.dedent(
+        f"""
+        from ckpt.store.removal import remove_tree
+        remove_tree({str(top)!r}, ignore_errors=True)
+        try:
+            remove_tree({str(top)!r})
+        except OSError as e:
+            print("errno", e.errno)
+        """
+    )
+    ro = tmp_path / "ro"
+    cmd = f'mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && exec {sys.executable} -c "$0"'
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd, script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=str(Path(__file__).parents[2]),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["errno", str(errno.EROFS)], out.stdout
+    assert (top / "tensors" / "layer1" / "c" / "0").read_bytes() == b"x" * 100
