@@ -75,6 +75,20 @@ def can_isolate() -> bool:
     return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
 
 
+def in_private_mounts(setup: str, script: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`python -c script` from the repository root, in a private mount namespace (as root)
+    after the shell commands `setup` (mounts that only this process sees)."""
+    cmd = f'{setup} && exec {shlex.quote(sys.executable)} -c "$0"'
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd, script],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=str(REPO),
+    )
+
+
 def launch(
     module_file: str,
     scenario: str,

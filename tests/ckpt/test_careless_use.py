@@ -12,8 +12,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from ckpt.store.errors import StateMismatchError, UnsupportedStateError, Version
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import MAX_STEP, committed_steps, version_dirname
+from tests._dist import can_isolate, in_private_mounts
 from tests._states import assert_bitwise
 
 
@@ -264,7 +263,7 @@ def test_keep_last_never_deletes_the_newest_intact_version(tmp_path: Path) -> No
     assert committed_steps(tmp_path) == [4]
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare(1)")
+@pytest.mark.skipif(not can_isolate(), reason="needs root, unshare(1) and mount namespaces")
 def test_low_free_space_is_warned_about(tmp_path: Path) -> None:
     """On a real 4 MiB tmpfs (in a private mount namespace), a 1.5 MiB version leaves room
     for fewer than two more."""
@@ -280,15 +279,7 @@ def test_low_free_space_is_warned_about(tmp_path: Path) -> None:
         """
     )
     (tmp_path / "small").mkdir()
-    cmd = f'mount -t tmpfs -o size=4m tmpfs {tmp_path / "small"} && exec {sys.executable} -c "$0"'
-    out = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd, script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=str(Path(__file__).parents[2]),
-    )
+    out = in_private_mounts(f"mount -t tmpfs -o size=4m tmpfs {tmp_path / 'small'}", script)
     assert out.returncode == 0, out.stderr
     assert "room for fewer than two more versions" in out.stderr
     assert "warnings 1.0" in out.stdout

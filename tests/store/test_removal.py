@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 from ckpt.store import removal
 from ckpt.store.removal import remove_tree
 from ckpt.store.tier import open_tier
+from tests._dist import can_isolate, in_private_mounts
 
 _counting: list[str] | None = None
 
@@ -124,7 +124,7 @@ def test_what_cannot_go_raises_its_oserror_unless_ignored(tmp_path: Path) -> Non
     assert f.exists()
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare(1)")
+@pytest.mark.skipif(not can_isolate(), reason="needs root, unshare(1) and mount namespaces")
 def test_a_tree_on_a_read_only_mount_raises_erofs_and_stays(tmp_path: Path) -> None:
     """rm fails on a read-only bind mount (in a private mount namespace); Python's walk
     then raises the OSError with its errno, or nothing with ignore_errors, and the tree stays."""
@@ -140,15 +140,7 @@ def test_a_tree_on_a_read_only_mount_raises_erofs_and_stays(tmp_path: Path) -> N
         """
     )
     ro = tmp_path / "ro"
-    cmd = f'mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && exec {sys.executable} -c "$0"'
-    out = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", cmd, script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=str(Path(__file__).parents[2]),
-    )
+    out = in_private_mounts(f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro}", script)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["errno", str(errno.EROFS)], out.stdout
     assert (top / "tensors" / "layer1" / "c" / "0").read_bytes() == b"x" * 100
