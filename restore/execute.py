@@ -17,6 +17,7 @@ group.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -77,33 +78,25 @@ class ReadRequest:
     dest: torch.Tensor  # a plain local tensor, filled in place
     offsets: tuple[int, ...]  # where dest starts in the global array
     box: Box = field(init=False)  # where dest lies in the global array
+    dest_bytes: memoryview | None = field(init=False, repr=False)
+    """dest's bytes where chunk rows can be read straight into it: a contiguous CPU tensor
+    of the array's type, not empty (see _direct); else None. Made here, on the thread that makes the
+    request, before any reader starts: torch's view gives up the GIL, and a reader thread
+    that made it would queue behind the other readers to get it back."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "box", Box.at(self.offsets, self.dest.shape))
-
-    @property
-    def dest_bytes(self) -> memoryview | None:
-        """req.dest's bytes where chunk rows can be read straight into it: a contiguous CPU
-        tensor of the array's type (see _direct); else None. Made once, by the first reader
-        thread to ask, without a lock (cached_property's would serialize the readers; two
-        threads making it at once make the same view): a view per chunk read costs more
-        than the read of a small chunk from the page cache."""
-        got = self.__dict__.get("_bytes", _UNSET)
-        if got is _UNSET:
-            d = self.dest
-            ok = (
-                d.dim() > 0
-                and d.is_cpu
-                and d.dtype == ZARR_TO_TORCH[self.array.data_type]
-                and d.is_contiguous()
-                and d.stride(-1) == 1  # a (1,)-shaped tensor may be "contiguous" with another stride
-            )
-            got = memoryview(d.view(torch.uint8).numpy()).cast("B") if ok else None  # type: ignore[arg-type]
-            object.__setattr__(self, "_bytes", got)
-        return got  # type: ignore[no-any-return]
-
-
-_UNSET = object()
+        d = self.dest
+        ok = (
+            d.dim() > 0
+            and d.numel() > 0  # (nothing is read into an empty one, and memoryview refuses to cast it)
+            and d.is_cpu
+            and d.dtype == ZARR_TO_TORCH[self.array.data_type]
+            and d.is_contiguous()
+            and d.stride(-1) == 1  # a (1,)-shaped tensor may be "contiguous" with another stride
+        )
+        flat = memoryview(d.view(torch.uint8).numpy()).cast("B") if ok else None  # type: ignore[arg-type]
+        object.__setattr__(self, "dest_bytes", flat)
 
 
 def _place(piece: torch.Tensor, origin: Sequence[int], req: ReadRequest) -> None:
@@ -416,60 +409,62 @@ def load_arrays(
         at = next((i for i, s in enumerate(sources) if c.inline is None and c.writer in s.writers), None)
         if at is not None:
             first.setdefault(at, []).append(sources[at].key(manifest.arrays[p.name], c))
-    for i, keys in first.items():
-        sources[i].tier.warm(keys)
-    if cores is not None and first and all(sources[i].tier.in_memory() for i in first):
-        threads = min(threads, cores)
+    # Each source read first holds a read pass (Tier.reading) until every read of this rank is done.
+    with contextlib.ExitStack() as passes:
+        for i, keys in first.items():
+            passes.enter_context(sources[i].tier.reading(keys))
+        if cores is not None and first and all(sources[i].tier.in_memory() for i in first):
+            threads = min(threads, cores)
 
-    def read(p: ChunkRead) -> None:
-        array, chunk = manifest.arrays[p.name], p.chunk
-        reqs = [requests[i] for i in p.requests]
-        if chunk.inline is not None:  # in the manifest: a rank whose node was replaced holds no tier of it
-            piece = _inline(array, chunk, verify=True)
-            for r in reqs:
-                _place(piece, chunk.offsets, r)
-            return
-        from_first_good(sources, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify))
+        def read(p: ChunkRead) -> None:
+            array, chunk = manifest.arrays[p.name], p.chunk
+            reqs = [requests[i] for i in p.requests]
+            if chunk.inline is not None:  # in the manifest: a rank whose node was replaced holds no tier of it
+                piece = _inline(array, chunk, verify=True)
+                for r in reqs:
+                    _place(piece, chunk.offsets, r)
+                return
+            from_first_good(sources, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify))
 
-    # Chunks some rank cannot reach (a node replaced with empty disks): one rank that reaches
-    # each (taking turns among them) reads it once, verified, and sends it point to point to
-    # the ranks that need it; in rounds of bounded bytes, in one order on every rank. This
-    # rank's own reads go on meanwhile, on their own thread.
-    own: list[tuple[list[Any], list[tuple[int, Exception]]]] = []
-    reader = threading.Thread(target=lambda: own.append(run_lanes(local, read, max(1, threads), name="ckpt-read")))
-    if wanted:
-        reader.start()
-    batches: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]
-    held = 0
-    for pos, (name, index) in enumerate(sorted(wanted)):
-        array = manifest.arrays[name]
-        chunk = array.chunk_at(index)
-        holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]
-        if not holders:
-            error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
-            continue
-        if held >= SEND_ROUND_BYTES:
-            batches.append([])
-            held = 0
-        batches[-1].append((holders[pos % len(holders)], name, index))
-        held += chunk.nbytes
-    # Two rounds in flight: the next one is read while this one is sent.
-    prepare = functools.partial(_prepare_round, comm, sources, manifest, requests, by_key, wanted)
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-send-ahead") as ahead:
-        nxt = ahead.submit(prepare, batches[0], verify, threads) if batches[0] else None
-        for k in range(len(batches)):
-            if nxt is None:
-                break
-            rnd = nxt.result()
-            nxt = ahead.submit(prepare, batches[k + 1], verify, threads) if k + 1 < len(batches) else None
-            error = _finish_round(comm, rnd) or error
-    if wanted:
-        reader.join()
-    else:
-        try:
-            reader.run()
-        finally:
-            _window.release()
+        # Chunks some rank cannot reach (a node replaced with empty disks): one rank that reaches
+        # each (taking turns among them) reads it once, verified, and sends it point to point to
+        # the ranks that need it; in rounds of bounded bytes, in one order on every rank. This
+        # rank's own reads go on meanwhile, on their own thread.
+        own: list[tuple[list[Any], list[tuple[int, Exception]]]] = []
+        reader = threading.Thread(target=lambda: own.append(run_lanes(local, read, max(1, threads), name="ckpt-read")))
+        if wanted:
+            reader.start()
+        batches: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]
+        held = 0
+        for pos, (name, index) in enumerate(sorted(wanted)):
+            array = manifest.arrays[name]
+            chunk = array.chunk_at(index)
+            holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]
+            if not holders:
+                error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
+                continue
+            if held >= SEND_ROUND_BYTES:
+                batches.append([])
+                held = 0
+            batches[-1].append((holders[pos % len(holders)], name, index))
+            held += chunk.nbytes
+        # Two rounds in flight: the next one is read while this one is sent.
+        prepare = functools.partial(_prepare_round, comm, sources, manifest, requests, by_key, wanted)
+        with ThreadPoolExecutor(1, thread_name_prefix="ckpt-send-ahead") as ahead:
+            nxt = ahead.submit(prepare, batches[0], verify, threads) if batches[0] else None
+            for k in range(len(batches)):
+                if nxt is None:
+                    break
+                rnd = nxt.result()
+                nxt = ahead.submit(prepare, batches[k + 1], verify, threads) if k + 1 < len(batches) else None
+                error = _finish_round(comm, rnd) or error
+        if wanted:
+            reader.join()
+        else:
+            try:
+                reader.run()
+            finally:
+                _window.release()
     _, failed = own[0] if own else ([], [(0, CkptError("this rank's reads were interrupted"))])
     if failed and error is None:
         error = failed[0][1]  # the first in reading order

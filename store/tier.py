@@ -23,9 +23,11 @@ them against a local directory, `file://` and S3 on a moto server):
 
 from __future__ import annotations
 
+import contextlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,7 +60,7 @@ class Capabilities:
     and read so into them (ReadHandle.read_direct)."""
     local_files: bool
     """Keys are files of this machine's filesystem (`local_path`): readers may pin them
-    against GC with flocks, and warm their directory entries before reading."""
+    against GC with flocks, and read their directory entries ahead of a read pass."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,10 +168,11 @@ class Tier(ABC):
         """The file behind `key` where `capabilities.local_files`, else None."""
         return None
 
-    def warm(self, keys: Iterable[str]) -> None:
-        """A hint that these objects are about to be read (a local tier reads their inodes
-        and directory entries ahead, many at once); no effect elsewhere."""
-        return None
+    def reading(self, keys: Iterable[str]) -> AbstractContextManager[None]:
+        """A read pass over these objects (and maybe others of the tier), many at once, from
+        several threads: a local tier reads their inodes and directory entries ahead and
+        keeps its directory open for the pass; no effect elsewhere."""
+        return contextlib.nullcontext()
 
     def in_memory(self) -> bool:
         """Whether its objects are in this machine's memory (a local tier on tmpfs): every

@@ -238,10 +238,10 @@ def test_recover_with_an_unreadable_root_info(tmp_path: Path, monkeypatch: Any) 
     _save(root, 1, 2)
     real = local_mod.open_beneath
 
-    def open_beneath(top: str, rel: str) -> int:
+    def open_beneath(top: str, rel: str, top_fd: int | None = None) -> tuple[int, int]:
         if rel == "v000000000001/root.json":
             raise OSError(errno.EIO, "Input/output error")
-        return real(top, rel)
+        return real(top, rel, top_fd)
 
     monkeypatch.setattr(local_mod, "open_beneath", open_beneath)
     Checkpointer(root).close()  # the previous code skipped the unreadable version

@@ -1,15 +1,19 @@
 """store._local.open_beneath: one openat2 call on kernels that have it, a walk of O_NOFOLLOW
-openat calls elsewhere; both refuse the same paths."""
+openat calls elsewhere; both refuse the same paths, from the top's path or from its open
+directory (a read pass's). LocalTier.reading keeps that directory open for the pass."""
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ckpt.store import _local
-from ckpt.store._local import open_beneath
+from ckpt.store._local import LocalTier, open_beneath
 from ckpt.store.errors import CorruptVersionError
 
 
@@ -22,7 +26,18 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return str(request.param)
 
 
-def test_only_regular_files_beneath_the_top_open(tmp_path: Path, mode: str) -> None:
+@pytest.fixture(params=["path", "held"])
+def top_fd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[int | None]:
+    if request.param == "path":
+        yield None
+        return
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield fd
+    os.fstat(fd)  # still open: open_beneath never closes the caller's directory
+    os.close(fd)
+
+
+def test_only_regular_files_beneath_the_top_open(tmp_path: Path, mode: str, top_fd: int | None) -> None:
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "f").write_bytes(b"data")
     (tmp_path / "outside").write_bytes(b"secret")
@@ -30,13 +45,74 @@ def test_only_regular_files_beneath_the_top_open(tmp_path: Path, mode: str) -> N
     os.symlink(tmp_path / "a", tmp_path / "dirlink")
     os.symlink("../../outside", tmp_path / "a" / "b" / "up")
     os.mkfifo(tmp_path / "a" / "fifo")
-    fd = open_beneath(str(tmp_path), "a/b/f")
+    fd, size = open_beneath(str(tmp_path), "a/b/f", top_fd)
     try:
-        assert os.read(fd, 10) == b"data"
+        assert (os.read(fd, 10), size) == (b"data", 4)
     finally:
         os.close(fd)
     for rel in ("a/link", "dirlink/b/f", "a/b/up", "a/fifo", "a/b/f/x", "a/../outside", "/etc/passwd", "a//b/f"):
         with pytest.raises(CorruptVersionError):
-            open_beneath(str(tmp_path), rel)
+            open_beneath(str(tmp_path), rel, top_fd)
     with pytest.raises(FileNotFoundError):
-        open_beneath(str(tmp_path), "a/b/missing")
+        open_beneath(str(tmp_path), "a/b/missing", top_fd)
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_read_pass_opens_the_directory_once(tmp_path: Path, mode: str) -> None:
+    keys = [f"v1/d{i}/c.0" for i in range(6)]
+    for i, k in enumerate(keys):
+        (tmp_path / k).parent.mkdir(parents=True)
+        (tmp_path / k).write_bytes(bytes([i]) * (i + 1))
+    tier = LocalTier(tmp_path)
+    opened: list[str] = []
+
+    def hook(event: str, args: tuple[object, ...]) -> None:
+        if event == "open" and args[0] == str(tmp_path) and threading.current_thread() is main:
+            opened.append(event)
+
+    main = threading.current_thread()
+    sys.addaudithook(hook)
+    before = _fds()
+    for k in keys:  # outside a pass: each open opens the tier's directory too
+        assert tier.get(k) == bytes([keys.index(k)]) * (keys.index(k) + 1)
+    assert len(opened) == len(keys)
+    opened.clear()
+    with tier.reading(keys):
+        for i, k in enumerate(keys):
+            assert tier.get(k) == bytes([i]) * (i + 1)
+            h = tier.open_read(k)
+            assert h.size == i + 1
+            h.close()
+        with pytest.raises(FileNotFoundError):
+            tier.open_read("v1/missing")
+        with pytest.raises(CorruptVersionError):
+            tier.open_read("v1/../x")
+    assert len(opened) == 1, opened  # once, for the whole pass
+    assert _fds() == before  # and closed after it
+    opened.clear()
+    tier.get(keys[0])
+    assert len(opened) == 1
+
+
+def test_a_read_pass_over_a_missing_tier_raises_nothing_itself(tmp_path: Path) -> None:
+    tier = LocalTier(tmp_path / "absent")
+    with tier.reading(["v1/c"]):
+        with pytest.raises(FileNotFoundError):
+            tier.open_read("v1/c")
+
+
+def test_the_held_directory_outlives_the_pass_while_an_open_uses_it(tmp_path: Path) -> None:
+    held = _local._HeldDir(str(tmp_path))
+    assert held.acquire() is None  # outside a pass: the caller opens the path itself
+    with held.held():
+        with held.held():  # a second pass shares the descriptor
+            fd = held.acquire()
+            assert fd is not None
+    os.fstat(fd)  # both passes ended; an open still uses it: not closed, so not reused
+    held.release()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert held.acquire() is None
