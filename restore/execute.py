@@ -94,6 +94,8 @@ class ReadRequest:
             and d.dtype == ZARR_TO_TORCH[self.array.data_type]
             and d.is_contiguous()
             and d.stride(-1) == 1  # a (1,)-shaped tensor may be "contiguous" with another stride
+            and not d.is_conj()  # (whose bytes torch will not view as uint8)
+            and not d.is_neg()
         )
         flat = memoryview(d.view(torch.uint8).numpy()).cast("B") if ok else None  # type: ignore[arg-type]
         object.__setattr__(self, "dest_bytes", flat)
