@@ -131,7 +131,7 @@ class _HeldDir:
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         with self._lock:
-            if self._passes == 0 and self._fd is None:
+            if self._fd is None:
                 with contextlib.suppress(OSError):  # a missing root: each open reports it
                     self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             self._passes += 1
