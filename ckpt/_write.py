@@ -25,8 +25,8 @@ from ckpt._staging import StageTask
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import NonFiniteError
 from ckpt.store.faults import fault_delay
-from ckpt.store.fsio import DIR_MODE, fsync_files, makedirs, write_chunk, write_new
-from ckpt.store.lanes import run_lanes
+from ckpt.store.fsio import DIR_MODE, fsync_files, in_ram, makedirs, write_chunk, write_new
+from ckpt.store.lanes import LIGHT_BYTES, run_lanes
 from ckpt.store.layout import block_rows, chunk_file
 from ckpt.store.manifest import STATE_PREFIX
 from ckpt.store.spare import spare_key, take
@@ -156,8 +156,15 @@ def write_tasks(
         doc(task)  # the small metadata files go last, filling in as the chunk writers finish
         return None
 
+    # In memory (tmpfs) a small file's write is a short copy between system calls, each a
+    # point where competing writers queue for the GIL: one writer takes the small ones
+    # (1.5 GB to tmpfs, 2 cores: writes 184-197 ms against 219-229). Not while the copy
+    # still runs (overlap_writes): that writer would wait for the copy of the last chunks.
+    solo = 0
+    if not job.overlap and in_ram(tmp_dir):
+        solo = sum(1 for t in ordered if not isinstance(t, StageTask) or t.staged_bytes < LIGHT_BYTES)
     # On a failure every lane has stopped before the arena may be reused.
-    outcomes, failed = run_lanes(ordered, work, _LANES, pool=pool)
+    outcomes, failed = run_lanes(ordered, work, _LANES, pool=pool, solo=solo)
     if job.ready is not None:
         job.ready.result()  # a failed copy says more than the writers it stopped
     if failed:

@@ -50,7 +50,7 @@ from ckpt.store.chunk_read import check_digest, open_checked, open_chunk, read_d
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import CkptError, CorruptVersionError
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
-from ckpt.store.lanes import run_lanes
+from ckpt.store.lanes import LIGHT_BYTES, run_lanes
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.tier import ReadHandle
 
@@ -415,8 +415,13 @@ def load_arrays(
     with contextlib.ExitStack() as passes:
         for i, keys in first.items():
             passes.enter_context(sources[i].tier.reading(keys))
-        if cores is not None and first and all(sources[i].tier.in_memory() for i in first):
-            threads = min(threads, cores)
+        solo = 0
+        if first and all(sources[i].tier.in_memory() for i in first):
+            if cores is not None:
+                threads = min(threads, cores)
+            # Small chunks (the tail of `local`) on one reader: there a read is a quick copy,
+            # and readers competing for the GIL at every system call cost more than it.
+            solo = sum(1 for p in local if p.chunk.nbytes < LIGHT_BYTES)
 
         def read(p: ChunkRead) -> None:
             array, chunk = manifest.arrays[p.name], p.chunk
@@ -433,7 +438,9 @@ def load_arrays(
         # the ranks that need it; in rounds of bounded bytes, in one order on every rank. This
         # rank's own reads go on meanwhile, on their own thread.
         own: list[tuple[list[Any], list[tuple[int, Exception]]]] = []
-        reader = threading.Thread(target=lambda: own.append(run_lanes(local, read, max(1, threads), name="ckpt-read")))
+        reader = threading.Thread(
+            target=lambda: own.append(run_lanes(local, read, max(1, threads), name="ckpt-read", solo=solo))
+        )
         if wanted:
             reader.start()
         batches: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]

@@ -5,6 +5,8 @@ contend for the cores and the GIL."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,10 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+import ckpt._load as ckpt_load
 import ckpt.restore.execute as execute
 from ckpt import Checkpointer
 from ckpt._cores import rank_cores
 from ckpt.store.fsio import in_ram
+from ckpt.store.lanes import LIGHT_BYTES
 from tests._states import assert_bitwise, blank
 
 READERS = 8
@@ -65,3 +69,43 @@ def test_a_ranks_cores_are_its_share_of_an_unpinned_machine(monkeypatch: pytest.
     assert rank_cores() == machine
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(machine * 2))
     assert rank_cores() == 1
+
+
+def _chunk_readers(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[set[int], set[int]]:
+    """The threads that read the small chunks and the large ones of a restore (two readers)."""
+    g = torch.Generator().manual_seed(9)
+    state = {
+        "big": {f"b{i}": torch.randn(1 << 18, generator=g) for i in range(6)},  # 1 MiB chunks
+        "small": {f"s{i}": torch.randn(64, generator=g) for i in range(200)},
+    }
+    small: set[int] = set()
+    large: set[int] = set()
+    real = execute._read_from
+
+    def spy(src: Any, array: Any, chunk: Any, *args: Any) -> None:
+        (small if chunk.nbytes < LIGHT_BYTES else large).add(threading.get_ident())
+        time.sleep(0.0005 if chunk.nbytes < LIGHT_BYTES else 0.005)  # both readers find work
+        real(src, array, chunk, *args)
+
+    with Checkpointer(root, reader_threads=2) as ck:
+        ck.save(1, state)
+        ck.wait()
+        got = blank(state)
+        monkeypatch.setattr(execute, "_read_from", spy)
+        monkeypatch.setattr(ckpt_load, "rank_cores", lambda: 2)  # two readers on any machine
+        assert ck.restore(got) == 1
+    assert_bitwise(got, state)
+    return small, large
+
+
+def test_small_chunks_in_memory_are_read_by_one_reader(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small, large = _chunk_readers(shm_root, monkeypatch)
+    assert len(small) == 1  # other readers would only queue for the GIL at each system call
+    assert len(large | small) == 2  # while the second reader takes the large chunks
+
+
+def test_small_chunks_on_disk_are_read_by_every_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if in_ram(str(tmp_path)):
+        pytest.skip("the test's temporary directory is in memory here")
+    small, _ = _chunk_readers(tmp_path / "root", monkeypatch)
+    assert len(small) == 2  # a disk read waits on the device: readers overlap those waits
