@@ -153,13 +153,14 @@ def write_tasks(
     def work(task: StageTask | tuple[str, bytes]) -> tuple[str, ChunkRecord, int] | None:
         if isinstance(task, StageTask):
             return one(task)
-        doc(task)  # the small metadata files go last, filling in as the chunk writers finish
+        doc(task)  # the small metadata files go last
         return None
 
     # In memory (tmpfs) a small file's write is a short copy between system calls, each a
-    # point where competing writers queue for the GIL: one writer takes the small ones
-    # (1.5 GB to tmpfs, 2 cores: writes 184-197 ms against 219-229). Not while the copy
-    # still runs (overlap_writes): that writer would wait for the copy of the last chunks.
+    # point where competing writers queue for the GIL: one writer takes the small files
+    # while the others write the large chunks (1.5 GB to tmpfs, 2 cores: writes 184-197 ms
+    # against 206-235). Not while the copy still runs (overlap_writes): the small chunks
+    # may be the last it reaches, and that writer would wait for them.
     solo = 0
     if not job.overlap and in_ram(tmp_dir):
         solo = sum(1 for t in ordered if not isinstance(t, StageTask) or t.staged_bytes < LIGHT_BYTES)

@@ -7,6 +7,7 @@ every lane takes any file."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def _writers(root: Path, monkeypatch: pytest.MonkeyPatch, **config: Any) -> tupl
 
     def chunk_spy(path: str, view: Any, **kw: Any) -> Any:
         (small if len(view) < LIGHT_BYTES else large).add(threading.get_ident())
-        threading.Event().wait(0.0005 if len(view) < LIGHT_BYTES else 0.005)  # every lane finds work
+        time.sleep(0.0005 if len(view) < LIGHT_BYTES else 0.005)  # every lane finds work
         return real_chunk(path, view, **kw)
 
     def new_spy(path: str, data: bytes, **kw: Any) -> Any:
@@ -68,6 +69,6 @@ def test_on_a_disk_every_writer_takes_small_files(tmp_path: Path, monkeypatch: p
 
 
 def test_while_the_copy_runs_every_writer_takes_small_files(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CKPT_DELAY", "stage:0:0.02")  # a slow copy: the writers wait for chunks
+    monkeypatch.setenv("CKPT_DELAY", "stage:0:0.002")  # a slow copy: the writers wait for chunks
     small, _ = _writers(shm_root, monkeypatch, overlap_writes=True)
     assert len(small) >= 2

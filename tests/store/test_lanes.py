@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,13 +40,45 @@ def test_every_item_runs_once_and_failures_come_in_item_order(threads: int, solo
 
 def test_the_solo_tail_runs_on_one_thread_in_order_while_the_others_share_the_rest() -> None:
     seen: list[tuple[int, int]] = []
-    items = list(range(30))
-    run_lanes(items, _record(seen, threading.Lock(), delay=0.002), 3, solo=12)
+    lock = threading.Lock()
+    meet = threading.Barrier(2, timeout=30)  # items 0 and 1 finish only on two lanes at once
+    record = _record(seen, lock, delay=0.002)
+
+    def fn(item: int) -> int:
+        if item in (0, 1):
+            meet.wait()
+        return record(item)
+
+    _, failed = run_lanes(list(range(30)), fn, 3, solo=12)
+    assert not [e for _, e in failed if isinstance(e, threading.BrokenBarrierError)]  # the head ran on two lanes
     tail = [(i, t) for i, t in seen if i >= 18]
     assert [i for i, _ in tail] == list(range(18, 30))  # in order
     assert len({t for _, t in tail}) == 1  # one thread
-    head_threads = {t for i, t in seen if i < 18}
-    assert len(head_threads) >= 2  # the other lanes read the head meanwhile
+
+
+def test_the_solo_lane_first_takes_its_tail_then_joins_the_others() -> None:
+    seen: list[tuple[int, int]] = []
+    meet = threading.Barrier(2, timeout=30)  # items 0 and 1 finish only on two lanes at once
+    record = _record(seen, threading.Lock())
+
+    def fn(item: int) -> int:
+        if item in (0, 1):
+            meet.wait()
+        return record(item)
+
+    _, failed = run_lanes(list(range(10)), fn, 2, solo=2)  # one shared lane, one solo lane
+    assert not [e for _, e in failed if isinstance(e, threading.BrokenBarrierError)]
+    solo_thread = next(t for i, t in seen if i == 8)
+    assert [i for i, t in seen if t == solo_thread][:2] == [8, 9]  # its tail first
+    assert any(t == solo_thread for i, t in seen if i < 8)  # then items of the head
+
+
+def test_more_lanes_than_the_pools_threads() -> None:
+    seen: list[tuple[int, int]] = []
+    with ThreadPoolExecutor(1) as pool:
+        results, _ = run_lanes(list(range(12)), _record(seen, threading.Lock()), 4, pool=pool, solo=5)
+    assert sorted(i for i, _ in seen) == list(range(12))
+    assert [i for i, _ in seen][:5] == list(range(7, 12))  # the solo lane is the first to start
 
 
 def test_an_all_solo_list_runs_on_one_thread() -> None:
