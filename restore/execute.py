@@ -203,12 +203,34 @@ def _read_block(handle: ReadHandle, block: Block, out: torch.Tensor | memoryview
     if not verify:
         _read(handle, view, block.offset, where)
         return
+    _read_parts(handle, block, (view,), where)
+
+
+def _read_parts(handle: ReadHandle, block: Block, parts: Sequence[memoryview], where: str) -> None:
+    """A block read into consecutive `parts` (together its bytes, in file order) and checked."""
     hasher = xxhash.xxh3_64()  # streamed: each piece is hashed while it is still in the CPU cache
-    for start in range(0, len(view), _PIECE):
-        piece = view[start : start + _PIECE]
-        read_exact(handle, piece, block.offset + start, where)
-        hasher.update(piece)
+    offset = block.offset
+    for view in parts:
+        for start in range(0, len(view), _PIECE):
+            piece = view[start : start + _PIECE]
+            read_exact(handle, piece, offset + start, where)
+            hasher.update(piece)
+        offset += len(view)
     _check_block(hasher.hexdigest(), block, where)
+
+
+def _split_block(
+    block: Block, direct: tuple[int, int], scratch: memoryview, dest: Callable[[tuple[int, int]], memoryview], rb: int
+) -> list[memoryview]:
+    """A block that `direct` rows cover in part, as the parts to read it into: its rows
+    inside `direct` straight into the destination (`dest(rows)`), the others into
+    `scratch`, so only the rows the destination does not take cost a second copy."""
+    (b0, b1), (lo, hi) = block.rows, (max(block.rows[0], direct[0]), min(block.rows[1], direct[1]))
+    parts = [scratch[: (lo - b0) * rb]] if lo > b0 else []
+    parts.append(dest((lo, hi)))
+    if hi < b1:
+        parts.append(scratch[(hi - b0) * rb : block.nbytes])
+    return parts
 
 
 def _check_block(got: str, block: Block, where: str) -> None:
@@ -278,6 +300,12 @@ def _read_from(
                 _read_block(handle, block, _dest_view(reqs[0], chunk, block.rows, rb), where, verify)
                 continue
             raw = _bounce.get(block.nbytes)
+            if direct is not None and block.rows[0] < direct[1] and direct[0] < block.rows[1]:
+                # A block at the edge of this rank's rows (a reshard): those rows go straight
+                # into place, the rest (read only to check the block) into the bounce buffer.
+                dest = functools.partial(_dest_view, reqs[0], chunk, rb=rb)
+                _read_parts(handle, block, _split_block(block, direct, _byte_view(raw), dest, rb), where)
+                continue
             _read_block(handle, block, raw, where, verify)
             piece = _typed(raw, array, block.rows[1] - block.rows[0])
             for r in reqs:

@@ -1,0 +1,67 @@
+"""A rank whose rows start or end inside a checksummed block of a saved chunk (a reshard)
+reads that block's rows it takes straight into its tensor and only the others into the
+bounce buffer, and still checks the whole block: a flipped byte on either side of its
+boundary is damage, and the restore falls back to the version before."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt
+import ckpt.restore.execute as execute
+from ckpt import Checkpointer
+from tests._states import assert_bitwise
+
+ROWS, COLS = 2600, 1031  # rows of 4,124 bytes: 254 rows to a ~1 MiB block
+LO, HI = 300, 1900  # both inside a block (blocks 1 and 7)
+
+
+def _big(step: int) -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(step))
+
+
+def _save(root: Path, steps: tuple[int, ...]) -> None:
+    with Checkpointer(root, keep_last=3) as ck:
+        for step in steps:
+            ck.save(step, {"model": {"big": _big(step)}})
+        ck.wait()
+
+
+def _restore(root: Path) -> tuple[int, torch.Tensor]:
+    piece = ckpt.Shard(torch.zeros(HI - LO, COLS), (ROWS, COLS), (LO, 0))
+    with Checkpointer(root, keep_last=3) as ck:
+        step = ck.restore({"model": {"big": piece}})
+    return step, piece.local_tensor
+
+
+def test_rows_inside_a_boundary_block_go_straight_into_place(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save(shm_root, (1,))
+    placed: list[Any] = []
+    real = execute._place
+    monkeypatch.setattr(execute, "_place", lambda *a: (placed.append(a), real(*a)))
+    step, got = _restore(shm_root)
+    assert step == 1
+    assert_bitwise(got, _big(1)[LO:HI])
+    assert placed == []  # no copy out of the bounce buffer
+
+
+@pytest.mark.parametrize("row", [260, 400, 1850, 1950], ids=["before-lo", "after-lo", "before-hi", "after-hi"])
+def test_a_flipped_byte_in_a_boundary_block_is_caught_on_either_side(shm_root: Path, row: int) -> None:
+    _save(shm_root, (1, 2))
+    (chunk,) = (shm_root / "v000000000002" / "state" / "model" / "big").glob("c.*")
+    offset = row * COLS * 4 + 5
+    with open(chunk, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x20]))
+        f.flush()
+        os.fsync(f.fileno())
+    step, got = _restore(shm_root)
+    assert step == 1  # past the damaged version
+    assert_bitwise(got, _big(1)[LO:HI])
