@@ -7,7 +7,9 @@ for a split along dim 1, only the needed span of each row). From a disk, chunks 
 and more are read with O_DIRECT, in windows of consecutive blocks, into one aligned
 buffer per reader thread (_WINDOW), checked there and copied out; elsewhere (tmpfs, a
 remote store, small chunks) extra memory is one block per reader thread, or none when a
-block lands contiguously in a destination tensor and is read straight into it.
+block lands contiguously in a destination tensor and is read straight into it; a block
+at the edge of a destination's rows puts those rows straight into it and the rest in
+that buffer.
 
 A chunk is read from the first source that holds a good copy (restore.sources). A chunk
 that no source of this rank holds (ranks do not share filesystems) is read by a rank that

@@ -21,32 +21,43 @@ ROWS, COLS = 2600, 1031  # rows of 4,124 bytes: 254 rows to a ~1 MiB block
 LO, HI = 300, 1900  # both inside a block (blocks 1 and 7)
 
 
-def _big(step: int) -> torch.Tensor:
-    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(step))
+def _tensor(step: int, shape: tuple[int, ...] = (ROWS, COLS)) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(step))
 
 
-def _save(root: Path, steps: tuple[int, ...]) -> None:
-    with Checkpointer(root, keep_last=3) as ck:
+def _save(root: Path, steps: tuple[int, ...], shape: tuple[int, ...] = (ROWS, COLS), **config: Any) -> None:
+    with Checkpointer(root, keep_last=3, **config) as ck:
         for step in steps:
-            ck.save(step, {"model": {"big": _big(step)}})
+            ck.save(step, {"model": {"big": _tensor(step, shape)}})
         ck.wait()
 
 
-def _restore(root: Path) -> tuple[int, torch.Tensor]:
-    piece = ckpt.Shard(torch.zeros(HI - LO, COLS), (ROWS, COLS), (LO, 0))
+def _restore(root: Path, lo: int, hi: int, shape: tuple[int, ...] = (ROWS, COLS)) -> tuple[int, torch.Tensor]:
+    piece = ckpt.Shard(torch.zeros(hi - lo, *shape[1:]), shape, (lo,) + (0,) * (len(shape) - 1))
     with Checkpointer(root, keep_last=3) as ck:
         step = ck.restore({"model": {"big": piece}})
     return step, piece.local_tensor
 
 
-def test_rows_inside_a_boundary_block_go_straight_into_place(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _save(shm_root, (1,))
+CASES = {
+    "edges-in-two-blocks": ((ROWS, COLS), LO, HI, {}),
+    "both-edges-in-one-block": ((ROWS, COLS), 300, 400, {}),
+    "chunk-of-one-block": ((100_000,), 10_000, 20_000, {}),  # 400 KB: checksummed whole
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rows_inside_a_boundary_block_go_straight_into_place(
+    shm_root: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    shape, lo, hi, config = CASES[case]
+    _save(shm_root, (1,), shape, **config)
     placed: list[Any] = []
     real = execute._place
     monkeypatch.setattr(execute, "_place", lambda *a: (placed.append(a), real(*a)))
-    step, got = _restore(shm_root)
+    step, got = _restore(shm_root, lo, hi, shape)
     assert step == 1
-    assert_bitwise(got, _big(1)[LO:HI])
+    assert_bitwise(got, _tensor(1, shape)[lo:hi])
     assert placed == []  # no copy out of the bounce buffer
 
 
@@ -62,6 +73,6 @@ def test_a_flipped_byte_in_a_boundary_block_is_caught_on_either_side(shm_root: P
         f.write(bytes([b[0] ^ 0x20]))
         f.flush()
         os.fsync(f.fileno())
-    step, got = _restore(shm_root)
+    step, got = _restore(shm_root, LO, HI)
     assert step == 1  # past the damaged version
-    assert_bitwise(got, _big(1)[LO:HI])
+    assert_bitwise(got, _tensor(1)[LO:HI])
