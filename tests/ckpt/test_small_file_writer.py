@@ -7,7 +7,6 @@ every lane takes any file."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import ckpt._write as write
 from ckpt import Checkpointer
 from ckpt.store.fsio import in_ram
 from ckpt.store.lanes import LIGHT_BYTES
+from tests._rendezvous import Rendezvous
 from tests._states import assert_bitwise, blank
 
 
@@ -29,19 +29,22 @@ def _state() -> dict[str, Any]:
     }
 
 
-def _writers(root: Path, monkeypatch: pytest.MonkeyPatch, **config: Any) -> tuple[set[int], set[int]]:
-    """The threads that wrote the small files and the large chunks of a save (4 writers)."""
+def _writers(root: Path, monkeypatch: pytest.MonkeyPatch, meet: Rendezvous, **config: Any) -> tuple[set[int], set[int]]:
+    """The threads that wrote the small files and the large chunks of a save (4 writers),
+    the writes arriving at `meet` as "small" or "large"."""
     small: set[int] = set()
     large: set[int] = set()
     real_chunk, real_new = write.write_chunk, write.write_new
 
     def chunk_spy(path: str, view: Any, **kw: Any) -> Any:
-        (small if len(view) < LIGHT_BYTES else large).add(threading.get_ident())
-        time.sleep(0.0005 if len(view) < LIGHT_BYTES else 0.005)  # every lane finds work
+        light = len(view) < LIGHT_BYTES
+        (small if light else large).add(threading.get_ident())
+        meet.arrive("small" if light else "large")
         return real_chunk(path, view, **kw)
 
     def new_spy(path: str, data: bytes, **kw: Any) -> Any:
         small.add(threading.get_ident())
+        meet.arrive("small")
         return real_new(path, data, **kw)
 
     monkeypatch.setattr(write, "write_chunk", chunk_spy)
@@ -56,7 +59,8 @@ def _writers(root: Path, monkeypatch: pytest.MonkeyPatch, **config: Any) -> tupl
 
 
 def test_in_memory_one_writer_takes_the_small_files(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    small, large = _writers(shm_root, monkeypatch, overlap_writes=False)
+    # the first small write waits for two large ones on two other threads
+    small, large = _writers(shm_root, monkeypatch, Rendezvous(["small", "large", "large"]), overlap_writes=False)
     assert len(small) == 1
     assert len(large - small) >= 2  # the other writers took the large chunks meanwhile
 
@@ -64,11 +68,11 @@ def test_in_memory_one_writer_takes_the_small_files(shm_root: Path, monkeypatch:
 def test_on_a_disk_every_writer_takes_small_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if in_ram(str(tmp_path)):
         pytest.skip("the test's temporary directory is in memory here")
-    small, _ = _writers(tmp_path / "root", monkeypatch, overlap_writes=False)
+    small, _ = _writers(tmp_path / "root", monkeypatch, Rendezvous(["small", "small"]), overlap_writes=False)
     assert len(small) >= 2
 
 
 def test_while_the_copy_runs_every_writer_takes_small_files(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPT_DELAY", "stage:0:0.002")  # a slow copy: the writers wait for chunks
-    small, _ = _writers(shm_root, monkeypatch, overlap_writes=True)
+    small, _ = _writers(shm_root, monkeypatch, Rendezvous(["small", "small"]), overlap_writes=True)
     assert len(small) >= 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from ckpt import Checkpointer
 from ckpt._cores import rank_cores
 from ckpt.store.fsio import in_ram
 from ckpt.store.lanes import LIGHT_BYTES
+from tests._rendezvous import Rendezvous
 from tests._states import assert_bitwise, blank
 
 READERS = 8
@@ -71,8 +71,9 @@ def test_a_ranks_cores_are_its_share_of_an_unpinned_machine(monkeypatch: pytest.
     assert rank_cores() == 1
 
 
-def _chunk_readers(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[set[int], set[int]]:
-    """The threads that read the small chunks and the large ones of a restore (two readers)."""
+def _chunk_readers(root: Path, monkeypatch: pytest.MonkeyPatch, meet: Rendezvous) -> tuple[set[int], set[int]]:
+    """The threads that read the small chunks and the large ones of a restore (two readers),
+    the reads arriving at `meet` as "small" or "large"."""
     g = torch.Generator().manual_seed(9)
     state = {
         "big": {f"b{i}": torch.randn(1 << 18, generator=g) for i in range(6)},  # 1 MiB chunks
@@ -83,8 +84,9 @@ def _chunk_readers(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[set[int
     real = execute._read_from
 
     def spy(src: Any, array: Any, chunk: Any, *args: Any) -> None:
-        (small if chunk.nbytes < LIGHT_BYTES else large).add(threading.get_ident())
-        time.sleep(0.0005 if chunk.nbytes < LIGHT_BYTES else 0.005)  # both readers find work
+        light = chunk.nbytes < LIGHT_BYTES
+        (small if light else large).add(threading.get_ident())
+        meet.arrive("small" if light else "large")
         real(src, array, chunk, *args)
 
     with Checkpointer(root, reader_threads=2) as ck:
@@ -99,7 +101,8 @@ def _chunk_readers(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[set[int
 
 
 def test_small_chunks_in_memory_are_read_by_one_reader(shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    small, large = _chunk_readers(shm_root, monkeypatch)
+    # the first small read waits for a large one on another thread: the readers run at once
+    small, large = _chunk_readers(shm_root, monkeypatch, Rendezvous(["small", "large"]))
     assert len(small) == 1  # other readers would only queue for the GIL at each system call
     assert len(large | small) == 2  # while the second reader takes the large chunks
 
@@ -107,5 +110,5 @@ def test_small_chunks_in_memory_are_read_by_one_reader(shm_root: Path, monkeypat
 def test_small_chunks_on_disk_are_read_by_every_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if in_ram(str(tmp_path)):
         pytest.skip("the test's temporary directory is in memory here")
-    small, _ = _chunk_readers(tmp_path / "root", monkeypatch)
+    small, _ = _chunk_readers(tmp_path / "root", monkeypatch, Rendezvous(["small", "small"]))
     assert len(small) == 2  # a disk read waits on the device: readers overlap those waits

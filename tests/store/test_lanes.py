@@ -4,7 +4,6 @@ tail taken by one lane alone, in order, before it joins the others."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,10 +12,8 @@ import pytest
 from ckpt.store.lanes import run_lanes
 
 
-def _record(seen: list[tuple[int, int]], lock: threading.Lock, delay: float = 0.0) -> Callable[[int], int]:
+def _record(seen: list[tuple[int, int]], lock: threading.Lock) -> Callable[[int], int]:
     def fn(item: int) -> int:
-        if delay:
-            time.sleep(delay)  # holds the lane long enough that another lane takes the next item
         with lock:
             seen.append((item, threading.get_ident()))
         if item % 7 == 3:
@@ -42,7 +39,7 @@ def test_the_solo_tail_runs_on_one_thread_in_order_while_the_others_share_the_re
     seen: list[tuple[int, int]] = []
     lock = threading.Lock()
     meet = threading.Barrier(2, timeout=30)  # items 0 and 1 finish only on two lanes at once
-    record = _record(seen, lock, delay=0.002)
+    record = _record(seen, lock)
 
     def fn(item: int) -> int:
         if item in (0, 1):
@@ -83,6 +80,6 @@ def test_more_lanes_than_the_pools_threads() -> None:
 
 def test_an_all_solo_list_runs_on_one_thread() -> None:
     seen: list[tuple[int, int]] = []
-    run_lanes(list(range(20)), _record(seen, threading.Lock(), delay=0.001), 4, solo=20)
+    run_lanes(list(range(20)), _record(seen, threading.Lock()), 4, solo=20)
     assert [i for i, _ in seen] == list(range(20))
     assert len({t for _, t in seen}) == 1
