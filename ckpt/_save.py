@@ -26,15 +26,15 @@ import torch
 
 from ckpt._commit import RootContext, run_once
 from ckpt._cores import rank_cores
-from ckpt._deferred import StagingGate, StorageKey, Versions, can_defer, find_optimizers
+from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
 from ckpt._dist import Comm
 from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import SaveJob, SaveRequest, SaveStats
 from ckpt._plan import agree_plans, layout_key
-from ckpt._staging import Arena, Readiness, Slot, StageTask, assign_offsets, slot_bytes, stage
-from ckpt._tensors import LocalPiece, describe
-from ckpt._tree import encode_state
+from ckpt._staging import Arena, Readiness, SlotBatch, StageTask, assign_offsets, slot_bytes, stage
+from ckpt._tensors import Describer, LocalPiece
+from ckpt._tree import EncodeMemo, encode_state
 from ckpt._write import open_tree, write_tasks
 from ckpt.config import CheckpointerConfig
 from ckpt.rng import capture_rng
@@ -48,11 +48,6 @@ from ckpt.store.versions import is_committed
 __all__ = ["Saver"]
 
 log = logging.getLogger("ckpt")
-# What changes a rank's layout: name, dtype, global shape, offsets, local shape, kind,
-# placements, mesh (by identity: ckpt._tensors keeps one object per DeviceMesh), and
-# whether the tensor is on a GPU (the staging buffer is pinned for those, and the
-# layout's slots keep views of it: a new buffer comes with a new layout).
-LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], str, tuple[int, ...], int, bool]
 
 
 def _staging_error(e: BaseException, step: int, root: str) -> BaseException:
@@ -109,9 +104,11 @@ class Saver:
         self._mine: list[tuple[ArrayPlan, ChunkPlan]] = []  # the chunks this rank writes
         self._by_name: dict[str, ArrayPlan] = {}
         self._plan_sig: int | None = None  # hash of this rank's layout when self._plans was made
+        self._encoded = EncodeMemo()  # the last save's encoded mappings, by name
+        self._describe = Describer()  # and its leaves' specs
         # Each staging batch's slots and arena size: a function of the plans alone, so
         # computed by the layout's first save and reused by the next ones.
-        self._slots: list[tuple[list[Slot], int]] | None = None
+        self._slots: list[SlotBatch] | None = None
         self._layout = ""  # the plans' layout_key
         self._arena = Arena()
         self.gate = StagingGate()
@@ -143,27 +140,21 @@ class Saver:
 
     def _save(self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool) -> bool:
         pieces: dict[str, LocalPiece] = {}
-        local: list[LocalSpec] = []
+        sig = 0  # this rank's layout signature
         deferrable: dict[str, tuple[tuple[Any, ...], Any]] = {}  # array name -> (key path, leaf), copied later
         cuda = False  # whether any piece is on a GPU (the staging buffer is pinned then)
         tree: Any = None
         rng = None
         error: BaseException | None = None
         try:
-            tree, leaves = encode_state(state)
-            owned: set[StorageKey] = set()
+            tree, leaves = encode_state(state, self._encoded)
+            described = self._describe(leaves.paths, leaves.values)
+            pieces, sig, cuda = described.pieces, described.signature, described.cuda
             if self.config.deferred_staging:
                 owned = self.gate.owned_storages(find_optimizers(state))
-            for (name, path), value in zip(leaves.paths.items(), leaves.values):
-                p = describe(value, path)
-                pieces[name] = p
-                on_gpu = p.data.is_cuda
-                cuda |= on_gpu
-                local.append(
-                    (name, p.data_type, p.global_shape, p.offsets, p.shape, p.kind, p.placements, id(p.mesh), on_gpu)
-                )
-                if owned and can_defer(value, p.data, owned):
-                    deferrable[name] = (path, value)
+                for (name, path), value in zip(leaves.paths.items(), leaves.values):
+                    if owned and can_defer(value, pieces[name].data, owned):
+                        deferrable[name] = (path, value)
             rng = capture_rng() if self.config.capture_rng else None
             if step in self.incomplete:
                 overwrite = True  # on every rank alike: the restore's listing was gathered
@@ -176,7 +167,6 @@ class Saver:
             error = e
         # One all-reduce of a few integers: whether any rank failed, whether any rank's
         # layout changed since the last plan, and rank 0's random save id (the others give 0s).
-        sig = hash(tuple(local))
         ids = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else [0, 0]
         failed, changed, *id_parts = self._ctl.reduce_max([int(error is not None), int(sig != self._plan_sig), *ids])
         if failed:  # rare: only now does each rank's error text cross, so that every rank can name it
@@ -238,13 +228,14 @@ class Saver:
     ) -> None:
         step, save_id = job.step, job.request.save_id
         now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
+        whole: SlotBatch | None = None  # the batch `now` is all of, in its order
         try:
             batches = self._placed(pieces)
-            for i, (placed, size) in enumerate(batches):
-                job.arena = self._arena.get(size, pin)
+            for i, (placed, batch) in enumerate(batches):
+                job.arena = self._arena.get(batch.size, pin)
                 job.tasks = placed
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
-                    stage(job.arena, placed, self._copy_pool, gpu=pin)
+                    stage(job.arena, placed, self._copy_pool, gpu=pin, batch=batch)
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
                     open_tree(job, self.root, tmp_dir, self._ctx.root_groups[self._ctx.root_index])
                     write_tasks(job, tmp_dir, self._writer_pool)
@@ -252,8 +243,9 @@ class Saver:
                 job.ready = Readiness(placed)
                 # Slivers are copied now, deferrable or not: the exchange sends them before any
                 # chunk is written, and marks nothing a deferred copy would make.
-                now, later = placed, []
+                now, later, whole = placed, [], batch
                 if deferrable:
+                    whole = None
                     now = [t for t in placed if t.array.spec.name not in deferrable or t.sliver is not None]
                     later = [t for t in placed if t.array.spec.name in deferrable and t.sliver is None]
                 if later:  # the rest now; the deferred part is the commit thread's to copy
@@ -263,26 +255,27 @@ class Saver:
         except Exception as e:  # noqa: BLE001 - reported through the commit so every rank aborts together
             job.error = _staging_error(e, step, self.root)
         if job.error is not None:
-            job.tasks, job.ready, job.deferred, now = [], None, None, []
+            job.tasks, job.ready, job.deferred, now, whole = [], None, None, [], None
         ready = job.ready if job.deferred is None else None  # save()'s own copy, still to make
         job.overlap = job.ready is not None and self._overlap_writes(pin)
         copy_while_queued = ready is not None and job.overlap  # the writers take each chunk as it lands
         if not copy_while_queued:
             if ready is not None:
-                self._copy_now(job, now, ready, pin)
+                self._copy_now(job, now, ready, pin, whole)
             self._stalled(job, ready)
         if job.deferred is not None:
             self.gate.close()  # optimizer steps wait from here until the commit thread has copied
         self._queue(job)
         if copy_while_queued:
             assert ready is not None
-            self._copy_now(job, now, ready, pin)
+            self._copy_now(job, now, ready, pin, whole)
             self._stalled(job, ready)
 
-    def _placed(self, pieces: Mapping[str, LocalPiece]) -> list[tuple[list[StageTask], int]]:
-        """This save's staging batches: each batch's tasks at their arena offsets, and its size."""
+    def _placed(self, pieces: Mapping[str, LocalPiece]) -> list[tuple[list[StageTask], SlotBatch]]:
+        """This save's staging batches: each batch's tasks at their arena offsets, and the
+        layout's SlotBatch they come from."""
         if self._slots is not None:  # the layout's names are this rank's, as when it was checked
-            return [([s.task(pieces[s.name]) for s in slots], size) for slots, size in self._slots]
+            return [(b.tasks(pieces), b) for b in self._slots]
         unplanned = sorted(set(pieces) - set(self._by_name))
         if unplanned:  # its mesh's lowest rank has no such array
             raise StateMismatchError(f"{unplanned[:5]} of rank {self.rank}'s state are not in the job's layout")
@@ -290,8 +283,8 @@ class Saver:
         if absent:  # its mesh names this rank, which has no such array
             raise StateMismatchError(f"{absent[:5]} are in the job's layout with rank {self.rank}, not in its state")
         batches = [assign_offsets(b) for b in _batches(self._tasks(pieces), self.config.max_staging_bytes)]
-        self._slots = [([Slot.of(t) for t in placed], size) for placed, size in batches]
-        return [([s.task(pieces[s.name]) for s in slots], size) for slots, size in self._slots]
+        self._slots = [SlotBatch.of(placed, size) for placed, size in batches]
+        return [(b.tasks(pieces), b) for b in self._slots]
 
     def _tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
         """What this rank copies: the chunks it writes and the parts of others' chunks it sends."""
@@ -302,11 +295,14 @@ class Saver:
             tasks.append(StageTask(plan, chunk, pieces[plan.spec.name], sliver=send.sliver))
         return tasks
 
-    def _copy_now(self, job: SaveJob, tasks: list[StageTask], ready: Readiness, pin: bool) -> None:
+    def _copy_now(
+        self, job: SaveJob, tasks: list[StageTask], ready: Readiness, pin: bool, batch: SlotBatch | None
+    ) -> None:
         """save()'s copy into the arena, each chunk marked ready as it lands. A failure fails
-        the commit (on every rank); an interruption propagates (to _fail_save)."""
+        the commit (on every rank); an interruption propagates (to _fail_save). `batch`: the
+        SlotBatch `tasks` are all of, if they are."""
         try:
-            stage(job.arena, tasks, self._copy_pool, copied=ready.mark, gpu=pin)
+            stage(job.arena, tasks, self._copy_pool, copied=ready.mark, gpu=pin, batch=batch)
         except Exception as e:  # noqa: BLE001 - the commit raises it, on every rank
             ready.fail(_staging_error(e, job.step, self.root))
 

@@ -17,9 +17,10 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import operator
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.lanes import LaneGroup
 from ckpt.store.layout import ArrayPlan, ChunkPlan, Sliver
 
-__all__ = ["StageTask", "Slot", "Arena", "Readiness", "assign_offsets", "slot_bytes", "stage"]
+__all__ = ["StageTask", "Slot", "SlotBatch", "Arena", "Readiness", "assign_offsets", "slot_bytes", "stage"]
 
 _ALIGN = 64
 _MEMCPY_MIN = 1024  # elements; smaller copies stay with torch (no numpy round trip)
@@ -105,6 +106,37 @@ class Slot:
         cached = self._view
         if cached is None or cached[0] is not arena:
             cached = self._view = (arena, chunk_view(arena, task))
+        return cached[1]
+
+
+@dataclass(eq=False)
+class SlotBatch:
+    """A staging batch of a layout: its slots in order, the arena bytes they take, and
+    where the slots copied in one _foreach_copy_ (Slot.batched) lie among them, with their
+    views of the arena: found once, for every save of the layout."""
+
+    slots: list[Slot]
+    size: int
+    joint: list[int]  # positions of the batched slots
+    single: list[int]  # of the others
+    _views: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None, init=False, repr=False)
+
+    @staticmethod
+    def of(placed: list[StageTask], size: int) -> SlotBatch:
+        slots = [Slot.of(t) for t in placed]
+        joint = [i for i, s in enumerate(slots) if s.batched]
+        single = [i for i, s in enumerate(slots) if not s.batched]
+        return SlotBatch(slots, size, joint, single)
+
+    def tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
+        return [s.task(pieces[s.name]) for s in self.slots]
+
+    def views(self, arena: torch.Tensor, joint: Sequence[StageTask]) -> list[torch.Tensor]:
+        """The views of the arena the `joint` tasks (this batch's, at `self.joint`) are
+        copied into, made once per arena buffer."""
+        cached = self._views
+        if cached is None or cached[0] is not arena:
+            cached = self._views = (arena, [_slot_view(arena, t) for t in joint])
         return cached[1]
 
 
@@ -315,6 +347,7 @@ def stage(
     after: torch.cuda.Event | None = None,
     copied: Callable[[Sequence[StageTask]], None] | None = None,
     gpu: bool = True,
+    batch: SlotBatch | None = None,
 ) -> None:
     """Copy every task into the arena; returns when all bytes are in host memory.
 
@@ -323,8 +356,9 @@ def stage(
     `copied(tasks)` is called as tasks' bytes are in the arena (CUDA ones: after the CPU
     ones, each once its own event on the side stream has fired). `gpu=False` says that no
     task's piece is on a GPU (save() knows it from describing them): the tasks are then
-    not looked at one by one to find out. Even when interrupted, no copy into the arena is
-    still running when this returns or raises."""
+    not looked at one by one to find out. `batch`: the SlotBatch that made `tasks`, all of
+    its tasks in its order (its positions and views then serve the batched copy). Even when
+    interrupted, no copy into the arena is still running when this returns or raises."""
     cuda_tasks: list[StageTask] = []
     cpu_tasks = tasks
     if gpu:
@@ -350,7 +384,7 @@ def stage(
                         if copied is not None:  # one event per chunk: its writer may start once it is here
                             landed.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
                             landed[-1].record(stream)
-            _copy_cpu(arena, cpu_tasks, pool, copied)
+            _copy_cpu(arena, cpu_tasks, pool, copied, batch if cpu_tasks is tasks else None)
             for t, event in zip(cuda_tasks, landed):
                 event.synchronize()
                 assert copied is not None
@@ -358,6 +392,9 @@ def stage(
         finally:
             if stream is not None:  # no DMA into the arena may outlive this call, even on an error
                 stream.synchronize()
+
+
+_SOURCE = operator.attrgetter("piece.data")
 
 
 def _slot_view(arena: torch.Tensor, task: StageTask) -> torch.Tensor:
@@ -370,6 +407,7 @@ def _copy_cpu(
     tasks: list[StageTask],
     pool: ThreadPoolExecutor | None,
     copied: Callable[[Sequence[StageTask]], None] | None,
+    batch: SlotBatch | None = None,
 ) -> None:
     slow = faults_armed()  # the environment is read once per copy, not once per chunk
     flat = arena.numpy()
@@ -385,21 +423,31 @@ def _copy_cpu(
     # Small chunks that their pieces fill: one C++ call for all of them (not under armed
     # faults, whose per-chunk delays the tests of overlapping writes rely on).
     batched: list[StageTask] = []
+    views: list[torch.Tensor] = []
     if not slow:
-        batched = [t for t in tasks if t.slot is not None and t.slot.batched]
-        if batched:
-            tasks = [t for t in tasks if t.slot is None or not t.slot.batched]
+        if batch is not None:
+            batched = [tasks[i] for i in batch.joint]
+            if batched:
+                views = batch.views(arena, batched)
+                tasks = [tasks[i] for i in batch.single]
+        else:
+            batched = [t for t in tasks if t.slot is not None and t.slot.batched]
+            if batched:
+                views = [_slot_view(arena, t) for t in batched]
+                tasks = [t for t in tasks if t.slot is None or not t.slot.batched]
 
-    def copy_batched(part: list[StageTask]) -> None:
+    def copy_batched(part: list[StageTask], into: list[torch.Tensor]) -> None:
         if part:
-            torch._foreach_copy_([_slot_view(arena, t) for t in part], [t.piece.data for t in part])
+            torch._foreach_copy_(into, list(map(_SOURCE, part)))
             if copied is not None:
                 copied(part)
 
     # Many small chunks: half in each lane (torch releases the GIL inside _foreach_copy_).
     halves: tuple[list[StageTask], list[StageTask]] = (batched, [])
+    into: tuple[list[torch.Tensor], list[torch.Tensor]] = (views, [])
     if pool is not None and len(batched) >= _BATCH_SPLIT_MIN:
-        halves = (batched[: len(batched) // 2], batched[len(batched) // 2 :])
+        mid = len(batched) // 2
+        halves, into = (batched[:mid], batched[mid:]), (views[:mid], views[mid:])
     # Two lanes balanced by cost (bytes, and Python per chunk); numpy and torch release the
     # GIL while copying. Chunks under _LANE_MIN_BYTES all stay on this thread: split over
     # both lanes, their Python would pass the GIL between the threads at every chunk.
@@ -407,7 +455,7 @@ def _copy_cpu(
         sorted((t for t in tasks if t.staged_bytes >= _LANE_MIN_BYTES), key=lambda t: -t.staged_bytes) if tasks else []
     )
     if pool is None or (len(big) < 2 and not halves[1]):
-        copy_batched(batched)
+        copy_batched(batched, views)
         for t in tasks:
             copy(t)
         return
@@ -427,7 +475,7 @@ def _copy_cpu(
 
     def other_lane() -> None:
         if not group.stop.is_set():  # (set: this thread failed or was interrupted)
-            copy_batched(halves[1])
+            copy_batched(halves[1], into[1])
         for t in lanes[1]:
             if group.stop.is_set():
                 return
@@ -436,7 +484,7 @@ def _copy_cpu(
     try:
         group.start(other_lane)
         fault_delay("lane-started", (lanes[0] or lanes[1] or batched)[0].chunk.writer)
-        copy_batched(halves[0])
+        copy_batched(halves[0], into[0])
         for t in lanes[0]:
             copy(t)
     except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,17 @@ from ckpt.shard import Shard
 from ckpt.store.errors import UnsupportedStateError
 from ckpt.store.layout import REPLICATE, Mesh
 
-__all__ = ["TENSOR_LIKE", "TORCH_TO_ZARR", "ZARR_TO_TORCH", "LocalPiece", "describe", "is_tensor_like"]
+__all__ = [
+    "TENSOR_LIKE",
+    "TORCH_TO_ZARR",
+    "ZARR_TO_TORCH",
+    "Described",
+    "Describer",
+    "LocalPiece",
+    "LocalSpec",
+    "describe",
+    "is_tensor_like",
+]
 
 
 @dataclass(slots=True, eq=False)
@@ -168,3 +179,82 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
     local = data.detach() if data.requires_grad else data
     local_shape = shape if data is value else tuple(data.shape)
     return LocalPiece(local, TORCH_TO_ZARR[data.dtype], shape, offsets, local_shape, kind, mesh, placed)
+
+
+# What changes a rank's layout: name, dtype, global shape, offsets, local shape, kind,
+# placements, mesh (by identity: _mesh_of keeps one object per DeviceMesh), and whether
+# the tensor is on a GPU (the staging buffer is pinned for those, and the layout's slots
+# keep views of it: a new buffer comes with a new layout).
+LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], str, tuple[int, ...], int, bool]
+_NO_SPEC: LocalSpec = ("", "", (), (), (), "", (), 0, False)  # (its dtype is None: never used)
+
+
+@dataclass(slots=True)
+class Described:
+    """A save's leaves described: each one's piece and spec, in the state's order, the hash
+    of the specs (the rank's layout signature), and whether any piece is on a GPU."""
+
+    pieces: dict[str, LocalPiece]
+    specs: list[LocalSpec]
+    signature: int
+    cuda: bool
+
+
+class Describer:
+    """describe() for every leaf of a save, remembering what it found (names, specs and
+    dtypes: no tensor) for the next save. A leaf named as the last save's, which was a
+    plain tensor, that is a plain tensor of the same dtype, shape and device again is
+    checked in one line and keeps its spec; where every leaf does, the signature is the
+    last one, not hashed again. Any other leaf goes through describe()."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._specs: list[LocalSpec] = []
+        self._dtypes: list[torch.dtype | None] = []  # a plain tensor's, else None
+        self._signature = 0
+
+    def __call__(self, paths: dict[str, tuple[Any, ...]], values: list[Any]) -> Described:
+        pieces: dict[str, LocalPiece] = {}
+        specs: list[LocalSpec] = []
+        dtypes: list[torch.dtype | None] = []
+        names = list(paths)
+        again = names == self._names
+        fresh = not again  # whether some leaf is described anew
+        cuda = False
+        strided, tensor = torch.strided, torch.Tensor
+        known = zip(self._specs, self._dtypes) if again else itertools.repeat((_NO_SPEC, None))
+        for (name, path), value, (spec, dtype) in zip(paths.items(), values, known):
+            if (
+                dtype is not None
+                and type(value) is tensor
+                and value.dtype is dtype
+                and not value.is_nested
+                and value.layout is strided
+                and not value.is_meta
+                and not value.requires_grad
+                and value.is_cuda is spec[8]
+                and value.shape == spec[4]
+            ):
+                p = LocalPiece(value, spec[1], spec[2], spec[3], spec[4])
+            else:
+                fresh = True
+                p = describe(value, path)
+                spec = (
+                    name,
+                    p.data_type,
+                    p.global_shape,
+                    p.offsets,
+                    p.shape,
+                    p.kind,
+                    p.placements,
+                    id(p.mesh),
+                    p.data.is_cuda,
+                )
+                dtype = value.dtype if p.data is value and type(value) is tensor and p.kind == "plain" else None
+            pieces[name] = p
+            specs.append(spec)
+            dtypes.append(dtype)
+            cuda |= spec[8]
+        signature = hash(tuple(specs)) if fresh else self._signature
+        self._names, self._specs, self._dtypes, self._signature = names, specs, dtypes, signature
+        return Described(pieces, specs, signature, cuda)

@@ -24,7 +24,7 @@ from ckpt._tensors import TENSOR_LIKE, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import escape_component
 
-__all__ = ["Leaf", "Leaves", "encode_state", "bind", "Bound"]
+__all__ = ["Leaf", "Leaves", "EncodeMemo", "encode_state", "bind", "Bound"]
 
 TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = (
     "__tensor__",
@@ -64,12 +64,44 @@ def _has_state_dict(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
-def encode_state(state: Mapping[str, Any]) -> tuple[Any, Leaves]:
+def encode_state(state: Mapping[str, Any], memo: EncodeMemo | None = None) -> tuple[Any, Leaves]:
+    """The state's JSON tree and its tensor leaves. With a `memo` (a Saver's), mappings the
+    last save encoded are taken from it where their keys are the same, and the memo then
+    holds this save's."""
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
-    enc = _Encoder()
+    enc = _Encoder(memo)
     tree = {k: enc.enc(v, (k,), escape_component(str(k))) for k, v in state.items()}
+    if memo is not None:
+        memo.last = enc.seen
     return tree, enc.leaves
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """A mapping as a save encoded it: one of plain tensors with string keys, or one whose
+    values are all such mappings (`children`: an optimizer's state, by parameter)."""
+
+    path: tuple[Any, ...]
+    keys: tuple[Any, ...]
+    key_types: tuple[type, ...]  # (1 == True: equal keys of other types make other names)
+    paths: dict[str, tuple[Any, ...]]  # its leaves' array names -> key paths, in its order
+    node: dict[str, Any]  # its JSON node: shared by the saves that find it again, never changed
+    children: tuple[tuple[str, _Encoded], ...] | None = None  # by array name, in its order
+
+
+class EncodeMemo:
+    """What a Saver's next encoding reuses: the JSON nodes and array names of the last
+    save's mappings of plain tensors (a state_dict(), an optimizer's state of one
+    parameter, and the mapping of those by parameter). Found again by array name, path and
+    keys, such a mapping costs a few C loops over its values instead of a name, a key path
+    and a node per tensor. Holds no tensor: only names, keys and nodes."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, _Encoded] = {}
+
+
+_TENSOR_TYPE = {torch.Tensor}
 
 
 class _Encoder:
@@ -77,8 +109,10 @@ class _Encoder:
     reference cycle, which would keep every leaf (and its tensor) alive until the cyclic
     collector runs, and make the collector's next full pass longer."""
 
-    def __init__(self) -> None:
+    def __init__(self, memo: EncodeMemo | None = None) -> None:
         self.leaves = Leaves()
+        self.last = memo.last if memo is not None else None
+        self.seen: dict[str, _Encoded] = {}  # this encoding's, for the memo
 
     # `name` is the escaped path so far, extended per level rather than joined per leaf.
     def enc(self, v: Any, path: tuple[Any, ...], name: str) -> Any:
@@ -101,7 +135,7 @@ class _Encoder:
             for k in v:
                 if not isinstance(k, _KEY_TYPES):
                     raise UnsupportedStateError(f"{_key_str(path)}: dict key {k!r} of type {type(k).__name__}")
-            return {DICT: [[k, enc(x, path + (k,), f"{name}/{escape_component(str(k))}")] for k, x in v.items()]}
+            return self.enc_keyed(v, path, name)
         if isinstance(v, tuple):
             return {TUPLE: [enc(x, path + (i,), f"{name}/{i}") for i, x in enumerate(v)]}
         if isinstance(v, list):
@@ -121,15 +155,82 @@ class _Encoder:
         """A mapping with string keys as a JSON object. Plain tensors, most leaves of a
         state_dict(), are taken here without a call of enc() each."""
         paths, values = self.leaves.paths, self.leaves.values
+        last = self.last
+        if last is not None:
+            known = last.get(name)
+            if (
+                known is not None
+                and known.children is None
+                and known.path == path
+                and known.keys == tuple(v)
+                and set(map(type, v.values())) == _TENSOR_TYPE
+                and paths.keys().isdisjoint(known.paths)
+            ):
+                paths.update(known.paths)
+                values.extend(v.values())
+                self.seen[name] = known
+                return known.node
         out = {}
+        mine: dict[str, tuple[Any, ...]] | None = {} if last is not None else None
         for k, x in v.items():
             child = f"{name}/{escape_component(k)}"
             if type(x) is torch.Tensor and child not in paths:
-                paths[child] = path + (k,)
+                paths[child] = key = path + (k,)
                 values.append(x)
                 out[k] = {TENSOR: child}
+                if mine is not None:
+                    mine[child] = key
             else:
                 out[k] = self.enc(x, path + (k,), child)
+                mine = None
+        if mine:
+            keys = tuple(out)
+            self.seen[name] = _Encoded(path, keys, tuple(map(type, keys)), mine, out)
+        return out
+
+    def enc_keyed(self, v: Mapping[Any, Any], path: tuple[Any, ...], name: str) -> dict[str, Any]:
+        """A mapping with other keys (an optimizer's state: parameter ids) as [key, value]
+        pairs. Where its values are all plain dicts of plain tensors, as the last save's
+        were, with the same keys, it is taken as a whole."""
+        paths, values, seen = self.leaves.paths, self.leaves.values, self.seen
+        last = self.last
+        if last is not None:
+            known = last.get(name)
+            if (
+                known is not None
+                and known.children is not None
+                and known.path == path
+                and known.keys == tuple(v)
+                and known.key_types == tuple(map(type, v))
+            ):
+                xs = list(v.values())
+                if all(
+                    type(x) is dict and c.keys == tuple(x) and set(map(type, x.values())) == _TENSOR_TYPE
+                    for x, (_, c) in zip(xs, known.children)
+                ) and paths.keys().isdisjoint(known.paths):
+                    paths.update(known.paths)
+                    for x in xs:
+                        values.extend(x.values())
+                    seen[name] = known
+                    seen.update(known.children)
+                    return known.node
+        pairs = []
+        children: list[tuple[str, _Encoded]] | None = [] if last is not None else None
+        for k, x in v.items():
+            child = f"{name}/{escape_component(str(k))}"
+            node = self.enc(x, path + (k,), child)
+            pairs.append([k, node])
+            if children is not None:
+                found = seen.get(child)
+                if found is None or found.node is not node or found.children is not None or type(x) is not dict:
+                    children = None
+                else:
+                    children.append((child, found))
+        out = {DICT: pairs}
+        if children:
+            keys = tuple(k for k, _ in pairs)
+            leaves = {n: p for _, c in children for n, p in c.paths.items()}
+            seen[name] = _Encoded(path, keys, tuple(map(type, keys)), leaves, out, tuple(children))
         return out
 
 

@@ -134,7 +134,7 @@ def test_small_tensors_of_every_kind_are_copied_together_and_restore_bitwise(tmp
         for step, state in saves.items():
             ck.save(step, state)
         ck.wait()
-        slots = [s for batch, _ in ck._saver._slots or [] for s in batch]
+        slots = [s for batch in ck._saver._slots or [] for s in batch.slots]
         assert sum(s.batched for s in slots) >= 10  # the batched path, not the per-chunk one, ran
         for step, state in saves.items():
             out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}

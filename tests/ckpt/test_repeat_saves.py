@@ -1,0 +1,245 @@
+"""Saves of an unchanged layout reuse the last save's encoding, descriptions and staging
+views (ckpt._tree.EncodeMemo, ckpt._tensors.Describer, ckpt._staging.SlotBatch): what they
+reuse must be exactly what a fresh pass would make, and any change between saves must be
+seen as a fresh pass sees it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt import Checkpointer
+from ckpt._staging import Arena, SlotBatch, StageTask, assign_offsets, stage
+from ckpt._tensors import Describer, describe
+from ckpt._tree import DICT, OBJECT, EncodeMemo, encode_state
+from ckpt.store.errors import UnsupportedStateError
+from ckpt.store.layout import REPLICATE, Mesh, MeshSpec, plan_arrays
+from tests._states import assert_bitwise, blank
+
+
+def _model_and_adam(layers: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _same_encoding(state: dict[str, Any], memo: EncodeMemo) -> Any:
+    """encode_state with the memo, checked against a fresh encoding; the tree."""
+    tree, leaves = encode_state(state, memo)
+    want_tree, want = encode_state(state)
+    assert tree == want_tree
+    assert list(leaves.paths.items()) == list(want.paths.items())
+    assert len(leaves.values) == len(want.values)
+    for a, b in zip(leaves.values, want.values):
+        _same_tensor(a, b)
+    return tree
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The same tensor, or a view of the same memory (a state_dict()'s, a detached one)."""
+    assert a is b or (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
+
+
+def test_a_second_encoding_reuses_the_nodes_of_tensor_mappings() -> None:
+    model, opt = _model_and_adam()
+    state = {"model": model, "optim": opt, "step": 3}
+    memo = EncodeMemo()
+    first = _same_encoding(state, memo)
+    opt.step()  # new values, same names
+    second = _same_encoding(state, memo)
+    # A model's state_dict() and the optimizer's state by parameter are taken whole.
+    assert second["model"][OBJECT] is first["model"][OBJECT]
+    assert second["optim"][OBJECT]["state"] is first["optim"][OBJECT]["state"]
+    assert second["optim"][OBJECT]["state"][DICT][0][1] is first["optim"][OBJECT]["state"][DICT][0][1]
+    # Scalars are encoded anew: param_groups holds the learning rate.
+    assert second["optim"][OBJECT]["param_groups"] is not first["optim"][OBJECT]["param_groups"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "key added",
+        "key removed",
+        "keys reordered",
+        "tensor becomes a scalar",
+        "int key becomes bool",
+        "parameter dict becomes an OrderedDict",
+        "parameter state gains a key",
+        "mapping moves under another key",
+    ],
+)
+def test_any_change_between_encodings_gives_the_fresh_encoding(change: str) -> None:
+    t = [torch.full((2,), float(i)) for i in range(6)]
+    state: dict[str, Any] = {
+        "w": {"a": t[0], "b": t[1]},
+        "opt": {0: {"m": t[2], "v": t[3]}, 1: {"m": t[4], "v": t[5]}},
+    }
+    memo = EncodeMemo()
+    _same_encoding(state, memo)
+    if change == "key added":
+        state["w"]["c"] = t[2]
+    elif change == "key removed":
+        del state["w"]["b"]
+    elif change == "keys reordered":
+        state["w"] = {"b": t[1], "a": t[0]}
+    elif change == "tensor becomes a scalar":
+        state["opt"][1]["v"] = 0.5
+    elif change == "int key becomes bool":  # 0 == False, but the array names differ
+        state["opt"] = {False: state["opt"][0], True: state["opt"][1]}
+    elif change == "parameter dict becomes an OrderedDict":
+        state["opt"][0] = OrderedDict(state["opt"][0])
+    elif change == "parameter state gains a key":
+        state["opt"][0]["step"] = t[5]
+    else:
+        state = {"moved": state["w"], "opt": state["opt"]}
+    tree = _same_encoding(state, memo)
+    _same_encoding(state, memo)  # and again, from what the changed encoding left
+    assert tree
+
+
+def test_a_reused_mapping_whose_names_an_earlier_one_took_is_refused() -> None:
+    w = torch.ones(2)
+    memo = EncodeMemo()
+    encode_state({"p": {"1": {"w": w}}}, memo)
+    # Key 1 comes first and takes "p/1/w"; key "1" then matches the memo's "p/1" exactly.
+    with pytest.raises(UnsupportedStateError, match="same array name"):
+        encode_state({"p": {1: {"w": torch.zeros(2)}, "1": {"w": w}}}, memo)
+
+
+def _fresh(values: list[Any]) -> list[Any]:
+    return [describe(v, (str(i),)) for i, v in enumerate(values)]
+
+
+def _check(describer: Describer, values: list[Any]) -> tuple[list[Any], int]:
+    """describer's pieces and signature, checked against describe() and a hash of the specs."""
+    paths = {f"t{i}": (f"t{i}",) for i in range(len(values))}
+    got = describer(paths, values)
+    for name, piece, want in zip(paths, got.pieces.values(), _fresh(values)):
+        _same_tensor(piece.data, want.data)
+        assert piece.data.requires_grad == want.data.requires_grad
+        assert (piece.data_type, piece.global_shape, piece.offsets, piece.shape, piece.kind) == (
+            want.data_type,
+            want.global_shape,
+            want.offsets,
+            want.shape,
+            want.kind,
+        )
+        assert got.specs[list(paths).index(name)][:6] == (
+            name,
+            want.data_type,
+            want.global_shape,
+            want.offsets,
+            want.shape,
+            want.kind,
+        )
+    assert got.signature == hash(tuple(got.specs))
+    return got.specs, got.signature
+
+
+def test_describer_keeps_the_signature_of_an_unchanged_layout() -> None:
+    d = Describer()
+    specs, sig = _check(d, [torch.zeros(3), torch.ones(2, 2, dtype=torch.int64)])
+    specs2, sig2 = _check(d, [torch.ones(3), torch.zeros(2, 2, dtype=torch.int64)])
+    assert sig2 == sig
+    assert all(a is b for a, b in zip(specs, specs2))  # kept, not made again
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "requires_grad", "ndarray", "count"])
+def test_describer_sees_a_changed_leaf(change: str) -> None:
+    d = Describer()
+    _, sig = _check(d, [torch.zeros(3), torch.zeros(4)])
+    second: list[Any] = {
+        "dtype": [torch.zeros(3), torch.zeros(4, dtype=torch.float64)],
+        "shape": [torch.zeros(3), torch.zeros(2, 2)],
+        "requires_grad": [torch.zeros(3), torch.zeros(4, requires_grad=True)],
+        "ndarray": [torch.zeros(3), torch.zeros(4).numpy()],
+        "count": [torch.zeros(3)],
+    }[change]
+    _, sig2 = _check(d, second)
+    if change in ("requires_grad", "ndarray"):  # the same layout, described anew
+        assert sig2 == sig
+        assert (
+            not d({"t0": ("t0",), "t1": ("t1",)}, [torch.zeros(3), torch.zeros(4, requires_grad=True)])
+            .pieces["t1"]
+            .data.requires_grad
+        )
+    else:
+        assert sig2 != sig
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta", "nested"])
+def test_describer_refuses_what_describe_refuses_after_a_plain_save(kind: str) -> None:
+    d = Describer()
+    d({"t": ("t",)}, [torch.zeros(2, 3)])
+    bad = {
+        "sparse": torch.zeros(2, 3).to_sparse(),
+        "meta": torch.zeros(2, 3, device="meta"),
+        "nested": torch.nested.nested_tensor([torch.zeros(3), torch.zeros(3)]),
+    }[kind]
+    with pytest.raises(UnsupportedStateError):
+        d({"t": ("t",)}, [bad])
+
+
+def test_saves_with_changing_leaves_restore_bitwise(tmp_path: Path) -> None:
+    """Through a Checkpointer: between saves a tensor changes dtype, then shape, then is
+    replaced by a scalar; each step restores bitwise with its own layout."""
+    model, opt = _model_and_adam()
+    extra: dict[str, Any] = {"t": torch.arange(6, dtype=torch.float32)}
+    states = []
+    with Checkpointer(tmp_path, capture_rng=False) as ck:
+        for step, value in enumerate(
+            [
+                torch.arange(6, dtype=torch.float32),
+                torch.arange(6, dtype=torch.float64),
+                torch.arange(8, dtype=torch.float64).reshape(2, 4),
+                7,
+                torch.arange(3, dtype=torch.int16),
+            ]
+        ):
+            opt.step()
+            extra["t"] = value
+            ck.save(step, {"model": model, "optim": opt, "extra": extra})
+            ck.wait()
+            states.append(
+                {
+                    "model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "extra": {"t": value.clone() if isinstance(value, torch.Tensor) else value},
+                }
+            )
+    with Checkpointer(tmp_path, capture_rng=False) as ck:
+        for step, want in enumerate(states):
+            target = blank(want)
+            ck.restore(target, step=step)
+            assert_bitwise(target, want)
+
+
+def test_staging_with_a_slot_batch_copies_what_staging_without_one_does() -> None:
+    """stage() given the SlotBatch its tasks came from (positions and cached views) fills the
+    arena as stage() without it, and makes the views again for a new arena buffer."""
+    torch.manual_seed(1)
+    values = [torch.randn(n) for n in (5, 300, 70, 3, 40000)]
+    one = Mesh((1,), (0,))
+    specs = [MeshSpec(f"a{i}", "float32", tuple(v.shape), one, (REPLICATE,)) for i, v in enumerate(values)]
+    plans = plan_arrays(specs, split_bytes=1 << 20)
+    pieces = {f"a{i}": describe(v, (f"a{i}",)) for i, v in enumerate(values)}
+    placed, size = assign_offsets([StageTask(p, c, pieces[p.spec.name]) for p in plans for c in p.chunks])
+    batch = SlotBatch.of(placed, size)
+    assert batch.joint and batch.single  # both kinds of copy are exercised
+    for _ in range(2):
+        arenas = [Arena().get(size, False) for _ in range(2)]
+        for a in arenas:
+            a.fill_(0xAB)
+        stage(arenas[0], batch.tasks(pieces), None, gpu=False, batch=batch)
+        stage(arenas[1], batch.tasks(pieces), None, gpu=False)
+        assert torch.equal(arenas[0], arenas[1])
+        for t in batch.tasks(pieces):
+            got = arenas[0][t.offset : t.offset + t.staged_bytes].view(torch.float32)
+            assert torch.equal(got[: t.piece.data.numel()], t.piece.data.reshape(-1))
+        values[0].add_(1.0)  # new values, same layout
