@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ __all__ = [
     "TENSOR_LIKE",
     "TORCH_TO_ZARR",
     "ZARR_TO_TORCH",
+    "DTensor",
     "Described",
     "Describer",
     "LocalPiece",
@@ -49,8 +50,15 @@ class LocalPiece:
 
 try:
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    # Whether a DTensor's spec gives its layout as one tuple (the fields its __eq__ and
+    # __hash__ compare: mesh, placements, shard order, shape, stride, dtype), which a
+    # repeated save compares instead of describing the leaf again.
+    _SPEC_KEYED = hasattr(DTensorSpec, "_hash_key")
 except ImportError:  # torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
+    _SPEC_KEYED = False
 
 
 TENSOR_LIKE = (torch.Tensor, Shard, np.ndarray)  # what a state stores as an array (DTensor is a Tensor)
@@ -200,34 +208,56 @@ class Described:
     cuda: bool
 
 
+class _Known(NamedTuple):
+    """What lets a leaf's next save skip describe(): its local tensor's dtype, and for a
+    DTensor its spec's key (mesh, placements, shard order, global shape, stride, dtype:
+    what its offsets follow from) and its Mesh. Holds no tensor."""
+
+    dtype: torch.dtype
+    dtensor_key: tuple[Any, ...] | None = None
+    mesh: Mesh | None = None
+
+
+def _known(value: Any, piece: LocalPiece) -> _Known | None:
+    """The check a described leaf's next save makes instead of describe(), where it can."""
+    if type(value) is torch.Tensor:
+        return _Known(value.dtype) if piece.data is value and piece.kind == "plain" else None
+    if DTensor is not None and type(value) is DTensor and _SPEC_KEYED and piece.kind != "plain":
+        spec = value._spec
+        return _Known(piece.data.dtype, spec._hash_key(), piece.mesh) if spec.tensor_meta is not None else None
+    return None
+
+
 class Describer:
-    """describe() for every leaf of a save, remembering what it found (names, specs and
-    dtypes: no tensor) for the next save. A leaf named as the last save's, which was a
-    plain tensor, that is a plain tensor of the same dtype, shape and device again is
-    checked in one line and keeps its spec; where every leaf does, the signature is the
-    last one, not hashed again. Any other leaf goes through describe()."""
+    """describe() for every leaf of a save, remembering what it found (names, specs,
+    dtypes, DTensor spec keys: no tensor) for the next save. A leaf named as in the last
+    save that is again a plain tensor of the same dtype, shape and device, or a DTensor of
+    the same spec whose local tensor is, is checked in one expression and keeps its spec;
+    where every leaf does, the signature is the last one, not hashed again. Any other leaf
+    goes through describe()."""
 
     def __init__(self) -> None:
         self._names: list[str] = []
         self._specs: list[LocalSpec] = []
-        self._dtypes: list[torch.dtype | None] = []  # a plain tensor's, else None
+        self._known: list[_Known | None] = []
         self._signature = 0
 
     def __call__(self, paths: dict[str, tuple[Any, ...]], values: list[Any]) -> Described:
         pieces: dict[str, LocalPiece] = {}
         specs: list[LocalSpec] = []
-        dtypes: list[torch.dtype | None] = []
+        knowns: list[_Known | None] = []
         names = list(paths)
         again = names == self._names
         fresh = not again  # whether some leaf is described anew
         cuda = False
-        strided, tensor = torch.strided, torch.Tensor
-        known = zip(self._specs, self._dtypes) if again else itertools.repeat((_NO_SPEC, None))
-        for (name, path), value, (spec, dtype) in zip(paths.items(), values, known):
+        strided, tensor, dtensor = torch.strided, torch.Tensor, DTensor
+        known_all = zip(self._specs, self._known) if again else itertools.repeat((_NO_SPEC, None))
+        for (name, path), value, (spec, known) in zip(paths.items(), values, known_all):
             if (
-                dtype is not None
+                known is not None
+                and known.dtensor_key is None
                 and type(value) is tensor
-                and value.dtype is dtype
+                and value.dtype is known.dtype
                 and not value.is_nested
                 and value.layout is strided
                 and not value.is_meta
@@ -236,6 +266,22 @@ class Describer:
                 and value.shape == spec[4]
             ):
                 p = LocalPiece(value, spec[1], spec[2], spec[3], spec[4])
+            elif (
+                known is not None
+                and known.dtensor_key is not None
+                and type(value) is dtensor
+                and value._spec._hash_key() == known.dtensor_key
+                and type(local := value._local_tensor) is tensor
+                and local.dtype is known.dtype
+                and not local.is_nested
+                and local.layout is strided
+                and not local.is_meta
+                and local.is_cuda is spec[8]
+                and local.shape == spec[4]
+            ):
+                # (detached where autograd tracks it, as describe() does)
+                data = local.detach() if local.requires_grad else local
+                p = LocalPiece(data, spec[1], spec[2], spec[3], spec[4], spec[5], known.mesh, spec[6])
             else:
                 fresh = True
                 p = describe(value, path)
@@ -250,11 +296,11 @@ class Describer:
                     id(p.mesh),
                     p.data.is_cuda,
                 )
-                dtype = value.dtype if p.data is value and type(value) is tensor and p.kind == "plain" else None
+                known = _known(value, p)
             pieces[name] = p
             specs.append(spec)
-            dtypes.append(dtype)
+            knowns.append(known)
             cuda |= spec[8]
         signature = hash(tuple(specs)) if fresh else self._signature
-        self._names, self._specs, self._dtypes, self._signature = names, specs, dtypes, signature
+        self._names, self._specs, self._known, self._signature = names, specs, knowns, signature
         return Described(pieces, specs, signature, cuda)

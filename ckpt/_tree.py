@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ckpt._keys import KeyPath
-from ckpt._tensors import TENSOR_LIKE, is_tensor_like
+from ckpt._tensors import TENSOR_LIKE, DTensor, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import escape_component
 
@@ -92,8 +92,8 @@ class _Encoded:
 
 class EncodeMemo:
     """What a Saver's next encoding reuses: the JSON nodes and array names of the last
-    save's mappings of plain tensors (a state_dict(), an optimizer's state of one
-    parameter, and the mapping of those by parameter). Found again by array name, path and
+    save's mappings of plain tensors or DTensors (a state_dict(), an optimizer's state of
+    one parameter, and the mapping of those by parameter). Found again by array name, path and
     keys, such a mapping costs a few C loops over its values instead of a name, a key path
     and a node per tensor. Holds no tensor: only names, keys and nodes."""
 
@@ -101,7 +101,9 @@ class EncodeMemo:
         self.last: dict[str, _Encoded] = {}
 
 
-_TENSOR_TYPE = {torch.Tensor}
+# The leaf types a memo entry's values may have: each encodes as an array reference and
+# nothing else ({TENSOR: name}), so a mapping of them is found again by its keys alone.
+_ARRAY_TYPES = frozenset(t for t in (torch.Tensor, DTensor) if t is not None)
 
 
 class _Encoder:
@@ -153,7 +155,7 @@ class _Encoder:
 
     def enc_str_keyed(self, v: Mapping[str, Any], path: tuple[Any, ...], name: str) -> dict[str, Any]:
         """A mapping with string keys as a JSON object. Plain tensors, most leaves of a
-        state_dict(), are taken here without a call of enc() each."""
+        state_dict(), and DTensors are taken here without a call of enc() each."""
         paths, values = self.leaves.paths, self.leaves.values
         last = self.last
         if last is not None:
@@ -163,7 +165,7 @@ class _Encoder:
                 and known.children is None
                 and known.path == path
                 and known.keys == tuple(v)
-                and set(map(type, v.values())) == _TENSOR_TYPE
+                and set(map(type, v.values())) <= _ARRAY_TYPES
                 and paths.keys().isdisjoint(known.paths)
             ):
                 paths.update(known.paths)
@@ -174,7 +176,7 @@ class _Encoder:
         mine: dict[str, tuple[Any, ...]] | None = {} if last is not None else None
         for k, x in v.items():
             child = f"{name}/{escape_component(k)}"
-            if type(x) is torch.Tensor and child not in paths:
+            if type(x) in _ARRAY_TYPES and child not in paths:
                 paths[child] = key = path + (k,)
                 values.append(x)
                 out[k] = {TENSOR: child}
@@ -190,7 +192,7 @@ class _Encoder:
 
     def enc_keyed(self, v: Mapping[Any, Any], path: tuple[Any, ...], name: str) -> dict[str, Any]:
         """A mapping with other keys (an optimizer's state: parameter ids) as [key, value]
-        pairs. Where its values are all plain dicts of plain tensors, as the last save's
+        pairs. Where its values are all plain dicts of tensors or DTensors, as the last save's
         were, with the same keys, it is taken as a whole."""
         paths, values, seen = self.leaves.paths, self.leaves.values, self.seen
         last = self.last
@@ -205,7 +207,7 @@ class _Encoder:
             ):
                 xs = list(v.values())
                 if all(
-                    type(x) is dict and c.keys == tuple(x) and set(map(type, x.values())) == _TENSOR_TYPE
+                    type(x) is dict and c.keys == tuple(x) and set(map(type, x.values())) <= _ARRAY_TYPES
                     for x, (_, c) in zip(xs, known.children)
                 ) and paths.keys().isdisjoint(known.paths):
                     paths.update(known.paths)
