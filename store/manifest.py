@@ -437,6 +437,27 @@ def _check_inline(name: str, inline: Any, dtype: str, shape: tuple[int, ...]) ->
         raise ManifestError(f"array {name!r}: malformed inline value", path=name) from None
 
 
+_MAX_RUN = 1 << 48
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _writer_run(start: int, count: int, first: int, stride: int) -> WriterRun:
+    """One object per run (immutable): most arrays of a manifest have the same few runs."""
+    return WriterRun(start, count, first, stride)
+
+
+def _refuse_run(name: str, run: Any, world: int) -> None:
+    """ManifestError naming what is wrong with a writer run that the parse's one test refused."""
+    if not isinstance(run, list) or len(run) != 3:
+        raise ManifestError(f"array {name!r}: a writer run is not [count, first, stride]", path=name)
+    count = _int(run[0], f"{name}.writers count", 1, _MAX_RUN)
+    first = _int(run[1], f"{name}.writers first", 0, world - 1)
+    stride = _int(run[2], f"{name}.writers stride", 0, world)
+    if first + stride * (count - 1) >= world:
+        raise ManifestError(f"array {name!r}: a writer run goes beyond rank {world - 1}", path=name)
+    raise AssertionError(f"writer run {run!r} of {name!r} refused without a reason")  # the test and these agree
+
+
 def _with_runs(head: _Head, doc: dict[str, Any], world: int) -> ArrayEntry:
     """Schema 3: the writers as runs covering the grid in order, and an inline value."""
     name = head.name
@@ -448,15 +469,23 @@ def _with_runs(head: _Head, doc: dict[str, Any], world: int) -> ArrayEntry:
     runs: list[WriterRun] = []
     start = 0
     for run in raw:
-        if not isinstance(run, list) or len(run) != 3:
-            raise ManifestError(f"array {name!r}: a writer run is not [count, first, stride]", path=name)
-        count = _int(run[0], f"{name}.writers count", 1, 1 << 48)
-        first = _int(run[1], f"{name}.writers first", 0, world - 1)
-        stride = _int(run[2], f"{name}.writers stride", 0, world)
-        if first + stride * (count - 1) >= world:
-            raise ManifestError(f"array {name!r}: a writer run goes beyond rank {world - 1}", path=name)
-        runs.append(WriterRun(start, count, first, stride))
-        start += count
+        # The usual run in one test, without an error message made per field; else the
+        # checks one by one, for the message.
+        if type(run) is list and len(run) == 3:
+            count, first, stride = run
+            if (
+                type(count) is int
+                and type(first) is int
+                and type(stride) is int
+                and 1 <= count <= _MAX_RUN
+                and 0 <= first
+                and 0 <= stride <= world
+                and first + stride * (count - 1) < world
+            ):
+                runs.append(_writer_run(start, count, first, stride))
+                start += count
+                continue
+        _refuse_run(name, run, world)
     if (want is not None and start != want) or (want is None and start > 1):
         raise ManifestError(f"array {name!r}: writers do not cover the grid {list(grid)} exactly once", path=name)
     inline = doc.get("inline")
