@@ -20,7 +20,7 @@ __all__ = [
     "TENSOR_LIKE",
     "TORCH_TO_ZARR",
     "ZARR_TO_TORCH",
-    "DTensor",
+    "ARRAY_TYPES",
     "Described",
     "Describer",
     "LocalPiece",
@@ -50,18 +50,14 @@ class LocalPiece:
 
 try:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-    # Whether a DTensor's spec gives its layout as one tuple (the fields its __eq__ and
-    # __hash__ compare: mesh, placements, shard order, shape, stride, dtype), which a
-    # repeated save compares instead of describing the leaf again.
-    _SPEC_KEYED = hasattr(DTensorSpec, "_hash_key")
 except ImportError:  # torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
-    _SPEC_KEYED = False
 
 
 TENSOR_LIKE = (torch.Tensor, Shard, np.ndarray)  # what a state stores as an array (DTensor is a Tensor)
+# The leaf types a state_dict() holds, whose JSON node is an array reference and nothing
+# else ({TENSOR: name}): ckpt._tree.EncodeMemo finds a mapping of them again by its keys.
+ARRAY_TYPES = frozenset(t for t in (torch.Tensor, DTensor) if t is not None)
 
 
 def is_tensor_like(value: Any) -> bool:
@@ -210,8 +206,8 @@ class Described:
 
 class _Known(NamedTuple):
     """What lets a leaf's next save skip describe(): its local tensor's dtype, and for a
-    DTensor its spec's key (mesh, placements, shard order, global shape, stride, dtype:
-    what its offsets follow from) and its Mesh. Holds no tensor."""
+    DTensor what describe() derives its piece's place from (its mesh, placements and global
+    shape, as a tuple) and the Mesh it found. Holds no tensor of the state."""
 
     dtype: torch.dtype
     dtensor_key: tuple[Any, ...] | None = None
@@ -222,19 +218,19 @@ def _known(value: Any, piece: LocalPiece) -> _Known | None:
     """The check a described leaf's next save makes instead of describe(), where it can."""
     if type(value) is torch.Tensor:
         return _Known(value.dtype) if piece.data is value and piece.kind == "plain" else None
-    if DTensor is not None and type(value) is DTensor and _SPEC_KEYED and piece.kind != "plain":
-        spec = value._spec
-        return _Known(piece.data.dtype, spec._hash_key(), piece.mesh) if spec.tensor_meta is not None else None
+    if DTensor is not None and type(value) is DTensor:
+        return _Known(piece.data.dtype, (value.device_mesh, value.placements, value.shape), piece.mesh)
     return None
 
 
 class Describer:
     """describe() for every leaf of a save, remembering what it found (names, specs,
-    dtypes, DTensor spec keys: no tensor) for the next save. A leaf named as in the last
-    save that is again a plain tensor of the same dtype, shape and device, or a DTensor of
-    the same spec whose local tensor is, is checked in one expression and keeps its spec;
-    where every leaf does, the signature is the last one, not hashed again. Any other leaf
-    goes through describe()."""
+    dtypes, a DTensor's mesh, placements and shape: no tensor of the state) for the next
+    save. A leaf named as in the last save that is again a plain tensor of the same dtype,
+    shape and device, or a DTensor on the same mesh with the same placements and global
+    shape whose local tensor is, is checked in one expression and keeps its spec; where
+    every leaf does, the signature is the last one, not hashed again. Any other leaf goes
+    through describe()."""
 
     def __init__(self) -> None:
         self._names: list[str] = []
@@ -253,6 +249,8 @@ class Describer:
         strided, tensor, dtensor = torch.strided, torch.Tensor, DTensor
         known_all = zip(self._specs, self._known) if again else itertools.repeat((_NO_SPEC, None))
         for (name, path), value, (spec, known) in zip(paths.items(), values, known_all):
+            # Each kind's checks are written out in one expression, not shared through a
+            # call: this loop runs for every leaf of every save.
             if (
                 known is not None
                 and known.dtensor_key is None
@@ -270,7 +268,7 @@ class Describer:
                 known is not None
                 and known.dtensor_key is not None
                 and type(value) is dtensor
-                and value._spec._hash_key() == known.dtensor_key
+                and (value.device_mesh, value.placements, value.shape) == known.dtensor_key
                 and type(local := value._local_tensor) is tensor
                 and local.dtype is known.dtype
                 and not local.is_nested

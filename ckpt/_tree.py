@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ckpt._keys import KeyPath
-from ckpt._tensors import TENSOR_LIKE, DTensor, is_tensor_like
+from ckpt._tensors import ARRAY_TYPES, TENSOR_LIKE, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import escape_component
 
@@ -101,11 +101,6 @@ class EncodeMemo:
         self.last: dict[str, _Encoded] = {}
 
 
-# The leaf types a memo entry's values may have: each encodes as an array reference and
-# nothing else ({TENSOR: name}), so a mapping of them is found again by its keys alone.
-_ARRAY_TYPES = frozenset(t for t in (torch.Tensor, DTensor) if t is not None)
-
-
 class _Encoder:
     """encode_state's walk. A method, not a nested function: a recursive closure is a
     reference cycle, which would keep every leaf (and its tensor) alive until the cyclic
@@ -165,7 +160,7 @@ class _Encoder:
                 and known.children is None
                 and known.path == path
                 and known.keys == tuple(v)
-                and set(map(type, v.values())) <= _ARRAY_TYPES
+                and set(map(type, v.values())) <= ARRAY_TYPES
                 and paths.keys().isdisjoint(known.paths)
             ):
                 paths.update(known.paths)
@@ -176,7 +171,7 @@ class _Encoder:
         mine: dict[str, tuple[Any, ...]] | None = {} if last is not None else None
         for k, x in v.items():
             child = f"{name}/{escape_component(k)}"
-            if type(x) in _ARRAY_TYPES and child not in paths:
+            if type(x) in ARRAY_TYPES and child not in paths:
                 paths[child] = key = path + (k,)
                 values.append(x)
                 out[k] = {TENSOR: child}
@@ -207,7 +202,7 @@ class _Encoder:
             ):
                 xs = list(v.values())
                 if all(
-                    type(x) is dict and c.keys == tuple(x) and set(map(type, x.values())) <= _ARRAY_TYPES
+                    type(x) is dict and c.keys == tuple(x) and set(map(type, x.values())) <= ARRAY_TYPES
                     for x, (_, c) in zip(xs, known.children)
                 ) and paths.keys().isdisjoint(known.paths):
                     paths.update(known.paths)

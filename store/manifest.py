@@ -21,7 +21,7 @@ import re
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import xxhash
 
@@ -437,7 +437,7 @@ def _check_inline(name: str, inline: Any, dtype: str, shape: tuple[int, ...]) ->
         raise ManifestError(f"array {name!r}: malformed inline value", path=name) from None
 
 
-_MAX_RUN = 1 << 48
+_MAX_RUN = 1 << 48  # chunks in one run: more than any real grid has; a larger count is crafted
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -446,9 +446,9 @@ def _writer_run(start: int, count: int, first: int, stride: int) -> WriterRun:
     return WriterRun(start, count, first, stride)
 
 
-def _refuse_run(name: str, run: Any, world: int) -> None:
+def _refuse_run(name: str, run: Any, world: int) -> NoReturn:
     """ManifestError naming what is wrong with a writer run that the parse's one test refused."""
-    if not isinstance(run, list) or len(run) != 3:
+    if type(run) is not list or len(run) != 3:
         raise ManifestError(f"array {name!r}: a writer run is not [count, first, stride]", path=name)
     count = _int(run[0], f"{name}.writers count", 1, _MAX_RUN)
     first = _int(run[1], f"{name}.writers first", 0, world - 1)

@@ -1,7 +1,8 @@
 """Repeated saves of DTensor states (FSDP2's) on a real 2-rank gloo job: the Describer keeps
-a DTensor leaf's spec when its DTensor spec and local tensor are as in the last save, and
-the EncodeMemo takes mappings of DTensors whole. What they reuse must be what describe()
-and a fresh encoding make, any change must be seen, and each save restores bitwise."""
+a DTensor leaf's spec when its mesh, placements, global shape and local tensor are as in
+the last save, and the EncodeMemo takes mappings of DTensors whole. What they reuse must be
+what describe() and a fresh encoding make, any change must be seen, and each save restores
+bitwise."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _piece(p: Any) -> tuple[Any, ...]:
 
 
 def describer_job(ctx: Ctx) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from ckpt._tensors import Describer, describe
@@ -39,6 +40,7 @@ def describer_job(ctx: Ctx) -> dict[str, Any]:
         pass
 
     mesh = init_device_mesh("cpu", (ctx.world,))
+    swapped = DeviceMesh("cpu", torch.arange(ctx.world).flip(0))
     full = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)
     tracked = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None).to_local().clone().requires_grad_()
     base: dict[str, Any] = {
@@ -80,6 +82,9 @@ def describer_job(ctx: Ctx) -> dict[str, Any]:
         # The same local shape and dtype, another layout: the spec tells them apart.
         "replicated": distribute_tensor(full[:3], mesh, [Replicate()], src_data_rank=None),
         "columns of a wider": distribute_tensor(torch.zeros(3, 8), mesh, [Shard(1)], src_data_rank=None),
+        # The same placements, shapes and dtype on a mesh of the ranks in the other order:
+        # only the mesh tells the pieces' offsets apart.
+        "mesh order": distribute_tensor(full, swapped, [Shard(0)], src_data_rank=None),
         # The same spec with another local shape (from_local takes what it is given).
         "spec's local dtype": DTensor(base["rows"]._local_tensor.double(), base["rows"]._spec, requires_grad=False),
         "local shape": DTensor.from_local(
@@ -119,6 +124,7 @@ def test_the_describer_keeps_an_unchanged_dtensor_and_sees_every_change(tmp_path
             "plain tensor",
             "replicated",
             "columns of a wider",
+            "mesh order",
             "spec's local dtype",
             "local shape",
             "subclass",

@@ -417,18 +417,6 @@ MANIFEST_EDITS = {
     "absurd-shape": lambda d: d["arrays"]["w"].update(shape=[1 << 30, 1 << 30], chunk_shape=[1 << 30, 1 << 30]) or d,
     "absurd-ndim": lambda d: d["arrays"]["w"].update(shape=[1] * 40, chunk_shape=[1] * 40) or d,
     "negative-shape": lambda d: d["arrays"]["w"].update(shape=[-40, 30]) or d,
-    "chunks-beyond-grid": lambda d: d["arrays"]["w"].update(writers=[[5, 0, 0]]) or d,
-    "empty-run": lambda d: d["arrays"]["w"].update(writers=[[0, 0, 0], [1, 0, 0]]) or d,
-    "malformed-run": lambda d: d["arrays"]["w"].update(writers=[[1, 0]]) or d,
-    "bad-writer": lambda d: d["arrays"]["w"].update(writers=[[1, 3, 0]]) or d,
-    "run-beyond-world": lambda d: d["arrays"]["w"].update(writers=[[2, 0, 1]], chunk_shape=[20, 30]) or d,
-    "run-not-a-list": lambda d: d["arrays"]["w"].update(writers=["100"]) or d,
-    "run-count-bool": lambda d: d["arrays"]["w"].update(writers=[[True, 0, 0]]) or d,
-    "run-first-float": lambda d: d["arrays"]["w"].update(writers=[[1, 0.0, 0]]) or d,
-    "run-negative-first": lambda d: d["arrays"]["w"].update(writers=[[1, -1, 0]]) or d,
-    "run-negative-stride": lambda d: d["arrays"]["w"].update(writers=[[1, 0, -1]]) or d,
-    "run-stride-beyond-world": lambda d: d["arrays"]["w"].update(writers=[[1, 0, 2]]) or d,
-    "run-absurd-count": lambda d: d["arrays"]["w"].update(writers=[[1 << 49, 0, 0]]) or d,
     "inline-bad-xxh3": lambda d: d["arrays"]["w"].update(inline="00000000", xxh3="zz", shape=[1, 1]) or d,
     "no-rank-files": lambda d: {**d, "ranks": []},
     "rank-file-ref-size": lambda d: {**d, "ranks": [[0, d["ranks"][0][1]]]},
@@ -478,6 +466,32 @@ def test_parse_manifest_rejects(manifest_doc: dict[str, Any], edit: str) -> None
     doc = MANIFEST_EDITS[edit](manifest_doc)
     with pytest.raises(ckpt.ManifestError):
         parse_manifest(crafted(doc))
+
+
+# Array "w" of a world-1 save, 1 chunk: each malformed list of writer runs, and what the
+# refusal names (the one-test check of a run and the checks that word its error agree).
+RUN_EDITS = {
+    "malformed-run": ([[1, 0]], r"a writer run is not \[count, first, stride\]"),
+    "run-not-a-list": (["100"], r"a writer run is not \[count, first, stride\]"),
+    "run-count-bool": ([[True, 0, 0]], r"w\.writers count must be an integer in \[1, "),
+    "run-absurd-count": ([[1 << 49, 0, 0]], r"w\.writers count must be an integer in \[1, "),
+    "empty-run": ([[0, 0, 0], [1, 0, 0]], r"w\.writers count must be an integer in \[1, "),
+    "run-first-float": ([[1, 0.0, 0]], r"w\.writers first must be an integer in \[0, 0\]"),
+    "run-negative-first": ([[1, -1, 0]], r"w\.writers first must be an integer in \[0, 0\]"),
+    "bad-writer": ([[1, 3, 0]], r"w\.writers first must be an integer in \[0, 0\]"),
+    "run-negative-stride": ([[1, 0, -1]], r"w\.writers stride must be an integer in \[0, 1\]"),
+    "run-stride-beyond-world": ([[1, 0, 2]], r"w\.writers stride must be an integer in \[0, 1\]"),
+    "run-beyond-world": ([[2, 0, 1]], r"a writer run goes beyond rank 0"),
+    "chunks-beyond-grid": ([[5, 0, 0]], r"writers do not cover the grid \[1, 1\] exactly once"),
+}
+
+
+@pytest.mark.parametrize("edit", list(RUN_EDITS))
+def test_parse_manifest_names_what_is_wrong_with_a_writer_run(manifest_doc: dict[str, Any], edit: str) -> None:
+    writers, message = RUN_EDITS[edit]
+    manifest_doc["arrays"]["w"]["writers"] = writers
+    with pytest.raises(ckpt.ManifestError, match=message):
+        parse_manifest(crafted(manifest_doc))
 
 
 def test_manifest_of_another_step_is_rejected(tmp_path: Path) -> None:
