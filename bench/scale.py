@@ -6,7 +6,9 @@ First save of a layout (ckpt._plan): the announcements rank 0 gathers, `merge` a
 its own chunks (`chunks_of`) and its sliver schedule. Every save: rank 0's commit work
 (`ckpt._commit._decide`: the manifest built from every rank's report and serialized),
 the bytes rank 0 and a root's leader receive (ckpt._reports packs), and on restore
-`parse_manifest`, `plan_reads` and the rank files a restoring rank reads. Each (layout, world) runs in its own process, with an address-space
+`parse_manifest`, `plan_reads` and the rank files a restoring rank reads, and the
+restore's one all-gather (each rank's listing, restore.locate.Listing) with the choice
+every rank makes from all of them. Each (layout, world) runs in its own process, with an address-space
 limit, so its peak RSS is its own; a case over the time or memory budget is recorded
 as such and the larger worlds of that layout are not run.
 
@@ -237,6 +239,66 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
             parse_rank_file(data, manifest, r)
 
     out["restore_meta_s"], out["restore_meta_bytes"], _ = _cost(restore_meta)
+    out.update(measure_listing(world))
+    return out
+
+
+def measure_listing(world: int) -> dict[str, Any]:
+    """A restore's one all-gather (restore.locate.Listing): every rank's candidates to
+    every rank, and the choice each rank then makes from all of them (restore.discover).
+
+    Each rank lists a root per node of 8 ranks (3 versions), that node's replica disk (the
+    same 3), a peer copy of the next node's root (3), and the remote (5 versions, every
+    rank's part). `before`: the same listing with each candidate's writers as a tuple of
+    ranks, as sent until writers travelled as ranges."""
+    from ckpt.restore.discover import choose_step, holdings, partial_steps, reachable_steps
+    from ckpt.restore.locate import Listing
+    from ckpt.store.rank_ranges import ranges_of
+    from ckpt.store.versions import Candidate
+
+    nodes = -(-world // 8)
+    keys = frozenset({"data", "model", "optim", "rng"})
+
+    def listing(r: int, writers: Callable[[range], Any]) -> Listing:
+        node, peer = r // 8, (r // 8 + 1) % nodes
+        here, there = range(node * 8, min(world, node * 8 + 8)), range(peer * 8, min(world, peer * 8 + 8))
+        # one writers object per candidate, as each tier's root info gives
+        cands = [Candidate(s, f"{s:032x}", world, writers(here), keys) for _ in "rr" for s in (8, 9, 10)]
+        cands += [Candidate(s, f"{s:032x}", world, writers(there), keys) for s in (8, 9, 10)]
+        cands += [Candidate(s, f"{s:032x}", world, writers(range(world)), keys) for s in (2, 4, 6, 8, 10)]
+        places = [f"/nvme/node{node}/ckpt", f"/nvme1/node{node}/replicas", f"/nvme/node{node}/peers/{peer}"]
+        return Listing(cands, None, [*places, "s3://bucket/job"], sorted(keys))
+
+    sample = sorted({0, world - 1})
+    sizes = [len(pickle.dumps(listing(r, ranges_of))) for r in sample]
+    before = [len(pickle.dumps(listing(r, tuple))) for r in sample]
+    # all_gather_object pads every rank's bytes to the largest
+    out: dict[str, Any] = {"listing_rank_bytes": max(sizes), "listing_rank_bytes_before": max(before)}
+    out["listing_received_bytes"] = world * max(sizes)
+    out["listing_received_bytes_before"] = world * max(before)
+    found: dict[range, Any] = {}
+
+    def ranges(ranks: range) -> Any:  # ranges_of, computed once per set, a new object per candidate
+        if ranks not in found:
+            found[ranks] = ranges_of(ranks)
+        return tuple((lo, hi) for lo, hi in found[ranks])
+
+    per_node = [pickle.dumps(listing(n * 8, ranges)) for n in range(nodes)]  # (a node's ranks list alike)
+    payloads = [per_node[r // 8] for r in range(world)]
+
+    def choose() -> int | None:  # as restore_newest: a strict restore, and the steps newer than the chosen
+        gathered = [pickle.loads(b) for b in payloads]
+        needs = frozenset(k for g in gathered for k in g.keys)
+        held = holdings([g.candidates for g in gathered])
+        chosen = choose_step(held, None, frozenset(), needs)
+        if chosen is not None:
+            reachable_steps(held)[chosen]
+        partial_steps(held)
+        return chosen
+
+    out["listing_choice_s"], out["listing_choice_bytes"], chosen = _cost(choose)
+    if chosen != 10:
+        raise AssertionError(f"the simulated listing chose step {chosen}, not 10")
     return out
 
 
@@ -424,6 +486,16 @@ def targets(cases: list[dict[str, Any]], real: dict[str, Any] | None, top: int) 
             "<= 256 MB",
             at["restore_meta_bytes"] <= 256 * MiB,
         )
+    listed = next((c for c in cases if c["world"] == top and "failed" not in c), None)
+    if listed is not None:  # the listing exchange does not depend on the layout
+        mb = listed["listing_received_bytes"] / MiB
+        add(f"restore listing @ {top} ranks: MB each rank receives", round(mb, 1), "<= 32 MB", mb <= 32)
+        add(
+            f"restore listing @ {top} ranks: CPU s to choose",
+            round(listed["listing_choice_s"], 2),
+            "<= 1 s",
+            listed["listing_choice_s"] <= 1,
+        )
     zero = [c for c in cases if c["layout"] == "zero1" and "failed" not in c]
     if zero:
         worst = max(c["chunks_over_bound"] for c in zero)
@@ -461,6 +533,27 @@ def markdown(cases: list[dict[str, Any]], tg: list[dict[str, Any]], real: dict[s
             f"{c['plan_bytes'] / MiB:.0f} | {c['plan_broadcast_bytes'] / 1024:.0f} | "
             f"{c['rank0_commit_cpu_s']:.2f} | {c['manifest_bytes'] / MiB:.1f} | {c['rank0_gather_bytes'] / MiB:.1f} | "
             f"{c['restore_meta_s']:.2f} | {c['restore_meta_bytes'] / MiB:.0f} |"
+        )
+    lines += [
+        "",
+        "## A restore's listing exchange",
+        "",
+        "Every rank all-gathers what its tiers hold (restore.locate.Listing: a root per node of 8 ranks, its",
+        "replica disk and a peer copy, 3 versions each, and the remote's 5), then chooses from every rank's",
+        "(restore.discover). Before: each candidate's writers as a tuple of ranks.",
+        "",
+        "| ranks | bytes a rank sends | MB each rank receives | before: bytes a rank sends | before: MB each receives | CPU s to choose | MB to choose |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    seen: set[int] = set()
+    for c in sorted(cases, key=lambda c: c["world"]):
+        if "failed" in c or c["world"] in seen:
+            continue
+        seen.add(c["world"])
+        lines.append(
+            f"| {c['world']} | {c['listing_rank_bytes']} | {c['listing_received_bytes'] / MiB:.1f} | "
+            f"{c['listing_rank_bytes_before']} | {c['listing_received_bytes_before'] / MiB:.1f} | "
+            f"{c['listing_choice_s']:.2f} | {c['listing_choice_bytes'] / MiB:.0f} |"
         )
     lines += ["", "## Targets", "", "| target | value | goal | pass |", "| --- | --- | --- | --- |"]
     lines += [f"| {t['name']} | {t['value']} | {t['target']} | {'yes' if t['pass'] else 'NO'} |" for t in tg]

@@ -46,11 +46,12 @@ def agreed_manifest(ctl: Comm, located: Located) -> Manifest:
     except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
         error = e
     ctl.agree(error)
-    haves = ctl.all_gather(found is not None)
-    if not any(haves):
-        raise CorruptVersionError(f"no rank holds a manifest of step {located.step}")
-    if not all(haves):  # ranks without a copy get it from one that has it
-        src = haves.index(True)
+    # One all-reduce: whether any rank lacks a copy, and the lowest rank that has one.
+    lacking, lowest = ctl.reduce_max([int(found is None), 0 if found is None else ctl.world - ctl.rank])
+    if lacking:  # ranks without a copy get it from one that has it
+        if not lowest:
+            raise CorruptVersionError(f"no rank holds a manifest of step {located.step}")
+        src = ctl.world - lowest
         raw = ctl.broadcast(found.to_json() if found is not None and ctl.rank == src else None, src=src)
         if found is None:
             found = parse_manifest(raw)

@@ -308,7 +308,7 @@ class Checkpointer:
                 self._search_tiers,
                 lambda located: load_version(self._ctl, self.config, located, state, strict=strict),
                 step=step,
-                needs=self._needed_keys(state) if strict and step is None else None,
+                needs=frozenset(str(k) for k in state) if strict and step is None else None,
                 if_incomplete=if_incomplete,
                 incomplete=incomplete,
             )
@@ -375,12 +375,6 @@ class Checkpointer:
             self._ctl, self._search_tiers, lambda located: (agreed_manifest(self._ctl, located), located), step=step
         )
         return None if found is None else found[1]
-
-    def _needed_keys(self, state: Mapping[str, Any]) -> frozenset[str]:
-        """The top-level keys a version must hold: every rank's (ranks may hold different
-        trees), so that every rank chooses the same version."""
-        mine = sorted(str(k) for k in state)
-        return frozenset(k for keys in self._ctl.all_gather(mine) for k in keys)
 
     # -- lifecycle -------------------------------------------------------------------
 

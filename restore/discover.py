@@ -1,52 +1,87 @@
-"""Choosing the version to restore from what every rank's tiers hold. Pure functions."""
+"""Choosing the version to restore from what every rank's tiers hold. Pure functions.
+
+Every rank receives every rank's candidates (restore.locate.Listing), O(ranks x versions)
+of them; `holdings` merges them once a round, by save, each save's writers as ranges
+(store.rank_ranges), and every question after that is asked of the few saves.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from ckpt.store.rank_ranges import RankRanges, missing, union
 from ckpt.store.versions import Candidate
 
-__all__ = ["reachable_steps", "partial_steps", "missing_writers", "choose_step"]
+__all__ = ["Holding", "Holdings", "holdings", "reachable_steps", "partial_steps", "missing_writers", "choose_step"]
 
 
-def reachable_steps(per_rank: Sequence[Sequence[Candidate]]) -> dict[int, str]:
-    """Steps whose every writer's chunks some current rank holds, with one save_id
-    throughout, and that save_id."""
-    held: dict[tuple[int, str, int], set[int]] = {}
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """One save of a version, as every rank's tiers hold it together."""
+
+    step: int
+    save_id: str
+    world_size: int
+    writers: RankRanges  # the ranks whose chunks some rank's tier holds
+    keys: frozenset[str] | None  # its top-level keys (None: all); every copy of a save holds the same
+
+    @property
+    def whole(self) -> bool:
+        return not missing(self.writers, self.world_size)
+
+    def holds(self, needs: frozenset[str] | None) -> bool:
+        return needs is None or self.keys is None or needs <= self.keys
+
+
+Holdings = list[Holding]
+
+
+def holdings(per_rank: Sequence[Sequence[Candidate]]) -> Holdings:
+    """Every rank's candidates merged by save (step, save_id, world size)."""
+    seen: dict[tuple[int, str, int], set[RankRanges]] = {}
+    keys: dict[tuple[int, str, int], frozenset[str] | None] = {}
     for cands in per_rank:
         for c in cands:
-            held.setdefault((c.step, c.save_id, c.world_size), set()).update(c.writers)
+            at = (c.step, c.save_id, c.world_size)
+            if at not in seen:
+                seen[at], keys[at] = set(), c.keys
+            seen[at].add(c.writers)
+    return [Holding(*at, union(parts), keys[at]) for at, parts in seen.items()]
+
+
+def reachable_steps(held: Holdings, needs: frozenset[str] | None = None) -> dict[int, str]:
+    """Steps whose every writer's chunks some current rank holds, with one save_id
+    throughout, and that save_id; with `needs`, only saves holding those keys."""
     by_step: dict[int, list[str]] = {}
-    for (s, sid, world), writers in held.items():
-        if writers >= set(range(world)):
-            by_step.setdefault(s, []).append(sid)
-        else:
-            by_step.setdefault(s, [])
+    for h in held:
+        ids = by_step.setdefault(h.step, [])
+        if h.whole and h.holds(needs):
+            ids.append(h.save_id)
     return {s: ids[0] for s, ids in by_step.items() if len(ids) == 1}
 
 
-def partial_steps(per_rank: Sequence[Sequence[Candidate]]) -> list[int]:
+def partial_steps(held: Holdings) -> list[int]:
     """Steps some tier holds whose chunks the tiers together do not cover."""
-    listed = {c.step for cands in per_rank for c in cands}
-    return sorted(listed - set(reachable_steps(per_rank)))
+    return sorted({h.step for h in held} - set(reachable_steps(held)))
 
 
-def missing_writers(per_rank: Sequence[Sequence[Candidate]], step: int) -> list[int]:
+def missing_writers(held: Holdings, step: int) -> list[int]:
     """The ranks whose part of `step` no tier holds (of the save of it that misses fewest,
     when the tiers hold several)."""
-    held: dict[tuple[str, int], set[int]] = {}
-    for cands in per_rank:
-        for c in cands:
-            if c.step == step:
-                held.setdefault((c.save_id, c.world_size), set()).update(c.writers)
-    return min((sorted(set(range(world)) - writers) for (_, world), writers in held.items()), key=len, default=[])
+    gaps = [missing(h.writers, h.world_size) for h in held if h.step == step]
+    fewest = min(gaps, key=lambda g: sum(hi - lo for lo, hi in g), default=())
+    return [r for lo, hi in fewest for r in range(lo, hi)]
 
 
 def choose_step(
-    per_rank: Sequence[Sequence[Candidate]], step: int | None = None, exclude: frozenset[int] = frozenset()
+    held: Holdings,
+    step: int | None = None,
+    exclude: frozenset[int] = frozenset(),
+    needs: frozenset[str] | None = None,
 ) -> int | None:
     """The requested step if reachable, else the newest reachable step not excluded."""
-    ok = sorted((s for s in reachable_steps(per_rank) if s not in exclude), reverse=True)
+    ok = sorted((s for s in reachable_steps(held, needs) if s not in exclude), reverse=True)
     if step is not None:
         return step if step in ok else None
     return ok[0] if ok else None

@@ -54,6 +54,7 @@ from ckpt.store.errors import CkptError, CorruptVersionError
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.lanes import LIGHT_BYTES, run_lanes
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckpt.store.rank_ranges import RankRanges, contains, ranges_of
 from ckpt.store.tier import ReadHandle
 
 __all__ = ["ReadRequest", "load_arrays", "full_tensor", "Comm"]
@@ -69,6 +70,7 @@ class Comm(Protocol):
     world: int
 
     def all_gather(self, obj: Any) -> list[Any]: ...
+    def any(self, flag: bool) -> bool: ...
     def exchange(
         self, sends: Sequence[tuple[int, int, torch.Tensor]], recvs: Sequence[tuple[int, int, torch.Tensor]]
     ) -> None: ...
@@ -427,12 +429,14 @@ def load_arrays(
         error, plan = e, []
     reach = frozenset().union(*(s.writers for s in sources)) if sources else frozenset()
     remote = sorted((p.name, p.index) for p in plan if p.chunk.inline is None and p.chunk.writer not in reach)
-    views = comm.all_gather((remote, sorted(reach)))
+    views: list[tuple[list[tuple[str, tuple[int, ...]]], RankRanges]] = []
+    if comm.any(bool(remote)):  # some rank cannot reach a chunk it needs (else: one all-reduce)
+        views = comm.all_gather((remote, ranges_of(reach)))
     by_key = {(p.name, p.index): p for p in plan}
     wanted: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for r, (needs, _) in enumerate(views):
-        for n, i in needs:
-            wanted.setdefault((n, tuple(i)), []).append(r)
+        for n, idx in needs:
+            wanted.setdefault((n, tuple(idx)), []).append(r)
     remote_set = set(remote)
     local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set]
     local.sort(key=lambda p: -p.chunk.nbytes)  # largest first: no lone big read at the end
@@ -476,10 +480,13 @@ def load_arrays(
             reader.start()
         batches: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]
         held = 0
+        holders_of: dict[int, list[int]] = {}  # per writer: the ranks that reach its chunks
         for pos, (name, index) in enumerate(sorted(wanted)):
             array = manifest.arrays[name]
             chunk = array.chunk_at(index)
-            holders = [r for r, (_, w) in enumerate(views) if chunk.writer in w]
+            if chunk.writer not in holders_of:
+                holders_of[chunk.writer] = [r for r, (_, w) in enumerate(views) if contains(w, chunk.writer)]
+            holders = holders_of[chunk.writer]
             if not holders:
                 error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
                 continue

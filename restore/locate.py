@@ -5,8 +5,10 @@ exports all go through `restore_newest`; only what "load" means differs.
 Each round:
 1. every rank lists the committed versions on each of its tiers (an unreachable tier is
    a warning: the others may hold copies);
-2. the ranks exchange what they found and choose the newest step whose every writer's
-   chunks some rank holds, with one save_id (restore.discover);
+2. the ranks exchange what they found (Listing: the round's one all-gather, each
+   version's writers as ranges, so O(ranks x versions) in all at any world size) and
+   choose the newest step whose every writer's chunks some rank holds, with one save_id
+   (restore.discover);
 3. each rank pins its copies against GC (store.pins) and checks they are still there: a
    version GC deleted since the listing is gone, not damaged; choose again;
 4. load. A damaged version (CorruptVersionError, on any rank: the caller's load agrees
@@ -29,9 +31,9 @@ import errno
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
-from ckpt.restore.discover import choose_step, missing_writers, partial_steps, reachable_steps
+from ckpt.restore.discover import Holdings, choose_step, holdings, missing_writers, partial_steps, reachable_steps
 from ckpt.restore.sources import Source
 from ckpt.store.errors import (
     CkptError,
@@ -43,10 +45,11 @@ from ckpt.store.errors import (
 )
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import pin_version
+from ckpt.store.rank_ranges import expand
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import Candidate, committed, damaged_entries, read_manifest, version_dirname
 
-__all__ = ["ALL_KEYS", "AllKeys", "Located", "restore_newest", "first_manifest"]
+__all__ = ["ALL_KEYS", "AllKeys", "Listing", "Located", "restore_newest", "first_manifest"]
 
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
@@ -56,6 +59,7 @@ class _Comm(Protocol):
     rank: int
 
     def all_gather(self, obj: Any) -> list[Any]: ...
+    def any(self, flag: bool) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,16 @@ class Located:
     step: int
     save_id: str
     sources: tuple[Source, ...]
+
+
+class Listing(NamedTuple):
+    """What one rank found, as every rank receives it (the one all-gather of a restore):
+    O(versions x tiers) small records, each candidate's writers as ranges."""
+
+    candidates: list[Candidate]
+    failure: str | None  # this rank's listing failed (not a tier's failure: a bug)
+    locations: list[str]  # the tiers it searched
+    keys: list[str] | None  # its state's top-level keys (None: the restore asks for none)
 
 
 def first_manifest(located: Located) -> Manifest | None:
@@ -128,9 +142,10 @@ def restore_newest(
     committed anywhere and every tier could be read (with `missing_ok`; otherwise that is
     VersionNotFoundError too). Collective: every rank of `comm` calls it.
 
-    `needs`: the state's top-level keys a version must hold to be chosen (ALL_KEYS: every
-    key any listed version holds); newer versions that hold fewer are passed over, each
-    said in one log line.
+    `needs`: this rank's state's top-level keys; a version must hold every rank's (ranks
+    may hold different trees; their union travels with the listing, so every rank chooses
+    the same version) to be chosen (ALL_KEYS: every key any listed version holds); newer
+    versions that hold fewer are passed over, each said in one log line.
 
     `if_incomplete`: when versions are committed but none is complete on the tiers searched,
     "raise" (IncompleteVersionError, naming them and the missing ranks' parts) or "fresh"
@@ -152,35 +167,36 @@ def restore_newest(
             mine, unreachable = _list(listed, comm.rank, warned)
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
-        gathered = comm.all_gather(
-            (
+        gathered: list[Listing] = comm.all_gather(
+            Listing(
                 [c for _, c in mine],
                 None if failure is None else f"{type(failure).__name__}: {failure}",
                 [t.location for t in listed],
+                sorted(needs) if isinstance(needs, frozenset) else None,
             )
         )
-        failed = {r: why for r, (_, why, _) in enumerate(gathered) if why}
+        failed = {r: g.failure for r, g in enumerate(gathered) if g.failure}
         if failed:
             if failure is not None:
                 raise failure
             raise RankFailures(failed)
-        views: list[list[Candidate]] = [v for v, _, _ in gathered]
-        searched = sorted({where for _, _, places in gathered for where in places})
-        needed = _needed(views, needs)
-        usable = views if needed is None else [[c for c in v if c.holds(needed)] for v in views]
-        chosen = choose_step(usable, step, frozenset(excluded | vanished))
-        _report_passed(comm, views, usable, chosen, needed, excluded | vanished, passed)
-        _report_incomplete(comm, views, chosen, searched, passed)
+        held = holdings([g.candidates for g in gathered])
+        searched = sorted({where for g in gathered for where in g.locations})
+        sent = [g.keys for g in gathered if g.keys is not None]
+        if sent and not isinstance(needs, AllKeys):  # every rank's keys: one choice on every rank
+            needs = frozenset(k for keys in sent for k in keys)
+        needed = _needed(held, needs)
+        chosen = choose_step(held, step, frozenset(excluded | vanished), needed)
+        _report_passed(comm, held, chosen, needed, excluded | vanished, passed)
+        _report_incomplete(comm, held, chosen, searched, passed)
         if chosen is None:
-            if needed is not None and step is None and reachable_steps(views) and not reachable_steps(usable):
-                _lacking(views, needed, listed)
-            _nothing(comm, listed, views, step, excluded, vanished, unreachable, missing_ok, searched, if_incomplete)
+            if needed is not None and step is None and reachable_steps(held) and not reachable_steps(held, needed):
+                _lacking(held, needed, listed)
+            _nothing(comm, listed, held, step, excluded, vanished, unreachable, missing_ok, searched, if_incomplete)
             return None
-        save_id = reachable_steps(views)[chosen]
+        save_id = reachable_steps(held)[chosen]
         sources = tuple(
-            Source(listed[i], chosen, frozenset(c.writers))
-            for i, c in mine
-            if c.step == chosen and c.save_id == save_id
+            Source(listed[i], chosen, expand(c.writers)) for i, c in mine if c.step == chosen and c.save_id == save_id
         )
         try:
             with contextlib.ExitStack() as pins:
@@ -190,12 +206,16 @@ def restore_newest(
                 # is every rank's, or the others would wait in the next collective.
                 gone, failure = True, None
                 try:
-                    held = [pins.enter_context(pin_version(s.tier, chosen)) for s in sources]
+                    pinned = [pins.enter_context(pin_version(s.tier, chosen)) for s in sources]
                     key = join_key(version_dirname(chosen), MANIFEST_NAME)
-                    gone = not all(held) or any(not s.tier.exists(key) for s in sources)
+                    gone = not all(pinned) or any(not s.tier.exists(key) for s in sources)
                 except Exception as e:  # noqa: BLE001 - raised on every rank below
                     failure = e
-                checks = comm.all_gather((gone, None if failure is None else f"{type(failure).__name__}: {failure}"))
+                checks: list[tuple[bool, str | None]] = [(gone, None)]
+                if comm.any(gone or failure is not None):  # the usual case: one all-reduce
+                    checks = comm.all_gather(
+                        (gone, None if failure is None else f"{type(failure).__name__}: {failure}")
+                    )
                 failed = {r: why for r, (_, why) in enumerate(checks) if why}
                 if failed:
                     if failure is not None and not isinstance(failure, CorruptVersionError):
@@ -206,7 +226,7 @@ def restore_newest(
                     continue
                 loaded = load(Located(chosen, save_id, sources))
                 if incomplete is not None:
-                    incomplete.update(s for s in partial_steps(views) if s > chosen)
+                    incomplete.update(s for s in partial_steps(held) if s > chosen)
                 return chosen, loaded
         except CorruptVersionError as e:
             if step is not None:
@@ -222,21 +242,20 @@ class AllKeys:
 ALL_KEYS = AllKeys()
 
 
-def _needed(views: list[list[Candidate]], needs: frozenset[str] | AllKeys | None) -> frozenset[str] | None:
+def _needed(held: Holdings, needs: frozenset[str] | AllKeys | None) -> frozenset[str] | None:
     if not isinstance(needs, AllKeys):
         return needs
-    return frozenset(k for v in views for c in v if c.keys is not None for k in c.keys)
+    return frozenset(k for h in held if h.keys is not None for k in h.keys)
 
 
-def _holds(views: list[list[Candidate]]) -> dict[int, frozenset[str] | None]:
+def _holds(held: Holdings) -> dict[int, frozenset[str] | None]:
     """Each listed step's keys (every copy of one save holds the same)."""
-    return {c.step: c.keys for v in views for c in v}
+    return {h.step: h.keys for h in held}
 
 
 def _report_passed(
     comm: _Comm,
-    views: list[list[Candidate]],
-    usable: list[list[Candidate]],
+    held: Holdings,
     chosen: int | None,
     needed: frozenset[str] | None,
     skip: set[int],
@@ -245,8 +264,8 @@ def _report_passed(
     """One line per newer version passed over for lack of keys (rank 0; each once)."""
     if needed is None or comm.rank != 0:
         return
-    holds = _holds(views)
-    fewer = set(reachable_steps(views)) - set(reachable_steps(usable)) - skip - passed
+    holds = _holds(held)
+    fewer = set(reachable_steps(held)) - set(reachable_steps(held, needed)) - skip - passed
     for s in sorted((s for s in fewer if chosen is None or s > chosen), reverse=True):
         passed.add(s)
         have = sorted(holds.get(s) or ())
@@ -259,12 +278,12 @@ def _report_passed(
         )
 
 
-def _incomplete(views: list[list[Candidate]], searched: Sequence[str]) -> str:
+def _incomplete(held: Holdings, searched: Sequence[str]) -> str:
     """Which versions are there only in part, whose part is missing, and where the ranks looked."""
     parts = [
         f"step {s} lacks the part of ranks {missing}" if missing else f"step {s} was saved twice (different tiers)"
-        for s in reversed(partial_steps(views))
-        for missing in [missing_writers(views, s)]
+        for s in reversed(partial_steps(held))
+        for missing in [missing_writers(held, s)]
     ]
     return (
         f"committed versions are incomplete on the tiers searched: {'; '.join(parts)} "
@@ -274,26 +293,26 @@ def _incomplete(views: list[list[Candidate]], searched: Sequence[str]) -> str:
 
 
 def _report_incomplete(
-    comm: _Comm, views: list[list[Candidate]], chosen: int | None, searched: Sequence[str], passed: set[int]
+    comm: _Comm, held: Holdings, chosen: int | None, searched: Sequence[str], passed: set[int]
 ) -> None:
     """One line per newer version passed over because a part of it is missing (rank 0; each once)."""
     if chosen is None or comm.rank != 0:
         return
-    for s in sorted((s for s in partial_steps(views) if s > chosen and s not in passed), reverse=True):
+    for s in sorted((s for s in partial_steps(held) if s > chosen and s not in passed), reverse=True):
         passed.add(s)
         log.warning(
             "step %d lacks the part of ranks %s on the tiers searched (%s): restoring step %d instead",
             s,
-            missing_writers(views, s),
+            missing_writers(held, s),
             ", ".join(searched),
             chosen,
         )
 
 
-def _lacking(views: list[list[Candidate]], needed: frozenset[str], tiers: Sequence[Tier]) -> None:
+def _lacking(held: Holdings, needed: frozenset[str], tiers: Sequence[Tier]) -> None:
     """Versions exist, but none holds every key the state needs: no silent fresh start."""
-    holds = _holds(views)
-    steps = sorted(reachable_steps(views))
+    holds = _holds(held)
+    steps = sorted(reachable_steps(held))
     where = ", ".join(t.location for t in tiers)
     raise VersionNotFoundError(
         f"no version in {where} holds every key of the state {sorted(needed)}: steps {steps} hold only "
@@ -305,7 +324,7 @@ def _lacking(views: list[list[Candidate]], needed: frozenset[str], tiers: Sequen
 def _nothing(
     comm: _Comm,
     tiers: Sequence[Tier],
-    views: list[list[Candidate]],
+    held: Holdings,
     step: int | None,
     excluded: set[int],
     vanished: set[int],
@@ -317,14 +336,14 @@ def _nothing(
     """Raise why no version can be chosen, unless nothing is committed anywhere (and
     `missing_ok`), or only incomplete versions are and the caller chose a fresh start."""
     where = ", ".join(t.location for t in tiers)
-    partial = partial_steps(views)
+    partial = partial_steps(held)
     hint = (
         f" (steps {partial} are there only in part: other ranks' chunks are on tiers not searched)" if partial else ""
     )
     if step is not None and step in vanished:
         raise VersionNotFoundError(f"step {step} is being deleted (by a GC) in {where}")
     if step is not None and step in partial:
-        raise IncompleteVersionError(_incomplete([[c for c in v if c.step == step] for v in views], searched))
+        raise IncompleteVersionError(_incomplete([h for h in held if h.step == step], searched))
     if step is not None:
         raise VersionNotFoundError(f"step {step} is not committed where every rank can reach it ({where}){hint}")
     if excluded:
@@ -332,7 +351,7 @@ def _nothing(
             f"no committed version is intact (steps {sorted(excluded)} failed their checks); "
             "the state may be partly overwritten"
         )
-    if any(comm.all_gather(bool(unreachable))):
+    if comm.any(bool(unreachable)):
         detail = "; ".join(unreachable) or "on another rank"
         raise TierUnavailableError(
             errno.EIO,
@@ -340,6 +359,6 @@ def _nothing(
             "not starting from scratch",
         )
     if partial and if_incomplete == "raise":
-        raise IncompleteVersionError(_incomplete(views, searched))
+        raise IncompleteVersionError(_incomplete(held, searched))
     if not missing_ok:
         raise VersionNotFoundError(f"no complete committed version in {where}{hint}")

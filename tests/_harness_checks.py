@@ -26,7 +26,7 @@ from ckpt._dist import Comm
 from ckpt._peer_status import peer_dir
 from ckpt.cli import main as ckpt_cli
 from ckpt.replicator.placement import source_label
-from ckpt.restore.discover import choose_step, partial_steps, reachable_steps
+from ckpt.restore.discover import choose_step, holdings, partial_steps, reachable_steps
 from ckpt.restore.export import assemble
 from ckpt.restore.locate import Located, first_manifest, restore_newest
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
@@ -277,9 +277,9 @@ def expected_restore(layout: Layout) -> tuple[int | None, set[int]]:
     """The step a restart must restore at least (the newest one the ranks together can
     reach), and the newer steps committed only in part (a lost node's part): the job's next
     saves of those may replace what is left of them."""
-    views = _views(layout)
-    chosen = choose_step(views)
-    return chosen, {s for s in partial_steps(views) if chosen is None or s > chosen}
+    held = holdings(_views(layout))
+    chosen = choose_step(held)
+    return chosen, {s for s in partial_steps(held) if chosen is None or s > chosen}
 
 
 def groups(layout: Layout) -> dict[str, list[str]]:
@@ -293,7 +293,7 @@ def groups(layout: Layout) -> dict[str, list[str]]:
 
 
 def reachable(locations: Sequence[str]) -> dict[int, str]:
-    return reachable_steps([[c for loc in locations for c in candidates(loc)]])
+    return reachable_steps(holdings([[c for loc in locations for c in candidates(loc)]]))
 
 
 def version_sums(locations: Sequence[str], step: int) -> dict[int, dict[str, str]]:

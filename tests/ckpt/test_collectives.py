@@ -4,8 +4,9 @@ roots' leaders only.
 
 Before, every save all-gathered a Python tuple from every rank to every rank (O(world^2)
 bytes in all), broadcast the whole manifest to every rank (each parsed it), and each of
-the two commit agreements all-gathered again. Real gloo jobs of 4 ranks, one root and a
-root per simulated node; the counts come from each rank's `Comm.calls`.
+the two commit agreements all-gathered again. A restore all-gathers only each rank's
+listing. Real gloo jobs of 4 ranks, one root and a root per simulated node; the counts
+come from each rank's `Comm.calls`.
 """
 
 from __future__ import annotations
@@ -59,8 +60,17 @@ def count_job(ctx: Any, base: str, per_node: bool) -> dict[str, Any]:
             "shared": torch.zeros(64),
             "rows": ckpt.Shard(torch.zeros(cut[1] - cut[0], 8), (1001, 8), (cut[0], 0)),
         }
+        before = _calls(ck)
         ck.restore(target, step=3, strict=False)
+        out["restore"] = dict(_calls(ck) - before)
         ctx.check(torch.equal(target["rows"].local_tensor, full[cut[0] : cut[1]]), "rows restored wrong")
+        # The newest version holding every rank's top-level keys (strict, no step): the keys
+        # travel with the listing.
+        newest = {**target, "mine": {"step": -1}, "extra": torch.ones(3)}
+        before = _calls(ck)
+        ctx.check(ck.restore(newest) == 4, "the newest version is step 4")
+        out["restore_newest"] = dict(_calls(ck) - before)
+        ctx.check(torch.equal(newest["extra"], torch.zeros(3)) and newest["mine"] == {"step": ctx.rank}, "step 4")
     return out
 
 
@@ -86,6 +96,14 @@ def test_steady_state_save_costs_few_small_collectives(tmp_path: Path, per_node:
             manifest = 1 if (rank in leaders and len(leaders) > 1) else 0
             assert reports + manifest <= calls["p2p"] <= reports + manifest + 1, (rank, step, calls)
         assert Counter(r["relayout"])["all_gather"] == 1, (rank, r["relayout"])
+        # A restore all-gathers each rank's listing (its candidates' writers as ranges),
+        # and what each rank cannot reach only where chunks are then sent point to point
+        # (a root per node); the pin check and the manifest's holders are all-reduces.
+        for what in ("restore", "restore_newest"):
+            calls = Counter(r[what])
+            sent = calls["p2p"] > 0
+            assert sent == per_node, (rank, what, calls)
+            assert calls["all_gather"] == 1 + sent and calls["broadcast"] == calls["gather"] == 0, (rank, what, calls)
 
 
 def test_packed_reports_come_back_whole() -> None:

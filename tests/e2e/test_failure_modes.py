@@ -54,6 +54,9 @@ class _ThreadComm:
         self.s["barrier"].wait(timeout=self.timeout)
         return out
 
+    def any(self, flag: bool) -> bool:
+        return any(self.all_gather(flag))
+
     agree = RealComm.agree
 
 
