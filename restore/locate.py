@@ -194,7 +194,7 @@ def restore_newest(
                 _lacking(held, needed, listed)
             _nothing(comm, listed, held, step, excluded, vanished, unreachable, missing_ok, searched, if_incomplete)
             return None
-        save_id = reachable_steps(held)[chosen]
+        save_id = reachable_steps(held, needed)[chosen]
         sources = tuple(
             Source(listed[i], chosen, expand(c.writers)) for i, c in mine if c.step == chosen and c.save_id == save_id
         )

@@ -127,3 +127,19 @@ def test_numpy_object_array_is_refused_cleanly(tmp_path: Path) -> None:
         ck.save(2, {"ok": torch.ones(2)})  # the checkpointer stays usable
         ck.wait()
         assert ck.steps() == [2]
+
+
+def test_a_step_saved_twice_is_restored_from_the_save_that_holds_the_state(tmp_path: Path) -> None:
+    """Two tiers hold step 5 from different saves, whole: the job's full save and a
+    params-only one. A strict restore of the full state chooses the save that holds every
+    key; its save_id was looked up without the keys filter, where the step had two saves
+    (KeyError)."""
+    full = {"model": torch.arange(8.0), "optim": {"m": torch.full((8,), 2.0)}}
+    with Checkpointer(tmp_path / "a") as ck:
+        ck.save(5, full)
+    with Checkpointer(tmp_path / "b") as ck:
+        ck.save(5, {"model": torch.zeros(8)})
+    got = {"model": torch.zeros(8), "optim": {"m": torch.zeros(8)}}
+    with Checkpointer(tmp_path / "a", tiers=[str(tmp_path / "b")]) as ck:
+        assert ck.restore(got) == 5
+    assert_bitwise(got, full)

@@ -106,3 +106,20 @@ def test_a_remote_candidate_of_16384_writers_is_small(tmp_path: Path) -> None:
     assert sent < 512, f"a candidate of a whole 16,384-rank version pickles to {sent} bytes"
     # every rank's view of it: reachable in one merge, whatever the number of ranks
     assert reachable_steps(holdings([[cand]] * 1000)) == {1: cand.save_id}
+
+
+def test_the_keys_a_restore_needs_choose_among_saves() -> None:
+    """Step 5 saved twice, whole both times (the full state, and params only); step 6
+    params only. Needing every key chooses step 5's full save; needing none, step 6 (step 5,
+    with two whole saves, is ambiguous)."""
+    full, params = frozenset({"model", "optim"}), frozenset({"model"})
+    views = [
+        [Candidate(5, "x" * 32, 2, ((0, 1),), full), Candidate(6, "z" * 32, 2, ((0, 2),), params)],
+        [Candidate(5, "x" * 32, 2, ((1, 2),), full), Candidate(5, "y" * 32, 2, ((0, 2),), params)],
+    ]
+    held = holdings(views)
+    assert reachable_steps(held) == {6: "z" * 32}
+    assert reachable_steps(held, full) == {5: "x" * 32}
+    assert choose_step(held) == 6 and choose_step(held, needs=full) == 5
+    assert choose_step(held, needs=frozenset({"data"})) is None
+    assert partial_steps(held) == [5]  # (not one whole save)
