@@ -42,20 +42,27 @@ from ckpt.store.versions import COMMIT_CLAIM, committed, committed_steps, read_m
 
 
 class _ThreadComm:
-    """Ranks as threads; all_gather as gloo's, but giving up after `timeout` (gloo: 30 min)."""
+    """Ranks as threads; all_gather and any as gloo's, but giving up after `timeout` (gloo: 30
+    min), and refusing ranks that make different collectives at one point."""
 
     def __init__(self, rank: int, shared: dict[str, Any], timeout: float = 10.0) -> None:
         self.rank, self.world, self.s, self.timeout = rank, 2, shared, timeout
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        self.s["slots"][self.rank] = obj
+    def _gather(self, kind: str, obj: Any) -> list[Any]:
+        self.s["slots"][self.rank] = (kind, obj)
         self.s["barrier"].wait(timeout=self.timeout)
         out = list(self.s["slots"])
         self.s["barrier"].wait(timeout=self.timeout)
-        return out
+        kinds = {k for k, _ in out}
+        if len(kinds) > 1:  # gloo would pair them wrongly or hang
+            raise AssertionError(f"ranks made different collectives: {sorted(kinds)}")
+        return [o for _, o in out]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return self._gather("all_gather", obj)
 
     def any(self, flag: bool) -> bool:
-        return any(self.all_gather(flag))
+        return any(self._gather("all_reduce", flag))
 
     agree = RealComm.agree
 
@@ -184,6 +191,8 @@ def test_restore_newest_fails_every_rank_together(tmp_path: Path) -> None:
     flaky = Flaky(url, retry=RetryPolicy(attempts=1))
     out = _two_ranks(lambda comm, rank: restore_newest(comm, lambda: [flaky], lambda loc: loc.step))
     assert "BrokenBarrierError" not in out[0] + out[1], out
+    assert "different collectives" not in out[0] + out[1], out
+    assert all(o.startswith("TierUnavailableError") for o in out.values()), out  # on both ranks alike
 
 
 # -- 2b. a backend exception that is no OSError (no credentials) escapes the tier --------------
@@ -252,6 +261,7 @@ def test_recover_with_an_unreadable_root_info(tmp_path: Path, monkeypatch: Any) 
         lambda comm, rank: recover(comm, RootContext(str(root), rank, rank == 0, 0, ((0, 1),)), open_tier(str(root)))
     )
     assert "BrokenBarrierError" not in out[0] + out[1], out
+    assert "different collectives" not in out[0] + out[1], out
 
 
 # -- 3. a symlinked version directory wedges every GC pass ---------------------------------------
