@@ -145,7 +145,8 @@ def parse_root_info(raw: bytes) -> RootInfo | None:
 class Candidate(NamedTuple):
     """A committed version as one tier sees it. A tuple: every rank unpickles every rank's
     candidates (restore.locate.Listing), 16,384 x 14 of them in bench/scale.py's listing,
-    and a frozen dataclass's __init__ took 4x as long per candidate."""
+    where a frozen dataclass (restored by field name) made choosing the version take 1.08 s
+    of CPU, and a tuple 0.66-0.77 s."""
 
     step: int
     save_id: str
