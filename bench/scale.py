@@ -248,9 +248,10 @@ def measure_listing(world: int) -> dict[str, Any]:
     every rank, and the choice each rank then makes from all of them (restore.discover).
 
     Each rank lists a root per node of 8 ranks (3 versions), that node's replica disk (the
-    same 3), a peer copy of the next node's root (3), and the remote (5 versions, every
-    rank's part). `before`: the same listing with each candidate's writers as a tuple of
-    ranks, as sent until writers travelled as ranges."""
+    same 3) and a peer copy of the next node's root (3); rank 0 also lists the remote (5
+    versions, every rank's part) for every rank. `before`: each candidate's writers as a
+    tuple of ranks, and every rank listing the remote, as until writers travelled as
+    ranges and the remote was listed once."""
     from ckpt.restore.discover import choose_step, holdings, partial_steps, reachable_steps
     from ckpt.restore.locate import Listing
     from ckpt.store.rank_ranges import ranges_of
@@ -259,19 +260,23 @@ def measure_listing(world: int) -> dict[str, Any]:
     nodes = -(-world // 8)
     keys = frozenset({"data", "model", "optim", "rng"})
 
-    def listing(r: int, writers: Callable[[range], Any]) -> Listing:
+    remote = "s3://bucket/job"
+
+    def listing(r: int, writers: Callable[[range], Any], everyone_lists: bool = False) -> Listing:
         node, peer = r // 8, (r // 8 + 1) % nodes
         here, there = range(node * 8, min(world, node * 8 + 8)), range(peer * 8, min(world, peer * 8 + 8))
         # one writers object per candidate, as each tier's root info gives
         cands = [Candidate(s, f"{s:032x}", world, writers(here), keys) for _ in "rr" for s in (8, 9, 10)]
         cands += [Candidate(s, f"{s:032x}", world, writers(there), keys) for s in (8, 9, 10)]
-        cands += [Candidate(s, f"{s:032x}", world, writers(range(world)), keys) for s in (2, 4, 6, 8, 10)]
+        shared = [Candidate(s, f"{s:032x}", world, writers(range(world)), keys) for s in (2, 4, 6, 8, 10)]
         places = [f"/nvme/node{node}/ckpt", f"/nvme1/node{node}/replicas", f"/nvme/node{node}/peers/{peer}"]
-        return Listing(cands, None, [*places, "s3://bucket/job"], sorted(keys))
+        if everyone_lists:
+            return Listing(cands + shared, None, [*places, remote], sorted(keys), [])
+        return Listing(cands, None, [*places, remote], sorted(keys), [(remote, shared if r == 0 else None)])
 
     sample = sorted({0, world - 1})
     sizes = [len(pickle.dumps(listing(r, ranges_of))) for r in sample]
-    before = [len(pickle.dumps(listing(r, tuple))) for r in sample]
+    before = [len(pickle.dumps(listing(r, tuple, everyone_lists=True))) for r in sample]
     # all_gather_object pads every rank's bytes to the largest
     out: dict[str, Any] = {"listing_rank_bytes": max(sizes), "listing_rank_bytes_before": max(before)}
     out["listing_received_bytes"] = world * max(sizes)
@@ -283,13 +288,14 @@ def measure_listing(world: int) -> dict[str, Any]:
             found[ranks] = ranges_of(ranks)
         return tuple((lo, hi) for lo, hi in found[ranks])
 
-    per_node = [pickle.dumps(listing(n * 8, ranges)) for n in range(nodes)]  # (a node's ranks list alike)
-    payloads = [per_node[r // 8] for r in range(world)]
+    # a node's ranks list alike, but for rank 0, which lists the remote too
+    per_node = [pickle.dumps(listing(n * 8 + 1, ranges)) for n in range(nodes)]
+    payloads = [pickle.dumps(listing(0, ranges)), *(per_node[r // 8] for r in range(1, world))]
 
     def choose() -> int | None:  # as restore_newest: a strict restore, and the steps newer than the chosen
         gathered = [pickle.loads(b) for b in payloads]
         needs = frozenset(k for g in gathered for k in g.keys)
-        held = holdings([g.candidates for g in gathered])
+        held = holdings([g.candidates for g in gathered] + [c for g in gathered for _, c in g.shared if c])
         chosen = choose_step(held, None, frozenset(), needs)
         if chosen is not None:
             reachable_steps(held)[chosen]
@@ -539,8 +545,9 @@ def markdown(cases: list[dict[str, Any]], tg: list[dict[str, Any]], real: dict[s
         "## A restore's listing exchange",
         "",
         "Every rank all-gathers what its tiers hold (restore.locate.Listing: a root per node of 8 ranks, its",
-        "replica disk and a peer copy, 3 versions each, and the remote's 5), then chooses from every rank's",
-        "(restore.discover). Before: each candidate's writers as a tuple of ranks.",
+        "replica disk and a peer copy, 3 versions each; rank 0 also the remote's 5, for every rank), then",
+        "chooses from every rank's (restore.discover). Before: each candidate's writers as a tuple of ranks,",
+        "and every rank listing the remote.",
         "",
         "| ranks | bytes a rank sends | MB each rank receives | before: bytes a rank sends | before: MB each receives | CPU s to choose | MB to choose |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -4,7 +4,8 @@ exports all go through `restore_newest`; only what "load" means differs.
 
 Each round:
 1. every rank lists the committed versions on each of its tiers (an unreachable tier is
-   a warning: the others may hold copies);
+   a warning: the others may hold copies), but a shared one (an object store, the same
+   for every rank) is listed by rank 0 alone, for every rank: one LIST, not one per rank;
 2. the ranks exchange what they found (Listing: the round's one all-gather, each
    version's writers as ranges, so O(ranks x versions) in all at any world size) and
    choose the newest step whose every writer's chunks some rank holds, with one save_id
@@ -75,10 +76,11 @@ class Listing(NamedTuple):
     """What one rank found, as every rank receives it (the one all-gather of a restore):
     O(versions x tiers) small records, each candidate's writers as ranges."""
 
-    candidates: list[Candidate]
+    candidates: list[Candidate]  # on the tiers only this rank's node reaches
     failure: str | None  # this rank's listing failed (not a tier's failure: a bug)
     locations: list[str]  # the tiers it searched
     keys: list[str] | None  # its state's top-level keys (None: the restore asks for none)
+    shared: list[tuple[str, list[Candidate] | None]]  # per shared tier: what it holds; None: left to rank 0
 
 
 def first_manifest(located: Located) -> Manifest | None:
@@ -110,10 +112,16 @@ def first_manifest(located: Located) -> Manifest | None:
     return None
 
 
-def _list(tiers: Sequence[Tier], rank: int, warned: set[str]) -> tuple[list[tuple[int, Candidate]], list[str]]:
+def _list(
+    tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int] = frozenset()
+) -> tuple[list[tuple[int, Candidate]], list[str]]:
+    """The committed versions on each tier but those in `skip` (by position), and the tiers
+    that could not be listed."""
     found: list[tuple[int, Candidate]] = []
     unreachable: list[str] = []
     for i, tier in enumerate(tiers):
+        if i in skip:
+            continue
         try:
             found += [(i, c) for c in committed(tier)]
             for d in damaged_entries(tier):
@@ -157,22 +165,27 @@ def restore_newest(
     passed: set[int] = set()  # versions already reported as passed over
     vanished: set[int] = set()  # deleted by GC since they were listed
     warned: set[str] = set()  # damaged entries already reported
+    one_lister = True  # rank 0 lists the shared tiers for every rank (False: each rank lists its own)
     while True:
         listed: list[Tier] = []
         mine: list[tuple[int, Candidate]] = []
+        left: frozenset[int] = frozenset()  # the shared tiers (by position) rank 0 lists for this rank
         unreachable: list[str] = []
         failure: Exception | None = None
         try:
             listed = list(tiers())
-            mine, unreachable = _list(listed, comm.rank, warned)
+            if one_lister and comm.rank != 0:
+                left = frozenset(i for i, t in enumerate(listed) if t.capabilities.shared)
+            mine, unreachable = _list(listed, comm.rank, warned, left)
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
         gathered: list[Listing] = comm.all_gather(
             Listing(
-                [c for _, c in mine],
+                [c for i, c in mine if not listed[i].capabilities.shared],
                 None if failure is None else f"{type(failure).__name__}: {failure}",
                 [t.location for t in listed],
                 sorted(needs) if isinstance(needs, frozenset) else None,
+                _shared(listed, mine, left),
             )
         )
         failed = {r: g.failure for r, g in enumerate(gathered) if g.failure}
@@ -180,7 +193,14 @@ def restore_newest(
             if failure is not None:
                 raise failure
             raise RankFailures(failed)
-        held = holdings([g.candidates for g in gathered])
+        by_lister = {where: cands for where, cands in gathered[0].shared if cands is not None}
+        if one_lister and any(c is None and w not in by_lister for g in gathered for w, c in g.shared):
+            # A rank reaches a shared tier rank 0 does not name: each rank lists its own (a
+            # configuration that differs between ranks; the same on every rank, as all is gathered).
+            one_lister = False
+            continue
+        mine = sorted(mine + [(i, c) for i in left for c in by_lister.get(listed[i].location, [])], key=lambda m: m[0])
+        held = holdings([g.candidates for g in gathered] + [c for g in gathered for _, c in g.shared if c])
         searched = sorted({where for g in gathered for where in g.locations})
         sent = [g.keys for g in gathered if g.keys is not None]
         if sent and not isinstance(needs, AllKeys):  # every rank's keys: one choice on every rank
@@ -208,7 +228,9 @@ def restore_newest(
                 try:
                     pinned = [pins.enter_context(pin_version(s.tier, chosen)) for s in sources]
                     key = join_key(version_dirname(chosen), MANIFEST_NAME)
-                    gone = not all(pinned) or any(not s.tier.exists(key) for s in sources)
+                    # A shared tier is checked where it was listed: one HEAD for the job.
+                    checked_here = [s for s in sources if not any(s.tier is listed[i] for i in left)]
+                    gone = not all(pinned) or any(not s.tier.exists(key) for s in checked_here)
                 except Exception as e:  # noqa: BLE001 - raised on every rank below
                     failure = e
                 checks: list[tuple[bool, str | None]] = [(gone, None)]
@@ -233,6 +255,18 @@ def restore_newest(
                 raise
             log.warning("rank %d: step %d is not intact (%s); trying an older version", comm.rank, chosen, e)
             excluded.add(chosen)
+
+
+def _shared(
+    listed: Sequence[Tier], mine: Sequence[tuple[int, Candidate]], left: frozenset[int]
+) -> list[tuple[str, list[Candidate] | None]]:
+    """Listing.shared: for each shared tier, the candidates this rank found on it, or None
+    where rank 0 lists it for this rank."""
+    return [
+        (t.location, None if i in left else [c for j, c in mine if j == i])
+        for i, t in enumerate(listed)
+        if t.capabilities.shared
+    ]
 
 
 class AllKeys:

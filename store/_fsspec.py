@@ -44,6 +44,9 @@ T = TypeVar("T")
 _MULTIPART = 16 << 20  # s3fs part size: objects of 32 MiB and more go up as multipart uploads
 _BACKENDS = frozenset({"botocore", "aiobotocore", "boto3", "s3fs", "aiohttp", "gcsfs", "google", "adlfs", "azure"})
 _CAPABILITIES = Capabilities(atomic_rename=False, range_reads=True, direct_io=False, local_files=False)
+_SHARED = Capabilities(atomic_rename=False, range_reads=True, direct_io=False, local_files=False, shared=True)
+# A store in this process's memory, or this machine's filesystem, is not another rank's.
+_PRIVATE_PROTOCOLS = frozenset({"memory", "file", "local"})
 
 
 READAHEAD = 32 << 20  # one GET brings this much: readers ask for 1 MiB pieces in order
@@ -145,6 +148,9 @@ class FsspecTier(Tier):
         if s3:
             self.fs.retries = 1  # s3fs's own loop (an instance of these options only)
         self.prefix = str(prefix).rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if _PRIVATE_PROTOCOLS.isdisjoint(protocols):
+            self.capabilities = _SHARED
 
     def _path(self, key: str) -> str:
         return join_key(self.prefix, key) if key else self.prefix

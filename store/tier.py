@@ -61,6 +61,9 @@ class Capabilities:
     local_files: bool
     """Keys are files of this machine's filesystem (`local_path`): readers may pin them
     against GC with flocks, and read their directory entries ahead of a read pass."""
+    shared: bool = False
+    """Every process of the job that opens this location reaches the same objects (an
+    object store): a restore lists it on one rank for all of them (restore.locate)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,164 @@
+"""A restore lists a shared store (S3) once for the job, not once per rank.
+
+At 16,384 ranks every rank listing the remote was ~16k LIST requests, and a GET of each
+version's root info and a HEAD of the chosen manifest per rank, in one burst against one
+prefix. Rank 0 now lists it and its candidates travel in the restore's one all-gather;
+the other ranks read their chunks from it all the same.
+
+Real gloo jobs of 4 ranks on 2 simulated nodes (a root per node), the remote on the moto
+S3 server reached through s3fs; each rank counts its S3 requests at s3fs's one call site
+(`S3FileSystem._call_s3`). Node 1's root is then replaced by an empty directory, so its
+ranks read their part from the remote, from rank 0's listing. On the old code every rank
+listed the remote.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.restore.locate import restore_newest
+from ckpt.store._fsspec import FsspecTier
+from ckpt.store.errors import TierUnavailableError
+from ckpt.store.retry import RetryPolicy
+from ckpt.store.tier import open_tier
+from tests._dist import launch
+from tests.e2e.test_failure_modes import _save, _two_ranks
+from tests.s3_server import S3Place
+
+THIS = os.path.abspath(__file__)
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _state(rank: int, step: int) -> dict[str, Any]:
+    import ckpt
+
+    full = torch.arange(8 * 4096, dtype=torch.float32).reshape(8, 4096) + step
+    return {"w": ckpt.Shard(full[2 * rank : 2 * rank + 2].clone(), (8, 4096), (2 * rank, 0)), "step": step}
+
+
+def save_job(ctx: Any, base: str, url: str, options: dict[str, Any]) -> None:
+    import ckpt
+
+    with ckpt.Checkpointer(
+        f"{base}/node{ctx.rank // 2}", replicate_to=url, storage_options=options, timeout=TIMEOUT
+    ) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, _state(ctx.rank, step))
+        ck.wait()
+
+
+def restore_job(ctx: Any, base: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
+    import s3fs
+
+    import ckpt
+
+    calls: Counter[str] = Counter()
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        calls[method] += 1
+        return await real(self, method, *args, **kwargs)
+
+    s3fs.S3FileSystem._call_s3 = counted  # type: ignore[method-assign]
+    state = _state(ctx.rank, 0)
+    with ckpt.Checkpointer(f"{base}/node{ctx.rank // 2}", tiers=[url], storage_options=options, timeout=TIMEOUT) as ck:
+        calls.clear()
+        got = ck.restore(state)
+        during = dict(calls)
+    same = got is not None and torch.equal(state["w"].local_tensor, _state(ctx.rank, got)["w"].local_tensor)
+    return {"step": got, "bitwise": same and state["step"] == got, "calls": during}
+
+
+def test_only_rank_0_lists_the_remote(tmp_path: Path, s3: S3Place) -> None:
+    base = str(tmp_path / "disks")
+    _, failures = launch(THIS, "save_job", 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options)
+    assert not failures, failures
+    assert any(k.startswith(f"{s3.prefix}/v000000000003/") for k in s3.objects()), "step 3 was not uploaded"
+    shutil.rmtree(f"{base}/node1")  # node 1 replaced with empty disks: its part is on the remote only
+    os.makedirs(f"{base}/node1")
+    results, failures = launch(THIS, "restore_job", 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options)
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert r["step"] == 3 and r["bitwise"], (rank, r)
+    lists = [r["calls"].get("list_objects_v2", 0) for r in results]
+    assert lists[0] >= 1 and lists[1:] == [0, 0, 0], lists
+    assert results[1]["calls"] == {}, results[1]  # its part is on its node's root: no request at all
+    for rank in (2, 3):  # their chunks and rank files come from the remote, as rank 0 listed it
+        calls = results[rank]["calls"]
+        assert calls.get("get_object", 0) >= 1, (rank, calls)
+        assert set(calls) <= {"get_object", "head_object"}, (rank, calls)
+
+
+# -- ranks as threads of one process: a memory:// store is then one store for all of them ------
+
+
+class _Shared(FsspecTier):
+    """A memory:// store, which the ranks (threads of this process) do share, marked so."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, retry=RetryPolicy(attempts=1))
+        self.capabilities = replace(self.capabilities, shared=True)
+        self.listed_by: list[str] = []
+
+    def listdir(self, prefix: str = "") -> list[str]:
+        self.listed_by.append(threading.current_thread().name)
+        return super().listdir(prefix)
+
+
+def _shared_copy(tmp_path: Path, *steps: int) -> _Shared:
+    root = tmp_path / "saved"
+    _save(root, *steps)
+    src, remote = open_tier(str(root)), _Shared(f"memory://shared-{os.getpid()}-{time.time_ns()}/ckpt")
+    for s in steps:
+        for o in src.find(f"v{s:012d}"):
+            remote.put(o.key, src.get(o.key))
+    return remote
+
+
+def test_rank_0_lists_the_shared_tier_for_both(tmp_path: Path) -> None:
+    remote = _shared_copy(tmp_path, 1, 2)
+    out = _two_ranks(lambda comm, rank: restore_newest(comm, lambda: [remote], lambda loc: len(loc.sources)))
+    assert out == {0: "(2, 1)", 1: "(2, 1)"}, out  # step 2, from one source on each rank
+    assert set(remote.listed_by) == {"rank0"}, remote.listed_by
+
+
+def test_a_shared_tier_rank_0_does_not_name_is_listed_by_the_ranks_that_do(tmp_path: Path) -> None:
+    """A configuration that differs between ranks: each rank lists its own tiers again."""
+    local = tmp_path / "local"
+    _save(local, 1)
+    remote = _shared_copy(tmp_path, 1, 2)
+
+    def tiers(rank: int) -> list[Any]:
+        return [open_tier(str(local))] + ([remote] if rank else [])
+
+    out = _two_ranks(
+        lambda comm, rank: restore_newest(comm, lambda: tiers(rank), lambda loc: [s.name for s in loc.sources])
+    )
+    assert out[0].startswith("(2, []") and out[1].startswith("(2, ['memory://"), out
+    assert set(remote.listed_by) == {"rank1"}, remote.listed_by
+
+
+def test_a_failed_check_of_the_shared_tier_fails_every_rank(tmp_path: Path) -> None:
+    """The HEAD after the pin is made on rank 0 only; its failure is both ranks'."""
+    remote = _shared_copy(tmp_path, 1)
+
+    def exists(key: str) -> bool:
+        if key.endswith("manifest.json"):
+            raise TierUnavailableError(errno.ECONNRESET, f"stat on {threading.current_thread().name}: reset")
+        return FsspecTier.exists(remote, key)
+
+    remote.exists = exists  # type: ignore[method-assign]
+    out = _two_ranks(lambda comm, rank: restore_newest(comm, lambda: [remote], lambda loc: loc.step))
+    assert all(o.startswith("TierUnavailableError") for o in out.values()), out
+    assert "on rank0" in out[0] and "on rank0" in out[1], out  # rank 1 never checked it
