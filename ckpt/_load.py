@@ -38,16 +38,20 @@ log = logging.getLogger("ckpt")
 
 
 def agreed_manifest(ctl: Comm, located: Located) -> Manifest:
-    """The manifest on every rank: from this rank's copies, or broadcast from one that has it."""
+    """The manifest on every rank: from this rank's copies, or broadcast from one that has it.
+    A copy on a shared tier (the remote) is read by rank 0 alone, unless no rank has another."""
     found: Manifest | None = None
-    error: BaseException | None = None
-    try:
-        found = first_manifest(located)
-    except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
-        error = e
-    ctl.agree(error)
-    # One all-reduce: whether any rank lacks a copy, and the lowest rank that has one.
-    lacking, lowest = ctl.reduce_max([int(found is None), 0 if found is None else ctl.world - ctl.rank])
+    for shared in (ctl.rank == 0, True):
+        error: BaseException | None = None
+        try:
+            found = first_manifest(located, shared)
+        except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
+            error = e
+        ctl.agree(error)
+        # One all-reduce: whether any rank lacks a copy, and the lowest rank that has one.
+        lacking, lowest = ctl.reduce_max([int(found is None), 0 if found is None else ctl.world - ctl.rank])
+        if lowest or not lacking:
+            break
     if lacking:  # ranks without a copy get it from one that has it
         if not lowest:
             raise CorruptVersionError(f"no rank holds a manifest of step {located.step}")

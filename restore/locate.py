@@ -83,13 +83,20 @@ class Listing(NamedTuple):
     shared: list[tuple[str, list[Candidate] | None]]  # per shared tier: what it holds; None: left to rank 0
 
 
-def first_manifest(located: Located) -> Manifest | None:
+def first_manifest(located: Located, shared: bool = True) -> Manifest | None:
     """The manifest from the first source whose copy reads and validates; None if this rank
     has no copy. CorruptVersionError if every copy is damaged, TierUnavailableError if
-    none is damaged but some could not be read."""
+    none is damaged but some could not be read.
+
+    Without `shared`, copies on shared tiers are left to another rank (None where this rank
+    has no other good copy): one rank reads the remote's manifest for the job."""
     damaged: list[CorruptVersionError] = []
     unreachable: list[TierUnavailableError] = []
+    left = False
     for src in located.sources:
+        if not shared and src.tier.capabilities.shared:
+            left = True
+            continue
         try:
             return read_manifest(src.tier, located.step)
         except CorruptVersionError as e:
@@ -100,6 +107,8 @@ def first_manifest(located: Located) -> Manifest | None:
             log.warning("manifest of step %d on %s: %s", located.step, src.name, e)
         except VersionNotFoundError as e:  # deleted since it was listed
             damaged.append(CorruptVersionError(str(e)))
+    if left:
+        return None
     if unreachable and not damaged:
         raise TierUnavailableError(
             unreachable[0].errno, f"no readable manifest of step {located.step}: {unreachable[0]}"
@@ -112,13 +121,17 @@ def first_manifest(located: Located) -> Manifest | None:
     return None
 
 
-def _list(
-    tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int] = frozenset()
-) -> tuple[list[tuple[int, Candidate]], list[str]]:
-    """The committed versions on each tier but those in `skip` (by position), and the tiers
-    that could not be listed."""
+class _Found(NamedTuple):
+    candidates: list[tuple[int, Candidate]]  # (the tier's position, a version on it)
+    unreachable: list[str]  # the tiers that could not be listed, and why
+    failed: frozenset[int]  # their positions
+
+
+def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int] = frozenset()) -> _Found:
+    """The committed versions on each tier but those in `skip` (by position)."""
     found: list[tuple[int, Candidate]] = []
     unreachable: list[str] = []
+    failed: set[int] = set()
     for i, tier in enumerate(tiers):
         if i in skip:
             continue
@@ -131,8 +144,9 @@ def _list(
                     log.warning("rank %d: step %d skipped, %s is damaged: %s", rank, d.step, where, d.why)
         except (CkptError, OSError) as e:
             unreachable.append(f"{tier.location}: {e}")
+            failed.add(i)
             log.warning("rank %d: tier %s is unavailable: %s", rank, tier.location, e)
-    return found, unreachable
+    return _Found(found, unreachable, frozenset(failed))
 
 
 def restore_newest(
@@ -171,12 +185,13 @@ def restore_newest(
         mine: list[tuple[int, Candidate]] = []
         left: frozenset[int] = frozenset()  # the shared tiers (by position) rank 0 lists for this rank
         unreachable: list[str] = []
+        unlisted: frozenset[int] = frozenset()  # the positions of the tiers that could not be listed
         failure: Exception | None = None
         try:
             listed = list(tiers())
             if one_lister and comm.rank != 0:
                 left = frozenset(i for i, t in enumerate(listed) if t.capabilities.shared)
-            mine, unreachable = _list(listed, comm.rank, warned, left)
+            mine, unreachable, unlisted = _list(listed, comm.rank, warned, left)
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
         gathered: list[Listing] = comm.all_gather(
@@ -185,7 +200,7 @@ def restore_newest(
                 None if failure is None else f"{type(failure).__name__}: {failure}",
                 [t.location for t in listed],
                 sorted(needs) if isinstance(needs, frozenset) else None,
-                _shared(listed, mine, left),
+                _shared(listed, mine, left | unlisted),
             )
         )
         failed = {r: g.failure for r, g in enumerate(gathered) if g.failure}
@@ -193,13 +208,16 @@ def restore_newest(
             if failure is not None:
                 raise failure
             raise RankFailures(failed)
-        by_lister = {where: cands for where, cands in gathered[0].shared if cands is not None}
-        if one_lister and any(c is None and w not in by_lister for g in gathered for w, c in g.shared):
-            # A rank reaches a shared tier rank 0 does not name: each rank lists its own (a
-            # configuration that differs between ranks; the same on every rank, as all is gathered).
+        by_lister = _by_location(gathered[0].shared)
+        if one_lister and any(c is None and by_lister.get(w) is None for g in gathered[1:] for w, c in g.shared):
+            # A rank names a shared tier rank 0 could not list, or does not name (a configuration
+            # that differs between ranks): each rank lists its own, as a tier that fails one
+            # rank may answer the others. The same on every rank, as all is gathered.
             one_lister = False
             continue
-        mine = sorted(mine + [(i, c) for i in left for c in by_lister.get(listed[i].location, [])], key=lambda m: m[0])
+        mine = sorted(
+            mine + [(i, c) for i in left for c in by_lister.get(listed[i].location) or []], key=lambda m: m[0]
+        )
         held = holdings([g.candidates for g in gathered] + [c for g in gathered for _, c in g.shared if c])
         searched = sorted({where for g in gathered for where in g.locations})
         sent = [g.keys for g in gathered if g.keys is not None]
@@ -258,15 +276,25 @@ def restore_newest(
 
 
 def _shared(
-    listed: Sequence[Tier], mine: Sequence[tuple[int, Candidate]], left: frozenset[int]
+    listed: Sequence[Tier], mine: Sequence[tuple[int, Candidate]], unlisted: frozenset[int]
 ) -> list[tuple[str, list[Candidate] | None]]:
     """Listing.shared: for each shared tier, the candidates this rank found on it, or None
-    where rank 0 lists it for this rank."""
+    where it did not list it (rank 0 lists it for this rank, or the listing failed)."""
     return [
-        (t.location, None if i in left else [c for j, c in mine if j == i])
+        (t.location, None if i in unlisted else [c for j, c in mine if j == i])
         for i, t in enumerate(listed)
         if t.capabilities.shared
     ]
+
+
+def _by_location(shared: Sequence[tuple[str, list[Candidate] | None]]) -> dict[str, list[Candidate] | None]:
+    """A rank's Listing.shared by location; a location named twice is unlisted if either
+    listing failed."""
+    out: dict[str, list[Candidate] | None] = {}
+    for where, cands in shared:
+        before = out.get(where, [])
+        out[where] = None if before is None or cands is None else before + cands
+    return out
 
 
 class AllKeys:

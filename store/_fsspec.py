@@ -148,7 +148,8 @@ class FsspecTier(Tier):
         if s3:
             self.fs.retries = 1  # s3fs's own loop (an instance of these options only)
         self.prefix = str(prefix).rstrip("/")
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        # every layer of a chained URL (simplecache::s3://...): a private one anywhere is private
+        protocols = {part.split("://", 1)[0] for part in url.split("::")}
         if _PRIVATE_PROTOCOLS.isdisjoint(protocols):
             self.capabilities = _SHARED
 

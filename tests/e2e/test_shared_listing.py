@@ -67,7 +67,9 @@ def restore_job(ctx: Any, base: str, url: str, options: dict[str, Any]) -> dict[
     real = s3fs.S3FileSystem._call_s3
 
     async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        calls[method] += 1
+        key = str(kwargs.get("Key", ""))
+        what = next((n for n in ("manifest.json", "root.json", "/ranks/") if n in key), "chunk" if key else "")
+        calls[f"{method} {what}".strip()] += 1
         return await real(self, method, *args, **kwargs)
 
     s3fs.S3FileSystem._call_s3 = counted  # type: ignore[method-assign]
@@ -93,11 +95,14 @@ def test_only_rank_0_lists_the_remote(tmp_path: Path, s3: S3Place) -> None:
         assert r["step"] == 3 and r["bitwise"], (rank, r)
     lists = [r["calls"].get("list_objects_v2", 0) for r in results]
     assert lists[0] >= 1 and lists[1:] == [0, 0, 0], lists
+    # Rank 0 alone reads the versions' root info and checks the chosen manifest; its own
+    # part is on its node's root, so it reads no manifest, rank file or chunk there.
+    assert set(results[0]["calls"]) == {"list_objects_v2", "get_object root.json", "head_object manifest.json"}
     assert results[1]["calls"] == {}, results[1]  # its part is on its node's root: no request at all
-    for rank in (2, 3):  # their chunks and rank files come from the remote, as rank 0 listed it
+    for rank in (2, 3):  # their rank files and chunks come from the remote, as rank 0 listed it
         calls = results[rank]["calls"]
-        assert calls.get("get_object", 0) >= 1, (rank, calls)
-        assert set(calls) <= {"get_object", "head_object"}, (rank, calls)
+        assert calls.get("get_object chunk", 0) >= 1 and calls.get("get_object /ranks/", 0) == 1, (rank, calls)
+        assert {k.split()[1] for k in calls} <= {"chunk", "/ranks/"}, (rank, calls)  # no manifest, no root info
 
 
 # -- ranks as threads of one process: a memory:// store is then one store for all of them ------
@@ -162,3 +167,31 @@ def test_a_failed_check_of_the_shared_tier_fails_every_rank(tmp_path: Path) -> N
     out = _two_ranks(lambda comm, rank: restore_newest(comm, lambda: [remote], lambda loc: loc.step))
     assert all(o.startswith("TierUnavailableError") for o in out.values()), out
     assert "on rank0" in out[0] and "on rank0" in out[1], out  # rank 1 never checked it
+
+
+def test_a_shared_tier_rank_0_cannot_list_is_listed_by_every_rank(tmp_path: Path) -> None:
+    """Rank 0 alone cannot reach the store: the others list it, and the newest version there
+    is restored (not the older one on the local tier)."""
+    local = tmp_path / "local"
+    _save(local, 1)
+    remote = _shared_copy(tmp_path, 1, 2)
+    real = remote.listdir
+
+    def listdir(prefix: str = "") -> list[str]:
+        if threading.current_thread().name == "rank0":
+            raise TierUnavailableError(errno.ECONNRESET, "list: connection reset")
+        return real(prefix)
+
+    remote.listdir = listdir  # type: ignore[method-assign]
+    out = _two_ranks(
+        lambda comm, rank: restore_newest(comm, lambda: [open_tier(str(local)), remote], lambda loc: len(loc.sources))
+    )
+    assert out == {0: "(2, 0)", 1: "(2, 1)"}, out  # rank 0's part is read by rank 1 (load's business)
+    assert remote.listed_by.count("rank1") >= 1, remote.listed_by
+
+
+def test_which_stores_are_shared(tmp_path: Path, s3: S3Place) -> None:
+    assert open_tier(s3.url, s3.options).capabilities.shared
+    for private in ("memory://x/ckpt", f"file://{tmp_path}", str(tmp_path)):
+        assert not open_tier(private).capabilities.shared, private
+    assert not FsspecTier("simplecache::memory://x/ckpt").capabilities.shared  # a private layer anywhere
