@@ -36,7 +36,7 @@ from ckpt.store.retry import DEFAULT_POLICY, RetryPolicy
 
 __all__ = ["Capabilities", "ObjectInfo", "ReadHandle", "Tier", "open_tier", "is_url", "join_key"]
 
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*(::[a-zA-Z][a-zA-Z0-9+.-]*)*://")  # chained too: simplecache::s3://
 
 
 def is_url(location: str) -> bool:

@@ -173,3 +173,16 @@ def test_rename_matches_the_declared_capability(tier: Tier) -> None:
             tier.rename("v/d", "trash/d")
         assert tier.get("v/d/x") == b"x"
         assert tier.local_path("v/d/x") is None
+
+
+def test_a_chained_url_is_no_local_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec's chained URLs (`simplecache::s3://...`) reach fsspec; they were taken for a
+    relative path, and a directory named `simplecache::memory:` was made in the working
+    directory while nothing reached the store."""
+    monkeypatch.chdir(tmp_path)
+    url = f"simplecache::memory://chained-{id(tmp_path)}/ckpt"
+    tier = open_tier(url)
+    assert isinstance(tier, FsspecTier) and tier.local_path("") is None
+    tier.put("v/a", b"a")
+    assert open_tier(f"memory://chained-{id(tmp_path)}/ckpt").get("v/a") == b"a"
+    assert list(tmp_path.iterdir()) == []
