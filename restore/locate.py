@@ -123,17 +123,19 @@ def first_manifest(located: Located, shared: bool = True) -> Manifest | None:
 
 class _Found(NamedTuple):
     candidates: list[tuple[int, Candidate]]  # (the tier's position, a version on it)
-    unreachable: list[str]  # the tiers that could not be listed, and why
-    failed: frozenset[int]  # their positions
+    failed: dict[int, str]  # the positions of the tiers that could not be listed, and why
 
 
-def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int] = frozenset()) -> _Found:
-    """The committed versions on each tier but those in `skip` (by position)."""
+def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int], dead: dict[str, str]) -> _Found:
+    """The committed versions on each tier but those in `skip` (by position); a tier whose
+    location is in `dead` (rank 0 failed to list it this restore) fails as it did then."""
     found: list[tuple[int, Candidate]] = []
-    unreachable: list[str] = []
-    failed: set[int] = set()
+    failed: dict[int, str] = {}
     for i, tier in enumerate(tiers):
         if i in skip:
+            continue
+        if tier.location in dead:
+            failed[i] = dead[tier.location]
             continue
         try:
             found += [(i, c) for c in committed(tier)]
@@ -143,10 +145,9 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
                     warned.add(where)
                     log.warning("rank %d: step %d skipped, %s is damaged: %s", rank, d.step, where, d.why)
         except (CkptError, OSError) as e:
-            unreachable.append(f"{tier.location}: {e}")
-            failed.add(i)
+            failed[i] = f"{tier.location}: {e}"
             log.warning("rank %d: tier %s is unavailable: %s", rank, tier.location, e)
-    return _Found(found, unreachable, frozenset(failed))
+    return _Found(found, failed)
 
 
 def restore_newest(
@@ -180,27 +181,28 @@ def restore_newest(
     vanished: set[int] = set()  # deleted by GC since they were listed
     warned: set[str] = set()  # damaged entries already reported
     one_lister = True  # rank 0 lists the shared tiers for every rank (False: each rank lists its own)
+    dead: dict[str, str] = {}  # shared tiers rank 0 could not list (location: why): not tried again
     while True:
         listed: list[Tier] = []
         mine: list[tuple[int, Candidate]] = []
         left: frozenset[int] = frozenset()  # the shared tiers (by position) rank 0 lists for this rank
-        unreachable: list[str] = []
-        unlisted: frozenset[int] = frozenset()  # the positions of the tiers that could not be listed
+        unlisted: dict[int, str] = {}  # the tiers (by position) that could not be listed, and why
         failure: Exception | None = None
         try:
             listed = list(tiers())
             if one_lister and comm.rank != 0:
                 left = frozenset(i for i, t in enumerate(listed) if t.capabilities.shared)
-            mine, unreachable, unlisted = _list(listed, comm.rank, warned, left)
+            mine, unlisted = _list(listed, comm.rank, warned, left, dead)
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
+        unreachable = list(unlisted.values())
         gathered: list[Listing] = comm.all_gather(
             Listing(
                 [c for i, c in mine if not listed[i].capabilities.shared],
                 None if failure is None else f"{type(failure).__name__}: {failure}",
                 [t.location for t in listed],
                 sorted(needs) if isinstance(needs, frozenset) else None,
-                _shared(listed, mine, left | unlisted),
+                _shared(listed, mine, left | unlisted.keys()),
             )
         )
         failed = {r: g.failure for r, g in enumerate(gathered) if g.failure}
@@ -212,8 +214,11 @@ def restore_newest(
         if one_lister and any(c is None and by_lister.get(w) is None for g in gathered[1:] for w, c in g.shared):
             # A rank names a shared tier rank 0 could not list, or does not name (a configuration
             # that differs between ranks): each rank lists its own, as a tier that fails one
-            # rank may answer the others. The same on every rank, as all is gathered.
+            # rank may answer the others. The same on every rank, as all is gathered. Rank 0
+            # does not try again what it could not list (a dead store: one retry budget).
             one_lister = False
+            if comm.rank == 0:
+                dead = {listed[i].location: why for i, why in unlisted.items() if listed[i].capabilities.shared}
             continue
         mine = sorted(
             mine + [(i, c) for i in left for c in by_lister.get(listed[i].location) or []], key=lambda m: m[0]
@@ -288,12 +293,11 @@ def _shared(
 
 
 def _by_location(shared: Sequence[tuple[str, list[Candidate] | None]]) -> dict[str, list[Candidate] | None]:
-    """A rank's Listing.shared by location; a location named twice is unlisted if either
-    listing failed."""
+    """A rank's Listing.shared by location: one listing each (a location named twice is
+    one store), None if any listing of it failed."""
     out: dict[str, list[Candidate] | None] = {}
     for where, cands in shared:
-        before = out.get(where, [])
-        out[where] = None if before is None or cands is None else before + cands
+        out[where] = None if cands is None or (where in out and out[where] is None) else out.get(where, cands)
     return out
 
 

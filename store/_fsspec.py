@@ -137,6 +137,12 @@ class FsspecTier(Tier):
         self.options = dict(storage_options or {})
         self.location = redact(url, self.options)
         self.policy = retry
+        if "::" in url.split("://", 1)[0]:
+            # simplecache::s3://...: the options would reach the outer layer, not the store (an
+            # endpoint dropped, credentials not passed), and none of the store's checks apply.
+            raise TierUnavailableError(
+                errno.EINVAL, f"cannot open {self.location}: chained URLs are not supported; give the store's own URL"
+            )
         s3 = url.startswith(("s3://", "s3a://"))
         try:
             if s3:
@@ -148,8 +154,7 @@ class FsspecTier(Tier):
         if s3:
             self.fs.retries = 1  # s3fs's own loop (an instance of these options only)
         self.prefix = str(prefix).rstrip("/")
-        # every layer of a chained URL (simplecache::s3://...): a private one anywhere is private
-        protocols = {part.split("://", 1)[0] for part in url.split("::")}
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         if _PRIVATE_PROTOCOLS.isdisjoint(protocols):
             self.capabilities = _SHARED
 

@@ -67,13 +67,13 @@ class _ThreadComm:
     agree = RealComm.agree
 
 
-def _two_ranks(fn: Any) -> dict[int, str]:
+def _two_ranks(fn: Any, comm: type[_ThreadComm] = _ThreadComm) -> dict[int, str]:
     shared = {"slots": [None, None], "barrier": threading.Barrier(2)}
     out: dict[int, str] = {}
 
     def run(rank: int) -> None:
         try:
-            out[rank] = repr(fn(_ThreadComm(rank, shared), rank))
+            out[rank] = repr(fn(comm(rank, shared), rank))
         except BaseException as e:  # noqa: BLE001
             out[rank] = f"{type(e).__name__}: {e}"
 

@@ -27,13 +27,16 @@ from typing import Any
 
 import torch
 
-from ckpt.restore.locate import restore_newest
+from ckpt._load import agreed_manifest
+from ckpt.restore.locate import Located, restore_newest
+from ckpt.restore.sources import Source
 from ckpt.store._fsspec import FsspecTier
 from ckpt.store.errors import TierUnavailableError
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.tier import open_tier
+from ckpt.store.versions import read_manifest
 from tests._dist import launch
-from tests.e2e.test_failure_modes import _save, _two_ranks
+from tests.e2e.test_failure_modes import _save, _ThreadComm, _two_ranks
 from tests.s3_server import S3Place
 
 THIS = os.path.abspath(__file__)
@@ -179,6 +182,7 @@ def test_a_shared_tier_rank_0_cannot_list_is_listed_by_every_rank(tmp_path: Path
 
     def listdir(prefix: str = "") -> list[str]:
         if threading.current_thread().name == "rank0":
+            remote.listed_by.append("rank0")
             raise TierUnavailableError(errno.ECONNRESET, "list: connection reset")
         return real(prefix)
 
@@ -188,10 +192,65 @@ def test_a_shared_tier_rank_0_cannot_list_is_listed_by_every_rank(tmp_path: Path
     )
     assert out == {0: "(2, 0)", 1: "(2, 1)"}, out  # rank 0's part is read by rank 1 (load's business)
     assert remote.listed_by.count("rank1") >= 1, remote.listed_by
+    assert remote.listed_by.count("rank0") == 1, remote.listed_by  # a dead store: one retry budget, not two
 
 
 def test_which_stores_are_shared(tmp_path: Path, s3: S3Place) -> None:
     assert open_tier(s3.url, s3.options).capabilities.shared
     for private in ("memory://x/ckpt", f"file://{tmp_path}", str(tmp_path)):
         assert not open_tier(private).capabilities.shared, private
-    assert not FsspecTier("simplecache::memory://x/ckpt").capabilities.shared  # a private layer anywhere
+
+
+def test_a_store_named_twice_is_one_listing(tmp_path: Path) -> None:
+    """Two positions of one store (a URL given as a tier and as the remote): each rank has a
+    source at each, as when every rank listed both."""
+    remote = _shared_copy(tmp_path, 1, 2)
+    out = _two_ranks(lambda comm, rank: restore_newest(comm, lambda: [remote, remote], lambda loc: len(loc.sources)))
+    assert out == {0: "(2, 2)", 1: "(2, 2)"}, out
+    assert set(remote.listed_by) == {"rank0"}, remote.listed_by
+
+
+class _ManifestComm(_ThreadComm):
+    """What agreed_manifest needs besides: an all-reduce of maxima and a broadcast."""
+
+    def reduce_max(self, values: list[int]) -> list[int]:
+        return [max(v) for v in zip(*self._gather("all_reduce", list(values)))]
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        return self._gather("broadcast", obj)[src]
+
+
+def test_the_manifest_of_a_shared_copy_is_read_by_rank_0_alone(tmp_path: Path) -> None:
+    """Rank 1's own copy of the manifest is damaged and the store holds a good one: rank 0
+    reads the store's and broadcasts it (rank 1 does not read the store); when rank 0 has
+    no copy at all, a second round lets rank 1 read the store's."""
+    remote = _shared_copy(tmp_path, 1)
+    reads: list[str] = []
+    real_get = remote.get
+
+    def get(key: str) -> bytes:
+        if key.endswith("manifest.json"):
+            reads.append(threading.current_thread().name)
+        return real_get(key)
+
+    remote.get = get  # type: ignore[method-assign]
+    damaged = tmp_path / "damaged"
+    _save(damaged, 1)
+    (damaged / "v000000000001" / "manifest.json").write_bytes(b"{not json")
+    save_id = read_manifest(remote, 1).save_id
+    reads.clear()
+
+    def job(rank0_has_the_store: bool) -> dict[int, str]:
+        def run(comm: Any, rank: int) -> str:
+            sources = [Source(open_tier(str(damaged)), 1, frozenset({0})), Source(remote, 1, frozenset({0}))]
+            if rank == 0:
+                sources = sources[1:] if rank0_has_the_store else []
+            return agreed_manifest(comm, Located(1, save_id, tuple(sources))).save_id
+
+        return _two_ranks(run, comm=_ManifestComm)
+
+    assert job(rank0_has_the_store=True) == {0: repr(save_id), 1: repr(save_id)}
+    assert reads == ["rank0"], reads
+    reads.clear()
+    assert job(rank0_has_the_store=False) == {0: repr(save_id), 1: repr(save_id)}
+    assert reads == ["rank1"], reads

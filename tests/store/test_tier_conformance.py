@@ -175,14 +175,13 @@ def test_rename_matches_the_declared_capability(tier: Tier) -> None:
         assert tier.local_path("v/d/x") is None
 
 
-def test_a_chained_url_is_no_local_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fsspec's chained URLs (`simplecache::s3://...`) reach fsspec; they were taken for a
-    relative path, and a directory named `simplecache::memory:` was made in the working
-    directory while nothing reached the store."""
+def test_a_chained_url_is_refused_not_taken_for_a_local_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec's chained URLs (`simplecache::s3://...`) were taken for a relative path: a
+    directory named `simplecache::s3:` was made in the working directory and nothing reached
+    the store. Through fsspec, the options would reach the outer layer, not the store: they
+    are refused with one clear line."""
     monkeypatch.chdir(tmp_path)
-    url = f"simplecache::memory://chained-{id(tmp_path)}/ckpt"
-    tier = open_tier(url)
-    assert isinstance(tier, FsspecTier) and tier.local_path("") is None
-    tier.put("v/a", b"a")
-    assert open_tier(f"memory://chained-{id(tmp_path)}/ckpt").get("v/a") == b"a"
+    for url in ("simplecache::s3://bucket/ckpt", "simplecache::memory://x/ckpt"):
+        with pytest.raises(TierUnavailableError, match="chained URLs are not supported"):
+            open_tier(url, {"endpoint_url": "http://127.0.0.1:9"})
     assert list(tmp_path.iterdir()) == []
