@@ -181,7 +181,7 @@ def test_a_chained_url_is_refused_not_taken_for_a_local_path(tmp_path: Path, mon
     the store. Through fsspec, the options would reach the outer layer, not the store: they
     are refused with one clear line."""
     monkeypatch.chdir(tmp_path)
-    for url in ("simplecache::s3://bucket/ckpt", "simplecache::memory://x/ckpt"):
+    for url in ("simplecache::s3://bucket/ckpt", "simplecache::memory://x/ckpt", "simplecache::/data/ckpt"):
         with pytest.raises(TierUnavailableError, match="chained URLs are not supported"):
             open_tier(url, {"endpoint_url": "http://127.0.0.1:9"})
     assert list(tmp_path.iterdir()) == []
