@@ -138,8 +138,8 @@ class FsspecTier(Tier):
         self.location = redact(url, self.options)
         self.policy = retry
         if "::" in url.split("://", 1)[0]:
-            # simplecache::s3://...: the options would reach the outer layer, not the store (an
-            # endpoint dropped, credentials not passed), and none of the store's checks apply.
+            # simplecache::s3://... (or ::/a/path): the options would reach the outer layer, not
+            # the store (an endpoint dropped, credentials not passed), and none of its checks apply.
             raise TierUnavailableError(
                 errno.EINVAL, f"cannot open {self.location}: chained URLs are not supported; give the store's own URL"
             )

@@ -24,7 +24,6 @@ them against a local directory, `file://` and S3 on a moto server):
 from __future__ import annotations
 
 import contextlib
-import errno
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
@@ -37,8 +36,7 @@ from ckpt.store.retry import DEFAULT_POLICY, RetryPolicy
 
 __all__ = ["Capabilities", "ObjectInfo", "ReadHandle", "Tier", "open_tier", "is_url", "join_key"]
 
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*(::[a-zA-Z][a-zA-Z0-9+.-]*)*://")  # chained too: simplecache::s3://
-_CHAINED = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*::")  # simplecache::s3://..., simplecache::/data
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*(://|::)")  # chained too (simplecache::...), which fsspec refuses
 
 
 def is_url(location: str) -> bool:
@@ -194,10 +192,6 @@ def open_tier(
     """A tier for a local path or `file://` URL (a directory of this machine's filesystem,
     which need not exist yet), or for any other fsspec URL (`s3://bucket/prefix`),
     configured by `storage_options` or, for S3, the standard AWS_* variables and files."""
-    if _CHAINED.match(location):  # through fsspec its options would reach the outer layer, not the store
-        raise TierUnavailableError(
-            errno.EINVAL, f"cannot open {location}: chained URLs are not supported; give the store's own URL"
-        )
     if not is_url(location) or location.startswith("file://"):
         from ckpt.store._local import LocalTier
 
