@@ -1,15 +1,19 @@
 """A restore lists a shared store (S3) once for the job, not once per rank.
 
-At 16,384 ranks every rank listing the remote was ~16k LIST requests, and a GET of each
-version's root info and a HEAD of the chosen manifest per rank, in one burst against one
-prefix. Rank 0 now lists it and its candidates travel in the restore's one all-gather;
-the other ranks read their chunks from it all the same.
+At 16,384 ranks every rank listing the remote was ~16k LIST requests, a GET of each
+version's root info and a HEAD of the chosen manifest per rank, and a GET of the manifest
+per rank restoring from it, in one burst against one prefix. Rank 0 now lists it, checks
+the chosen version and reads its manifest there; the candidates travel in the restore's one
+all-gather, the manifest in the broadcast it already had; the other ranks read their rank
+files and chunks from it all the same.
 
-Real gloo jobs of 4 ranks on 2 simulated nodes (a root per node), the remote on the moto
-S3 server reached through s3fs; each rank counts its S3 requests at s3fs's one call site
-(`S3FileSystem._call_s3`). Node 1's root is then replaced by an empty directory, so its
-ranks read their part from the remote, from rank 0's listing. On the old code every rank
-listed the remote.
+A real gloo job of 4 ranks on 2 simulated nodes (a root per node), the remote on the moto
+S3 server reached through s3fs; each rank counts its S3 requests per object at s3fs's one
+call site (`S3FileSystem._call_s3`). Node 1's root is then replaced by an empty directory,
+so its ranks read their part from the remote, from rank 0's listing. On the old code every
+rank listed the remote. Then ranks as threads of one process, where a memory:// store is
+one store for all of them: a store rank 0 cannot list or does not name, named twice, a
+failed check, and the manifest's reader.
 """
 
 from __future__ import annotations
