@@ -11,6 +11,7 @@ anywhere makes every rank fall back together.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -23,16 +24,18 @@ from ckpt._gc import no_cyclic_gc
 from ckpt._tensors import describe
 from ckpt._tree import bind
 from ckpt.config import CheckpointerConfig
-from ckpt.restore.execute import ReadRequest, full_tensor, load_arrays
+from ckpt.restore.execute import ReadRequest, ReadsUnreached, full_tensor, load_arrays
 from ckpt.restore.locate import Located, first_manifest
 from ckpt.restore.saved_ranks import SavedRank, saved_rank
-from ckpt.restore.sources import rank_file_bytes_from
+from ckpt.restore.sources import SourcesUnreachable, rank_file_bytes_from
 from ckpt.rng import restore_rng, seed_new_rank
-from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchError
+from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchError, TierUnavailableError
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
 
 __all__ = ["load_version", "agreed_manifest", "read_agreed", "saved_rank_of"]
+
+_RANK_FILE_HOLDERS = 3  # ranks tried in turn for a rank file the asking rank cannot read
 
 log = logging.getLogger("ckpt")
 
@@ -76,32 +79,55 @@ def saved_rank_of(ctl: Comm, manifest: Manifest, located: Located, want: int | N
     chunks; a rank on another node, or a new one, may see none)."""
     found: SavedRank | None = None
     error: BaseException | None = None
+    unreached = False
+    sources = [s for s in located.sources if s.name not in located.unreachable]
     try:
         if want is not None:
-            found = saved_rank(manifest, located.sources, want)
+            found = saved_rank(manifest, sources, want)
     except CorruptVersionError as e:  # none here, or damaged here: another rank may hold a good copy
         log.info("rank %d: the rank file of saved rank %s is not on this rank's tiers: %s", ctl.rank, want, e)
+    except SourcesUnreachable as e:  # a rank that reaches them sends it; the reads leave them out too
+        log.warning("rank %d: %s; asking the other ranks", ctl.rank, e)
+        located.unreachable.update(e.locations)
+        unreached = True
     except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
         error = e
     ctl.agree(error)
     if not ctl.any(want is not None and found is None):  # the usual case: one all-reduce
         return found
-    wanted = sorted({w for w in ctl.all_gather(None if found is not None else want) if w is not None})
-    servable = [w for w in wanted if any(w in s.writers for s in located.sources)]
+    asks = [a for a in ctl.all_gather(None if found is not None else (want, unreached)) if a is not None]
+    wanted = sorted({w for w, _ in asks if w is not None})
+    unreached_by_some = {w for w, u in asks if u}
+    sources = [s for s in located.sources if s.name not in located.unreachable]
+    servable = [w for w in wanted if any(w in s.writers for s in sources)]
     offers = ctl.all_gather(servable)
     for w in wanted:
-        holder = next((r for r, offer in enumerate(offers) if w in offer), None)
-        if holder is None:
-            raise CorruptVersionError(f"no rank holds the rank file of saved rank {w} of step {located.step}")
-        sent: tuple[bool, bytes | str] | None = None
-        if ctl.rank == holder:
-            try:
-                sent = (True, rank_file_bytes_from(located.sources, manifest, w))
-            except Exception as e:  # noqa: BLE001 - every rank must still join the broadcast
-                sent = (isinstance(e, CorruptVersionError), f"rank {holder}: {describe_error(e)}")
-        ok, body = ctl.broadcast(sent, src=holder)
+        holders = [r for r, offer in enumerate(offers) if w in offer]
+        what = f"the rank file of saved rank {w} of step {located.step}"
+        if not holders:
+            if w in unreached_by_some:  # not damage: a copy no rank reaches now
+                raise TierUnavailableError(errno.EHOSTUNREACH, f"{what}: no rank reaches a copy")
+            raise CorruptVersionError(f"no rank holds {what}")
+        # A holder that finds it cannot reach its copy (a store rank 0 listed for it) hands
+        # over to the next; a few at most, each costs a retry budget.
+        for holder in holders[:_RANK_FILE_HOLDERS]:
+            sent: tuple[str, bytes | str] | None = None
+            if ctl.rank == holder:
+                try:
+                    sent = ("ok", rank_file_bytes_from(sources, manifest, w))
+                except SourcesUnreachable as e:
+                    located.unreachable.update(e.locations)
+                    sent = ("unreachable", f"rank {holder}: {describe_error(e)}")
+                except Exception as e:  # noqa: BLE001 - every rank must still join the broadcast
+                    sent = (
+                        "damaged" if isinstance(e, CorruptVersionError) else "failed",
+                        f"rank {holder}: {describe_error(e)}",
+                    )
+            kind, body = ctl.broadcast(sent, src=holder)
+            if kind != "unreachable":
+                break
         if isinstance(body, str):  # every rank raises alike: damage falls back, the rest does not
-            raise (CorruptVersionError(body) if ok else RankFailures({holder: body}))
+            raise (CorruptVersionError(body) if kind == "damaged" else RankFailures({holder: body}))
         if w == want and found is None:  # the holder verified it against the manifest
             got = parse_rank_file(body, manifest, w)
             found = SavedRank(got.tree, got.rng)
@@ -112,21 +138,47 @@ def read_agreed(
     ctl: Comm, config: CheckpointerConfig, located: Located, manifest: Manifest, requests: list[ReadRequest]
 ) -> None:
     """Collective: read every rank's requests (restore.execute); a failure anywhere raises on
-    every rank alike."""
-    error: BaseException | None = None
-    try:
-        load_arrays(
-            ctl,
-            located.sources,
-            manifest,
-            requests,
-            verify=config.verify_on_restore,
-            threads=config.reader_threads,
-            cores=rank_cores(),
-        )
-    except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
-        error = e
-    ctl.agree(error)
+    every rank alike.
+
+    Where the only failures are reads from sources the failing ranks could not reach (a
+    rank cut off from the store rank 0 listed for it: it never contacted it before), those
+    reads run once more without them, so ranks that reach them send the chunks over the
+    group; a chunk no rank reaches is then TierUnavailableError, never damage."""
+
+    received: tuple[int, ...] = ()
+
+    def read(mine: list[ReadRequest], again: bool) -> BaseException | None:
+        nonlocal received
+        try:
+            received = load_arrays(
+                ctl,
+                located.sources,
+                manifest,
+                mine,
+                verify=config.verify_on_restore,
+                threads=config.reader_threads,
+                cores=rank_cores(),
+                unreachable=located.unreachable,
+                unreached_absent=again,
+            )
+        except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
+            return e
+        return None
+
+    error = read(requests, False)
+    failed = ctl.any(error is not None)  # the usual case: this one all-reduce
+    if failed and not ctl.any(error is not None and not isinstance(error, ReadsUnreached)):
+        # Again: this rank's unreached reads, and what other ranks sent (a sender that
+        # could not read a chunk sent zeros in its place).
+        again = error.requests if isinstance(error, ReadsUnreached) else received
+        if again:
+            log.warning(
+                "rank %d: %s; reading %d tensors again, from ranks that reach them", ctl.rank, error, len(again)
+            )
+        error = read([requests[i] for i in again], True)
+        failed = ctl.any(error is not None)
+    if failed:
+        ctl.agree(error)
 
 
 def load_version(

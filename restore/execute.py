@@ -20,6 +20,7 @@ group.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import math
@@ -46,18 +47,18 @@ from ckpt.restore.reshard import (
     plan_reads,
     row_bytes,
 )
-from ckpt.restore.sources import Source, from_first_good
+from ckpt.restore.sources import Source, SourcesUnreachable, from_first_good
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
 from ckpt.store.chunk_read import check_digest, open_checked, open_chunk, read_direct_exact, read_exact
 from ckpt.store.dtypes import itemsize
-from ckpt.store.errors import CkptError, CorruptVersionError
+from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.lanes import LIGHT_BYTES, run_lanes
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.rank_ranges import RankRanges, contains, ranges_of
 from ckpt.store.tier import ReadHandle
 
-__all__ = ["ReadRequest", "load_arrays", "full_tensor", "Comm"]
+__all__ = ["ReadRequest", "ReadsUnreached", "load_arrays", "full_tensor", "Comm"]
 
 log = logging.getLogger("ckpt")
 SEND_ROUND_BYTES = 64 << 20  # chunks sent to ranks that cannot reach them, per round (two in flight)
@@ -396,6 +397,22 @@ def _read_unverified(
             _place(piece, origin, r)
 
 
+class ReadsUnreached(SourcesUnreachable):
+    """Every read of this rank that failed, failed because sources at `locations` could not
+    be reached from it: those reads fill the requests at `requests` (indices into the
+    requests given), which a read without those sources can get from ranks that reach
+    them (ckpt._load.read_agreed)."""
+
+    requests: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, failures: Sequence[SourcesUnreachable], requests: Sequence[int]) -> ReadsUnreached:
+        e = cls(failures[0].errno, str(failures[0]) + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
+        e.locations = frozenset().union(*(f.locations for f in failures))
+        e.requests = tuple(sorted(set(requests)))
+        return e
+
+
 def full_tensor(array: ArrayEntry) -> torch.Tensor:
     """A fresh CPU tensor for an array the live state has no tensor for."""
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -413,15 +430,26 @@ def load_arrays(
     verify: bool = True,
     threads: int = 4,
     cores: int | None = None,
-) -> None:
+    unreachable: set[str] | None = None,
+    unreached_absent: bool = False,
+) -> tuple[int, ...]:
     """Fill every request. Collective: every rank of `comm` calls it, with its own requests.
-    Raises this rank's first read failure; the caller agrees on failures across ranks.
+    Returns the indices of the requests that chunks sent by other ranks filled (in part).
+    Raises this rank's first read failure; the caller agrees on failures across ranks. If
+    every read of this rank that failed (its own, or one it made to send to another rank)
+    failed on sources it could not reach, that is ReadsUnreached. `unreachable`: the locations of sources this rank could not reach
+    earlier in the restore, left out (their chunks come from ranks that reach them), and
+    added to as reads find more. `unreached_absent`: a chunk on no rank's sources is
+    unreachable, not lost (a second read, without the sources some rank could not reach).
 
     `threads` read this rank's chunks; at most `cores` where every source read first is in
     memory (tmpfs): there a read is a copy, and readers beyond the cores only contend for
     them and for the GIL (1.5 GB on 2 cores: 0.19 s with 2 readers, 0.22 s with 4), and one
     reader takes the small chunks (store.lanes.LIGHT_BYTES) while the others read the large."""
     error: BaseException | None = None
+    dead = unreachable if unreachable is not None else set()
+    unsent: list[SourcesUnreachable] = []  # failed reads of chunks this rank was to send
+    sources = [s for s in sources if s.name not in dead]
     plan: list[ChunkRead] = []
     try:
         plan = plan_reads(manifest.arrays, [Request(r.array.name, r.box) for r in requests])
@@ -466,7 +494,24 @@ def load_arrays(
                 for r in reqs:
                     _place(piece, chunk.offsets, r)
                 return
-            from_first_good(sources, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify))
+            lost = [s.name for s in sources if s.name in dead and s.holds(chunk)]  # found unreachable meanwhile
+            try:
+                from_first_good(
+                    [s for s in sources if s.name not in dead] if lost else sources,
+                    manifest,
+                    array,
+                    chunk,
+                    lambda s, c: _read_from(s, array, c, p.rows, reqs, verify),
+                )
+            except SourcesUnreachable as e:
+                dead.update(e.locations)  # the next reads skip them rather than wait out their retries
+                raise
+            except CorruptVersionError as e:
+                if not lost:
+                    raise
+                raise SourcesUnreachable.at(
+                    errno.EHOSTUNREACH, f"{e}; {', '.join(lost)} could not be reached", lost
+                ) from e
 
         # Chunks some rank cannot reach (a node replaced with empty disks): one rank that reaches
         # each (taking turns among them) reads it once, verified, and sends it point to point to
@@ -488,7 +533,12 @@ def load_arrays(
                 holders_of[chunk.writer] = [r for r, (_, w) in enumerate(views) if contains(w, chunk.writer)]
             holders = holders_of[chunk.writer]
             if not holders:
-                error = error or CorruptVersionError(f"{name} chunk {list(index)} is on no reachable root")
+                where = f"{name} chunk {list(index)}"
+                error = error or (
+                    TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
+                    if unreached_absent
+                    else CorruptVersionError(f"{where} is on no reachable root")
+                )
                 continue
             if held >= SEND_ROUND_BYTES:
                 batches.append([])
@@ -504,7 +554,12 @@ def load_arrays(
                     break
                 rnd = nxt.result()
                 nxt = ahead.submit(prepare, batches[k + 1], verify, threads) if k + 1 < len(batches) else None
-                error = _finish_round(comm, rnd) or error
+                failure = _finish_round(comm, rnd)
+                if isinstance(failure, SourcesUnreachable):  # what it sent in their place was zeros
+                    dead.update(failure.locations)
+                    unsent.append(failure)
+                else:
+                    error = error or failure
         if wanted:
             reader.join()
         else:
@@ -513,10 +568,21 @@ def load_arrays(
             finally:
                 _window.release()
     _, failed = own[0] if own else ([], [(0, CkptError("this rank's reads were interrupted"))])
-    if failed and error is None:
-        error = failed[0][1]  # the first in the plan's order (largest chunk first)
+    received = sorted({i for key in remote for i in by_key[key].requests})
+    if error is None and own:
+        unreached = [e for _, e in failed if isinstance(e, SourcesUnreachable)]
+        if len(unreached) < len(failed):
+            error = failed[0][1]  # the first in the plan's order (largest chunk first)
+        elif unreached or unsent:
+            # Read again without those sources, with what came from other ranks (a holder
+            # that could not read a chunk sent zeros, and says so only in its own error).
+            again = [r for i, _ in failed for r in local[i].requests] + received
+            error = ReadsUnreached.of(unreached + unsent, again)
+    elif failed and error is None:
+        error = failed[0][1]
     if error is not None:
         raise error
+    return tuple(received)
 
 
 @dataclass

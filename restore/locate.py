@@ -31,7 +31,7 @@ import contextlib
 import errno
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 from ckpt.restore.discover import Holdings, choose_step, holdings, missing_writers, partial_steps, reachable_steps
@@ -70,6 +70,10 @@ class Located:
     step: int
     save_id: str
     sources: tuple[Source, ...]
+    unreachable: set[str] = field(default_factory=set, compare=False)
+    """Locations of sources this rank found it cannot reach while loading (a store rank 0
+    listed for every rank, say): left out of its later reads, which ranks that reach them
+    serve over the group (ckpt._load)."""
 
 
 class Listing(NamedTuple):

@@ -24,6 +24,7 @@ from ckpt.store.versions import version_dirname
 
 __all__ = [
     "Source",
+    "SourcesUnreachable",
     "REREADS",
     "first_good",
     "from_first_good",
@@ -80,6 +81,19 @@ class Source:
         return self.rank_files.get(self.step, manifest, rank)
 
 
+class SourcesUnreachable(TierUnavailableError):
+    """No source gave a good copy, and the ones at `locations` could not be reached from
+    this rank: the copy there may be good, and a rank that reaches them can read it."""
+
+    locations: frozenset[str] = frozenset()
+
+    @classmethod
+    def at(cls, code: int | None, message: str, locations: Sequence[str]) -> SourcesUnreachable:
+        e = cls(code, message)
+        e.locations = frozenset(locations)
+        return e
+
+
 def with_rereads(read: Callable[[], T]) -> T:
     """read(), again while it fails a checksum (CorruptVersionError with an `actual` digest)."""
     for attempt in range(REREADS + 1):
@@ -127,7 +141,7 @@ def _rank_file(sources: Sequence[Source], rank: int, read: Callable[[Source], T]
 def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str, path: str) -> T:
     """read(source) for the first of `holders` that gives a good copy of `what`."""
     damaged: list[str] = []
-    unreachable: list[TierUnavailableError] = []
+    unreachable: list[tuple[str, TierUnavailableError]] = []
     for src in holders:
         try:
             result = with_rereads(lambda src=src: read(src))  # type: ignore[misc]
@@ -135,15 +149,15 @@ def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str
             damaged.append(str(e))
             continue
         except TierUnavailableError as e:
-            unreachable.append(e)
+            unreachable.append((src.name, e))
             continue
         if damaged or unreachable:
-            why = damaged[-1] if damaged else str(unreachable[-1])
+            why = damaged[-1] if damaged else str(unreachable[-1][1])
             log.warning("%s: used the copy on %s after: %s", what, src.name, why)
         return result
     if unreachable:
-        detail = "; ".join([*damaged, *map(str, unreachable)])
-        raise TierUnavailableError(unreachable[0].errno, f"{what}: {detail}")
+        detail = "; ".join([*damaged, *(str(e) for _, e in unreachable)])
+        raise SourcesUnreachable.at(unreachable[0][1].errno, f"{what}: {detail}", [n for n, _ in unreachable])
     if not damaged:
         raise CorruptVersionError(f"{what} is on no reachable tier", path=path)
     raise CorruptVersionError("; ".join(damaged), path=path)

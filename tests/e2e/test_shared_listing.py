@@ -22,6 +22,7 @@ import datetime
 import errno
 import os
 import shutil
+import socket
 import threading
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from ckpt._load import agreed_manifest
@@ -110,6 +112,51 @@ def test_only_rank_0_lists_the_remote(tmp_path: Path, s3: S3Place) -> None:
         calls = results[rank]["calls"]
         assert calls.get("get_object chunk", 0) >= 1 and calls.get("get_object /ranks/", 0) == 1, (rank, calls)
         assert {k.split()[1] for k in calls} <= {"chunk", "/ranks/"}, (rank, calls)  # no manifest, no root info
+
+
+def cut_off_restore_job(ctx: Any, base: str, url: str, options: dict[str, Any], cut: list[int], dead: str) -> Any:
+    """restore_job, where the ranks in `cut` reach no S3 endpoint (a closed port: a broken
+    network path from their node to the store)."""
+    if ctx.rank in cut:
+        options = {**options, "endpoint_url": dead}
+    return restore_job(ctx, base, url, options)
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("cut", [[2], [1, 2, 3]], ids=["one-rank", "all-but-rank-0"])
+def test_a_rank_cut_off_from_the_store_gets_its_part_over_the_group(
+    tmp_path: Path, s3: S3Place, cut: list[int]
+) -> None:
+    """Rank 0 lists the store for every rank, so a rank that cannot reach it learns so only
+    when it reads its rank file or a chunk there: it then leaves the store out, and ranks
+    that reach it send its part over the group, as when it could not list the store itself.
+    On the old code the restore failed (TierUnavailableError on the cut ranks)."""
+    base = str(tmp_path / "disks")
+    _, failures = launch(THIS, "save_job", 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options)
+    assert not failures, failures
+    shutil.rmtree(f"{base}/node1")  # node 1 replaced with empty disks: its part is on the remote only
+    os.makedirs(f"{base}/node1")
+    results, failures = launch(
+        THIS,
+        "cut_off_restore_job",
+        4,
+        tmp_path,
+        timeout=240,
+        base=base,
+        url=s3.url,
+        options=s3.options,
+        cut=cut,
+        dead=_closed_port(),
+    )
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert r["step"] == 3 and r["bitwise"], (rank, r)
+    assert any(k.endswith("/ranks/") for k in results[2]["calls"]), results[2]  # it tried the store first
 
 
 # -- ranks as threads of one process: a memory:// store is then one store for all of them ------
