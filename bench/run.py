@@ -31,7 +31,16 @@ repetition), ratios taken within a repetition, then the median:
 - cold restore (page cache dropped before each): ckpt, torch.load, DCP load,
   torch-checkpointing, the raw read floor (fastest of 1 thread, 4 files by 4 threads,
   1 file by 4 threads) and the same-work read floor (read + verify every byte) at the
-  same layout (1->1, 2->2), and resharded 2->1 and 2->3 (ckpt, DCP, torch-checkpointing);
+  same layout (1->1, 2->2), and resharded 2->1 and 2->3 (ckpt, DCP, torch-checkpointing).
+  Every read is the first of files just written: on this VM (firecracker), data written
+  through the page cache mostly stays in the host's cache, and a cold read of it runs at
+  ~3.6 GB/s, while data written with O_DIRECT is read from the disk itself at 1.1-1.9
+  GB/s; a second cold read of either comes from the host's cache (2.9 GB with dd, page
+  cache dropped before each read: 0.8-1.0 s first read of a buffered write in 3 of 4
+  tries, 2.1-2.8 s of an O_DIRECT write, 0.8-0.9 s any second read). So the same-work
+  read floor ckpt's restore is held to reads a file written as ckpt writes (O_DIRECT
+  where its saves used it), through the page cache (4 threads) or with O_DIRECT (4
+  threads); the read of a buffered write is shown for information;
 - CPU seconds (user + system, every thread and child process, all ranks) of every save
   and restore, per GB;
 - replication (on the disk only): ckpt's replicator (default config) vs a plain s3fs put
