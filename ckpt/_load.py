@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from ckpt.config import CheckpointerConfig
 from ckpt.restore.execute import ReadRequest, ReadsUnreached, full_tensor, load_arrays
 from ckpt.restore.locate import Located, first_manifest
 from ckpt.restore.saved_ranks import SavedRank, saved_rank
-from ckpt.restore.sources import SourcesUnreachable, rank_file_bytes_from
+from ckpt.restore.sources import Source, SourcesUnreachable, rank_file_bytes_from
 from ckpt.rng import restore_rng, seed_new_rank
 from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchError, TierUnavailableError
 from ckpt.store.manifest import Manifest, parse_manifest
@@ -36,6 +36,15 @@ from ckpt.store.rank_file import parse_rank_file
 __all__ = ["load_version", "agreed_manifest", "read_agreed", "saved_rank_of"]
 
 _RANK_FILE_HOLDERS = 3  # ranks tried in turn for a rank file the asking rank cannot read
+_Outcome = Literal["ok", "unreachable", "damaged", "failed"]  # of a holder's read of a rank file
+
+
+class _Ask(NamedTuple):
+    """A rank's request for a rank file it could not read, as every rank receives it."""
+
+    rank: int  # the saved rank
+    out_of_reach: bool  # a copy is on a source the asking rank could not reach
+
 
 log = logging.getLogger("ckpt")
 
@@ -79,59 +88,69 @@ def saved_rank_of(ctl: Comm, manifest: Manifest, located: Located, want: int | N
     chunks; a rank on another node, or a new one, may see none)."""
     found: SavedRank | None = None
     error: BaseException | None = None
-    unreached = False
-    sources = [s for s in located.sources if s.name not in located.unreachable]
     try:
         if want is not None:
-            found = saved_rank(manifest, sources, want)
+            found = saved_rank(manifest, _live(located), want)
     except CorruptVersionError as e:  # none here, or damaged here: another rank may hold a good copy
         log.info("rank %d: the rank file of saved rank %s is not on this rank's tiers: %s", ctl.rank, want, e)
     except SourcesUnreachable as e:  # a rank that reaches them sends it; the reads leave them out too
         log.warning("rank %d: %s; asking the other ranks", ctl.rank, e)
         located.unreachable.update(e.locations)
-        unreached = True
     except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
         error = e
     ctl.agree(error)
     if not ctl.any(want is not None and found is None):  # the usual case: one all-reduce
         return found
-    asks = [a for a in ctl.all_gather(None if found is not None else (want, unreached)) if a is not None]
-    wanted = sorted({w for w, _ in asks if w is not None})
-    unreached_by_some = {w for w, u in asks if u}
-    sources = [s for s in located.sources if s.name not in located.unreachable]
-    servable = [w for w in wanted if any(w in s.writers for s in sources)]
+    lost = _lost(located)
+    asks = [_Ask(*a) for a in ctl.all_gather(None if found is not None else (want, want in lost)) if a is not None]
+    wanted = sorted({a.rank for a in asks if a.rank is not None})
+    out_of_reach = {a.rank for a in asks if a.out_of_reach}
+    # Not from a rank with a copy out of its reach: its other copy may be the bad one.
+    servable = [w for w in wanted if w not in lost and any(w in s.writers for s in _live(located))]
     offers = ctl.all_gather(servable)
     for w in wanted:
         holders = [r for r, offer in enumerate(offers) if w in offer]
         what = f"the rank file of saved rank {w} of step {located.step}"
-        if not holders:
-            if w in unreached_by_some:  # not damage: a copy no rank reaches now
+        if not holders:  # alike on every rank: decided from what they all gathered
+            if w in out_of_reach:  # not damage: a copy no rank reaches now
                 raise TierUnavailableError(errno.EHOSTUNREACH, f"{what}: no rank reaches a copy")
             raise CorruptVersionError(f"no rank holds {what}")
         # A holder that finds it cannot reach its copy (a store rank 0 listed for it) hands
         # over to the next; a few at most, each costs a retry budget.
         for holder in holders[:_RANK_FILE_HOLDERS]:
-            sent: tuple[str, bytes | str] | None = None
+            sent: tuple[_Outcome, bytes | str] | None = None
             if ctl.rank == holder:
                 try:
-                    sent = ("ok", rank_file_bytes_from(sources, manifest, w))
+                    sent = ("ok", rank_file_bytes_from(_live(located), manifest, w))
                 except SourcesUnreachable as e:
                     located.unreachable.update(e.locations)
                     sent = ("unreachable", f"rank {holder}: {describe_error(e)}")
                 except Exception as e:  # noqa: BLE001 - every rank must still join the broadcast
-                    sent = (
-                        "damaged" if isinstance(e, CorruptVersionError) else "failed",
-                        f"rank {holder}: {describe_error(e)}",
-                    )
+                    bad = isinstance(e, CorruptVersionError)
+                    sent = ("damaged" if bad else "failed", f"rank {holder}: {describe_error(e)}")
             kind, body = ctl.broadcast(sent, src=holder)
             if kind != "unreachable":
                 break
         if isinstance(body, str):  # every rank raises alike: damage falls back, the rest does not
-            raise (CorruptVersionError(body) if kind == "damaged" else RankFailures({holder: body}))
+            if kind == "damaged":
+                raise CorruptVersionError(body)
+            if kind == "unreachable":
+                raise TierUnavailableError(errno.EHOSTUNREACH, f"{what}: no rank tried reaches a copy ({body})")
+            raise RankFailures({holder: body})
         if w == want and found is None:  # the holder verified it against the manifest
             got = parse_rank_file(body, manifest, w)
             found = SavedRank(got.tree, got.rng)
     return found
+
+
+def _live(located: Located) -> list[Source]:
+    """The sources of `located` this rank has not found out of its reach."""
+    return [s for s in located.sources if s.name not in located.unreachable]
+
+
+def _lost(located: Located) -> frozenset[int]:
+    """Saved ranks with a copy on a source this rank could not reach."""
+    return frozenset().union(*(s.writers for s in located.sources if s.name in located.unreachable))
 
 
 def read_agreed(
@@ -147,7 +166,7 @@ def read_agreed(
 
     received: tuple[int, ...] = ()
 
-    def read(mine: list[ReadRequest], again: bool) -> BaseException | None:
+    def read(mine: list[ReadRequest]) -> BaseException | None:
         nonlocal received
         try:
             received = load_arrays(
@@ -159,23 +178,22 @@ def read_agreed(
                 threads=config.reader_threads,
                 cores=rank_cores(),
                 unreachable=located.unreachable,
-                unreached_absent=again,
             )
         except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
             return e
         return None
 
-    error = read(requests, False)
+    error = read(requests)
     failed = ctl.any(error is not None)  # the usual case: this one all-reduce
     if failed and not ctl.any(error is not None and not isinstance(error, ReadsUnreached)):
         # Again: this rank's unreached reads, and what other ranks sent (a sender that
         # could not read a chunk sent zeros in its place).
-        again = error.requests if isinstance(error, ReadsUnreached) else received
-        if again:
-            log.warning(
-                "rank %d: %s; reading %d tensors again, from ranks that reach them", ctl.rank, error, len(again)
-            )
-        error = read([requests[i] for i in again], True)
+        if isinstance(error, ReadsUnreached):
+            again = error.requests
+            log.warning("rank %d: %s; reading %d tensors from ranks that reach them", ctl.rank, error, len(again))
+        else:
+            again = received
+        error = read([requests[i] for i in again])
         failed = ctl.any(error is not None)
     if failed:
         ctl.agree(error)

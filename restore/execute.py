@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -397,6 +397,44 @@ def _read_unverified(
             _place(piece, origin, r)
 
 
+def _from_live(
+    sources: Sequence[Source],
+    dead: set[str],
+    manifest: Manifest,
+    array: ArrayEntry,
+    chunk: ChunkEntry,
+    read: Callable[[Source, ChunkEntry], None],
+) -> None:
+    """from_first_good over the sources this rank has not found unreachable (`dead`, which
+    it adds to, so later reads skip them rather than wait out their retries). A chunk whose
+    live copies are all bad while a dead source holds one is unreachable, not lost. The
+    reader threads of a rank share `dead`: a set's add and membership test are atomic under
+    the GIL, and nothing iterates it."""
+    lost = [s.name for s in sources if s.name in dead and s.holds(chunk)]
+    try:
+        from_first_good([s for s in sources if s.name not in dead] if lost else sources, manifest, array, chunk, read)
+    except SourcesUnreachable as e:
+        dead.update(e.locations)
+        raise
+    except CorruptVersionError as e:
+        if not lost:
+            raise
+        raise SourcesUnreachable.at(errno.EHOSTUNREACH, f"{e}; {', '.join(lost)} could not be reached", lost) from e
+
+
+def _first_real(failures: Sequence[BaseException]) -> BaseException:
+    """The first failure that is not a source out of reach (damage, a bug), else the first."""
+    return next((e for e in failures if not isinstance(e, SourcesUnreachable)), failures[0])
+
+
+class _View(NamedTuple):
+    """One rank's part of a load's exchange, as every rank receives it."""
+
+    needs: list[tuple[str, tuple[int, ...]]]  # chunks it needs and reaches on none of its sources
+    reach: RankRanges  # saved ranks whose chunks it can read (and so send)
+    lost: RankRanges  # saved ranks with a copy on a source it could not reach
+
+
 class ReadsUnreached(SourcesUnreachable):
     """Every read of this rank that failed, failed because sources at `locations` could not
     be reached from it: those reads fill the requests at `requests` (indices into the
@@ -407,7 +445,8 @@ class ReadsUnreached(SourcesUnreachable):
 
     @classmethod
     def of(cls, failures: Sequence[SourcesUnreachable], requests: Sequence[int]) -> ReadsUnreached:
-        e = cls(failures[0].errno, str(failures[0]) + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
+        first = failures[0].strerror or str(failures[0])
+        e = cls(failures[0].errno, first + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
         e.locations = frozenset().union(*(f.locations for f in failures))
         e.requests = tuple(sorted(set(requests)))
         return e
@@ -431,16 +470,16 @@ def load_arrays(
     threads: int = 4,
     cores: int | None = None,
     unreachable: set[str] | None = None,
-    unreached_absent: bool = False,
 ) -> tuple[int, ...]:
     """Fill every request. Collective: every rank of `comm` calls it, with its own requests.
     Returns the indices of the requests that chunks sent by other ranks filled (in part).
     Raises this rank's first read failure; the caller agrees on failures across ranks. If
     every read of this rank that failed (its own, or one it made to send to another rank)
-    failed on sources it could not reach, that is ReadsUnreached. `unreachable`: the locations of sources this rank could not reach
-    earlier in the restore, left out (their chunks come from ranks that reach them), and
-    added to as reads find more. `unreached_absent`: a chunk on no rank's sources is
-    unreachable, not lost (a second read, without the sources some rank could not reach).
+    failed on sources it could not reach, that is ReadsUnreached. `unreachable`: the
+    locations of sources this rank could not reach earlier in the restore: left out, and
+    added to as reads find more. The chunks of a saved rank with a copy there come from
+    ranks that reach it (not from another copy here, which may be the bad one that sent
+    this rank there); a chunk no rank reaches is then unreachable, not lost.
 
     `threads` read this rank's chunks; at most `cores` where every source read first is in
     memory (tmpfs): there a read is a copy, and readers beyond the cores only contend for
@@ -449,20 +488,21 @@ def load_arrays(
     error: BaseException | None = None
     dead = unreachable if unreachable is not None else set()
     unsent: list[SourcesUnreachable] = []  # failed reads of chunks this rank was to send
+    lost = frozenset().union(*(s.writers for s in sources if s.name in dead))
     sources = [s for s in sources if s.name not in dead]
     plan: list[ChunkRead] = []
     try:
         plan = plan_reads(manifest.arrays, [Request(r.array.name, r.box) for r in requests])
     except Exception as e:  # noqa: BLE001 - this rank still joins every collective below, then raises
         error, plan = e, []
-    reach = frozenset().union(*(s.writers for s in sources)) if sources else frozenset()
+    reach = (frozenset().union(*(s.writers for s in sources)) if sources else frozenset()) - lost
     remote = sorted((p.name, p.index) for p in plan if p.chunk.inline is None and p.chunk.writer not in reach)
-    views: list[tuple[list[tuple[str, tuple[int, ...]]], RankRanges]] = []
+    views: list[_View] = []
     if comm.any(bool(remote)):  # some rank cannot reach a chunk it needs (else: one all-reduce)
-        views = comm.all_gather((remote, ranges_of(reach)))
+        views = [_View(*v) for v in comm.all_gather((remote, ranges_of(reach), ranges_of(lost)))]
     by_key = {(p.name, p.index): p for p in plan}
     wanted: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-    for r, (needs, _) in enumerate(views):
+    for r, (needs, _, _) in enumerate(views):
         for n, idx in needs:
             wanted.setdefault((n, tuple(idx)), []).append(r)
     remote_set = set(remote)
@@ -494,24 +534,9 @@ def load_arrays(
                 for r in reqs:
                     _place(piece, chunk.offsets, r)
                 return
-            lost = [s.name for s in sources if s.name in dead and s.holds(chunk)]  # found unreachable meanwhile
-            try:
-                from_first_good(
-                    [s for s in sources if s.name not in dead] if lost else sources,
-                    manifest,
-                    array,
-                    chunk,
-                    lambda s, c: _read_from(s, array, c, p.rows, reqs, verify),
-                )
-            except SourcesUnreachable as e:
-                dead.update(e.locations)  # the next reads skip them rather than wait out their retries
-                raise
-            except CorruptVersionError as e:
-                if not lost:
-                    raise
-                raise SourcesUnreachable.at(
-                    errno.EHOSTUNREACH, f"{e}; {', '.join(lost)} could not be reached", lost
-                ) from e
+            _from_live(
+                sources, dead, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify)
+            )
 
         # Chunks some rank cannot reach (a node replaced with empty disks): one rank that reaches
         # each (taking turns among them) reads it once, verified, and sends it point to point to
@@ -530,13 +555,14 @@ def load_arrays(
             array = manifest.arrays[name]
             chunk = array.chunk_at(index)
             if chunk.writer not in holders_of:
-                holders_of[chunk.writer] = [r for r, (_, w) in enumerate(views) if contains(w, chunk.writer)]
+                holders_of[chunk.writer] = [r for r, v in enumerate(views) if contains(v.reach, chunk.writer)]
             holders = holders_of[chunk.writer]
-            if not holders:
+            if not holders:  # alike on every rank: decided from the gathered views
                 where = f"{name} chunk {list(index)}"
+                out_of_reach = any(contains(v.lost, chunk.writer) for v in views)
                 error = error or (
                     TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
-                    if unreached_absent
+                    if out_of_reach
                     else CorruptVersionError(f"{where} is on no reachable root")
                 )
                 continue
@@ -548,12 +574,12 @@ def load_arrays(
         # Two rounds in flight: the next one is read while this one is sent.
         prepare = functools.partial(_prepare_round, comm, sources, manifest, requests, by_key, wanted)
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-send-ahead") as ahead:
-            nxt = ahead.submit(prepare, batches[0], verify, threads) if batches[0] else None
+            nxt = ahead.submit(prepare, batches[0], verify, threads, dead) if batches[0] else None
             for k in range(len(batches)):
                 if nxt is None:
                     break
                 rnd = nxt.result()
-                nxt = ahead.submit(prepare, batches[k + 1], verify, threads) if k + 1 < len(batches) else None
+                nxt = ahead.submit(prepare, batches[k + 1], verify, threads, dead) if k + 1 < len(batches) else None
                 failure = _finish_round(comm, rnd)
                 if isinstance(failure, SourcesUnreachable):  # what it sent in their place was zeros
                     dead.update(failure.locations)
@@ -572,7 +598,7 @@ def load_arrays(
     if error is None and own:
         unreached = [e for _, e in failed if isinstance(e, SourcesUnreachable)]
         if len(unreached) < len(failed):
-            error = failed[0][1]  # the first in the plan's order (largest chunk first)
+            error = _first_real([e for _, e in failed])  # in the plan's order (largest chunk first)
         elif unreached or unsent:
             # Read again without those sources, with what came from other ranks (a holder
             # that could not read a chunk sent zeros, and says so only in its own error).
@@ -605,6 +631,7 @@ def _prepare_round(
     batch: Sequence[tuple[int, str, tuple[int, ...]]],
     verify: bool,
     threads: int,
+    dead: set[str],
 ) -> _Round:
     """This rank's part of a round: the chunks it holds, read (verified) into send buffers,
     and receive buffers for the chunks it needs (the destination itself where the chunk
@@ -637,14 +664,19 @@ def _prepare_round(
 
     def read(item: tuple[ArrayEntry, ChunkEntry, range, torch.Tensor]) -> None:
         array, chunk, span, out = item
-        from_first_good(
-            sources, manifest, array, chunk, functools.partial(_blocks, array=array, span=span, out=out, verify=verify)
+        _from_live(
+            sources,
+            dead,
+            manifest,
+            array,
+            chunk,
+            functools.partial(_blocks, array=array, span=span, out=out, verify=verify),
         )
 
     _, failed = run_lanes(reads, read, max(1, threads), name="ckpt-send")
     for i, _ in failed:  # sent as zeros: no stale memory leaves this rank
         reads[i][3].zero_()
-    return _Round(sends, recvs, places, failed[0][1] if failed else None)
+    return _Round(sends, recvs, places, _first_real([e for _, e in failed]) if failed else None)
 
 
 def _finish_round(comm: Comm, rnd: _Round) -> BaseException | None:

@@ -159,6 +159,37 @@ def test_a_rank_cut_off_from_the_store_gets_its_part_over_the_group(
     assert any(k.endswith("/ranks/") for k in results[2]["calls"]), results[2]  # it tried the store first
 
 
+def test_a_cut_off_rank_whose_own_copy_is_damaged_reads_it_from_ranks_that_reach_the_store(
+    tmp_path: Path, s3: S3Place
+) -> None:
+    """Rank 2's chunk on its node's disk is damaged and the store, which holds a good copy,
+    is out of its reach: the chunk comes from a rank that reaches the store, and step 3 is
+    restored. On the first version of the fallback the second read took the damaged copy
+    again and the restore fell back to step 2."""
+    base = str(tmp_path / "disks")
+    _, failures = launch(THIS, "save_job", 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options)
+    assert not failures, failures
+    chunk = Path(f"{base}/node1/v000000000003/state/w/c.2.0")  # rank 2's: rows 4-5 of w
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    results, failures = launch(
+        THIS,
+        "cut_off_restore_job",
+        4,
+        tmp_path,
+        timeout=240,
+        base=base,
+        url=s3.url,
+        options=s3.options,
+        cut=[2],
+        dead=_closed_port(),
+    )
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert r["step"] == 3 and r["bitwise"], (rank, r)
+
+
 # -- ranks as threads of one process: a memory:// store is then one store for all of them ------
 
 
