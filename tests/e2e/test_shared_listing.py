@@ -128,19 +128,8 @@ def _closed_port() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("cut", [[2], [1, 2, 3]], ids=["one-rank", "all-but-rank-0"])
-def test_a_rank_cut_off_from_the_store_gets_its_part_over_the_group(
-    tmp_path: Path, s3: S3Place, cut: list[int]
-) -> None:
-    """Rank 0 lists the store for every rank, so a rank that cannot reach it learns so only
-    when it reads its rank file or a chunk there: it then leaves the store out, and ranks
-    that reach it send its part over the group, as when it could not list the store itself.
-    On the old code the restore failed (TierUnavailableError on the cut ranks)."""
-    base = str(tmp_path / "disks")
-    _, failures = launch(THIS, "save_job", 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options)
-    assert not failures, failures
-    shutil.rmtree(f"{base}/node1")  # node 1 replaced with empty disks: its part is on the remote only
-    os.makedirs(f"{base}/node1")
+def _restore_cut_off(tmp_path: Path, base: str, s3: S3Place, cut: list[int]) -> list[dict[str, Any]]:
+    """cut_off_restore_job on 4 ranks; every rank must restore step 3 bitwise."""
     results, failures = launch(
         THIS,
         "cut_off_restore_job",
@@ -156,6 +145,23 @@ def test_a_rank_cut_off_from_the_store_gets_its_part_over_the_group(
     assert not failures, failures
     for rank, r in enumerate(results):
         assert r["step"] == 3 and r["bitwise"], (rank, r)
+    return results
+
+
+@pytest.mark.parametrize("cut", [[2], [1, 2, 3]], ids=["one-rank", "all-but-rank-0"])
+def test_a_rank_cut_off_from_the_store_gets_its_part_over_the_group(
+    tmp_path: Path, s3: S3Place, cut: list[int]
+) -> None:
+    """Rank 0 lists the store for every rank, so a rank that cannot reach it learns so only
+    when it reads its rank file or a chunk there: it then leaves the store out, and ranks
+    that reach it send its part over the group, as when it could not list the store itself.
+    On the old code the restore failed (TierUnavailableError on the cut ranks)."""
+    base = str(tmp_path / "disks")
+    _, failures = launch(THIS, "save_job", 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options)
+    assert not failures, failures
+    shutil.rmtree(f"{base}/node1")  # node 1 replaced with empty disks: its part is on the remote only
+    os.makedirs(f"{base}/node1")
+    results = _restore_cut_off(tmp_path, base, s3, cut)
     assert any(k.endswith("/ranks/") for k in results[2]["calls"]), results[2]  # it tried the store first
 
 
@@ -173,21 +179,7 @@ def test_a_cut_off_rank_whose_own_copy_is_damaged_reads_it_from_ranks_that_reach
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    results, failures = launch(
-        THIS,
-        "cut_off_restore_job",
-        4,
-        tmp_path,
-        timeout=240,
-        base=base,
-        url=s3.url,
-        options=s3.options,
-        cut=[2],
-        dead=_closed_port(),
-    )
-    assert not failures, failures
-    for rank, r in enumerate(results):
-        assert r["step"] == 3 and r["bitwise"], (rank, r)
+    _restore_cut_off(tmp_path, base, s3, [2])
 
 
 # -- ranks as threads of one process: a memory:// store is then one store for all of them ------
