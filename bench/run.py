@@ -89,6 +89,10 @@ REPO = os.path.dirname(HERE)
 # Memory the full run needs, in state sizes (~12 bytes a parameter): it ran with 22 GB
 # available at 250e6 parameters and a rank was OOM-killed with 19.5 GB.
 MEMORY_PER_STATE = 7
+# Disk the full run needs under --dir, in state sizes: the world-2 versions kept for the
+# resharding restores (ckpt's newest and spare tree, DCP's, torch-checkpointing's) beside the
+# world-1 phase's (ckpt's two and one peer's output). A full disk fails a phase midway.
+DISK_PER_STATE = 8
 sys.path.insert(0, HERE)
 
 import _report  # noqa: E402
@@ -269,6 +273,9 @@ def main() -> None:
         )
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
+    free, need = shutil.disk_usage(args.dir).free, DISK_PER_STATE * 12 * args.params
+    if free < need and not args.extras_only:
+        sys.exit(f"bench/run.py needs ~{need / 1e9:.0f} GB free under {args.dir}; {free / 1e9:.1f} GB are")
     if args.extras_only:
         with open(os.path.join(args.out, "latest.json")) as f:
             report = json.load(f)
