@@ -84,7 +84,9 @@ class Listing(NamedTuple):
     failure: str | None  # this rank's listing failed (not a tier's failure: a bug)
     locations: list[str]  # the tiers it searched
     keys: list[str] | None  # its state's top-level keys (None: the restore asks for none)
-    shared: list[tuple[str, list[Candidate] | None]]  # per shared tier: what it holds; None: left to rank 0
+    shared: list[
+        tuple[str, list[Candidate] | None]
+    ]  # per shared tier (Tier.store_id): what it holds; None: left to rank 0
 
 
 def first_manifest(located: Located, shared: bool = True) -> Manifest | None:
@@ -132,14 +134,14 @@ class _Found(NamedTuple):
 
 def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int], dead: dict[str, str]) -> _Found:
     """The committed versions on each tier but those in `skip` (by position); a tier whose
-    location is in `dead` (rank 0 failed to list it this restore) fails as it did then."""
+    store is in `dead` (rank 0 failed to list it this restore) fails as it did then."""
     found: list[tuple[int, Candidate]] = []
     failed: dict[int, str] = {}
     for i, tier in enumerate(tiers):
         if i in skip:
             continue
-        if tier.location in dead:
-            failed[i] = dead[tier.location]
+        if tier.store_id in dead:
+            failed[i] = dead[tier.store_id]
             continue
         try:
             found += [(i, c) for c in committed(tier)]
@@ -185,7 +187,7 @@ def restore_newest(
     vanished: set[int] = set()  # deleted by GC since they were listed
     warned: set[str] = set()  # damaged entries already reported
     one_lister = True  # rank 0 lists the shared tiers for every rank (False: each rank lists its own)
-    dead: dict[str, str] = {}  # shared tiers rank 0 could not list (location: why): not tried again
+    dead: dict[str, str] = {}  # shared tiers rank 0 could not list (store_id: why): not tried again
     while True:
         listed: list[Tier] = []
         mine: list[tuple[int, Candidate]] = []
@@ -222,10 +224,10 @@ def restore_newest(
             # does not try again what it could not list (a dead store: one retry budget).
             one_lister = False
             if comm.rank == 0:
-                dead = {listed[i].location: why for i, why in unlisted.items() if listed[i].capabilities.shared}
+                dead = {listed[i].store_id: why for i, why in unlisted.items() if listed[i].capabilities.shared}
             continue
         mine = sorted(
-            mine + [(i, c) for i in left for c in by_lister.get(listed[i].location) or []], key=lambda m: m[0]
+            mine + [(i, c) for i in left for c in by_lister.get(listed[i].store_id) or []], key=lambda m: m[0]
         )
         held = holdings([g.candidates for g in gathered] + [c for g in gathered for _, c in g.shared if c])
         searched = sorted({where for g in gathered for where in g.locations})
@@ -290,15 +292,15 @@ def _shared(
     """Listing.shared: for each shared tier, the candidates this rank found on it, or None
     where it did not list it (rank 0 lists it for this rank, or the listing failed)."""
     return [
-        (t.location, None if i in unlisted else [c for j, c in mine if j == i])
+        (t.store_id, None if i in unlisted else [c for j, c in mine if j == i])
         for i, t in enumerate(listed)
         if t.capabilities.shared
     ]
 
 
 def _by_location(shared: Sequence[tuple[str, list[Candidate] | None]]) -> dict[str, list[Candidate] | None]:
-    """A rank's Listing.shared by location: one listing each (a location named twice is
-    one store), None if any listing of it failed."""
+    """A rank's Listing.shared by store (Tier.store_id): one listing each (a store named twice
+    is one store), None if any listing of it failed."""
     out: dict[str, list[Candidate] | None] = {}
     for where, cands in shared:
         out[where] = None if cands is None or (where in out and out[where] is None) else out.get(where, cands)

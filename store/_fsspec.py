@@ -153,10 +153,18 @@ class FsspecTier(Tier):
         self._s3 = s3
         if s3:
             self.fs.retries = 1  # s3fs's own loop (an instance of these options only)
+        endpoint = _endpoint(self.options) if s3 else None  # one bucket name behind two endpoints: two stores
+        self._store_id = (
+            self.location if endpoint is None else f"{self.location} at {redact(str(endpoint), self.options)}"
+        )
         self.prefix = str(prefix).rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         if _PRIVATE_PROTOCOLS.isdisjoint(protocols):
             self.capabilities = _SHARED
+
+    @property
+    def store_id(self) -> str:
+        return self._store_id
 
     def _path(self, key: str) -> str:
         return join_key(self.prefix, key) if key else self.prefix
@@ -308,12 +316,17 @@ def _s3_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return {**options, "config_kwargs": config}
 
 
+def _endpoint(options: Mapping[str, Any]) -> Any:
+    """The S3 endpoint these options reach, as botocore takes it (None: AWS's own)."""
+    client = options.get("client_kwargs")
+    endpoint = options.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, Mapping) else None)
+    return endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
 def _check_endpoint(options: Mapping[str, Any]) -> None:
     """ValueError for an endpoint URL botocore would refuse (no scheme or host) on the first
     request, by its own rule: at open, rather than as a traceback from deep in a listing."""
-    client = options.get("client_kwargs")
-    endpoint = options.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, Mapping) else None)
-    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = _endpoint(options)
     if endpoint is None:
         return
     from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url

@@ -96,6 +96,12 @@ class Tier(ABC):
     location: str  # as given, credentials scrubbed: for messages and logs
     capabilities: Capabilities
 
+    @property
+    def store_id(self) -> str:
+        """What names the store to other processes: two ranks' shared tiers (Capabilities.
+        shared) with one id reach the same objects. The location (FsspecTier adds the S3 endpoint)."""
+        return self.location
+
     @abstractmethod
     def get(self, key: str) -> bytes:
         """The whole object."""

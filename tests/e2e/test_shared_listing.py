@@ -115,10 +115,10 @@ def test_only_rank_0_lists_the_remote(tmp_path: Path, s3: S3Place) -> None:
 
 
 def cut_off_restore_job(ctx: Any, base: str, url: str, options: dict[str, Any], cut: list[int], dead: str) -> Any:
-    """restore_job, where the ranks in `cut` reach no S3 endpoint (a closed port: a broken
-    network path from their node to the store)."""
+    """restore_job, where the ranks in `cut` reach the store through a proxy that is not
+    there (a closed port): a broken network path from their node to the same store."""
     if ctx.rank in cut:
-        options = {**options, "endpoint_url": dead}
+        options = {**options, "config_kwargs": {"proxies": {"http": dead, "https": dead}}}
     return restore_job(ctx, base, url, options)
 
 
@@ -126,6 +126,39 @@ def _closed_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def other_endpoint_restore_job(ctx: Any, base: str, url: str, options: dict[str, Any], other: str) -> Any:
+    """restore_job, where every rank but 0 names the store's endpoint another way."""
+    return restore_job(ctx, base, url, options if ctx.rank == 0 else {**options, "endpoint_url": other})
+
+
+def test_one_bucket_behind_two_endpoints_is_two_stores(tmp_path: Path, s3: S3Place) -> None:
+    """Ranks whose S3 URL is rank 0's but whose endpoint is not may reach another store with
+    a bucket of that name: they list it themselves rather than take rank 0's listing. (Here
+    both endpoints reach the one moto server, so every rank still restores step 3.) On the
+    old code the stores were matched by URL alone and ranks 1-3 listed nothing."""
+    base = str(tmp_path / "disks")
+    _, failures = launch(THIS, "save_job", 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options)
+    assert not failures, failures
+    other = s3.options["endpoint_url"].replace("127.0.0.1", "localhost")
+    assert other != s3.options["endpoint_url"]
+    results, failures = launch(
+        THIS,
+        "other_endpoint_restore_job",
+        4,
+        tmp_path,
+        timeout=240,
+        base=base,
+        url=s3.url,
+        options=s3.options,
+        other=other,
+    )
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert r["step"] == 3 and r["bitwise"], (rank, r)
+    lists = [r["calls"].get("list_objects_v2", 0) for r in results]
+    assert all(n >= 1 for n in lists), lists
 
 
 def _restore_cut_off(tmp_path: Path, base: str, s3: S3Place, cut: list[int]) -> list[dict[str, Any]]:
@@ -273,6 +306,10 @@ def test_which_stores_are_shared(tmp_path: Path, s3: S3Place) -> None:
     assert open_tier(s3.url, s3.options).capabilities.shared
     for private in ("memory://x/ckpt", f"file://{tmp_path}", str(tmp_path)):
         assert not open_tier(private).capabilities.shared, private
+        assert open_tier(private).store_id == open_tier(private).location, private
+    other = {"endpoint_url": "http://127.0.0.2:9"}
+    assert open_tier(s3.url, s3.options).store_id != open_tier(s3.url, other).store_id
+    assert open_tier(s3.url, s3.options).store_id == open_tier(s3.url, dict(s3.options)).store_id
 
 
 def test_a_store_named_twice_is_one_listing(tmp_path: Path) -> None:
