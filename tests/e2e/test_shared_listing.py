@@ -143,42 +143,24 @@ def test_one_bucket_behind_two_endpoints_is_two_stores(tmp_path: Path, s3: S3Pla
     assert not failures, failures
     other = s3.options["endpoint_url"].replace("127.0.0.1", "localhost")
     assert other != s3.options["endpoint_url"]
-    results, failures = launch(
-        THIS,
-        "other_endpoint_restore_job",
-        4,
-        tmp_path,
-        timeout=240,
-        base=base,
-        url=s3.url,
-        options=s3.options,
-        other=other,
-    )
-    assert not failures, failures
-    for rank, r in enumerate(results):
-        assert r["step"] == 3 and r["bitwise"], (rank, r)
+    results = _restore_step_3(tmp_path, "other_endpoint_restore_job", base, s3, other=other)
     lists = [r["calls"].get("list_objects_v2", 0) for r in results]
     assert all(n >= 1 for n in lists), lists
 
 
-def _restore_cut_off(tmp_path: Path, base: str, s3: S3Place, cut: list[int]) -> list[dict[str, Any]]:
-    """cut_off_restore_job on 4 ranks; every rank must restore step 3 bitwise."""
+def _restore_step_3(tmp_path: Path, scenario: str, base: str, s3: S3Place, **kwargs: Any) -> list[dict[str, Any]]:
+    """`scenario` on 4 ranks; every rank must restore step 3 bitwise."""
     results, failures = launch(
-        THIS,
-        "cut_off_restore_job",
-        4,
-        tmp_path,
-        timeout=240,
-        base=base,
-        url=s3.url,
-        options=s3.options,
-        cut=cut,
-        dead=_closed_port(),
+        THIS, scenario, 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options, **kwargs
     )
     assert not failures, failures
     for rank, r in enumerate(results):
         assert r["step"] == 3 and r["bitwise"], (rank, r)
     return results
+
+
+def _restore_cut_off(tmp_path: Path, base: str, s3: S3Place, cut: list[int]) -> list[dict[str, Any]]:
+    return _restore_step_3(tmp_path, "cut_off_restore_job", base, s3, cut=cut, dead=_closed_port())
 
 
 @pytest.mark.parametrize("cut", [[2], [1, 2, 3]], ids=["one-rank", "all-but-rank-0"])
