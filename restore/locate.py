@@ -216,7 +216,7 @@ def restore_newest(
             if failure is not None:
                 raise failure
             raise RankFailures(failed)
-        by_lister = _by_location(gathered[0].shared)
+        by_lister = _by_store(gathered[0].shared)
         if one_lister and any(c is None and by_lister.get(w) is None for g in gathered[1:] for w, c in g.shared):
             # A rank names a shared tier rank 0 could not list, or does not name (a configuration
             # that differs between ranks): each rank lists its own, as a tier that fails one
@@ -298,7 +298,7 @@ def _shared(
     ]
 
 
-def _by_location(shared: Sequence[tuple[str, list[Candidate] | None]]) -> dict[str, list[Candidate] | None]:
+def _by_store(shared: Sequence[tuple[str, list[Candidate] | None]]) -> dict[str, list[Candidate] | None]:
     """A rank's Listing.shared by store (Tier.store_id): one listing each (a store named twice
     is one store), None if any listing of it failed."""
     out: dict[str, list[Candidate] | None] = {}
