@@ -88,7 +88,6 @@ class CopyFloor:
     def close(self) -> None:
         if self.pool:
             self.pool.shutdown()
-        self._scratch.clear()
         del self.buffer, self.plan
 
 
