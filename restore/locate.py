@@ -73,7 +73,8 @@ class Located:
     unreachable: set[str] = field(default_factory=set, compare=False)
     """Locations of sources this rank found it cannot reach while loading (a store rank 0
     listed for every rank, say): left out of its later reads, which ranks that reach them
-    serve over the group (ckpt._load)."""
+    serve over the group (ckpt._load). restore_newest passes one set to every round, so a
+    fallback to an older version does not wait out a dead store's retries again."""
 
 
 class Listing(NamedTuple):
@@ -188,6 +189,7 @@ def restore_newest(
     warned: set[str] = set()  # damaged entries already reported
     one_lister = True  # rank 0 lists the shared tiers for every rank (False: each rank lists its own)
     dead: dict[str, str] = {}  # shared tiers rank 0 could not list (store_id: why): not tried again
+    cut_off: set[str] = set()  # sources this rank found out of its reach while loading (Located.unreachable)
     while True:
         listed: list[Tier] = []
         mine: list[tuple[int, Candidate]] = []
@@ -275,7 +277,7 @@ def restore_newest(
                 if any(g for g, _ in checks):
                     vanished.add(chosen)
                     continue
-                loaded = load(Located(chosen, save_id, sources))
+                loaded = load(Located(chosen, save_id, sources, cut_off))
                 if incomplete is not None:
                     incomplete.update(s for s in partial_steps(held) if s > chosen)
                 return chosen, loaded

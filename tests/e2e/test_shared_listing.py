@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import re
 import shutil
 import socket
 import threading
@@ -73,22 +74,27 @@ def restore_job(ctx: Any, base: str, url: str, options: dict[str, Any]) -> dict[
     import ckpt
 
     calls: Counter[str] = Counter()
+    steps: Counter[str] = Counter()  # requests for an object of each version, by step
     real = s3fs.S3FileSystem._call_s3
 
     async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         key = str(kwargs.get("Key", ""))
         what = next((n for n in ("manifest.json", "root.json", "/ranks/") if n in key), "chunk" if key else "")
         calls[f"{method} {what}".strip()] += 1
+        version = re.search(r"(?:^|/)v(\d{12})/", key)
+        if version:
+            steps[str(int(version.group(1)))] += 1
         return await real(self, method, *args, **kwargs)
 
     s3fs.S3FileSystem._call_s3 = counted  # type: ignore[method-assign]
     state = _state(ctx.rank, 0)
     with ckpt.Checkpointer(f"{base}/node{ctx.rank // 2}", tiers=[url], storage_options=options, timeout=TIMEOUT) as ck:
         calls.clear()
+        steps.clear()
         got = ck.restore(state)
         during = dict(calls)
     same = got is not None and torch.equal(state["w"].local_tensor, _state(ctx.rank, got)["w"].local_tensor)
-    return {"step": got, "bitwise": same and state["step"] == got, "calls": during}
+    return {"step": got, "bitwise": same and state["step"] == got, "calls": during, "steps": dict(steps)}
 
 
 def test_only_rank_0_lists_the_remote(tmp_path: Path, s3: S3Place) -> None:
@@ -148,19 +154,21 @@ def test_one_bucket_behind_two_endpoints_is_two_stores(tmp_path: Path, s3: S3Pla
     assert all(n >= 1 for n in lists), lists
 
 
-def _restore_step_3(tmp_path: Path, scenario: str, base: str, s3: S3Place, **kwargs: Any) -> list[dict[str, Any]]:
-    """`scenario` on 4 ranks; every rank must restore step 3 bitwise."""
+def _restore_step_3(
+    tmp_path: Path, scenario: str, base: str, s3: S3Place, step: int = 3, **kwargs: Any
+) -> list[dict[str, Any]]:
+    """`scenario` on 4 ranks; every rank must restore `step` bitwise."""
     results, failures = launch(
         THIS, scenario, 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options, **kwargs
     )
     assert not failures, failures
     for rank, r in enumerate(results):
-        assert r["step"] == 3 and r["bitwise"], (rank, r)
+        assert r["step"] == step and r["bitwise"], (rank, r)
     return results
 
 
-def _restore_cut_off(tmp_path: Path, base: str, s3: S3Place, cut: list[int]) -> list[dict[str, Any]]:
-    return _restore_step_3(tmp_path, "cut_off_restore_job", base, s3, cut=cut, dead=_closed_port())
+def _restore_cut_off(tmp_path: Path, base: str, s3: S3Place, cut: list[int], step: int = 3) -> list[dict[str, Any]]:
+    return _restore_step_3(tmp_path, "cut_off_restore_job", base, s3, step, cut=cut, dead=_closed_port())
 
 
 @pytest.mark.parametrize("cut", [[2], [1, 2, 3]], ids=["one-rank", "all-but-rank-0"])
@@ -195,6 +203,29 @@ def test_a_cut_off_rank_whose_own_copy_is_damaged_reads_it_from_ranks_that_reach
     data[100] ^= 0xFF
     chunk.write_bytes(bytes(data))
     _restore_cut_off(tmp_path, base, s3, [2])
+
+
+def test_a_store_a_rank_cannot_reach_is_not_tried_again_after_a_fallback(tmp_path: Path, s3: S3Place) -> None:
+    """Step 3 is damaged on every copy (rank 0's chunk, on its node's disk and on the
+    store), so every rank falls back to step 2. Rank 2, cut off from the store, found so
+    while loading step 3, and gets its part of step 2 over the group without trying the
+    store again: each try of a store that does not answer costs a retry budget (~6.6 s
+    when it is blackholed). On the old code it tried step 2's rank file there too."""
+    base = str(tmp_path / "disks")
+    _, failures = launch(THIS, "save_job", 4, tmp_path, timeout=240, base=base, url=s3.url, options=s3.options)
+    assert not failures, failures
+    shutil.rmtree(f"{base}/node1")  # node 1 replaced with empty disks: its part is on the remote only
+    os.makedirs(f"{base}/node1")
+    chunk = "v000000000003/state/w/c.0.0"  # rank 0's: rows 0-1 of w
+    local = Path(f"{base}/node0/{chunk}")
+    data = bytearray(local.read_bytes())
+    data[100] ^= 0xFF
+    local.write_bytes(bytes(data))
+    s3.server.client().put_object(Bucket=s3.server.bucket, Key=f"{s3.prefix}/{chunk}", Body=bytes(data))
+    results = _restore_cut_off(tmp_path, base, s3, [2], step=2)
+    steps = results[2]["steps"]
+    assert steps.get("3", 0) >= 1, steps  # it tried the store while loading step 3
+    assert steps.get("2", 0) == 0, steps
 
 
 # -- ranks as threads of one process: a memory:// store is then one store for all of them ------
