@@ -1,6 +1,6 @@
 """GPU check: training stall and time to commit with CUDA tensors (pinned staging).
 
-    bash bench/gpu_check.sh [--gb 2] [--reps 3]
+    bash bench/gpu_check.sh [--gb 2] [--reps 3] [--out FILE]
 
 Measures, on one GPU, with the state on the device:
 - ckpt save() stall (the device-to-pinned-host copy on a side stream) and time to a durable commit,
@@ -9,7 +9,9 @@ Measures, on one GPU, with the state on the device:
   the GPU runs other work (checked bitwise against the values of the save() call);
 - DCP async_save blocking time with a reused stager, and DCP save;
 - the floor: a non-blocking copy of the same bytes into preallocated pinned host memory.
-Prints a table and writes bench/results/gpu_check.json. Runs in well under 5 minutes.
+Prints a table and writes FILE (default bench/results/gpu_check.json). Runs in well under
+5 minutes. ckpt must be importable (installed, as bench/gpu_check.sh does): the checkout's
+store/, restore/ and replicator/ are subpackages of ckpt only once installed.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
 
 
 def _state(gb: float) -> dict[str, torch.Tensor]:
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--out", default=RESULTS, help="where the JSON results go")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -153,9 +156,8 @@ def main() -> None:
         print(
             f"  deferred stall / DCP async_save blocking: {med['ckpt_deferred_stall'] / med['dcp_async_blocking']:.2f}x"
         )
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         doc = {"device": torch.cuda.get_device_name(0), "bytes": nbytes, "direct_bytes": direct, "seconds": results}
         json.dump(doc | {"median": med}, f)
     if not args.dir:
