@@ -47,50 +47,6 @@ def _memcpy(src: torch.Tensor, dst: torch.Tensor) -> None:
     np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
 
 
-def _torch_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
-    dst.copy_(src)
-
-
-COPY_METHODS = {"torch_copy_": _torch_copy, "memcpy": _memcpy}
-
-
-class CopyFloor:
-    """Two threads copying every local tensor into one preallocated, already-touched buffer."""
-
-    def __init__(self, tensors: list[torch.Tensor], threads: int = 2) -> None:
-        self.tensors = [t for t in tensors if t.numel()]
-        total = sum(t.numel() * t.element_size() for t in self.tensors)
-        self.buffer = torch.empty(total, dtype=torch.uint8)
-        self.buffer.fill_(0)  # warm: no page faults in the measured copies
-        self.plan: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        pos = 0
-        for lane in lanes(self.tensors, threads):
-            pairs = []
-            for t in lane:
-                n = t.numel() * t.element_size()
-                pairs.append((t, self.buffer[pos : pos + n].view(t.dtype).view(t.shape)))
-                pos += n
-            self.plan.append(pairs)
-        self.pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
-
-    def run(self, method: str) -> None:
-        copy = COPY_METHODS[method]
-
-        def lane(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-            for src, dst in pairs:
-                copy(src, dst)
-
-        futs = [self.pool.submit(lane, p) for p in self.plan[1:]] if self.pool else []
-        lane(self.plan[0])
-        for f in futs:
-            f.result()
-
-    def close(self) -> None:
-        if self.pool:
-            self.pool.shutdown()
-        del self.buffer, self.plan
-
-
 def _write_file(path: str, tensors: list[torch.Tensor], early: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
