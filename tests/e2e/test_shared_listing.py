@@ -149,12 +149,12 @@ def test_one_bucket_behind_two_endpoints_is_two_stores(tmp_path: Path, s3: S3Pla
     assert not failures, failures
     other = s3.options["endpoint_url"].replace("127.0.0.1", "localhost")
     assert other != s3.options["endpoint_url"]
-    results = _restore_step_3(tmp_path, "other_endpoint_restore_job", base, s3, other=other)
+    results = _restore_every_rank(tmp_path, "other_endpoint_restore_job", base, s3, other=other)
     lists = [r["calls"].get("list_objects_v2", 0) for r in results]
     assert all(n >= 1 for n in lists), lists
 
 
-def _restore_step_3(
+def _restore_every_rank(
     tmp_path: Path, scenario: str, base: str, s3: S3Place, step: int = 3, **kwargs: Any
 ) -> list[dict[str, Any]]:
     """`scenario` on 4 ranks; every rank must restore `step` bitwise."""
@@ -168,7 +168,7 @@ def _restore_step_3(
 
 
 def _restore_cut_off(tmp_path: Path, base: str, s3: S3Place, cut: list[int], step: int = 3) -> list[dict[str, Any]]:
-    return _restore_step_3(tmp_path, "cut_off_restore_job", base, s3, step, cut=cut, dead=_closed_port())
+    return _restore_every_rank(tmp_path, "cut_off_restore_job", base, s3, step, cut=cut, dead=_closed_port())
 
 
 @pytest.mark.parametrize("cut", [[2], [1, 2, 3]], ids=["one-rank", "all-but-rank-0"])
