@@ -1,6 +1,6 @@
 """Benchmarks against PyTorch DCP, torch-checkpointing, torch.save and the machine's own limits, in one run.
 
-    python bench/run.py [--params 250e6] [--reps 3] [--dir DIR] [--shm-dir DIR] [--skip-s3] [--quick]
+    python bench/run.py [--params 250e6] [--reps 5] [--dir DIR] [--shm-dir DIR] [--skip-s3] [--quick]
 
 Workload: a GPT-like model (24 blocks, 292 float32 tensors, ~`--params` parameters) and
 its Adam state after one step (~12 bytes per parameter: 3 GB at 250e6), at world size 1
@@ -232,7 +232,9 @@ def load_average() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=250e6, help="model parameters (state ~12 bytes each)")
-    ap.add_argument("--reps", type=int, default=3)
+    # Five: with three, targets within ~10% of their goal flipped between runs of the same code
+    # on this shared 2-core machine (load averages of 4-6 during a run).
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/ckpt-bench", help="scratch directory on the disk under test")
     ap.add_argument("--skip-s3", action="store_true", help="skip the replication benchmark")
     ap.add_argument("--shm-dir", default="/dev/shm/ckpt-bench", help="scratch directory on tmpfs (the second medium)")
