@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckpt.store.fsio import makedirs, replace_durable
+from ckpt.store.fsio import makedirs_within, replace_durable
 
 __all__ = [
     "STATE_DIR",
@@ -153,7 +153,7 @@ def read_status(root: str) -> Status | None:
 def write_status(root: str, status: Status) -> None:
     status.updated = time.time()
     path = status_path(root)
-    makedirs(os.path.dirname(path))
+    makedirs_within(root, os.path.dirname(path))
     # Never torn: a torn status would read as "no replicator ran", and ckpt gc would require no copies.
     replace_durable(path, json.dumps(to_json(status)).encode())
 

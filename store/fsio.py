@@ -36,6 +36,7 @@ __all__ = [
     "DIRECT_MIN_BYTES",
     "exchange_dirs",
     "makedirs",
+    "makedirs_within",
     "set_direct",
     "write_all",
     "entries",
@@ -88,6 +89,15 @@ def makedirs(path: str) -> None:
         makedirs(parent)
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, DIR_MODE)
+
+
+def makedirs_within(root: str, path: str) -> None:
+    """makedirs(path) for a directory inside `root`, which must exist already: a root whose
+    disk was unmounted (its mount point now an empty directory of the disk below it) is
+    not made again there by a background write (FileNotFoundError instead)."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(errno.ENOENT, "the checkpoint root is gone", root)
+    makedirs(path)
 
 
 def entries(path: str) -> list[os.DirEntry[str]]:

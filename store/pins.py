@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import suppress
 
 from ckpt.store.errors import TierUnavailableError
-from ckpt.store.fsio import FILE_MODE, entries, makedirs
+from ckpt.store.fsio import FILE_MODE, entries, makedirs_within
 from ckpt.store.tier import Tier
 
 __all__ = ["PINS_NAME", "pin_version", "pinned_steps", "deleting"]
@@ -122,7 +122,7 @@ def _marker(tier: Tier, name: str, op: int) -> Iterator[str | None]:
         yield None
         return
     try:
-        makedirs(d)
+        makedirs_within(os.path.dirname(d), d)
         fd, path = _new_locked(d, f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}", op)
     except OSError:
         yield None
