@@ -25,7 +25,7 @@ from ckpt._staging import StageTask
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import NonFiniteError
 from ckpt.store.faults import fault_delay
-from ckpt.store.fsio import DIR_MODE, fsync_files, in_ram, makedirs, write_chunk, write_new
+from ckpt.store.fsio import DIR_MODE, fsync_files, in_ram, makedirs_within, write_chunk, write_new
 from ckpt.store.lanes import LIGHT_BYTES, run_lanes
 from ckpt.store.layout import block_rows, chunk_file
 from ckpt.store.manifest import STATE_PREFIX
@@ -46,7 +46,7 @@ def open_tree(job: SaveJob, root: str, tmp_dir: str, writers: Sequence[int]) -> 
         return
     job.written.reused = bool(key) and take(root, tmp_dir, key)
     if not job.written.reused:
-        makedirs(tmp_dir)
+        makedirs_within(root, tmp_dir)  # a root gone with its disk is not made again below its mount point
 
 
 def metadata_documents(job: SaveJob, tmp_dir: str) -> tuple[list[tuple[str, bytes]], set[str]]:

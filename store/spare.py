@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from ckpt.store.fsio import fsync_dir, makedirs
+from ckpt.store.fsio import fsync_dir, makedirs_within
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME
 from ckpt.store.pins import deleting
 from ckpt.store.removal import remove_tree
@@ -86,7 +86,7 @@ def take(home: str, dest: str, key: str = "") -> bool:
     try:
         if os.path.islink(spare):
             return False
-        makedirs(os.path.dirname(dest))
+        makedirs_within(home, os.path.dirname(dest))  # (ENOENT where the root is gone: no spare)
         os.rename(spare, dest)
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):

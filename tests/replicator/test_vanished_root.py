@@ -1,7 +1,7 @@
-"""A source root whose disk goes away (unmounted: its mount point is then an empty directory
-of the disk below) is not made again there by the replicator's or a reader's bookkeeping:
-the status, a copy's journal and a pin need the root to exist, and fail (or, for a pin,
-hold nothing) where it does not. On the old code each of them made the root again, on
+"""A root whose disk goes away (unmounted: its mount point is then an empty directory of the
+disk below) is not made again there, by the replicator's or a reader's bookkeeping or by
+the job's next save: the status, a copy's journal, a pin and a save's tree need the root
+to exist, and fail (or, for a pin, hold nothing) where it does not. On the old code each of them made the root again, on
 whatever disk lay below, and a test that put a file in its place afterwards found a
 directory there (tests/e2e/test_unreadable_and_vanishing.py::test_root_dies_mid_save)."""
 
@@ -66,3 +66,26 @@ def test_a_journal_and_a_status_of_a_root_that_is_there_are_written(tmp_path: Pa
     journal.save()
     assert journal_for(str(root / ".replicator"), dest, 3, "ab" * 16).done == {"state/w/c.0"}
     assert read_status(str(root)) is not None
+
+
+def test_a_save_into_a_vanished_root_fails_and_makes_nothing(tmp_path: Path) -> None:
+    """The job's own save, too: it fails with TierUnavailableError (ENOENT) where it made the
+    root again on the old code, and committed a version there that the disk's return would hide."""
+    import errno
+
+    import torch
+
+    from ckpt import Checkpointer
+    from ckpt.store.errors import TierUnavailableError
+
+    root = tmp_path / "disk0" / "ckpt"
+    with Checkpointer(str(root), keep_last=2) as ck:
+        ck.save(1, {"w": torch.ones(1000)})
+        ck.wait()
+        shutil.rmtree(root)
+        with pytest.raises(TierUnavailableError) as got:
+            ck.save(2, {"w": torch.ones(1000)})
+            ck.wait()
+        assert got.value.errno == errno.ENOENT and "step 2" in str(got.value)
+        assert not root.exists()
+        root.mkdir()  # (the disk is back, empty: the Checkpointer closes on it)
