@@ -7,7 +7,7 @@ import json
 import os
 import threading
 
-from ckpt.store.fsio import FILE_MODE, makedirs, makedirs_within
+from ckpt.store.fsio import FILE_MODE, makedirs_within
 
 __all__ = ["Journal"]
 
@@ -15,7 +15,7 @@ __all__ = ["Journal"]
 class Journal:
     """A set of verified relative paths, saved atomically (write temp, fsync, rename)."""
 
-    def __init__(self, path: str, root: str | None = None) -> None:
+    def __init__(self, path: str, root: str) -> None:
         self.path = path
         self.root = root  # the source root it lies in: never made again by a save (makedirs_within)
         self._lock = threading.Lock()
@@ -37,10 +37,7 @@ class Journal:
     def save(self) -> None:
         with self._lock:
             data = json.dumps({"verified": sorted(self.done)}).encode()
-        if self.root is None:
-            makedirs(os.path.dirname(self.path))
-        else:
-            makedirs_within(self.root, os.path.dirname(self.path))
+        makedirs_within(self.root, os.path.dirname(self.path))
         tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
         # an explicit mode: open() would create it 0o666 & ~umask
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE), "wb") as f:

@@ -233,4 +233,4 @@ def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) ->
 def journal_for(state_dir: str, dest: Destination, step: int, save_id: str) -> Journal:
     """The journal of a version's copy to `dest`, under the source root's `state_dir`."""
     path = os.path.join(state_dir, dest.id, f"{version_dirname(step)}-{save_id}.json")
-    return Journal(path, root=os.path.dirname(state_dir))
+    return Journal(path, os.path.dirname(state_dir))

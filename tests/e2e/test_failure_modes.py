@@ -112,7 +112,9 @@ def test_collector_does_not_delete_under_a_live_committer(tmp_path: Path, precla
                 collector_done.wait(10)
 
     dest = HookedDest(remote, "shared", open_tier(remote))
-    t = Transfer(src, 1, m, dest, Journal(str(tmp_path / "j.json")), RateLimiter(None), threading.Event())
+    t = Transfer(
+        src, 1, m, dest, Journal(str(tmp_path / "j.json"), str(tmp_path)), RateLimiter(None), threading.Event()
+    )
     sizes = copy_files(t)
     if preclaimed:
         open_tier(remote).put_if_absent(f"v000000000001/{COMMIT_CLAIM}", m.save_id.encode())
