@@ -50,6 +50,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Mapping
@@ -599,8 +600,6 @@ def _main(argv: list[str] | None = None) -> int:
         max_faults=a.max_faults,
     )
     proxy = FlakyProxy(int(m.group(2)), plan, upstream_host=m.group(1), port=a.port)
-    done = threading.Event()
-
     counts_lock = threading.Lock()
 
     def write_counts() -> None:
@@ -614,13 +613,20 @@ def _main(argv: list[str] | None = None) -> int:
                 os.replace(tmp, a.counts_file)
 
     proxy.on_change = write_counts
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
+    # The handlers take no lock: one that sets an Event deadlocks where this thread was
+    # interrupted inside that Event's own lock (see ckpt/replicator/daemon.py).
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _: stop.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _: stop.append(signum))
     with proxy:
         write_counts()
         print(proxy.endpoint, flush=True)
-        while not done.wait(0.5):
-            write_counts()
+        ticks = 0
+        while not stop:
+            time.sleep(0.05)
+            ticks += 1
+            if ticks % 10 == 0:
+                write_counts()
         write_counts()
     with contextlib.suppress(OSError):
         sys.stdout.close()
