@@ -74,10 +74,13 @@ def run_daemon(sources: list[str], config: ReplicatorConfig, *, once: bool = Fal
             done = pool.submit(work)
             # Short waits: the handler has run when one ends (the kernel may give the signal
             # to any thread, and only the main thread runs the handler, when it next wakes).
-            while not wait([done], timeout=0.1).done:
-                if signals and not replicator.stop.is_set():
-                    log.info("replicator: signal %d, stopping", signals[0])
-                    replicator.stop.set()
+            try:
+                while not wait([done], timeout=0.1).done:
+                    if signals and not replicator.stop.is_set():
+                        log.info("replicator: signal %d, stopping", signals[0])
+                        replicator.stop.set()
+            finally:
+                replicator.stop.set()  # the pool's exit waits for the passes: whatever ends this wait ends them
             done.result()
     finally:
         for s, h in previous.items():
