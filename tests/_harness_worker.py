@@ -20,9 +20,11 @@ Journals (append-only JSON lines, fsynced), under SPEC["journal"]:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+STACKS_SIGNAL = signal.SIGUSR2  # dumps a harness process's threads into its log
 ROWS, COLS = 64, 256  # this rank's piece of the sharded tensor: (2 * ROWS, COLS) in all
 
 
@@ -186,6 +189,9 @@ def child(kind: str, payload: Any, env: dict[str, str], log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # The harness sends STACKS_SIGNAL to a process that hangs before it kills it: every
+    # thread's stack lands in the log.
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
     for k in ("CKPT_FAULT", "CKPT_FAULT_RANK", "CKPT_DELAY"):
         os.environ.pop(k, None)
     os.environ.update(env)

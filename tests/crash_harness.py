@@ -328,12 +328,17 @@ class Harness:
             p.wait()
 
     def reap(self, proc: Child, hung: str) -> int:
-        """proc's exit code; SIGKILL and a failure (`hung`) if it runs past the timeout."""
+        """proc's exit code; SIGKILL and a failure (`hung`) if it runs past the timeout,
+        after its threads' stacks are dumped into its log."""
         try:
             return proc.wait(timeout=self.c.timeout_s)
         except subprocess.TimeoutExpired:
+            from tests._harness_worker import STACKS_SIGNAL
+
+            proc.send_signal(STACKS_SIGNAL)
+            time.sleep(1.0)
             proc.kill()
-            self.fail(f"round {self.fig.rounds}: {hung}")
+            self.fail(f"round {self.fig.rounds}: {hung} (its threads' stacks are in its log)")
             return proc.wait()
 
     def fail(self, msg: str) -> None:

@@ -24,6 +24,8 @@ def test_twenty_kills_lose_and_corrupt_nothing(tmp_path: Path) -> None:
     fig = Harness(HarnessConfig(out=str(tmp_path / "harness"), kills=20, seed=20240601)).run()
     print(summary(fig))
     where = f"(logs in {tmp_path / 'harness' / 'logs'})"
+    if fig.failures:
+        _print_stack_dumps(tmp_path / "harness" / "logs")
     assert fig.failures == [], f"{fig.failures} {where}"
     assert fig.lost == 0, f"{fig.lost_detail} {where}"
     assert fig.corruptions == 0, f"{fig.corruption_detail} {where}"
@@ -35,6 +37,16 @@ def test_twenty_kills_lose_and_corrupt_nothing(tmp_path: Path) -> None:
     assert fig.versions_checked >= 50 and fig.versions_verified >= 100, (fig.versions_checked, fig.versions_verified)
     assert fig.deletions_seen >= 20, "retention never deleted anything: the lost-version check checked nothing"
     assert fig.remote_scans >= 20
+
+
+def _print_stack_dumps(logs: Path) -> None:
+    """The logs' tails where a hung process's threads were dumped (CI keeps no files)."""
+    for log in sorted(logs.iterdir()):
+        text = log.read_text(errors="replace")
+        dump = text.find("most recent call first")
+        if dump >= 0:
+            start = max(text.rfind("=== ", 0, dump), 0)
+            print(f"--- {log.name}, from its start before the dump:\n{text[start:][-20000:]}")
 
 
 def test_a_listing_across_a_retention_pass_still_shows_what_it_published(
