@@ -614,7 +614,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     proxy.on_change = write_counts
     # The handlers take no lock: one that sets an Event deadlocks where this thread was
-    # interrupted inside that Event's own lock (see ckpt/replicator/daemon.py).
+    # interrupted inside that Event's own lock (see replicator/daemon.py).
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _: stop.append(signum))
     signal.signal(signal.SIGINT, lambda signum, _: stop.append(signum))
