@@ -50,7 +50,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Mapping
@@ -613,20 +612,16 @@ def _main(argv: list[str] | None = None) -> int:
                 os.replace(tmp, a.counts_file)
 
     proxy.on_change = write_counts
-    # The handlers take no lock: one that sets an Event deadlocks where this thread was
-    # interrupted inside that Event's own lock (see replicator/daemon.py).
-    stop: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _: stop.append(signum))
-    signal.signal(signal.SIGINT, lambda signum, _: stop.append(signum))
+    # No handler: SIGTERM and SIGINT are blocked (in the proxy's thread too, which inherits
+    # the mask) and taken here by sigtimedwait. A handler that sets an Event deadlocks where
+    # this thread was interrupted inside that Event's own lock (see replicator/daemon.py).
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     with proxy:
         write_counts()
         print(proxy.endpoint, flush=True)
-        ticks = 0
-        while not stop:
-            time.sleep(0.05)
-            ticks += 1
-            if ticks % 10 == 0:
-                write_counts()
+        while signal.sigtimedwait(stop_signals, 0.5) is None:
+            write_counts()
         write_counts()
     with contextlib.suppress(OSError):
         sys.stdout.close()
