@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -77,7 +77,10 @@ class Comm(Protocol):
     ) -> None: ...
 
 
-@dataclass(frozen=True, eq=False)  # (its fields hold tensors and a Box: nothing compares or hashes one)
+# Not frozen (a restore makes one per tensor, and a frozen dataclass sets each field through
+# object.__setattr__); never changed once made. eq=False: its fields hold tensors and a Box,
+# so nothing compares one (it hashes by identity).
+@dataclass(eq=False, slots=True)
 class ReadRequest:
     array: ArrayEntry
     dest: torch.Tensor  # a plain local tensor, filled in place
@@ -90,8 +93,8 @@ class ReadRequest:
     that made it would queue behind the other readers to get it back."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "box", Box.at(self.offsets, self.dest.shape))
         d = self.dest
+        self.box = Box.at(self.offsets, d.shape)
         ok = (
             d.dim() > 0
             and d.numel() > 0  # (nothing is read into an empty one, and memoryview refuses to cast it)
@@ -102,8 +105,7 @@ class ReadRequest:
             and not d.is_conj()  # (whose bytes torch will not view as uint8)
             and not d.is_neg()
         )
-        flat = memoryview(d.view(torch.uint8).numpy()).cast("B") if ok else None  # type: ignore[arg-type]
-        object.__setattr__(self, "dest_bytes", flat)
+        self.dest_bytes = memoryview(d.view(torch.uint8).numpy()).cast("B") if ok else None  # type: ignore[arg-type]
 
 
 def _place(piece: torch.Tensor, origin: Sequence[int], req: ReadRequest) -> None:
@@ -213,6 +215,10 @@ def _read_block(handle: ReadHandle, block: Block, out: torch.Tensor | memoryview
 
 def _read_parts(handle: ReadHandle, block: Block, parts: Sequence[memoryview], where: str) -> None:
     """A block read into consecutive `parts` (together its bytes, in file order) and checked."""
+    if len(parts) == 1 and len(parts[0]) <= _PIECE:  # one read (most chunks of a state are small)
+        read_exact(handle, parts[0], block.offset, where)
+        _check_block(xxhash.xxh3_64_hexdigest(parts[0]), block, where)
+        return
     hasher = xxhash.xxh3_64()  # streamed: each piece is hashed while it is still in the CPU cache
     offset = block.offset
     for view in parts:
@@ -500,24 +506,24 @@ def load_arrays(
     views: list[_View] = []
     if comm.any(bool(remote)):  # some rank cannot reach a chunk it needs (else: one all-reduce)
         views = [_View(*v) for v in comm.all_gather((remote, ranges_of(reach), ranges_of(lost)))]
-    by_key = {(p.name, p.index): p for p in plan}
+    by_key = {(p.name, p.index): p for p in plan} if views else {}  # (only chunks sent between ranks look here)
     wanted: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for r, (needs, _, _) in enumerate(views):
         for n, idx in needs:
             wanted.setdefault((n, tuple(idx)), []).append(r)
     remote_set = set(remote)
-    local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set]
+    local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set] if remote else list(plan)
     local.sort(key=lambda p: -p.chunk.nbytes)  # largest first: no lone big read at the end
-    first: dict[int, list[str]] = {}  # per source (by position): the chunks it is read first for
+    first: dict[int, list[ChunkRead]] = {}  # per source (by position): the chunks it is read first for
     for p in local:
         c = p.chunk
         at = next((i for i, s in enumerate(sources) if c.inline is None and c.writer in s.writers), None)
         if at is not None:
-            first.setdefault(at, []).append(sources[at].key(manifest.arrays[p.name], c))
+            first.setdefault(at, []).append(p)
     # Each source read first holds a read pass (Tier.reading) until every read of this rank is done.
     with contextlib.ExitStack() as passes:
-        for i, keys in first.items():
-            passes.enter_context(sources[i].tier.reading(keys))
+        for i, reads in first.items():
+            passes.enter_context(sources[i].tier.reading(_keys(sources[i], manifest, reads)))
         solo = 0
         if first and all(sources[i].tier.in_memory() for i in first):
             if cores is not None:
@@ -609,6 +615,11 @@ def load_arrays(
     if error is not None:
         raise error
     return tuple(received)
+
+
+def _keys(src: Source, manifest: Manifest, reads: Sequence[ChunkRead]) -> Iterator[str]:
+    """The keys of `reads` on `src`, made as a read pass asks for them (a pass in memory does not)."""
+    return (src.key(manifest.arrays[p.name], p.chunk) for p in reads)
 
 
 @dataclass

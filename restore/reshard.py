@@ -169,13 +169,13 @@ def direct_rows(array: ArrayEntry, chunk: ChunkEntry, box: Box) -> tuple[int, in
     (The tensor itself must also be a plain contiguous CPU tensor of the array's type:
     the reader checks that.)
     """
-    shape = array.chunk_shape
+    tail = tuple(array.chunk_shape[1:])
     if (
         not chunk.offsets
-        or tuple(chunk.shape[1:]) != tuple(shape[1:])  # no padding in the trailing dims
-        or any(o != 0 for o in chunk.offsets[1:])
-        or any(o != 0 for o in box.lo[1:])
-        or tuple(h - lo for lo, h in zip(box.lo[1:], box.hi[1:])) != tuple(shape[1:])
+        or tuple(chunk.shape[1:]) != tail  # no padding in the trailing dims
+        or any(chunk.offsets[1:])  # (offsets are never negative: any() is "any but 0")
+        or any(box.lo[1:])
+        or tuple(box.hi[1:]) != tail  # (from 0)
     ):
         return None
     lo = max(box.lo[0], chunk.offsets[0]) - chunk.offsets[0]

@@ -19,7 +19,7 @@ from typing import TypeVar
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.rank_file import RankFile, RankFiles, rank_file_path, read_rank_file_raw
-from ckpt.store.tier import Tier, join_key
+from ckpt.store.tier import Tier
 from ckpt.store.versions import version_dirname
 
 __all__ = [
@@ -46,9 +46,11 @@ class Source:
     step: int
     writers: frozenset[int]  # ranks whose chunks (and rank files) it holds
     rank_files: RankFiles = field(init=False, compare=False, repr=False)
+    _prefix: str = field(init=False, compare=False, repr=False)  # the version's directory: a key per chunk read
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank_files", RankFiles(self.tier))
+        object.__setattr__(self, "_prefix", version_dirname(self.step) + "/")
 
     @property
     def name(self) -> str:
@@ -71,7 +73,7 @@ class Source:
         return chunk.inline is not None or chunk.writer in self.writers
 
     def key(self, array: ArrayEntry, chunk: ChunkEntry) -> str:
-        return join_key(version_dirname(self.step), array.chunk_path(chunk))
+        return self._prefix + array.chunk_path(chunk)  # (a chunk path neither starts nor ends with '/')
 
     def resolve(self, manifest: Manifest, array: ArrayEntry, chunk: ChunkEntry) -> ChunkEntry:
         """`chunk` with its digests as this copy records them (schema 3: the writer's rank file here)."""
@@ -118,7 +120,7 @@ def from_first_good(
     return first_good(
         [s for s in sources if s.holds(chunk)],
         lambda src: read(src, src.resolve(manifest, array, chunk)),
-        f"{array.name} chunk {list(chunk.index)}",
+        lambda: f"{array.name} chunk {list(chunk.index)}",
         array.path,
     )
 
@@ -138,8 +140,9 @@ def _rank_file(sources: Sequence[Source], rank: int, read: Callable[[Source], T]
     return first_good([s for s in sources if rank in s.writers], read, where, where)
 
 
-def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str, path: str) -> T:
-    """read(source) for the first of `holders` that gives a good copy of `what`."""
+def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str | Callable[[], str], path: str) -> T:
+    """read(source) for the first of `holders` that gives a good copy of `what` (or of what
+    what() names: made only for a message, as a restore reads thousands of chunks)."""
     damaged: list[str] = []
     unreachable: list[tuple[str, TierUnavailableError]] = []
     for src in holders:
@@ -153,11 +156,16 @@ def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str
             continue
         if damaged or unreachable:
             why = damaged[-1] if damaged else str(unreachable[-1][1])
-            log.warning("%s: used the copy on %s after: %s", what, src.name, why)
+            log.warning("%s: used the copy on %s after: %s", _named(what), src.name, why)
         return result
+    what = _named(what)
     if unreachable:
         detail = "; ".join([*damaged, *(str(e) for _, e in unreachable)])
         raise SourcesUnreachable.at(unreachable[0][1].errno, f"{what}: {detail}", [n for n, _ in unreachable])
     if not damaged:
         raise CorruptVersionError(f"{what} is on no reachable tier", path=path)
     raise CorruptVersionError("; ".join(damaged), path=path)
+
+
+def _named(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()

@@ -161,11 +161,17 @@ class _HeldDir:
 
 
 class _FileHandle:
-    def __init__(self, fd: int, size: int, path: str) -> None:
+    __slots__ = ("_fd", "_root", "_key", "size", "_direct")
+
+    def __init__(self, fd: int, size: int, root: str, key: str) -> None:
         self._fd = fd
-        self.path = path
+        self._root, self._key = root, key  # the path is joined only for an error: a restore opens thousands
         self.size = size
         self._direct: bool | None = None  # O_DIRECT on the fd: unknown until read_direct asks
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self._root, self._key)
 
     def read_into(self, offset: int, out: memoryview) -> None:
         if self._direct:
@@ -243,7 +249,7 @@ class LocalTier(Tier):
         finally:
             if top_fd is not None:
                 self._dir.release()
-        return _FileHandle(fd, size, self.local_path(key))
+        return _FileHandle(fd, size, self.root, key)
 
     def _write_atomic(self, key: str, write: Callable[[int], None], *, replace: bool) -> None:
         path = self.local_path(key)
@@ -338,9 +344,10 @@ class LocalTier(Tier):
         ~6 directory levels, each a small read, and interleaved with the data reads those
         queue behind multi-MiB ones and readers stall on them (40% of the readers' time,
         py-spy, 876 chunk files); done first they take ~0.15 s for the same files."""
-        paths = [self.local_path(k) for k in keys]
-        if len(paths) >= 8 and not self.in_memory():
-            run_lanes(paths, _lstat_quietly, 16, name="ckpt-stat")
+        if not self.in_memory():  # (in memory: nothing to read ahead, and no key is looked at)
+            paths = [self.local_path(k) for k in keys]
+            if len(paths) >= 8:
+                run_lanes(paths, _lstat_quietly, 16, name="ckpt-stat")
         with self._dir.held():
             yield
 

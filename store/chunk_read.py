@@ -57,14 +57,15 @@ def open_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry) -> R
 
 def open_checked(tier: Tier, key: str, nbytes: int, expected: str, what: str = "chunk") -> ReadHandle:
     """A file of a version (a chunk, a rank file), checked to have the size the manifest gives."""
-    where = f"{tier.location}/{key}"
     try:
         handle = tier.open_read(key)
     except (CorruptVersionError, TierUnavailableError):
         raise
     except FileNotFoundError:
+        where = f"{tier.location}/{key}"
         raise CorruptVersionError(f"{what} {where} is missing", path=where, expected=expected) from None
     except OSError as e:
+        where = f"{tier.location}/{key}"
         # A remote store's refusal or unknown error is no proof of damage; a local file that
         # cannot be opened (a bad sector, a planted directory) is, unless errno says otherwise.
         if _unavailable(e) or (not tier.capabilities.local_files and not isinstance(e, IsADirectoryError)):
@@ -74,6 +75,7 @@ def open_checked(tier: Tier, key: str, nbytes: int, expected: str, what: str = "
         raise CorruptVersionError(f"{what} {where} cannot be opened: {e.strerror or e}", path=where) from None
     if handle.size != nbytes:
         handle.close()
+        where = f"{tier.location}/{key}"
         raise CorruptVersionError(
             f"{what} {where} has {handle.size} bytes, the manifest says {nbytes}", path=where, expected=expected
         )
