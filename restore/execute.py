@@ -416,7 +416,7 @@ def _from_live(
     live copies are all bad while a dead source holds one is unreachable, not lost. The
     reader threads of a rank share `dead`: a set's add and membership test are atomic under
     the GIL, and nothing iterates it."""
-    lost = [s.name for s in sources if s.name in dead and s.holds(chunk)]
+    lost = [s.name for s in sources if s.name in dead and s.holds(chunk)] if dead else []
     try:
         from_first_good([s for s in sources if s.name not in dead] if lost else sources, manifest, array, chunk, read)
     except SourcesUnreachable as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -86,7 +87,7 @@ def _touched(array: ArrayEntry, box: Box) -> list[tuple[int, ...]]:
     """Grid indices of the chunks that overlap `box`."""
     if not array.shape:
         return [()]
-    if box.empty:
+    if any(map(operator.le, box.hi, box.lo)):  # empty (Box.empty, without a generator: once per tensor)
         return []
     ranges = [range(lo // c, (hi - 1) // c + 1) for lo, hi, c in zip(box.lo, box.hi, array.chunk_shape)]
     return list(itertools.product(*ranges))
@@ -111,6 +112,8 @@ def _rows(chunk: ChunkEntry, boxes: Sequence[Box]) -> tuple[int, int]:
     if not chunk.offsets:
         return 0, 1
     start, end = chunk.offsets[0], chunk.offsets[0] + chunk.shape[0]
+    if len(boxes) == 1:  # the usual case: one tensor of this rank per chunk
+        return max(boxes[0].lo[0], start) - start, min(boxes[0].hi[0], end) - start
     lo = min(max(b.lo[0], start) for b in boxes) - start
     hi = max(min(b.hi[0], end) for b in boxes) - start
     return lo, hi

@@ -127,6 +127,9 @@ class ChunkEntry:
         return bool(self.xxh3)
 
 
+_RUN_START = operator.attrgetter("start")
+
+
 # Not frozen (a manifest parse makes one per array, and a frozen dataclass's __init__ sets
 # each field through object.__setattr__: ~2 us of ~10 per array); never changed once made,
 # and never hashed (`sharding` is a dict).
@@ -147,7 +150,7 @@ class ArrayEntry:
 
     def __post_init__(self) -> None:
         # Derived once: a restore asks for them per chunk, thousands of times.
-        self.run_starts = tuple(r.start for r in self.runs)
+        self.run_starts = tuple(map(_RUN_START, self.runs))
         self.grid = grid_shape(self.shape, self.chunk_shape)
 
     inline: str | None = None  # schema 3: a single-element array's value (hex), when it has no chunk file

@@ -177,8 +177,7 @@ class RankFiles:
 
     def get(self, step: int, manifest: Manifest, rank: int) -> RankFile:
         key = (manifest.save_id, rank)
-        with self._lock:
-            found = self._files.get(key)
+        found = self._files.get(key)  # (a dict read is atomic: no lock, once per chunk read)
         if found is None:
             found = read_rank_file(self.tier, step, manifest, rank)
             with self._lock:
