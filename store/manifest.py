@@ -468,6 +468,8 @@ def _with_runs(head: _Head, doc: dict[str, Any], world: int) -> ArrayEntry:
     raw = doc.get("writers")
     if not isinstance(raw, list):
         raise ManifestError(f"array {name!r}: writers must be a list of runs", path=name)
+    grid = grid_shape(head.shape, head.chunk_shape)
+    want = math.prod(grid) if math.prod(head.shape) > 0 else None
     runs: list[WriterRun] = []
     start = 0
     for run in raw:
@@ -488,6 +490,8 @@ def _with_runs(head: _Head, doc: dict[str, Any], world: int) -> ArrayEntry:
                 start += count
                 continue
         _refuse_run(name, run, world)
+    if (want is not None and start != want) or (want is None and start > 1):
+        raise ManifestError(f"array {name!r}: writers do not cover the grid {list(grid)} exactly once", path=name)
     inline = doc.get("inline")
     digest: Any = ""
     if inline is not None:
@@ -499,7 +503,7 @@ def _with_runs(head: _Head, doc: dict[str, Any], world: int) -> ArrayEntry:
     if not isinstance(sharding, dict):
         raise ManifestError(f"array {name!r}: sharding must be an object", path=name)
     h = head  # built whole, not with dataclasses.replace: a third of a parse per array
-    entry = ArrayEntry(
+    return ArrayEntry(
         name=h.name,
         data_type=h.data_type,
         shape=h.shape,
@@ -512,10 +516,6 @@ def _with_runs(head: _Head, doc: dict[str, Any], world: int) -> ArrayEntry:
         inline=inline,
         inline_xxh3=digest,
     )
-    want = math.prod(entry.grid) if math.prod(h.shape) > 0 else None  # (its grid: made once, by the entry)
-    if (want is not None and start != want) or (want is None and start > 1):
-        raise ManifestError(f"array {name!r}: writers do not cover the grid {list(entry.grid)} exactly once", path=name)
-    return entry
 
 
 def check_chunk_digests(array: ArrayEntry, index: Any, digest: Any, blocks: Any) -> tuple[str, tuple[str, ...]]:

@@ -494,6 +494,15 @@ def test_parse_manifest_names_what_is_wrong_with_a_writer_run(manifest_doc: dict
         parse_manifest(crafted(manifest_doc))
 
 
+def test_parse_manifest_names_the_writer_runs_before_the_fields_after_them(manifest_doc: dict[str, Any]) -> None:
+    """An array wrong in its writer runs and in a later field: the runs are named (the
+    checks run in the document's order, whatever a faster parse computes first)."""
+    manifest_doc["arrays"]["w"]["writers"] = [[5, 0, 0]]
+    manifest_doc["arrays"]["w"]["sharding"] = "not an object"
+    with pytest.raises(ckpt.ManifestError, match=r"writers do not cover the grid \[1, 1\] exactly once"):
+        parse_manifest(crafted(manifest_doc))
+
+
 def test_manifest_of_another_step_is_rejected(tmp_path: Path) -> None:
     root = tmp_path / "root"
     old, _ = _two_versions(root)
