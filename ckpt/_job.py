@@ -2,7 +2,7 @@
 
 Ownership, in order:
 - save() builds a frozen `SaveRequest` (what to save, decided once) and a `SaveJob`;
-- save() fills the job's staging part (`arena`, `tasks`, `ready`, `deferred`, `overlap`,
+- save() fills the job's staging part (`arena`, `data`, `tasks`, `ready`, `deferred`, `overlap`,
   `error`) and queues it; from then on only the commit thread reads it, except
   `SaveJob.fail`, which save()'s interrupt path calls under the job's claim lock;
 - the commit thread owns the writing part (`written`) and `stats` (save() sets the
@@ -92,6 +92,7 @@ class SaveJob:
 
     request: SaveRequest
     arena: torch.Tensor  # the staging buffer of the last batch
+    data: Sequence[torch.Tensor] = ()  # the save's tensors (Described.data), which the copy reads
     tasks: list[StageTask] = field(default_factory=list)  # the last staged batch, still to be written
     ready: Readiness | None = None  # which of `tasks` are staged yet; None: all of them
     deferred: Callable[[SaveJob], None] | None = None  # the copy left to the commit thread (deferred staging)
@@ -120,10 +121,12 @@ class SaveJob:
             return True
 
     def release(self) -> None:
-        """Drop the save's references to the state (its tasks hold a tensor each) before the
-        outcome is set. Freed after it, on this thread, they would compete for the GIL with
-        the next save(): each tensor's deallocation lets another thread run."""
-        self.tasks, self.received, self.deferred = [], {}, None
+        """Drop the save's references to the state (`data`: a tensor per leaf, some made by
+        the save, such as a state_dict()'s detached ones) before the outcome is set. Freed
+        after it, on this thread, they would compete for the GIL with the next save(): each
+        tensor's deallocation lets another thread run. (Not in save(): there they would add
+        to the stall.)"""
+        self.data, self.tasks, self.received, self.deferred = (), [], {}, None
 
     def fail(self, error: BaseException) -> bool:
         """save() was interrupted: the commit fails on every rank. If it has not started, it

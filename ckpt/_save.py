@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -32,8 +32,8 @@ from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import SaveJob, SaveRequest, SaveStats
 from ckpt._plan import agree_plans, layout_key
-from ckpt._staging import Arena, Readiness, SlotBatch, StageTask, assign_offsets, slot_bytes, stage
-from ckpt._tensors import Describer, LocalPiece
+from ckpt._staging import Arena, Readiness, StageBatch, StageTask, assign_offsets, slot_bytes, stage
+from ckpt._tensors import Described, Describer
 from ckpt._tree import EncodeMemo, encode_state
 from ckpt._write import open_tree, write_tasks
 from ckpt.config import CheckpointerConfig
@@ -106,9 +106,9 @@ class Saver:
         self._plan_sig: int | None = None  # hash of this rank's layout when self._plans was made
         self._encoded = EncodeMemo()  # the last save's encoded mappings, by name
         self._describe = Describer()  # and its leaves' specs
-        # Each staging batch's slots and arena size: a function of the plans alone, so
+        # Each staging batch's tasks and arena size: a function of the plans alone, so
         # computed by the layout's first save and reused by the next ones.
-        self._slots: list[SlotBatch] | None = None
+        self._batches: list[StageBatch] | None = None
         self._layout = ""  # the plans' layout_key
         self._arena = Arena()
         self.gate = StagingGate()
@@ -139,7 +139,7 @@ class Saver:
             return self._save(step, state, started, overwrite=overwrite, milestone=milestone)
 
     def _save(self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool) -> bool:
-        pieces: dict[str, LocalPiece] = {}
+        described = Described([], [], [], 0, False, {})
         sig = 0  # this rank's layout signature
         deferrable: dict[str, tuple[tuple[Any, ...], Any]] = {}  # array name -> (key path, leaf), copied later
         cuda = False  # whether any piece is on a GPU (the staging buffer is pinned then)
@@ -149,11 +149,11 @@ class Saver:
         try:
             tree, leaves = encode_state(state, self._encoded)
             described = self._describe(leaves.paths, leaves.values)
-            pieces, sig, cuda = described.pieces, described.signature, described.cuda
+            sig, cuda = described.signature, described.cuda
             if self.config.deferred_staging:
                 owned = self.gate.owned_storages(find_optimizers(state))
-                for (name, path), value in zip(leaves.paths.items(), leaves.values):
-                    if owned and can_defer(value, pieces[name].data, owned):
+                for (name, path), value, data in zip(leaves.paths.items(), leaves.values, described.data):
+                    if owned and can_defer(value, data, owned):
                         deferrable[name] = (path, value)
             rng = capture_rng() if self.config.capture_rng else None
             if step in self.incomplete:
@@ -177,8 +177,8 @@ class Saver:
             exists = [e for e in info if e and e[0] == VersionExistsError.__name__]
             raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
-            self._plan_sig, self._slots = None, None
-            self._plans = agree_plans(self._ctl, pieces, self.config.split_bytes)
+            self._plan_sig, self._batches = None, None
+            self._plans = agree_plans(self._ctl, described.pieces, self.config.split_bytes)
             self._exchange = schedule(self._plans, self.rank)
             self._mine = [(plan, chunk) for plan in self._plans for chunk in plan.chunks_of(self.rank)]
             self._by_name = {plan.spec.name: plan for plan in self._plans}
@@ -198,12 +198,12 @@ class Saver:
             layout=self._layout,
             started=started,
         )
-        job = SaveJob(request, self._arena.get(0, False))
+        job = SaveJob(request, self._arena.get(0, False), described.data)
         # From here on no rank waits for another in save(): whatever interrupts this one
         # must still queue its commit, to fail on every rank, and leave no copy running
         # into the staging buffer.
         try:
-            self._stage_and_queue(job, pieces, deferrable, cuda)
+            self._stage_and_queue(job, described, deferrable, cuda)
         except BaseException as e:
             # A second interrupt may strike while this handler runs (Ctrl-C pressed twice):
             # failing and queueing again is harmless (SaveJob.fail, run_once), so it is
@@ -222,20 +222,22 @@ class Saver:
     def _stage_and_queue(
         self,
         job: SaveJob,
-        pieces: Mapping[str, LocalPiece],
+        described: Described,
         deferrable: Mapping[str, tuple[tuple[Any, ...], Any]],
         pin: bool,
     ) -> None:
         step, save_id = job.step, job.request.save_id
         now: list[StageTask] = []  # save()'s copy still to make: before the job is queued, or while it writes
-        whole: SlotBatch | None = None  # the batch `now` is all of, in its order
+        whole: StageBatch | None = None  # the batch `now` is all of, in its order
+        data = described.data
         try:
-            batches = self._placed(pieces)
-            for i, (placed, batch) in enumerate(batches):
+            batches = self._placed(described)
+            for i, batch in enumerate(batches):
+                placed = batch.tasks
                 job.arena = self._arena.get(batch.size, pin)
                 job.tasks = placed
                 if i < len(batches) - 1:  # bounded staging: write this batch before reusing the buffer
-                    stage(job.arena, placed, self._copy_pool, gpu=pin, batch=batch)
+                    stage(job.arena, placed, data, self._copy_pool, gpu=pin, batch=batch)
                     tmp_dir = os.path.join(self.root, commit.tmp_dirname(step, save_id))
                     open_tree(job, self.root, tmp_dir, self._ctx.root_groups[self._ctx.root_index])
                     write_tasks(job, tmp_dir, self._writer_pool)
@@ -249,9 +251,9 @@ class Saver:
                     now = [t for t in placed if t.array.spec.name not in deferrable or t.sliver is not None]
                     later = [t for t in placed if t.array.spec.name in deferrable and t.sliver is None]
                 if later:  # the rest now; the deferred part is the commit thread's to copy
-                    stage(job.arena, now, self._copy_pool, copied=job.ready.mark, gpu=pin)
+                    stage(job.arena, now, data, self._copy_pool, copied=job.ready.mark, gpu=pin)
                     now = []
-                    job.deferred = self._defer(job.arena, later, deferrable, pin)
+                    job.deferred = self._defer(job.arena, later, data, deferrable, pin)
         except Exception as e:  # noqa: BLE001 - reported through the commit so every rank aborts together
             job.error = _staging_error(e, step, self.root)
         if job.error is not None:
@@ -271,38 +273,42 @@ class Saver:
             self._copy_now(job, now, ready, pin, whole)
             self._stalled(job, ready)
 
-    def _placed(self, pieces: Mapping[str, LocalPiece]) -> list[tuple[list[StageTask], SlotBatch]]:
-        """This save's staging batches: each batch's tasks at their arena offsets, and the
-        layout's SlotBatch they come from."""
-        if self._slots is not None:  # the layout's names are this rank's, as when it was checked
-            return [(b.tasks(pieces), b) for b in self._slots]
-        unplanned = sorted(set(pieces) - set(self._by_name))
+    def _placed(self, described: Described) -> list[StageBatch]:
+        """This save's staging batches: the layout's tasks at their arena offsets, made by
+        its first save."""
+        if self._batches is not None:  # the layout's names are this rank's, as when it was checked
+            return self._batches
+        names = set(described.names)
+        unplanned = sorted(names - set(self._by_name))
         if unplanned:  # its mesh's lowest rank has no such array
             raise StateMismatchError(f"{unplanned[:5]} of rank {self.rank}'s state are not in the job's layout")
-        absent = sorted({plan.spec.name for plan, _ in self._mine} - set(pieces))
+        absent = sorted({plan.spec.name for plan, _ in self._mine} - names)
         if absent:  # its mesh names this rank, which has no such array
             raise StateMismatchError(f"{absent[:5]} are in the job's layout with rank {self.rank}, not in its state")
-        batches = [assign_offsets(b) for b in _batches(self._tasks(pieces), self.config.max_staging_bytes)]
-        self._slots = [SlotBatch.of(placed, size) for placed, size in batches]
-        return [(b.tasks(pieces), b) for b in self._slots]
+        batches = [assign_offsets(b) for b in _batches(self._tasks(described), self.config.max_staging_bytes)]
+        self._batches = [StageBatch.of(placed, size) for placed, size in batches]
+        return self._batches
 
-    def _tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
+    def _tasks(self, described: Described) -> list[StageTask]:
         """What this rank copies: the chunks it writes and the parts of others' chunks it sends."""
-        tasks = [StageTask(plan, chunk, pieces[plan.spec.name]) for plan, chunk in self._mine]
+        pieces = described.pieces
+        leaf = {name: i for i, name in enumerate(described.names)}
+        tasks = [StageTask.of(plan, chunk, leaf[n], pieces[n]) for plan, chunk in self._mine for n in (plan.spec.name,)]
         for send in self._exchange.sends:  # the parts of other ranks' chunks that this rank sends
             plan = self._by_name[send.chunk[0]]
             chunk = plan.chunk(flat_index(send.chunk[1], plan.grid))
-            tasks.append(StageTask(plan, chunk, pieces[plan.spec.name], sliver=send.sliver))
+            name = plan.spec.name
+            tasks.append(StageTask.of(plan, chunk, leaf[name], pieces[name], sliver=send.sliver))
         return tasks
 
     def _copy_now(
-        self, job: SaveJob, tasks: list[StageTask], ready: Readiness, pin: bool, batch: SlotBatch | None
+        self, job: SaveJob, tasks: list[StageTask], ready: Readiness, pin: bool, batch: StageBatch | None
     ) -> None:
         """save()'s copy into the arena, each chunk marked ready as it lands. A failure fails
         the commit (on every rank); an interruption propagates (to _fail_save). `batch`: the
-        SlotBatch `tasks` are all of, if they are."""
+        StageBatch `tasks` are all of, if they are."""
         try:
-            stage(job.arena, tasks, self._copy_pool, copied=ready.mark, gpu=pin, batch=batch)
+            stage(job.arena, tasks, job.data, self._copy_pool, copied=ready.mark, gpu=pin, batch=batch)
         except Exception as e:  # noqa: BLE001 - the commit raises it, on every rank
             ready.fail(_staging_error(e, job.step, self.root))
 
@@ -347,27 +353,29 @@ class Saver:
         self,
         arena: torch.Tensor,
         tasks: list[StageTask],
+        data: Sequence[torch.Tensor],
         leaves: Mapping[str, tuple[tuple[Any, ...], Any]],
         gpu: bool,
     ) -> Callable[[SaveJob], None]:
-        """The copy of `tasks` that the commit thread makes before writing (deferred staging).
-        `gpu=False`: no task's piece is on a GPU (as for stage())."""
+        """The copy of `tasks` from `data` (the save's tensors) that the commit thread makes
+        before writing (deferred staging). `gpu=False`: no task's piece is on a GPU (as for
+        stage())."""
         after = None
-        device = next((t.piece.data.device for t in tasks if t.piece.data.is_cuda), None) if gpu else None
+        device = next((data[t.leaf].device for t in tasks if t.cuda), None) if gpu else None
         if device is not None:  # the values as of this save(): the work queued so far on its stream
             after = torch.cuda.Event()  # type: ignore[no-untyped-call]
             after.record(torch.cuda.current_stream(device))
         watched: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]] = {}
         for t in tasks:
-            name, data = t.array.spec.name, t.piece.data
+            name, own = t.array.spec.name, data[t.leaf]
             path, value = leaves[name]
-            watched[name] = (path, (data,) if value is data or not isinstance(value, torch.Tensor) else (data, value))
+            watched[name] = (path, (own,) if value is own or not isinstance(value, torch.Tensor) else (own, value))
         versions = Versions(watched.values())
 
         def copy(job: SaveJob) -> None:
             assert job.ready is not None
             try:
-                stage(arena, tasks, self._copy_pool, after=after, copied=job.ready.mark, gpu=device is not None)
+                stage(arena, tasks, data, self._copy_pool, after=after, copied=job.ready.mark, gpu=device is not None)
                 versions.check()
             except BaseException as e:  # noqa: BLE001 - the commit raises it, on every rank
                 job.ready.fail(_staging_error(e, job.step, self.root))
@@ -404,5 +412,5 @@ class Saver:
                 pool.shutdown(wait=True)
         self.gate.open()  # a failed save may have left it closed
         self.gate.remove_hooks()
-        self._slots = None  # (their views of the arena hold its memory)
+        self._batches = None  # (their views of the arena hold its memory)
         self._arena.release()

@@ -20,7 +20,7 @@ import math
 import operator
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,119 +35,126 @@ from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.lanes import LaneGroup
 from ckpt.store.layout import ArrayPlan, ChunkPlan, Sliver
 
-__all__ = ["StageTask", "Slot", "SlotBatch", "Arena", "Readiness", "assign_offsets", "slot_bytes", "stage"]
+__all__ = ["StageTask", "StageBatch", "Arena", "Readiness", "assign_offsets", "slot_bytes", "stage"]
 
 _ALIGN = 64
 _MEMCPY_MIN = 1024  # elements; smaller copies stay with torch (no numpy round trip)
 _LANE_MIN_BYTES = 256 << 10  # smaller chunks are copied by save()'s own thread
 _CHUNK_COST_BYTES = 128 << 10  # ~15 us of Python per chunk, at ~9 GB/s of memcpy
 # Chunks under this size that a piece fills exactly go in one torch._foreach_copy_ (into
-# views of the arena kept by their Slot): ~1 us each against ~8 us through Python.
+# views of the arena kept by their StageBatch): ~1 us each against ~8 us through Python.
 _BATCH_MAX_BYTES = 64 << 10
 _BATCH_COST_BYTES = 16 << 10
 _BATCH_SPLIT_MIN = 256  # chunks in one _foreach_copy_ (~0.5 us each) worth a second thread's start
 
 
+_Tensors = tuple[torch.Tensor, ...] | list[torch.Tensor]  # (what torch._foreach_copy_ takes)
+
+
 @dataclass(slots=True, eq=False)
 class StageTask:
     """One chunk this rank writes, or (`sliver` set) the part of another rank's chunk that
-    this rank sends it: its plan, the local piece it comes from, and its arena offset. Not
-    changed once made (not frozen: save() makes one per chunk, and a frozen dataclass's
-    __init__ costs ~0.5 us more per object)."""
+    this rank sends it: its plan, where its piece lies and what it holds, and its arena
+    offset. Made once per layout, from its first save's pieces: each save of the layout
+    gives stage() its tensors (Described.data), the task's at `leaf`. Not changed once made
+    (a new offset is a new task)."""
 
     array: ArrayPlan
     chunk: ChunkPlan
-    piece: LocalPiece
+    leaf: int  # the index of its piece's tensor among a save's
+    dtype: torch.dtype  # the piece's tensor's
+    cuda: bool  # whether the piece is on a GPU
+    piece_offsets: tuple[int, ...]  # where the piece starts in the array
+    piece_shape: tuple[int, ...]  # the piece's tensor's
+    staged_bytes: int  # read by the batching, the offsets, the lanes and the writers
+    batched: bool  # small, and its piece fills it exactly: copied in one call with the others like it
     offset: int = 0
     sliver: Sliver | None = None
-    slot: Slot | None = field(default=None, repr=False)  # a layout's reused one
+    # The task's typed view of the arena, made once per arena buffer (~3.5 us each to make).
+    _view: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
-    @property  # read by the batching, the offsets, the lanes and the writers
-    def staged_bytes(self) -> int:
-        if self.slot is not None:
-            return self.slot.staged_bytes
-        item = itemsize(self.array.spec.data_type)
-        if self.sliver is not None:
-            return math.prod(self.sliver.shape) * item
-        return item if self.chunk.inline else self.chunk.nbytes
+    @staticmethod
+    def of(array: ArrayPlan, chunk: ChunkPlan, leaf: int, piece: LocalPiece, sliver: Sliver | None = None) -> StageTask:
+        item = itemsize(array.spec.data_type)
+        if sliver is not None:
+            size = math.prod(sliver.shape) * item
+        else:
+            size = item if chunk.inline else chunk.nbytes
+        data = piece.data
+        shape = tuple(data.shape)
+        fills = _fills(array, chunk, sliver, piece.offsets, shape)
+        return StageTask(
+            array,
+            chunk,
+            leaf,
+            data.dtype,
+            data.is_cuda,
+            piece.offsets,
+            shape,
+            size,
+            size < _BATCH_MAX_BYTES and fills,
+            sliver=sliver,
+        )
 
     @property
     def exchanged(self) -> bool:
         """Whether the task takes part in the sliver exchange (ckpt._exchange)."""
         return self.sliver is not None or bool(self.chunk.slivers)
 
-
-@dataclass(eq=False)
-class Slot:
-    """A StageTask without its piece: what a save of the same layout reuses, and the
-    slot's typed view of the arena once a copy has made one (~3.5 us each to make)."""
-
-    array: ArrayPlan
-    chunk: ChunkPlan
-    offset: int
-    sliver: Sliver | None
-    staged_bytes: int
-    batched: bool  # small, and the layout's piece fills it exactly: copied with the others like it
-    name: str  # the array's
-    _view: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
-
-    @staticmethod
-    def of(task: StageTask) -> Slot:
-        size = task.staged_bytes
-        batched = size < _BATCH_MAX_BYTES and _fills(task)
-        return Slot(task.array, task.chunk, task.offset, task.sliver, size, batched, task.array.spec.name)
-
-    def task(self, piece: LocalPiece) -> StageTask:
-        return StageTask(self.array, self.chunk, piece, self.offset, self.sliver, self)
-
-    def view(self, arena: torch.Tensor, task: StageTask) -> torch.Tensor:
-        """chunk_view(arena, task), made once per arena buffer (the view keeps its storage:
-        a Slot lives only as long as its layout, and the Saver drops both together)."""
+    def view(self, arena: torch.Tensor) -> torch.Tensor:
+        """chunk_view(arena, self), made once per arena buffer (the view keeps its storage:
+        a task lives only as long as its layout, and the Saver drops both together)."""
         cached = self._view
         if cached is None or cached[0] is not arena:
-            cached = self._view = (arena, chunk_view(arena, task))
+            cached = self._view = (arena, chunk_view(arena, self))
         return cached[1]
 
 
 @dataclass(eq=False)
-class SlotBatch:
-    """A staging batch of a layout: its slots in order, the arena bytes they take, and
-    where the slots copied in one _foreach_copy_ (Slot.batched) lie among them, with their
-    views of the arena: found once, for every save of the layout."""
+class StageBatch:
+    """A staging batch of a layout: its tasks in order, the arena bytes they take, and where
+    the tasks copied in one _foreach_copy_ (StageTask.batched) lie among them, with their
+    tensors' indices and their views of the arena: found once, for every save of the layout."""
 
-    slots: list[Slot]
+    tasks: list[StageTask]
     size: int
-    joint: list[int]  # positions of the batched slots
+    joint: list[int]  # positions of the batched tasks
     single: list[int]  # of the others
     _views: tuple[torch.Tensor, list[torch.Tensor]] | None = field(default=None, init=False, repr=False)
+    _pick: Callable[[Sequence[torch.Tensor]], _Tensors] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        leaves = [self.tasks[i].leaf for i in self.joint]
+        # The batched tasks' tensors among a save's in one C call (an itemgetter of one
+        # index returns the item itself, not a tuple).
+        self._pick = operator.itemgetter(*leaves) if len(leaves) > 1 else lambda data: [data[i] for i in leaves]
 
     @staticmethod
-    def of(placed: list[StageTask], size: int) -> SlotBatch:
-        slots = [Slot.of(t) for t in placed]
-        joint = [i for i, s in enumerate(slots) if s.batched]
-        single = [i for i, s in enumerate(slots) if not s.batched]
-        return SlotBatch(slots, size, joint, single)
+    def of(placed: list[StageTask], size: int) -> StageBatch:
+        joint = [i for i, t in enumerate(placed) if t.batched]
+        single = [i for i, t in enumerate(placed) if not t.batched]
+        return StageBatch(placed, size, joint, single)
 
-    def tasks(self, pieces: Mapping[str, LocalPiece]) -> list[StageTask]:
-        return [s.task(pieces[s.name]) for s in self.slots]
+    def sources(self, data: Sequence[torch.Tensor]) -> _Tensors:
+        """The batched tasks' tensors, in their order, from a save's tensors."""
+        return self._pick(data)
 
-    def views(self, arena: torch.Tensor, joint: Sequence[StageTask]) -> list[torch.Tensor]:
-        """The views of the arena the `joint` tasks (this batch's, at `self.joint`) are
-        copied into, made once per arena buffer."""
+    def views(self, arena: torch.Tensor) -> list[torch.Tensor]:
+        """The views of the arena the batched tasks are copied into, made once per arena buffer."""
         cached = self._views
         if cached is None or cached[0] is not arena:
-            cached = self._views = (arena, [_slot_view(arena, t) for t in joint])
+            cached = self._views = (arena, [chunk_view(arena, self.tasks[i]) for i in self.joint])
         return cached[1]
 
 
-def _fills(task: StageTask) -> bool:
-    """Whether the task's piece is exactly its chunk's slot: no slivers, no padding."""
-    chunk, data = task.chunk, task.piece.data
-    if task.sliver is not None or chunk.slivers or chunk.offsets != task.piece.offsets:
+def _fills(
+    array: ArrayPlan, chunk: ChunkPlan, sliver: Sliver | None, offsets: tuple[int, ...], shape: tuple[int, ...]
+) -> bool:
+    """Whether a piece at `offsets` of `shape` is exactly its chunk's slot: no slivers, no padding."""
+    if sliver is not None or chunk.slivers or chunk.offsets != offsets:
         return False
-    shape = tuple(data.shape)
-    slot_shape = (() if not task.array.chunk_shape else task.array.chunk_shape) if chunk.inline else chunk.shape
-    return chunk.shape == shape and slot_shape == shape and (chunk.inline or chunk.shape == task.array.chunk_shape)
+    slot_shape = (() if not array.chunk_shape else array.chunk_shape) if chunk.inline else chunk.shape
+    return chunk.shape == shape and slot_shape == shape and (chunk.inline or chunk.shape == array.chunk_shape)
 
 
 def _alignment(task: StageTask) -> int:
@@ -270,7 +277,7 @@ class Arena:
 
 def chunk_view(arena: torch.Tensor, task: StageTask) -> torch.Tensor:
     """The task's slot in the arena, typed and shaped as the full chunk (or as its sliver)."""
-    dtype = task.piece.data.dtype
+    dtype = task.dtype
     if task.sliver is not None:
         shape = task.sliver.shape
     else:
@@ -298,21 +305,24 @@ def _own_part(task: StageTask) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The box (global offsets, shape) of the task's slot that this rank's piece fills."""
     if task.sliver is not None:
         return task.sliver.offsets, task.sliver.shape
-    chunk, piece = task.chunk, task.piece
+    chunk = task.chunk
     if not chunk.slivers:
         return chunk.offsets, chunk.shape
-    lo = tuple(map(max, chunk.offsets, piece.offsets))
-    hi = tuple(min(c + s, p + t) for c, s, p, t in zip(chunk.offsets, chunk.shape, piece.offsets, piece.data.shape))
+    lo = tuple(map(max, chunk.offsets, task.piece_offsets))
+    hi = tuple(
+        min(c + s, p + t) for c, s, p, t in zip(chunk.offsets, chunk.shape, task.piece_offsets, task.piece_shape)
+    )
     return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
-def _whole_piece(flat: np.ndarray, task: StageTask) -> bool:
-    """Copy the task if it is the most common kind, with no tensor views made: a chunk that
-    is this rank's whole piece, fills its slot, and can go through memcpy. Whether it did."""
-    chunk, data = task.chunk, task.piece.data
-    if task.sliver is not None or chunk.slivers or chunk.inline or chunk.offsets != task.piece.offsets:
+def _whole_piece(flat: np.ndarray, task: StageTask, data: torch.Tensor) -> bool:
+    """Copy the task from `data`, its piece's tensor, if it is the most common kind, with no
+    tensor views made: a chunk that is this rank's whole piece, fills its slot, and can go
+    through memcpy. Whether it did."""
+    chunk = task.chunk
+    if task.sliver is not None or chunk.slivers or chunk.inline or chunk.offsets != task.piece_offsets:
         return False
-    if chunk.shape != task.array.chunk_shape or chunk.shape != data.shape:  # (an edge chunk is padded)
+    if chunk.shape != task.array.chunk_shape or chunk.shape != task.piece_shape:  # (an edge chunk is padded)
         return False
     if data.numel() < _MEMCPY_MIN or not data.is_contiguous() or data.is_conj() or data.is_neg():
         return False
@@ -320,10 +330,9 @@ def _whole_piece(flat: np.ndarray, task: StageTask) -> bool:
     return True
 
 
-def _copy_one(arena: torch.Tensor, task: StageTask, non_blocking: bool) -> None:
-    piece = task.piece
+def _copy_one(arena: torch.Tensor, task: StageTask, data: torch.Tensor, non_blocking: bool) -> None:
     offsets, shape = _own_part(task)
-    src = piece.data[tuple(slice(c - p, c - p + s) for c, p, s in zip(offsets, piece.offsets, shape))]
+    src = data[tuple(slice(c - p, c - p + s) for c, p, s in zip(offsets, task.piece_offsets, shape))]
     dst = chunk_view(arena, task)
     if tuple(shape) == tuple(dst.shape):
         if _memcpy_ok(src, dst):
@@ -343,28 +352,31 @@ def _copy_one(arena: torch.Tensor, task: StageTask, non_blocking: bool) -> None:
 def stage(
     arena: torch.Tensor,
     tasks: list[StageTask],
+    data: Sequence[torch.Tensor],
     pool: ThreadPoolExecutor | None,
     after: torch.cuda.Event | None = None,
     copied: Callable[[Sequence[StageTask]], None] | None = None,
     gpu: bool = True,
-    batch: SlotBatch | None = None,
+    batch: StageBatch | None = None,
 ) -> None:
-    """Copy every task into the arena; returns when all bytes are in host memory.
+    """Copy every task into the arena from `data`, the save's tensors (a task's at its
+    `leaf`); returns when all bytes are in host memory.
 
     CUDA sources are read once the work queued before `after` (an event recorded by the
     caller) is done, or, without it, the work queued so far on the current stream.
     `copied(tasks)` is called as tasks' bytes are in the arena (CUDA ones: after the CPU
     ones, each once its own event on the side stream has fired). `gpu=False` says that no
     task's piece is on a GPU (save() knows it from describing them): the tasks are then
-    not looked at one by one to find out. `batch`: the SlotBatch that made `tasks`, all of
-    its tasks in its order (its positions and views then serve the batched copy). Even when
-    interrupted, no copy into the arena is still running when this returns or raises."""
+    not looked at one by one to find out. `batch`: the StageBatch `tasks` are, all of its
+    tasks in its order (its positions, sources and views then serve the batched copy).
+    Even when interrupted, no copy into the arena is still running when this returns or
+    raises."""
     cuda_tasks: list[StageTask] = []
     cpu_tasks = tasks
     if gpu:
-        cuda_tasks = [t for t in tasks if t.piece.data.is_cuda]
-        cpu_tasks = [t for t in tasks if not t.piece.data.is_cuda] if cuda_tasks else tasks
-    device = cuda_tasks[0].piece.data.device if cuda_tasks else None
+        cuda_tasks = [t for t in tasks if t.cuda]
+        cpu_tasks = [t for t in tasks if not t.cuda] if cuda_tasks else tasks
+    device = data[cuda_tasks[0].leaf].device if cuda_tasks else None
     # All CUDA calls on the sources' device: a thread of its own (deferred staging) would
     # otherwise make device 0 current, and create a context there on every rank.
     landed: list[torch.cuda.Event] = []
@@ -380,11 +392,11 @@ def stage(
             if stream is not None:
                 with torch.cuda.stream(stream):
                     for t in cuda_tasks:
-                        _copy_one(arena, t, non_blocking=True)
+                        _copy_one(arena, t, data[t.leaf], non_blocking=True)
                         if copied is not None:  # one event per chunk: its writer may start once it is here
                             landed.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
                             landed[-1].record(stream)
-            _copy_cpu(arena, cpu_tasks, pool, copied, batch if cpu_tasks is tasks else None)
+            _copy_cpu(arena, cpu_tasks, data, pool, copied, batch if cpu_tasks is tasks else None)
             for t, event in zip(cuda_tasks, landed):
                 event.synchronize()
                 assert copied is not None
@@ -394,20 +406,13 @@ def stage(
                 stream.synchronize()
 
 
-_SOURCE = operator.attrgetter("piece.data")
-
-
-def _slot_view(arena: torch.Tensor, task: StageTask) -> torch.Tensor:
-    assert task.slot is not None  # (a batchable task's)
-    return task.slot.view(arena, task)
-
-
 def _copy_cpu(
     arena: torch.Tensor,
     tasks: list[StageTask],
+    data: Sequence[torch.Tensor],
     pool: ThreadPoolExecutor | None,
     copied: Callable[[Sequence[StageTask]], None] | None,
-    batch: SlotBatch | None = None,
+    batch: StageBatch | None = None,
 ) -> None:
     slow = faults_armed()  # the environment is read once per copy, not once per chunk
     flat = arena.numpy()
@@ -415,8 +420,9 @@ def _copy_cpu(
     def copy(t: StageTask) -> None:
         if slow:
             fault_delay("stage", t.chunk.writer)  # a slow copy, for tests of writes overlapping it
-        if not _whole_piece(flat, t):
-            _copy_one(arena, t, False)
+        src = data[t.leaf]
+        if not _whole_piece(flat, t, src):
+            _copy_one(arena, t, src, False)
         if copied is not None:
             copied((t,))
 
@@ -424,30 +430,33 @@ def _copy_cpu(
     # faults, whose per-chunk delays the tests of overlapping writes rely on).
     batched: list[StageTask] = []
     views: list[torch.Tensor] = []
+    sources: _Tensors = []
     if not slow:
         if batch is not None:
             batched = [tasks[i] for i in batch.joint]
             if batched:
-                views = batch.views(arena, batched)
+                views, sources = batch.views(arena), batch.sources(data)
                 tasks = [tasks[i] for i in batch.single]
         else:
-            batched = [t for t in tasks if t.slot is not None and t.slot.batched]
+            batched = [t for t in tasks if t.batched]
             if batched:
-                views = [_slot_view(arena, t) for t in batched]
-                tasks = [t for t in tasks if t.slot is None or not t.slot.batched]
+                views, sources = [t.view(arena) for t in batched], [data[t.leaf] for t in batched]
+                tasks = [t for t in tasks if not t.batched]
 
-    def copy_batched(part: list[StageTask], into: list[torch.Tensor]) -> None:
+    def copy_batched(part: list[StageTask], into: list[torch.Tensor], src: _Tensors) -> None:
         if part:
-            torch._foreach_copy_(into, list(map(_SOURCE, part)))
+            torch._foreach_copy_(into, src)
             if copied is not None:
                 copied(part)
 
     # Many small chunks: half in each lane (torch releases the GIL inside _foreach_copy_).
     halves: tuple[list[StageTask], list[StageTask]] = (batched, [])
     into: tuple[list[torch.Tensor], list[torch.Tensor]] = (views, [])
+    srcs: tuple[_Tensors, _Tensors] = (sources, [])
     if pool is not None and len(batched) >= _BATCH_SPLIT_MIN:
         mid = len(batched) // 2
         halves, into = (batched[:mid], batched[mid:]), (views[:mid], views[mid:])
+        srcs = (sources[:mid], sources[mid:])
     # Two lanes balanced by cost (bytes, and Python per chunk); numpy and torch release the
     # GIL while copying. Chunks under _LANE_MIN_BYTES all stay on this thread: split over
     # both lanes, their Python would pass the GIL between the threads at every chunk.
@@ -455,7 +464,7 @@ def _copy_cpu(
         sorted((t for t in tasks if t.staged_bytes >= _LANE_MIN_BYTES), key=lambda t: -t.staged_bytes) if tasks else []
     )
     if pool is None or (len(big) < 2 and not halves[1]):
-        copy_batched(batched, views)
+        copy_batched(batched, views, sources)
         for t in tasks:
             copy(t)
         return
@@ -475,7 +484,7 @@ def _copy_cpu(
 
     def other_lane() -> None:
         if not group.stop.is_set():  # (set: this thread failed or was interrupted)
-            copy_batched(halves[1], into[1])
+            copy_batched(halves[1], into[1], srcs[1])
         for t in lanes[1]:
             if group.stop.is_set():
                 return
@@ -484,7 +493,7 @@ def _copy_cpu(
     try:
         group.start(other_lane)
         fault_delay("lane-started", (lanes[0] or lanes[1] or batched)[0].chunk.writer)
-        copy_batched(halves[0], into[0])
+        copy_batched(halves[0], into[0], srcs[0])
         for t in lanes[0]:
             copy(t)
     except BaseException:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -193,15 +194,44 @@ LocalSpec = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], s
 _NO_SPEC: LocalSpec = ("", "", (), (), (), "", (), 0, False)  # (its dtype is None: never used)
 
 
-@dataclass(slots=True)
 class Described:
-    """A save's leaves described: each one's piece and spec, in the state's order, the hash
-    of the specs (the rank's layout signature), and whether any piece is on a GPU."""
+    """A save's leaves described: their names and local tensors, in the state's order, each
+    one's spec, the hash of the specs (the rank's layout signature), and whether any piece is
+    on a GPU. `pieces` (by name) are made only where asked for: a save of an unchanged layout
+    needs the tensors alone."""
 
-    pieces: dict[str, LocalPiece]
-    specs: list[LocalSpec]
-    signature: int
-    cuda: bool
+    __slots__ = ("names", "data", "specs", "signature", "cuda", "_pieces")
+
+    def __init__(
+        self,
+        names: list[str],
+        data: list[torch.Tensor],
+        specs: list[LocalSpec],
+        signature: int,
+        cuda: bool,
+        pieces: dict[str, LocalPiece] | None = None,
+    ) -> None:
+        self.names, self.data, self.specs, self.signature, self.cuda = names, data, specs, signature, cuda
+        self._pieces = pieces
+
+    @property
+    def pieces(self) -> dict[str, LocalPiece]:
+        """Each leaf's piece, by name (made from the specs where the save did not make them:
+        then every leaf is a plain tensor)."""
+        if self._pieces is None:
+            self._pieces = {
+                spec[0]: LocalPiece(data, spec[1], spec[2], spec[3], spec[4])
+                for spec, data in zip(self.specs, self.data)
+            }
+        return self._pieces
+
+
+# What a save of an unchanged all-plain layout checks of each leaf, in one C loop: its
+# dtype, shape and device as before, and not made unusual (autograd, nested, sparse, meta).
+# A strided nested tensor has no shape: the getter raises, and the leaves are described one
+# by one.
+_PLAIN_CHECK = operator.attrgetter("dtype", "shape", "is_cuda", "requires_grad", "is_nested", "layout", "is_meta")
+_JUST_TENSORS = {torch.Tensor}
 
 
 class _Known(NamedTuple):
@@ -226,26 +256,47 @@ def _known(value: Any, piece: LocalPiece) -> _Known | None:
 class Describer:
     """describe() for every leaf of a save, remembering what it found (names, specs,
     dtypes, a DTensor's mesh, placements and shape: no tensor of the state) for the next
-    save. A leaf named as in the last save that is again a plain tensor of the same dtype,
-    shape and device, or a DTensor on the same mesh with the same placements and global
-    shape whose local tensor is, is checked in one expression and keeps its spec; where
-    every leaf does, the signature is the last one, not hashed again. Any other leaf goes
-    through describe()."""
+    save.
+
+    A save named as the last one, whose leaves were all plain tensors then and are again,
+    of the same dtypes, shapes and devices, is checked in two C loops over its leaves and
+    keeps the last save's specs and signature: no object is made per leaf (at ~0.3 us a leaf,
+    against ~0.8 us for the loop below). Otherwise each leaf named as in the last save that
+    is again a plain tensor of the same dtype, shape and device, or a DTensor on the same
+    mesh with the same placements and global shape whose local tensor is, is checked in one
+    expression and keeps its spec; where every leaf does, the signature is the last one, not
+    hashed again. Any other leaf goes through describe()."""
 
     def __init__(self) -> None:
         self._names: list[str] = []
         self._specs: list[LocalSpec] = []
         self._known: list[_Known | None] = []
         self._signature = 0
+        self._cuda = False
+        # Each leaf's _PLAIN_CHECK where the last save's leaves were all plain tensors
+        # (the state itself: not detached, not DTensors); None otherwise.
+        self._plain: list[tuple[Any, ...]] | None = None
+
+    def _plain_again(self, values: list[Any]) -> bool:
+        if self._plain is None or set(map(type, values)) != _JUST_TENSORS:
+            return False
+        try:
+            return list(map(_PLAIN_CHECK, values)) == self._plain
+        except RuntimeError:  # a strided nested tensor's shape: described below, and refused
+            return False
 
     def __call__(self, paths: dict[str, tuple[Any, ...]], values: list[Any]) -> Described:
-        pieces: dict[str, LocalPiece] = {}
-        specs: list[LocalSpec] = []
-        knowns: list[_Known | None] = []
         names = list(paths)
         again = names == self._names
+        if again and self._plain_again(values):
+            return Described(names, values, self._specs, self._signature, self._cuda)
+        pieces: dict[str, LocalPiece] = {}
+        data: list[torch.Tensor] = []
+        specs: list[LocalSpec] = []
+        knowns: list[_Known | None] = []
         fresh = not again  # whether some leaf is described anew
         cuda = False
+        plain = True  # whether every leaf is a plain tensor, its own piece's data
         strided, tensor, dtensor = torch.strided, torch.Tensor, DTensor
         known_all = zip(self._specs, self._known) if again else itertools.repeat((_NO_SPEC, None))
         for (name, path), value, (spec, known) in zip(paths.items(), values, known_all):
@@ -278,8 +329,8 @@ class Describer:
                 and local.shape == spec[4]
             ):
                 # (detached where autograd tracks it, as describe() does)
-                data = local.detach() if local.requires_grad else local
-                p = LocalPiece(data, spec[1], spec[2], spec[3], spec[4], spec[5], known.mesh, spec[6])
+                own = local.detach() if local.requires_grad else local
+                p = LocalPiece(own, spec[1], spec[2], spec[3], spec[4], spec[5], known.mesh, spec[6])
             else:
                 fresh = True
                 p = describe(value, path)
@@ -296,9 +347,12 @@ class Describer:
                 )
                 known = _known(value, p)
             pieces[name] = p
+            data.append(p.data)
             specs.append(spec)
             knowns.append(known)
             cuda |= spec[8]
+            plain = plain and known is not None and known.dtensor_key is None
         signature = hash(tuple(specs)) if fresh else self._signature
-        self._names, self._specs, self._known, self._signature = names, specs, knowns, signature
-        return Described(pieces, specs, signature, cuda)
+        self._names, self._specs, self._known, self._signature, self._cuda = names, specs, knowns, signature, cuda
+        self._plain = list(map(_PLAIN_CHECK, values)) if plain else None
+        return Described(names, data, specs, signature, cuda, pieces)

@@ -189,7 +189,7 @@ _FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 def _check_finite(job: SaveJob, task: StageTask) -> None:
     """NaN/Inf in the staged copy: one min/max pass, no temporary of the chunk's size."""
-    dtype = task.piece.data.dtype
+    dtype = task.dtype
     if dtype not in _FLOATS and not dtype.is_complex:
         return
     raw = job.arena[task.offset : task.offset + task.staged_bytes]

@@ -1,5 +1,5 @@
 """Saves of an unchanged layout reuse the last save's encoding, descriptions and staging
-views (ckpt._tree.EncodeMemo, ckpt._tensors.Describer, ckpt._staging.SlotBatch): what they
+tasks (ckpt._tree.EncodeMemo, ckpt._tensors.Describer, ckpt._staging.StageBatch): what they
 reuse must be exactly what a fresh pass would make, and any change between saves must be
 seen as a fresh pass sees it."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckpt import Checkpointer
-from ckpt._staging import Arena, SlotBatch, StageTask, assign_offsets, stage
+from ckpt._staging import Arena, StageBatch, StageTask, assign_offsets, stage
 from ckpt._tensors import Describer, describe
 from ckpt._tree import DICT, OBJECT, EncodeMemo, encode_state
 from ckpt.store.errors import UnsupportedStateError
@@ -219,26 +219,69 @@ def test_saves_with_changing_leaves_restore_bitwise(tmp_path: Path) -> None:
             assert_bitwise(target, want)
 
 
-def test_staging_with_a_slot_batch_copies_what_staging_without_one_does() -> None:
-    """stage() given the SlotBatch its tasks came from (positions and cached views) fills the
-    arena as stage() without it, and makes the views again for a new arena buffer."""
+def test_an_unchanged_plain_layout_keeps_its_specs_and_gives_the_state_tensors() -> None:
+    """A save whose leaves are again plain tensors of the same names, dtypes, shapes and
+    devices keeps the last specs and signature, and its tensors are the state's own."""
+    d = Describer()
+    paths = {f"t{i}": (f"t{i}",) for i in range(3)}
+    first = d(paths, [torch.zeros(3), torch.ones(2, 2), torch.tensor(1.5)])
+    values = [torch.ones(3), torch.zeros(2, 2), torch.tensor(2.5)]
+    again = d(paths, values)
+    assert again.specs is first.specs and again.signature == first.signature
+    assert all(a is b for a, b in zip(again.data, values))
+    # Its pieces, made only when asked for, are what describe() makes.
+    for piece, want in zip(again.pieces.values(), _fresh(values)):
+        assert piece.data is want.data
+        assert (piece.data_type, piece.global_shape, piece.offsets, piece.shape, piece.kind) == (
+            want.data_type,
+            want.global_shape,
+            want.offsets,
+            want.shape,
+            want.kind,
+        )
+
+
+def test_saves_whose_leaves_change_order_restore_bitwise(tmp_path: Path) -> None:
+    """The layout's tasks find each tensor by its place among the save's leaves: a save
+    naming the same leaves in another order is a new layout, and each restores bitwise (the
+    leaves alike in dtype and shape, so only their places tell them apart)."""
+    a, b = torch.arange(6, dtype=torch.float32), torch.arange(100, 106, dtype=torch.float32)
+    states = [{"a": a, "b": b}, {"b": b + 1, "a": a + 1}, {"a": a + 2, "b": b + 2}]
+    with Checkpointer(tmp_path, capture_rng=False) as ck:
+        for step, state in enumerate(states):
+            ck.save(step, state)
+            ck.wait()
+    with Checkpointer(tmp_path, capture_rng=False) as ck:
+        for step, want in enumerate(states):
+            target = blank(want)
+            ck.restore(target, step=step)
+            assert_bitwise(target, want)
+
+
+def test_staging_with_a_stage_batch_copies_what_staging_without_one_does() -> None:
+    """stage() given the StageBatch its tasks are (positions, sources and cached views) fills
+    the arena as stage() without it, and makes the views again for a new arena buffer."""
     torch.manual_seed(1)
     values = [torch.randn(n) for n in (5, 300, 70, 3, 40000)]
     one = Mesh((1,), (0,))
     specs = [MeshSpec(f"a{i}", "float32", tuple(v.shape), one, (REPLICATE,)) for i, v in enumerate(values)]
     plans = plan_arrays(specs, split_bytes=1 << 20)
-    pieces = {f"a{i}": describe(v, (f"a{i}",)) for i, v in enumerate(values)}
-    placed, size = assign_offsets([StageTask(p, c, pieces[p.spec.name]) for p in plans for c in p.chunks])
-    batch = SlotBatch.of(placed, size)
+    pieces = [describe(v, (f"a{i}",)) for i, v in enumerate(values)]
+    tasks = [StageTask.of(p, c, i, pieces[i]) for i, p in enumerate(plans) for c in p.chunks]
+    placed, size = assign_offsets(tasks[::-1])  # (their leaves out of order)
+    batch = StageBatch.of(placed, size)
     assert batch.joint and batch.single  # both kinds of copy are exercised
+    assert len(batch.joint) > 1  # (the sources of several batched tasks come in one call)
     for _ in range(2):
         arenas = [Arena().get(size, False) for _ in range(2)]
         for a in arenas:
             a.fill_(0xAB)
-        stage(arenas[0], batch.tasks(pieces), None, gpu=False, batch=batch)
-        stage(arenas[1], batch.tasks(pieces), None, gpu=False)
+        stage(arenas[0], batch.tasks, values, None, gpu=False, batch=batch)
+        stage(arenas[1], batch.tasks, values, None, gpu=False)
         assert torch.equal(arenas[0], arenas[1])
-        for t in batch.tasks(pieces):
+        for t in batch.tasks:
             got = arenas[0][t.offset : t.offset + t.staged_bytes].view(torch.float32)
-            assert torch.equal(got[: t.piece.data.numel()], t.piece.data.reshape(-1))
+            whole = values[t.leaf].reshape(-1)
+            start = t.chunk.offsets[0]
+            assert torch.equal(got[: t.chunk.shape[0]], whole[start : start + t.chunk.shape[0]])
         values[0].add_(1.0)  # new values, same layout

@@ -134,8 +134,8 @@ def test_small_tensors_of_every_kind_are_copied_together_and_restore_bitwise(tmp
         for step, state in saves.items():
             ck.save(step, state)
         ck.wait()
-        slots = [s for batch in ck._saver._slots or [] for s in batch.slots]
-        assert sum(s.batched for s in slots) >= 10  # the batched path, not the per-chunk one, ran
+        tasks = [t for batch in ck._saver._batches or [] for t in batch.tasks]
+        assert sum(t.batched for t in tasks) >= 10  # the batched path, not the per-chunk one, ran
         for step, state in saves.items():
             out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
             assert ck.restore(out, step=step) == step
