@@ -258,6 +258,20 @@ def test_saves_whose_leaves_change_order_restore_bitwise(tmp_path: Path) -> None
             assert_bitwise(target, want)
 
 
+def test_a_layouts_staging_tasks_are_reused_only_for_the_names_they_were_made_for(tmp_path: Path) -> None:
+    """The tasks find each tensor by its place among the save's leaves: reused only where the
+    names come in the same order (the signature says so, but for a hash collision), and made
+    again from the names otherwise."""
+    with Checkpointer(tmp_path, capture_rng=False) as ck:
+        ck.save(1, {"a": torch.zeros(4), "b": torch.ones(4)})
+        ck.wait()
+        saver = ck._saver
+        first = saver._placed(saver._describe({"a": ("a",), "b": ("b",)}, [torch.zeros(4), torch.ones(4)]))
+        assert saver._placed(saver._describe({"a": ("a",), "b": ("b",)}, [torch.ones(4), torch.ones(4)])) is first
+        swapped = saver._placed(saver._describe({"b": ("b",), "a": ("a",)}, [torch.ones(4), torch.zeros(4)]))
+        assert {t.array.spec.name: t.leaf for batch in swapped for t in batch.tasks} == {"b": 0, "a": 1}
+
+
 def test_staging_with_a_stage_batch_copies_what_staging_without_one_does() -> None:
     """stage() given the StageBatch its tasks are (positions, sources and cached views) fills
     the arena as stage() without it, and makes the views again for a new arena buffer."""
