@@ -276,15 +276,18 @@ def test_staging_with_a_stage_batch_copies_what_staging_without_one_does() -> No
     """stage() given the StageBatch its tasks are (positions, sources and cached views) fills
     the arena as stage() without it, and makes the views again for a new arena buffer."""
     torch.manual_seed(1)
-    values = [torch.randn(n) for n in (5, 300, 70, 3, 40000)]
+    values = [torch.randn(n) for n in (5, 300, 70, 3, 40000, 70, 70, 70, 70)] + [
+        torch.tensor(float(i)) for i in range(5)
+    ]
     one = Mesh((1,), (0,))
     specs = [MeshSpec(f"a{i}", "float32", tuple(v.shape), one, (REPLICATE,)) for i, v in enumerate(values)]
     plans = plan_arrays(specs, split_bytes=1 << 20)
     pieces = [describe(v, (f"a{i}",)) for i, v in enumerate(values)]
-    tasks = [StageTask.of(p, c, i, pieces[i]) for i, p in enumerate(plans) for c in p.chunks]
+    leaf = {f"a{i}": i for i in range(len(values))}  # (the plans come by name)
+    tasks = [StageTask.of(p, c, leaf[n], pieces[leaf[n]]) for p in plans for c in p.chunks for n in (p.spec.name,)]
     placed, size = assign_offsets(tasks[::-1])  # (their leaves out of order)
     batch = StageBatch.of(placed, size)
-    assert batch.joint and batch.single  # both kinds of copy are exercised
+    assert batch.runs and batch.joint and batch.single  # every kind of copy is exercised
     assert len(batch.joint) > 1  # (the sources of several batched tasks come in one call)
     for _ in range(2):
         arenas = [Arena().get(size, False) for _ in range(2)]
@@ -296,6 +299,6 @@ def test_staging_with_a_stage_batch_copies_what_staging_without_one_does() -> No
         for t in batch.tasks:
             got = arenas[0][t.offset : t.offset + t.staged_bytes].view(torch.float32)
             whole = values[t.leaf].reshape(-1)
-            start = t.chunk.offsets[0]
-            assert torch.equal(got[: t.chunk.shape[0]], whole[start : start + t.chunk.shape[0]])
+            start, rows = (t.chunk.offsets[0], t.chunk.shape[0]) if t.chunk.shape else (0, 1)
+            assert torch.equal(got[:rows], whole[start : start + rows])
         values[0].add_(1.0)  # new values, same layout

@@ -142,6 +142,26 @@ def test_small_tensors_of_every_kind_are_copied_together_and_restore_bitwise(tmp
             assert_bitwise(out, state, f"step {step}")
 
 
+def test_runs_of_small_tensors_of_every_kind_are_copied_in_one_call_and_restore_bitwise(tmp_path):
+    """Several small tensors of each kind, dtype and shape lie back to back in the staging
+    buffer and are copied by one call per kind (torch.cat, torch.stack for 0-d ones): views,
+    strides, conjugate and negative bits, every dtype, across saves of the same layout."""
+    saves = {
+        step: {f"{k}/{i}": v for i in range(5) for k, v in _small_kinds(step * 10 + i).items()} for step in (1, 2, 3)
+    }
+    with Checkpointer(tmp_path, keep_last=None) as ck:
+        for step, state in saves.items():
+            ck.save(step, state)
+        ck.wait()
+        runs = [r for batch in ck._saver._batches or [] for r in batch.runs]
+        assert len(runs) >= 10  # each kind's five tensors (the empty ones excepted) form a run
+        assert any(not r.tasks[0].piece_shape for r in runs)  # 0-d ones too
+        for step, state in saves.items():
+            out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+            assert ck.restore(out, step=step) == step
+            assert_bitwise(out, state, f"step {step}")
+
+
 def test_the_state_is_not_kept_alive_once_the_save_is_committed(tmp_path):
     """Nothing of a save holds the user's tensors once wait() returns, even with the cyclic
     collector off: a reference cycle would keep them (and their memory) until it runs."""
@@ -467,7 +487,7 @@ def test_many_small_tensors_are_copied_by_copy_threads_and_restore_exactly(tmp_p
         return real(dst, src, *args, **kwargs)
 
     torch.manual_seed(0)
-    state = {f"t{i}": torch.randn(i % 7 + 1, 5) for i in range(600)}
+    state = {f"t{i}": torch.randn(i + 1, 5) for i in range(600)}  # (no two alike: no run of them)
     state["ints"] = torch.arange(11, dtype=torch.int64)
     big = torch.randn(300_000)  # two chunks large enough for the lanes
     state["big"], state["big2"] = big, big + 1
@@ -479,6 +499,34 @@ def test_many_small_tensors_are_copied_by_copy_threads_and_restore_exactly(tmp_p
         assert len(used) == copy_threads
         assert threading.get_ident() in used
         assert sum(n for _, n in threads) == 601
+        into = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ck.restore(into) == 1
+    assert_bitwise(into, state, "state")
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_a_large_run_of_alike_small_tensors_is_copied_in_two_halves(tmp_path, monkeypatch, copy_threads):
+    """Hundreds of small tensors of one dtype and shape (a model's layers): one torch.cat
+    copies each half of them, one on save()'s thread and one on the copy thread (or both on
+    save()'s thread with copy_threads=1), and every byte lands."""
+    threads: list[tuple[int, int]] = []
+    real = torch.cat
+
+    def spy(tensors, *args, **kwargs):
+        threads.append((threading.get_ident(), len(tensors)))
+        return real(tensors, *args, **kwargs)
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(48, 48) for i in range(300)}
+    state["one"] = torch.randn(48, 47)
+    monkeypatch.setattr(torch, "cat", spy)
+    with Checkpointer(tmp_path, copy_threads=copy_threads, capture_rng=False) as ck:
+        ck.save(1, state)
+        ck.wait()
+        assert sorted(n for _, n in threads) == [150, 150]
+        used = {t for t, _ in threads}
+        assert len(used) == copy_threads
+        assert threading.get_ident() in used
         into = {k: torch.zeros_like(v) for k, v in state.items()}
         assert ck.restore(into) == 1
     assert_bitwise(into, state, "state")
@@ -499,7 +547,7 @@ def test_an_interrupt_during_the_two_thread_copy_waits_for_the_other_half(tmp_pa
         real(dst, src, *args, **kwargs)
         ended.append(time.monotonic())
 
-    state = {f"t{i}": torch.full((i % 5 + 1,), float(i)) for i in range(600)}
+    state = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(600)}  # (no two alike: no run of them)
     with Checkpointer(tmp_path, copy_threads=2, capture_rng=False) as ck:
         monkeypatch.setattr(torch, "_foreach_copy_", spy)
         with pytest.raises(KeyboardInterrupt):
