@@ -47,7 +47,8 @@ _BATCH_MAX_BYTES = 64 << 10
 _BATCH_COST_BYTES = 16 << 10
 _BATCH_SPLIT_MIN = 256  # chunks in one _foreach_copy_ (~0.5 us each) worth a second thread's start
 # Batched chunks of one dtype and shape at least this many are laid back to back in the
-# arena and copied by one torch.cat: ~0.1 us a tensor against ~0.5 us in _foreach_copy_.
+# arena and copied by one torch.cat (2,336 small tensors on one thread: 0.52 ms against
+# 0.87 ms for one _foreach_copy_ with the caches warm, 0.99 against 1.40 ms cold).
 _RUN_MIN = 4
 
 
