@@ -123,10 +123,9 @@ class SaveJob:
     def release(self) -> None:
         """Drop the save's references to the state (`data`: a tensor per leaf, some made
         during the save: a module's state_dict() makes a detached tensor object per
-        parameter) before the outcome is set. Freed
-        after it, on this thread, they would compete for the GIL with the next save(): each
-        tensor's deallocation lets another thread run. (Not in save(): there they would add
-        to the stall.)"""
+        parameter) before the outcome is set. Freed after it, on this thread, they would
+        compete for the GIL with the next save(): each tensor's deallocation lets another
+        thread run. (Not in save(): there they would add to the stall.)"""
         self.data, self.tasks, self.received, self.deferred = (), [], {}, None
 
     def fail(self, error: BaseException) -> bool:

@@ -298,7 +298,7 @@ class Saver:
         """What this rank copies: the chunks it writes and the parts of others' chunks it sends."""
         pieces = described.pieces
         leaf = {name: i for i, name in enumerate(described.names)}
-        tasks = [StageTask.of(plan, chunk, leaf[n], pieces[n]) for plan, chunk in self._mine for n in (plan.spec.name,)]
+        tasks = [StageTask.of(plan, chunk, leaf[plan.spec.name], pieces[plan.spec.name]) for plan, chunk in self._mine]
         for send in self._exchange.sends:  # the parts of other ranks' chunks that this rank sends
             plan = self._by_name[send.chunk[0]]
             chunk = plan.chunk(flat_index(send.chunk[1], plan.grid))

@@ -41,7 +41,7 @@ class Box:
 
     @property
     def empty(self) -> bool:
-        return any(h <= lo for lo, h in zip(self.lo, self.hi))
+        return any(map(operator.le, self.hi, self.lo))  # (no generator: asked once per tensor)
 
 
 @dataclass(slots=True)
@@ -87,7 +87,7 @@ def _touched(array: ArrayEntry, box: Box) -> list[tuple[int, ...]]:
     """Grid indices of the chunks that overlap `box`."""
     if not array.shape:
         return [()]
-    if any(map(operator.le, box.hi, box.lo)):  # empty (Box.empty, without a generator: once per tensor)
+    if box.empty:
         return []
     ranges = [range(lo // c, (hi - 1) // c + 1) for lo, hi, c in zip(box.lo, box.hi, array.chunk_shape)]
     return list(itertools.product(*ranges))
