@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests._dist import Ctx, launch
@@ -29,7 +30,9 @@ def _piece(p: Any) -> tuple[Any, ...]:
     )
 
 
-def describer_job(ctx: Ctx) -> dict[str, Any]:
+def describer_job(ctx: Ctx, with_tracked: bool) -> dict[str, Any]:
+    """`with_tracked`: with a DTensor whose local tensor autograd tracks (detached at each save:
+    leaf by leaf); without, an unchanged save's leaves are checked together (Describer._again)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -49,7 +52,10 @@ def describer_job(ctx: Ctx) -> dict[str, Any]:
         "param": torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)),
         "tracked": DTensor.from_local(tracked, mesh, [Shard(0)], run_check=False, shape=(6, 4), stride=(4, 1)),
         "plain": torch.ones(3),
+        "scalar": torch.tensor(2.0),
     }
+    if not with_tracked:
+        del base["tracked"]
     d = Describer()
 
     def run(label: str, values: dict[str, Any]) -> tuple[list[Any], int]:
@@ -67,6 +73,7 @@ def describer_job(ctx: Ctx) -> dict[str, Any]:
     first, sig = run("first", base)
     again, sig2 = run("same objects", base)
     out: dict[str, Any] = {
+        "checked together": d._unchanged is not None,
         "kept_same_objects": [a is b for a, b in zip(first, again)],
         "sig_same_objects": sig2 == sig,
     }
@@ -110,13 +117,16 @@ def describer_job(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def test_the_describer_keeps_an_unchanged_dtensor_and_sees_every_change(tmp_path: Path) -> None:
-    results, failures = launch(__file__, "describer_job", 2, tmp_path, timeout=120)
+@pytest.mark.parametrize("tracked", [True, False])
+def test_the_describer_keeps_an_unchanged_dtensor_and_sees_every_change(tmp_path: Path, tracked: bool) -> None:
+    results, failures = launch(__file__, "describer_job", 2, tmp_path, with_tracked=tracked, timeout=120)
     assert not failures, failures
+    leaves = 6 if tracked else 5
     for rank, got in enumerate(results):
-        assert got["kept_same_objects"] == [True] * 5, (rank, got)
+        assert got["checked together"] == (not tracked), (rank, got)
+        assert got["kept_same_objects"] == [True] * leaves, (rank, got)
         assert got["sig_same_objects"] and got["sig_detached"], (rank, got)
-        assert got["kept_detached"] == [True] * 5, (rank, got)
+        assert got["kept_detached"] == [True] * leaves, (rank, got)
         for label in (
             "placement",
             "global shape",
