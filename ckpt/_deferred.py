@@ -18,10 +18,11 @@ the README says so.
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from ckpt._keys import KeyPath
 from ckpt.store.errors import StagingRaceError
 
-__all__ = ["StagingGate", "StorageKey", "find_optimizers", "can_defer", "Versions"]
+__all__ = ["StagingGate", "StorageKey", "find_optimizers", "deferrable_leaves", "Versions"]
 
 
 class StagingGate:
@@ -79,12 +80,13 @@ class StagingGate:
     def owned_storages(self, in_state: Iterable[Any]) -> set[StorageKey]:
         """Storages of the parameters and state tensors of the optimizers in this save's state
         and of those passed to guard(): what may be deferred. Not of an optimizer merely
-        hooked by an earlier save: the training loop may have replaced it since."""
+        hooked by an earlier save: the training loop may have replaced it since. Found again
+        at every save: a parameter's storage may have been swapped (`p.data = ...`)."""
         out: set[StorageKey] = set()
         for opt in [*self.hook(in_state), *self._guarded]:
             tensors = [p for group in opt.param_groups for p in group["params"]]
             tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            out.update(_storage_key(t) for t in tensors if t.numel())
+            out.update(_storage_keys([getattr(t, "_local_tensor", t) for t in tensors if t.numel()]))
         return out
 
     def remove_hooks(self) -> None:
@@ -129,17 +131,25 @@ def find_optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
 
 StorageKey = tuple[torch.device, int]  # a storage's device and address
 
-
-def _storage_key(t: torch.Tensor) -> StorageKey:
-    local = getattr(t, "_local_tensor", t)  # a DTensor: its local piece's storage
-    return local.device, local.untyped_storage().data_ptr()  # (the device itself: str() costs ~0.5 us)
+_DEVICE = operator.attrgetter("device")  # (the device itself: str() costs ~0.5 us)
 
 
-def can_defer(value: Any, data: torch.Tensor, owned: set[StorageKey]) -> bool:
-    """Whether a leaf may be copied after save() returns: a guarded optimizer owns it."""
-    if isinstance(value, np.ndarray) or data.is_inference():
-        return False
-    return _storage_key(data) in owned
+def _storage_keys(tensors: Sequence[torch.Tensor]) -> Iterator[StorageKey]:
+    """Each plain tensor's StorageKey, in C loops (thousands of tensors at every save)."""
+    return zip(map(_DEVICE, tensors), map(torch.UntypedStorage.data_ptr, map(torch.Tensor.untyped_storage, tensors)))
+
+
+def deferrable_leaves(values: Sequence[Any], data: Sequence[torch.Tensor], owned: set[StorageKey]) -> tuple[int, ...]:
+    """The places of the leaves (`values`, each with its local tensor in `data`) whose copy
+    may come after save() returns: a guarded optimizer owns their storage (`owned`), and
+    they are neither NumPy arrays nor inference tensors."""
+    if not owned:
+        return ()
+    hits = [i for i, key in enumerate(_storage_keys(data)) if key in owned]
+    return tuple(i for i in hits if not isinstance(values[i], np.ndarray) and not data[i].is_inference())
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 class Versions:
@@ -147,15 +157,18 @@ class Versions:
     from: a DTensor's in-place ops bump its own counter, not its local tensor's), each with
     its leaf's key path (a tuple, rendered only in the error)."""
 
-    def __init__(self, named: Iterable[tuple[tuple[Any, ...], Sequence[torch.Tensor]]]) -> None:
-        self._seen = [(path, t, t._version) for path, ts in named for t in ts]
+    def __init__(self, paths: Sequence[tuple[Any, ...]], tensors: Sequence[torch.Tensor]) -> None:
+        self._paths, self._tensors = paths, tensors
+        self._seen = list(map(_VERSION, tensors))
 
     def check(self) -> None:
-        changed = list(dict.fromkeys(path for path, t, v in self._seen if t._version != v))
-        if changed:
-            shown = ", ".join(str(KeyPath(p)) for p in changed[:3])
-            shown += f" and {len(changed) - 3} more" if len(changed) > 3 else ""
-            raise StagingRaceError(
-                f"{shown} changed in place while a deferred save copied it; call "
-                "Checkpointer.wait_staged() (or guard the optimizer) before changing saved tensors"
-            )
+        now = list(map(_VERSION, self._tensors))
+        if now == self._seen:
+            return
+        changed = list(dict.fromkeys(p for p, v, was in zip(self._paths, now, self._seen) if v != was))
+        shown = ", ".join(str(KeyPath(p)) for p in changed[:3])
+        shown += f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise StagingRaceError(
+            f"{shown} changed in place while a deferred save copied it; call "
+            "Checkpointer.wait_staged() (or guard the optimizer) before changing saved tensors"
+        )

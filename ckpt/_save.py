@@ -20,13 +20,13 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ckpt._commit import RootContext, run_once
 from ckpt._cores import rank_cores
-from ckpt._deferred import StagingGate, Versions, can_defer, find_optimizers
+from ckpt._deferred import StagingGate, Versions, deferrable_leaves, find_optimizers
 from ckpt._dist import Comm
 from ckpt._exchange import Schedule, schedule
 from ckpt._gc import no_cyclic_gc
@@ -34,7 +34,7 @@ from ckpt._job import SaveJob, SaveRequest, SaveStats
 from ckpt._plan import agree_plans, layout_key
 from ckpt._staging import Arena, Readiness, StageBatch, StageTask, assign_offsets, slot_bytes, stage
 from ckpt._tensors import Described, Describer
-from ckpt._tree import EncodeMemo, encode_state
+from ckpt._tree import EncodeMemo, Leaves, encode_state
 from ckpt._write import open_tree, write_tasks
 from ckpt.config import CheckpointerConfig
 from ckpt.rng import capture_rng
@@ -78,6 +78,16 @@ def _batches(tasks: list[StageTask], limit: int | None) -> list[list[StageTask]]
     return out
 
 
+class _Split(NamedTuple):
+    """A staging batch's tasks, split by whether a deferred save copies their leaf later."""
+
+    batch: StageBatch
+    deferred_at: tuple[int, ...]  # the deferred leaves' places
+    now: list[StageTask]  # copied in save()
+    later: list[StageTask]  # copied by the commit thread
+    watched: list[int]  # the leaves `later` copies, each once, in order
+
+
 class Saver:
     """save(), wait() and their state: the staging buffer, the plan cache, the threads."""
 
@@ -111,6 +121,7 @@ class Saver:
         # and reused by the next ones; with the leaves' names they were made for.
         self._batches: list[StageBatch] | None = None
         self._batch_names: list[str] = []
+        self._last_split: _Split | None = None  # the last deferred save's (_split)
         self._layout = ""  # the plans' layout_key
         self._arena = Arena()
         self.gate = StagingGate()
@@ -143,7 +154,8 @@ class Saver:
     def _save(self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool) -> bool:
         described = Described([], [], [], 0, False, {})
         sig = 0  # this rank's layout signature
-        deferrable: dict[str, tuple[tuple[Any, ...], Any]] = {}  # array name -> (key path, leaf), copied later
+        leaves = Leaves()
+        deferred_at: tuple[int, ...] = ()  # the places of the leaves copied after save() returns
         cuda = False  # whether any piece is on a GPU (the staging buffer is pinned then)
         tree: Any = None
         rng = None
@@ -154,9 +166,7 @@ class Saver:
             sig, cuda = described.signature, described.cuda
             if self.config.deferred_staging:
                 owned = self.gate.owned_storages(find_optimizers(state))
-                for (name, path), value, data in zip(leaves.paths.items(), leaves.values, described.data):
-                    if owned and can_defer(value, data, owned):
-                        deferrable[name] = (path, value)
+                deferred_at = deferrable_leaves(leaves.values, described.data, owned)
             rng = capture_rng() if self.config.capture_rng else None
             if step in self.incomplete:
                 overwrite = True  # on every rank alike: the restore's listing was gathered
@@ -179,7 +189,7 @@ class Saver:
             exists = [e for e in info if e and e[0] == VersionExistsError.__name__]
             raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
-            self._plan_sig, self._batches = None, None
+            self._plan_sig, self._batches, self._last_split = None, None, None
             self._plans = agree_plans(self._ctl, described.pieces, self.config.split_bytes)
             self._exchange = schedule(self._plans, self.rank)
             self._mine = [(plan, chunk) for plan in self._plans for chunk in plan.chunks_of(self.rank)]
@@ -205,7 +215,7 @@ class Saver:
         # must still queue its commit, to fail on every rank, and leave no copy running
         # into the staging buffer.
         try:
-            self._stage_and_queue(job, described, deferrable, cuda)
+            self._stage_and_queue(job, described, leaves, deferred_at, cuda)
         except BaseException as e:
             # A second interrupt may strike while this handler runs (Ctrl-C pressed twice):
             # failing and queueing again is harmless (SaveJob.fail, run_once), so it is
@@ -225,7 +235,8 @@ class Saver:
         self,
         job: SaveJob,
         described: Described,
-        deferrable: Mapping[str, tuple[tuple[Any, ...], Any]],
+        leaves: Leaves,
+        deferred_at: tuple[int, ...],
         pin: bool,
     ) -> None:
         step, save_id = job.step, job.request.save_id
@@ -245,17 +256,14 @@ class Saver:
                     write_tasks(job, tmp_dir, self._writer_pool)
                     continue
                 job.ready = Readiness(placed)
-                # Slivers are copied now, deferrable or not: the exchange sends them before any
-                # chunk is written, and marks nothing a deferred copy would make.
-                now, later, whole = placed, [], batch
-                if deferrable:
-                    whole = None
-                    now = [t for t in placed if t.array.spec.name not in deferrable or t.sliver is not None]
-                    later = [t for t in placed if t.array.spec.name in deferrable and t.sliver is None]
-                if later:  # the rest now; the deferred part is the commit thread's to copy
+                now, whole = placed, batch
+                split = self._split(batch, deferred_at) if deferred_at else None
+                if split is not None:
+                    now, whole = split.now, None
+                if split is not None and split.later:  # the rest now; the deferred part is the commit thread's
                     stage(job.arena, now, data, self._copy_pool, copied=job.ready.mark, gpu=pin)
                     now = []
-                    job.deferred = self._defer(job.arena, later, data, deferrable, pin)
+                    job.deferred = self._defer(job.arena, split, data, leaves, pin)
         except Exception as e:  # noqa: BLE001 - reported through the commit so every rank aborts together
             job.error = _staging_error(e, step, self.root)
         if job.error is not None:
@@ -354,28 +362,42 @@ class Saver:
             return True
         return rank_cores() >= self.config.copy_threads + self.config.writer_threads
 
+    def _split(self, batch: StageBatch, deferred_at: tuple[int, ...]) -> _Split:
+        """`batch`'s tasks split by whether their leaf is deferred (made again only when the
+        batch or the deferred leaves change)."""
+        last = self._last_split
+        if last is not None and last.batch is batch and last.deferred_at == deferred_at:
+            return last
+        at = set(deferred_at)
+        # Slivers are copied now, deferrable or not: the exchange sends them before any chunk
+        # is written, and marks nothing a deferred copy would make.
+        now = [t for t in batch.tasks if t.leaf not in at or t.sliver is not None]
+        later = [t for t in batch.tasks if t.leaf in at and t.sliver is None]
+        self._last_split = _Split(batch, deferred_at, now, later, list(dict.fromkeys(t.leaf for t in later)))
+        return self._last_split
+
     def _defer(
-        self,
-        arena: torch.Tensor,
-        tasks: list[StageTask],
-        data: Sequence[torch.Tensor],
-        leaves: Mapping[str, tuple[tuple[Any, ...], Any]],
-        gpu: bool,
+        self, arena: torch.Tensor, split: _Split, data: Sequence[torch.Tensor], leaves: Leaves, gpu: bool
     ) -> Callable[[SaveJob], None]:
-        """The copy of `tasks` from `data` (the save's tensors) that the commit thread makes
-        before writing (deferred staging). `gpu=False`: no task's piece is on a GPU (as for
-        stage())."""
+        """The copy of `split.later` from `data` (the save's tensors) that the commit thread
+        makes before writing (deferred staging). `gpu=False`: no task's piece is on a GPU (as
+        for stage())."""
+        tasks = split.later
         after = None
         device = next((data[t.leaf].device for t in tasks if t.cuda), None) if gpu else None
         if device is not None:  # the values as of this save(): the work queued so far on its stream
             after = torch.cuda.Event()  # type: ignore[no-untyped-call]
             after.record(torch.cuda.current_stream(device))
-        watched: dict[str, tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]] = {}
-        for t in tasks:
-            name, own = t.array.spec.name, data[t.leaf]
-            path, value = leaves[name]
-            watched[name] = (path, (own,) if value is own or not isinstance(value, torch.Tensor) else (own, value))
-        versions = Versions(watched.values())
+        # Each deferred leaf's tensor, and the DTensor it was taken from, with its key path.
+        all_paths, values = list(leaves.paths.values()), leaves.values
+        tensors = list(map(data.__getitem__, split.watched))
+        paths = list(map(all_paths.__getitem__, split.watched))
+        for i in split.watched:
+            value = values[i]
+            if value is not data[i] and isinstance(value, torch.Tensor):
+                tensors.append(value)
+                paths.append(all_paths[i])
+        versions = Versions(paths, tensors)
 
         def copy(job: SaveJob) -> None:
             assert job.ready is not None
@@ -417,5 +439,5 @@ class Saver:
                 pool.shutdown(wait=True)
         self.gate.open()  # a failed save may have left it closed
         self.gate.remove_hooks()
-        self._batches = None  # (their views of the arena hold its memory)
+        self._batches, self._last_split = None, None  # (their views of the arena hold its memory)
         self._arena.release()

@@ -197,6 +197,27 @@ def test_a_wrapped_optimizer_is_guarded_through_the_one_it_wraps(tmp_path: Path)
     assert_bitwise(_snapshot(fresh, fresh_inner), expected)
 
 
+def test_a_leaf_no_longer_owned_is_copied_before_save_returns_in_the_same_layout(tmp_path: Path) -> None:
+    """Saves of one layout whose deferred leaves change: the second save's optimizer owns
+    w1 alone, so w2 is copied in save() and may change as soon as it returns."""
+    w1, w2 = torch.nn.Parameter(torch.randn(512, 512)), torch.nn.Parameter(torch.randn(512, 512))
+    with Checkpointer(tmp_path, deferred_staging=True, capture_rng=False) as ck:
+        ck.save(1, {"w1": w1, "w2": w2, "optim": torch.optim.SGD([w1, w2], lr=0.1)})  # both deferred
+        ck.wait()
+        saved = w2.detach().clone()
+        with _copy_held_back(ck):
+            ck.save(2, {"w1": w1, "w2": w2, "optim": torch.optim.SGD([w1], lr=0.1)})
+            with torch.no_grad():
+                w2.add_(1)  # not deferred any more: copied already
+        ck.wait()
+        assert ck.steps() == [1, 2]
+        out = {"w1": torch.zeros(512, 512), "w2": torch.zeros(512, 512), "optim": None}
+        out["optim"] = torch.optim.SGD([out["w1"]], lr=0.1)
+        ck.restore(out, step=2)
+    assert_bitwise(out["w2"], saved, "w2 at step 2")
+    assert_bitwise(out["w1"], w1.detach(), "w1 at step 2")
+
+
 def test_an_optimizer_of_an_earlier_save_does_not_defer_this_saves_tensors(tmp_path: Path) -> None:
     model, adam = _trained(width=2048)
     with Checkpointer(tmp_path, deferred_staging=True) as ck:
