@@ -246,3 +246,51 @@ def test_repeated_dtensor_saves_restore_bitwise(tmp_path: Path) -> None:
     assert not failures, failures
     for rank, got in enumerate(results):
         assert got == {"same": True, "same again": True, "detached": True, "columns": True, "longer": True}, (rank, got)
+
+
+def one_rank_changes_job(ctx: Ctx, root: str) -> dict[str, Any]:
+    """Saves of a DTensor and a tensor of each rank's own, where at the third save only
+    rank 1's own tensor changes shape: every rank plans again, rank 0 (the mesh's lowest,
+    which describes the DTensor's layout to the plan) from the pieces of a save whose
+    leaves it found unchanged (made then, with their meshes). Each step restores bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckpt import Checkpointer
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    torch.manual_seed(0)
+    w = distribute_tensor(torch.randn(10, 6), mesh, [Shard(0)], src_data_rank=None)
+    lengths = [4, 4, 5] if ctx.rank == 1 else [3, 3, 3]
+    saved = []
+    with Checkpointer(root, capture_rng=False) as ck:
+        for step, n in enumerate(lengths):
+            with torch.no_grad():
+                w.to_local().add_(1.0)
+            own = torch.arange(n, dtype=torch.float32) + 10 * step + ctx.rank
+            specs = ck._saver._describe._specs
+            ck.save(step, {"model": {"w": w}, "own": {f"r{ctx.rank}": own}})
+            ck.wait()
+            if step == 2:  # (the specs of a save checked together are the last save's list)
+                kept = ck._saver._describe._specs is specs
+                ctx.check(kept == (ctx.rank != 1), "rank 0's third save is checked together, rank 1's is not")
+            saved.append((w.full_tensor().clone(), own.clone()))
+    out = {}
+    with Checkpointer(root, capture_rng=False) as ck:
+        for step, (want_w, want_own) in enumerate(saved):
+            target_w = distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)], src_data_rank=None)
+            target_own = torch.zeros(lengths[step])
+            ck.restore({"model": {"w": target_w}, "own": {f"r{ctx.rank}": target_own}}, step=step)
+            out[str(step)] = torch.equal(target_w.full_tensor().view(torch.int32), want_w.view(torch.int32)) and (
+                torch.equal(target_own.view(torch.int32), want_own.view(torch.int32))
+            )
+    return out
+
+
+def test_a_layout_change_on_one_rank_replans_from_the_others_unchanged_leaves(tmp_path: Path) -> None:
+    results, failures = launch(
+        __file__, "one_rank_changes_job", 2, tmp_path / "job", root=str(tmp_path / "root"), timeout=180
+    )
+    assert not failures, failures
+    for rank, got in enumerate(results):
+        assert got == {"0": True, "1": True, "2": True}, (rank, got)
