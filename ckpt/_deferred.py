@@ -134,9 +134,13 @@ StorageKey = tuple[torch.device, int]  # a storage's device and address
 _DEVICE = operator.attrgetter("device")  # (the device itself: str() costs ~0.5 us)
 
 
+_STORAGE = operator.methodcaller("untyped_storage")  # (a method call: a subclass's override counts)
+_ADDRESS = operator.methodcaller("data_ptr")
+
+
 def _storage_keys(tensors: Sequence[torch.Tensor]) -> Iterator[StorageKey]:
     """Each plain tensor's StorageKey, in C loops (thousands of tensors at every save)."""
-    return zip(map(_DEVICE, tensors), map(torch.UntypedStorage.data_ptr, map(torch.Tensor.untyped_storage, tensors)))
+    return zip(map(_DEVICE, tensors), map(_ADDRESS, map(_STORAGE, tensors)))
 
 
 def deferrable_leaves(values: Sequence[Any], data: Sequence[torch.Tensor], owned: set[StorageKey]) -> tuple[int, ...]:

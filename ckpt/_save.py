@@ -388,13 +388,16 @@ class Saver:
         if device is not None:  # the values as of this save(): the work queued so far on its stream
             after = torch.cuda.Event()  # type: ignore[no-untyped-call]
             after.record(torch.cuda.current_stream(device))
-        # Each deferred leaf's tensor, and the DTensor it was taken from, with its key path.
+        # Each deferred leaf's tensor, and the DTensor it was taken from, with its key path,
+        # in the leaves' order (the error names the first few that changed).
         all_paths, values = list(leaves.paths.values()), leaves.values
-        tensors = list(map(data.__getitem__, split.watched))
-        paths = list(map(all_paths.__getitem__, split.watched))
+        tensors: list[torch.Tensor] = []
+        paths: list[tuple[Any, ...]] = []
         for i in split.watched:
-            value = values[i]
-            if value is not data[i] and isinstance(value, torch.Tensor):
+            own, value = data[i], values[i]
+            tensors.append(own)
+            paths.append(all_paths[i])
+            if value is not own and isinstance(value, torch.Tensor):
                 tensors.append(value)
                 paths.append(all_paths[i])
         versions = Versions(paths, tensors)

@@ -287,20 +287,22 @@ def race_on_one_rank(ctx: Ctx, root: str) -> dict:
         dt = torch.nn.Parameter(distribute_tensor(torch.zeros(2048, 64), mesh, [DShard(0)]))
         sgd = torch.optim.SGD([piece, dt], lr=0.1)
         ck.guard(sgd)  # held weakly, as long as the training loop holds the optimizer
-        for what in ("shard", "dtensor"):
+        for what in ("shard", "dtensor", "both"):
+            w = Shard(piece, (2048, 1024), (1024 * ctx.rank, 0))
             with _copy_held_back(ck):
-                ck.save(2, {"w": Shard(piece, (2048, 1024), (1024 * ctx.rank, 0)), "dt": dt})
+                # "both": the DTensor first, so the error must name it first (the leaves' order)
+                ck.save(2, {"dt": dt, "w": w} if what == "both" else {"w": w, "dt": dt})
                 if ctx.rank == 1:
                     with torch.no_grad():
-                        if what == "shard":
+                        if what != "dtensor":
                             piece[7, 7] = 0.0
-                        else:
+                        if what != "shard":
                             dt.add_(1.0)  # bumps the DTensor's counter, not its local tensor's
             try:
                 ck.wait()
                 ctx.check(False, f"{what}: a change on rank 1 during the copy must fail the save everywhere")
             except ckpt.CkptError as e:
-                key = "state['w']" if what == "shard" else "state['dt']"
+                key = {"shard": "state['w']", "dtensor": "state['dt']", "both": "state['dt'], state['w']"}[what]
                 ctx.check(f"{key} changed in place" in str(e), f"{what}: the error says what: {e}")
                 ctx.check(ctx.rank == 1 or "rank 1" in str(e), f"{what}: rank 0's error names rank 1: {e}")
         ctx.check(ck.steps() == [1], f"step 1 stays the newest: {ck.steps()}")
