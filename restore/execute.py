@@ -41,6 +41,7 @@ from ckpt.restore.reshard import (
     ChunkRead,
     Request,
     block_at,
+    block_count,
     blocks,
     direct_rows,
     overlap,
@@ -145,11 +146,21 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 class _Bounce(threading.local):
     buf: torch.Tensor | None = None
+    bytes: memoryview | None = None  # buf's, for slices without torch's per-call cost (~5 us)
 
     def get(self, nbytes: int) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < nbytes:
             self.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self.bytes = None
         return self.buf[:nbytes]
+
+    def view(self, nbytes: int) -> memoryview:
+        """get(nbytes) as a memoryview."""
+        if self.bytes is None or len(self.bytes) < nbytes:
+            self.get(nbytes)
+            assert self.buf is not None
+            self.bytes = _byte_view(self.buf).cast("B")
+        return self.bytes[:nbytes]
 
 
 _bounce = _Bounce()
@@ -306,6 +317,9 @@ def _read_from(
 
             _read_windows(handle, todo, where, land)
             return
+        if direct is not None and direct[0] <= todo[0].rows[0] and todo[-1].rows[1] <= direct[1]:
+            _read_checked(handle, todo, _dest_view(reqs[0], chunk, (todo[0].rows[0], todo[-1].rows[1]), rb), where)
+            return
         for block in todo:
             if _inside(block, direct):  # read (and check) it in place
                 _read_block(handle, block, _dest_view(reqs[0], chunk, block.rows, rb), where, verify)
@@ -323,6 +337,58 @@ def _read_from(
                 _place(piece, _origin(chunk, block.rows[0]), r)
     finally:
         handle.close()
+
+
+def _read_whole(
+    src: Source, manifest: Manifest, array: ArrayEntry, chunk: ChunkEntry, req: ReadRequest, verify: bool
+) -> bool:
+    """A small chunk file that is one checksummed block, whose rows this rank needs land
+    contiguously in req.dest (a bias, a norm's weight, or part of one after a reshard: most
+    chunks of a state), read whole with one open, read and close from `src`, a tier of
+    local files, checked, and its rows copied into place. False, with those bytes of
+    req.dest undefined, where anything differs from that or the read fails in any way:
+    the full path (from_first_good) then reads the chunk again and reports what is wrong.
+    A restore reads hundreds: 13.5 us each here against 18 by the full path (one reader,
+    4 KB chunks on tmpfs); a resharded one's middle rank reads twice as many."""
+    if not src.tier.capabilities.local_files or block_count(array, chunk) != 1:
+        return False
+    rows = _direct(array, chunk, req)
+    if rows is None:
+        return False
+    rb = row_bytes(array)
+    whole = rows[0] == 0 and rows[1] * rb == chunk.nbytes  # the file is exactly those rows: read in place
+    out = _dest_view(req, chunk, rows, rb) if whole else _bounce.view(chunk.nbytes)
+    try:
+        resolved = src.resolve(manifest, array, chunk)
+        handle = src.tier.open_read(src.key(array, resolved))
+        try:
+            if handle.size != resolved.nbytes:
+                return False
+            handle.read_into(0, out)
+        finally:
+            handle.close()
+    except Exception:  # noqa: BLE001 - the full path reads it again, and says what failed
+        return False
+    if verify and xxhash.xxh3_64_hexdigest(out) != resolved.xxh3:
+        return False
+    if not whole:
+        _dest_view(req, chunk, rows, rb)[:] = out[rows[0] * rb : rows[1] * rb]
+    return True
+
+
+def _read_checked(handle: ReadHandle, todo: Sequence[Block], out: memoryview, where: str) -> None:
+    """Consecutive blocks read into `out` (their bytes, from the first block's offset) and
+    each checked: a whole chunk landing in its tensor, the usual large read of a restore,
+    in one loop rather than a call chain per 1 MiB block."""
+    base = todo[0].offset
+    for block in todo:
+        lo = block.offset - base
+        piece = out[lo : lo + block.nbytes]
+        if block.nbytes > _PIECE:
+            _read_parts(handle, block, (piece,), where)
+            continue
+        read_exact(handle, piece, block.offset, where)
+        _check_block(xxhash.xxh3_64_hexdigest(piece), block, where)
 
 
 def _inside(block: Block, direct: tuple[int, int] | None) -> bool:
@@ -540,6 +606,10 @@ def load_arrays(
                 for r in reqs:
                     _place(piece, chunk.offsets, r)
                 return
+            if chunk.nbytes < LIGHT_BYTES and len(reqs) == 1 and not dead:
+                src = next((s for s in sources if chunk.writer in s.writers), None)
+                if src is not None and _read_whole(src, manifest, array, chunk, reqs[0], verify):
+                    return
             _from_live(
                 sources, dead, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify)
             )

@@ -81,19 +81,27 @@ def _chunk_readers(root: Path, monkeypatch: pytest.MonkeyPatch, meet: Rendezvous
     }
     small: set[int] = set()
     large: set[int] = set()
-    real = execute._read_from
+    real, real_whole = execute._read_from, execute._read_whole
 
-    def spy(src: Any, array: Any, chunk: Any, *args: Any) -> None:
+    def arrive(chunk: Any) -> None:
         light = chunk.nbytes < LIGHT_BYTES
         (small if light else large).add(threading.get_ident())
         meet.arrive("small" if light else "large")
+
+    def spy(src: Any, array: Any, chunk: Any, *args: Any) -> None:
+        arrive(chunk)
         real(src, array, chunk, *args)
+
+    def spy_whole(src: Any, manifest: Any, array: Any, chunk: Any, *args: Any) -> bool:
+        arrive(chunk)  # (one it refuses arrives again in _read_from, after its first arrival)
+        return real_whole(src, manifest, array, chunk, *args)
 
     with Checkpointer(root, reader_threads=2) as ck:
         ck.save(1, state)
         ck.wait()
         got = blank(state)
         monkeypatch.setattr(execute, "_read_from", spy)
+        monkeypatch.setattr(execute, "_read_whole", spy_whole)
         monkeypatch.setattr(ckpt_load, "rank_cores", lambda: 2)  # two readers on any machine
         assert ck.restore(got) == 1
     assert_bitwise(got, state)
