@@ -43,6 +43,7 @@ CASES = {
     "edges-in-two-blocks": ((ROWS, COLS), LO, HI, {}),
     "both-edges-in-one-block": ((ROWS, COLS), 300, 400, {}),
     "chunk-of-one-block": ((100_000,), 10_000, 20_000, {}),  # 400 KB: checksummed whole
+    "edges-on-block-boundaries": ((ROWS, COLS), 254, 7 * 254, {}),  # blocks 1-6 whole, in one loop
 }
 
 

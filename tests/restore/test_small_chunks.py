@@ -5,6 +5,7 @@ of its rows, and anything unexpected goes to the full path, which reports it."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,23 +22,25 @@ N = 1000  # float32: 4,000 bytes, one chunk file, checksummed whole
 CHUNK = Path("state") / "model" / "v" / "c.0"
 
 
-def _tensor(step: int) -> torch.Tensor:
-    return torch.randn(N, generator=torch.Generator().manual_seed(step))
+def _tensor(step: int, shape: tuple[int, ...] = (N,)) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(step))
 
 
-def _save(root: Path, steps: tuple[int, ...]) -> None:
+def _save(root: Path, steps: tuple[int, ...], shape: tuple[int, ...] = (N,)) -> None:
     with Checkpointer(root, keep_last=3) as ck:
         for step in steps:
-            ck.save(step, {"model": {"v": _tensor(step)}})
+            ck.save(step, {"model": {"v": _tensor(step, shape)}})
         ck.wait()
 
 
-def _restore(root: Path, lo: int, hi: int, step: int | None = None) -> tuple[int | None, torch.Tensor]:
-    if (lo, hi) == (0, N):
-        dest = {"v": torch.zeros(N)}
+def _restore(
+    root: Path, lo: int, hi: int, step: int | None = None, shape: tuple[int, ...] = (N,), **config: Any
+) -> tuple[int | None, torch.Tensor]:
+    if (lo, hi) == (0, shape[0]):
+        dest = {"v": torch.zeros(shape)}
     else:
-        dest = {"v": ckpt.Shard(torch.zeros(hi - lo), (N,), (lo,))}
-    with Checkpointer(root, keep_last=3) as ck:
+        dest = {"v": ckpt.Shard(torch.zeros(hi - lo, *shape[1:]), shape, (lo,) + (0,) * (len(shape) - 1))}
+    with Checkpointer(root, keep_last=3, **config) as ck:
         got = ck.restore({"model": dest}, step=step)
     v = dest["v"]
     return got, v if isinstance(v, torch.Tensor) else v.local_tensor
@@ -63,21 +66,32 @@ class _Paths:
         monkeypatch.setattr(execute, "_read_from", full)
 
 
-@pytest.mark.parametrize("rows", [(0, N), (300, 700), (0, 1), (999, N)], ids=["whole", "middle", "first", "last"])
+CASES = {  # shape, rows, verify_on_restore
+    "whole": ((N,), (0, N), True),
+    "middle": ((N,), (300, 700), True),
+    "first": ((N,), (0, 1), True),
+    "last": ((N,), (999, N), True),
+    "middle-unverified": ((N,), (300, 700), False),
+    "2-d-middle": ((40, 30), (10, 25), True),  # rows of 120 bytes
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_small_chunk_is_read_in_one_piece_into_place(
-    shm_root: Path, monkeypatch: pytest.MonkeyPatch, rows: tuple[int, int]
+    shm_root: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    _save(shm_root, (1,))
+    shape, rows, verify = CASES[case]
+    _save(shm_root, (1,), shape)
     paths = _Paths(monkeypatch)
-    step, got = _restore(shm_root, *rows)
+    step, got = _restore(shm_root, *rows, shape=shape, verify_on_restore=verify)
     assert step == 1
-    assert_bitwise(got, _tensor(1)[rows[0] : rows[1]])
+    assert_bitwise(got, _tensor(1, shape)[rows[0] : rows[1]])
     assert paths.whole == [True] and paths.full == []
 
 
 @pytest.mark.parametrize("row", [100, 500, 950], ids=["before", "inside", "after"])
 def test_a_flipped_byte_anywhere_in_a_small_chunk_is_damage(
-    shm_root: Path, monkeypatch: pytest.MonkeyPatch, row: int
+    shm_root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, row: int
 ) -> None:
     # The rank needs rows [300, 700): a flipped byte outside them fails the file's checksum too.
     _save(shm_root, (1, 2))
@@ -90,9 +104,12 @@ def test_a_flipped_byte_anywhere_in_a_small_chunk_is_damage(
         f.flush()
         os.fsync(f.fileno())
     paths = _Paths(monkeypatch)
-    with pytest.raises(ckpt.CorruptVersionError, match="fail"):
+    with caplog.at_level(logging.WARNING, logger="ckpt"), pytest.raises(ckpt.CorruptVersionError, match="fail"):
         _restore(shm_root, 300, 700, step=2)
     assert paths.whole == [False] and paths.full == [N * 4] * 3  # refused, then read and read again
+    # the refusal is logged as a re-read is: a disk that misreads once is not silent
+    refused = [r.getMessage() for r in caplog.records if "fails its checksum (xxh3" in r.getMessage()]
+    assert len(refused) == 1 and str(CHUNK) in refused[0] and "reading it again" in refused[0], refused
     step, got = _restore(shm_root, 300, 700)
     assert step == 1  # past the damaged version
     assert_bitwise(got, _tensor(1)[300:700])
