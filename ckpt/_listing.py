@@ -19,7 +19,7 @@ from ckpt._peer_status import read_peer_status
 from ckpt._timings import summarize
 from ckpt.replicator.status import CopyState, read_status
 from ckpt.store import commit
-from ckpt.store.errors import CorruptVersionError, TierUnavailableError, VersionNotFoundError
+from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.root import writer_active
 from ckpt.store.tier import Tier, join_key, open_tier
@@ -94,7 +94,10 @@ def _only_some_keys(rows: list[Row]) -> list[Row]:
 
 
 def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
-    status = read_status(root)
+    try:
+        status = read_status(root)
+    except (CkptError, OSError):  # shown without its copies; a GC refuses to run on it
+        return row
     entry = None if status is None else status.versions.get(row.step)
     if entry is None or entry.save_id != save_id:
         return row

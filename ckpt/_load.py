@@ -28,7 +28,7 @@ from ckpt.restore.execute import ReadRequest, ReadsUnreached, full_tensor, load_
 from ckpt.restore.locate import Located, first_manifest
 from ckpt.restore.saved_ranks import SavedRank, saved_rank
 from ckpt.restore.sources import Source, SourcesUnreachable, rank_file_bytes_from
-from ckpt.rng import restore_rng, seed_new_rank
+from ckpt.rng import check_rng, restore_rng, seed_new_rank
 from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchError, TierUnavailableError
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
@@ -211,6 +211,8 @@ def load_version(
         requests: list[ReadRequest] = []
         error: BaseException | None = None
         try:
+            if config.capture_rng and ctl.rank < saved_world and mine.rng is not None:
+                check_rng(mine.rng)  # before anything is read into the state
             bound = bind(mine.tree, state, strict=strict)
             for leaf in bound.leaves:
                 array = manifest.arrays.get(leaf.name)

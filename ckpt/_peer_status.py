@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Mapping
 
+from ckpt.store.errors import CkptError
 from ckpt.store.fsio import replace_durable
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed_steps
@@ -43,18 +44,37 @@ def _status_path(root: str) -> str:
     return os.path.join(root, PEER_STATUS)
 
 
-def _read(root: str) -> dict[str, object]:
+def _read(root: str, *, strict: bool = False) -> dict[str, object]:
+    """The root's record ({} where there is none). `strict`, for the retention rule: a
+    record that cannot be read raises OSError, and one that does not parse CkptError,
+    never reading as none (the rule would then not apply, and a GC would delete what the
+    peer copies need). Leniently, for its writers and `ckpt ls`: as none; a writer then
+    writes it anew, and what it loses only holds more back."""
+    path = _status_path(root)
     try:
-        with open(_status_path(root)) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
         return {}
-    return doc if isinstance(doc, dict) else {}
+    except OSError:
+        if strict:
+            raise
+        return {}
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        if strict:
+            raise CkptError(f"the peer-copy record {path} does not parse: {e}") from None
+        return {}
+    if not isinstance(doc, dict):
+        if strict:
+            raise CkptError(f"the peer-copy record {path} is not a JSON object")
+        return {}
+    return doc
 
 
-def read_peer_status(root: str) -> dict[int, dict[int, str]]:
-    """step -> {target root: "verified" | the failure}, as the sender recorded it."""
-    steps = _read(root).get("steps", {})
+def _steps(doc: dict[str, object]) -> dict[int, dict[int, str]]:
+    steps = doc.get("steps", {})
     if not isinstance(steps, dict):
         return {}
     try:
@@ -63,36 +83,49 @@ def read_peer_status(root: str) -> dict[int, dict[int, str]]:
         return {}
 
 
-def verified_peer_steps(root: str) -> set[int]:
-    """Steps whose peer copies are all verified."""
-    doc = _read(root)
+def _verified(doc: dict[str, object]) -> set[int]:
     copies = doc.get("copies")
-    status = read_peer_status(root)
     return {
         s
-        for s, d in status.items()
+        for s, d in _steps(doc).items()
         if d and sum(v == "verified" for v in d.values()) >= (copies if isinstance(copies, int) else len(d))
     }
+
+
+def read_peer_status(root: str) -> dict[int, dict[int, str]]:
+    """step -> {target root: "verified" | the failure}, as the sender recorded it ({} where
+    the record cannot be read)."""
+    return _steps(_read(root))
+
+
+def verified_peer_steps(root: str) -> set[int]:
+    """Steps whose peer copies are all verified (OSError or CkptError where the record
+    cannot be read)."""
+    return _verified(_read(root, strict=True))
 
 
 def peer_redundant(root: str) -> set[int] | None:
     """The root's steps the peer-copy rule lets a GC delete: those older than the newest
     step whose peer copies are verified. None when the rule does not apply (no peer copies
-    are made of this root, or its copier stopped for good)."""
-    doc = _read(root)
+    are made of this root, or its copier stopped for good). A record that cannot be read
+    raises (OSError, CkptError): the GC pass fails, and the next one tries again."""
+    doc = _read(root, strict=True)
     if not doc or doc.get("stopped"):
         return None
-    newest = max(verified_peer_steps(root), default=-1)
+    newest = max(_verified(doc), default=-1)
     return {s for s in committed_steps(open_tier(root)) if s < newest}
 
 
-def with_peer_rule(root: str, redundant: Iterable[int] | None) -> set[int] | None:
-    """`redundant` (what the root's other rules let a GC delete; None: anything) narrowed
-    by the peer-copy rule: the one place every GC of a local root applies it."""
+def with_peer_rule(root: str, redundant: Mapping[int, str | None] | None) -> dict[int, str | None] | None:
+    """`redundant` (what the root's other rules let a GC delete, step -> the save whose
+    copies exist, None for any; None: anything) narrowed by the peer-copy rule: the one
+    place every GC of a local root applies it."""
     peers = peer_redundant(root)
     if peers is None:
-        return None if redundant is None else set(redundant)
-    return peers if redundant is None else peers & set(redundant)
+        return None if redundant is None else dict(redundant)
+    if redundant is None:
+        return dict.fromkeys(peers)
+    return {s: save for s, save in redundant.items() if s in peers}
 
 
 def _write(root: str, doc: dict[str, object]) -> None:

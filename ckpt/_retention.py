@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ckpt._peer_status import with_peer_rule
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
-from ckpt.replicator.status import read_status, redundant_steps
+from ckpt.replicator.status import read_status, redundant_saves
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError
 from ckpt.store.removal import remove_tree
@@ -73,7 +73,7 @@ class Retention:
             if self._policy is not None:
                 # A replicator daemon on this root: keep what it has not copied yet, as `ckpt gc` does.
                 status = read_status(self._root)
-                redundant = with_peer_rule(self._root, None if status is None else redundant_steps(status))
+                redundant = with_peer_rule(self._root, None if status is None else redundant_saves(status))
                 if self._spares:
                     doomed = collect(self._tier, self._policy, redundant=redundant, dry_run=True).deleted
                     if doomed:

@@ -454,7 +454,7 @@ def gc_cmd(
     """
     from ckpt._peer_status import with_peer_rule
     from ckpt.replicator.gc import collect
-    from ckpt.replicator.status import read_status, redundant_steps
+    from ckpt.replicator.status import read_status, redundant_saves
 
     try:
         policy, said = gc_policy(
@@ -475,7 +475,7 @@ def gc_cmd(
     result = collect(
         tier,
         policy,
-        redundant=None if local is None else with_peer_rule(local, None if status is None else redundant_steps(status)),
+        redundant=None if local is None else with_peer_rule(local, None if status is None else redundant_saves(status)),
         dry_run=dry_run,
         abandon_after_s=abandoned_after if is_url(root) else None,
     )

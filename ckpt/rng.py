@@ -4,14 +4,17 @@ device) as JSON: no pickle, exact bit patterns."""
 from __future__ import annotations
 
 import base64
+import binascii
 import logging
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rng", "seed_new_rank"]
+from ckpt.store.errors import ManifestError
+
+__all__ = ["capture_rng", "check_rng", "restore_rng", "seed_new_rank"]
 
 log = logging.getLogger("ckpt")
 
@@ -44,20 +47,52 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+class _Rng(NamedTuple):
+    """A saved RNG state decoded, each part as its generator's setter takes it."""
+
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...]
+    torch: torch.Tensor
+    cuda: list[torch.Tensor]
+
+
+def _decoded(state: dict[str, Any]) -> _Rng:
+    """The parts of a saved RNG state, each checked by a throwaway generator of its kind
+    (the setters refuse what they cannot use); ManifestError where one is malformed."""
+    try:
+        py, npst = state["python"], state["numpy"]
+        keys = np.frombuffer(base64.b64decode(npst["keys"], validate=True), dtype="<u4").astype(np.uint32)
+        out = _Rng(
+            (py["version"], tuple(py["state"]), py["gauss"]),
+            (npst["name"], keys, npst["pos"], npst["has_gauss"], float.fromhex(npst["cached_gaussian"])),
+            _unb64(state["torch"]),
+            [_unb64(s) for s in state.get("cuda") or []],
+        )
+        random.Random().setstate(out.python)
+        np.random.RandomState().set_state(out.numpy)
+        torch.Generator().set_state(out.torch)
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError, binascii.Error) as e:
+        raise ManifestError(f"the saved RNG state is malformed: {type(e).__name__}: {e}") from None
+    return out
+
+
+def check_rng(state: dict[str, Any]) -> None:
+    """ManifestError unless restore_rng can restore `state`: asked before anything is
+    restored, on every rank alike."""
+    _decoded(state)
+
+
 def restore_rng(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    npst = state["numpy"]
-    keys = np.frombuffer(base64.b64decode(npst["keys"]), dtype="<u4").astype(np.uint32)
-    np.random.set_state((npst["name"], keys, npst["pos"], npst["has_gauss"], float.fromhex(npst["cached_gaussian"])))
-    torch.set_rng_state(_unb64(state["torch"]))
-    cuda = state.get("cuda") or []
-    if cuda and torch.cuda.is_available():
+    rng = _decoded(state)
+    random.setstate(rng.python)
+    np.random.set_state(rng.numpy)
+    torch.set_rng_state(rng.torch)
+    if rng.cuda and torch.cuda.is_available():
         n = torch.cuda.device_count()
-        if n != len(cuda):
-            log.warning("checkpoint has RNG state for %d CUDA devices, this process sees %d", len(cuda), n)
-        for i, s in enumerate(cuda[:n]):
-            torch.cuda.set_rng_state(_unb64(s), device=i)
+        if n != len(rng.cuda):
+            log.warning("checkpoint has RNG state for %d CUDA devices, this process sees %d", len(rng.cuda), n)
+        for i, s in enumerate(rng.cuda[:n]):
+            torch.cuda.set_rng_state(s, device=i)
 
 
 def seed_new_rank(save_id: str, rank: int) -> None:

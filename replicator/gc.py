@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ckpt.replicator.policy import Policy, VersionInfo, plan_deletions
@@ -64,11 +64,12 @@ class GcResult:
     damaged: list[int] = field(default_factory=list)  # entries named like versions that are none, collected
 
 
-def judge(tier: Tier, redundant: Iterable[int] | None = None) -> tuple[list[VersionInfo], dict[int, str]]:
+def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tuple[list[VersionInfo], dict[int, str]]:
     """VersionInfo of every committed version of `tier`, and the ones that could not be
-    read (intact None), with why. `redundant`: steps whose required copies are verified
-    (None: copies are not required)."""
-    ok = None if redundant is None else set(redundant)
+    read (intact None), with why. `redundant`: steps whose required copies are verified,
+    each with the save_id of the save they are copies of (None: of any save of the step);
+    a version that is another save of the step has none yet. None: copies are not required."""
+    ok = redundant
     versions, unjudged = [], {}
     for step in committed_steps(tier):
         try:
@@ -83,7 +84,8 @@ def judge(tier: Tier, redundant: Iterable[int] | None = None) -> tuple[list[Vers
         except CorruptVersionError:  # proven: a checksum or parse failure
             versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
             continue
-        versions.append(VersionInfo(step, m.created, True, m.milestone, ok is None or step in ok, m.keys))
+        copied = ok is None or (step in ok and ok[step] in (None, m.save_id))
+        versions.append(VersionInfo(step, m.created, True, m.milestone, copied, m.keys))
     return versions, unjudged
 
 
@@ -91,7 +93,7 @@ def collect(
     tier: Tier,
     policy: Policy,
     *,
-    redundant: Iterable[int] | None = None,
+    redundant: Mapping[int, str | None] | None = None,
     pinned: Iterable[int] = (),
     dry_run: bool = False,
     abandon_after_s: float | None = None,

@@ -66,8 +66,9 @@ def resumable_steps(versions: Sequence[VersionInfo]) -> set[int]:
 
 @dataclass(frozen=True)
 class KeepLast:
-    """The newest `n` versions; of="full": of the versions holding every key (full_steps),
-    of="partial": of the others (params-only versions)."""
+    """The newest `n` versions, and the newest `n` not proven damaged: a damaged version
+    does not take the place of one a restore can fall back to. of="full": of the versions
+    holding every key (full_steps), of="partial": of the others (params-only versions)."""
 
     n: int
     of: Literal["all", "full", "partial"] = "all"
@@ -79,6 +80,9 @@ class KeepLast:
             raise ValueError(f"KeepLast.of must be 'all', 'full' or 'partial', not {self.of!r}")
 
     def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
+        return self._newest(versions) | self._newest([v for v in versions if v.intact is not False])
+
+    def _newest(self, versions: Sequence[VersionInfo]) -> set[int]:
         steps = sorted(v.step for v in versions)
         if self.of != "all":
             full = full_steps(versions)

@@ -40,6 +40,7 @@ from ckpt.replicator.status import (
     VersionStatus,
     copies_done,
     read_status,
+    redundant_saves,
     redundant_steps,
     remote_done,
     write_status,
@@ -67,7 +68,7 @@ class Replicator:
         self.limiter = RateLimiter(config.bwlimit_mbps * 1e6 if config.bwlimit_mbps else None)
         self.stop = threading.Event()
         self._retry = RetryPolicy(stop=self.stop)
-        self._status: dict[str, Status] = {s: read_status(s) or Status() for s in self.sources}
+        self._status: dict[str, Status] = {s: _last_status(s) for s in self.sources}
         self._source_tiers: dict[str, Tier] = {s: open_tier(s) for s in self.sources}
         self.remote = (
             Destination(config.remote, "shared", self._tier(config.remote)) if config.remote is not None else None
@@ -286,8 +287,10 @@ class Replicator:
                 written = time.monotonic()
         for gone in set(status.versions) - set(steps):
             status.versions.pop(gone)
-        self._gc(source, dests)
-        write_status(source, status)
+        try:
+            self._gc(source, dests)
+        finally:  # a GC that failed (the next pass tries again) loses none of this pass's record
+            write_status(source, status)
 
     def _done(self, entry: VersionStatus, dests: list[Destination]) -> bool:
         """Whether every copy of the version exists, verified (or expired on the remote)."""
@@ -419,7 +422,7 @@ class Replicator:
         policy = self.config.local_policy
         status = self._status[source]
         if policy is not None:
-            redundant = with_peer_rule(source, redundant_steps(status))  # a job's peer copies may need more
+            redundant = with_peer_rule(source, redundant_saves(status))  # a job's peer copies may need more
             result = collect(self._source_tiers[source], policy, redundant=redundant)
             for step in result.deleted:
                 status.versions.pop(step, None)
@@ -463,9 +466,19 @@ class Replicator:
         if self.remote.url in self._failed_dests:  # not listed again in this pass: all kept
             return {v.step for v in versions}
         listing = self._remote_now()
-        there = {v.step for v in listing}
+        there = {v.step for v in listing if v.intact}  # a damaged or unread copy there is none yet
         policy = self.config.remote_policy
         return {v.step for v in versions if v.step not in there and (policy is None or not expired(listing, v, policy))}
+
+
+def _last_status(source: str) -> Status:
+    """What an earlier replicator recorded for `source`; a record that cannot be read is
+    started anew (its copies are found and verified again), with a warning."""
+    try:
+        return read_status(source) or Status()
+    except (CkptError, OSError) as e:
+        log.warning("%s: the replicator's status cannot be read, so it starts anew: %s", source, e)
+        return Status()
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

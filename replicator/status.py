@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ckpt.store.errors import CkptError
 from ckpt.store.fsio import makedirs_within, replace_durable
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "read_status",
     "write_status",
     "redundant_steps",
+    "redundant_saves",
     "copies_done",
     "remote_done",
 ]
@@ -142,12 +144,20 @@ def status_path(root: str) -> str:
 
 
 def read_status(root: str) -> Status | None:
-    """The status of a source root; None where no replicator has written one."""
+    """The status of a source root; None where no replicator has written one. A status
+    that cannot be read raises OSError (an I/O error, a directory in its place), and one
+    that is not JSON raises CkptError: neither reads as "no replicator ran", under which a
+    GC would require no copies."""
+    path = status_path(root)
     try:
-        with open(status_path(root)) as f:
-            return from_json(json.load(f))
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
         return None
+    try:
+        return from_json(json.loads(raw))
+    except (ValueError, RecursionError) as e:
+        raise CkptError(f"the replicator's status {path} does not parse: {e}") from None
 
 
 def write_status(root: str, status: Status) -> None:
@@ -171,8 +181,15 @@ def remote_done(status: Status, v: VersionStatus) -> bool:
     )
 
 
+def redundant_saves(status: Status) -> dict[int, str]:
+    """Steps whose required copies all exist, verified, each with the save those copies are
+    of (a step saved again since is another save, with none yet): at least
+    `required_copies` verified replica copies, and the remote's copy verified (or expired
+    there) where a remote is required. The one rule, for the replicator's GC and for
+    `ckpt gc` alike."""
+    return {step: v.save_id for step, v in status.versions.items() if copies_done(status, v) and remote_done(status, v)}
+
+
 def redundant_steps(status: Status) -> set[int]:
-    """Steps whose required copies all exist, verified: at least `required_copies` verified
-    replica copies, and the remote's copy verified (or expired there) where a remote is
-    required. The one rule, for the replicator's GC and for `ckpt gc` alike."""
-    return {step for step, v in status.versions.items() if copies_done(status, v) and remote_done(status, v)}
+    """The steps of redundant_saves."""
+    return set(redundant_saves(status))

@@ -44,11 +44,11 @@ from ckpt.store.errors import (
     TierUnavailableError,
     VersionNotFoundError,
 )
-from ckpt.store.manifest import MANIFEST_NAME, Manifest
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
 from ckpt.store.pins import pin_version
 from ckpt.store.rank_ranges import expand
 from ckpt.store.tier import Tier, join_key
-from ckpt.store.versions import Candidate, committed, damaged_entries, read_manifest, version_dirname
+from ckpt.store.versions import Candidate, damaged_entries, listing, read_manifest, version_dirname
 
 __all__ = ["ALL_KEYS", "AllKeys", "Listing", "Located", "restore_newest", "first_manifest"]
 
@@ -116,21 +116,20 @@ def first_manifest(located: Located, shared: bool = True) -> Manifest | None:
             damaged.append(CorruptVersionError(str(e)))
     if left:
         return None
-    if unreachable and not damaged:
-        raise TierUnavailableError(
-            unreachable[0].errno, f"no readable manifest of step {located.step}: {unreachable[0]}"
-        )
-    if len(damaged) == 1 and not unreachable:
+    if unreachable:  # a copy out of reach may be good: no proof that the version is damaged
+        detail = "; ".join(map(str, [*unreachable, *damaged]))
+        raise TierUnavailableError(unreachable[0].errno, f"no readable manifest of step {located.step}: {detail}")
+    if len(damaged) == 1:
         raise damaged[0]  # as itself (a ManifestError says what is wrong)
-    if damaged or unreachable:
-        detail = "; ".join(map(str, [*damaged, *unreachable]))
-        raise CorruptVersionError(f"no readable manifest of step {located.step}: {detail}")
+    if damaged:
+        raise CorruptVersionError(f"no readable manifest of step {located.step}: {'; '.join(map(str, damaged))}")
     return None
 
 
 class _Found(NamedTuple):
     candidates: list[tuple[int, Candidate]]  # (the tier's position, a version on it)
     failed: dict[int, str]  # the positions of the tiers that could not be listed, and why
+    nameless: set[int]  # committed steps without a usable root info (versions.listing)
 
 
 def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int], dead: dict[str, str]) -> _Found:
@@ -138,6 +137,7 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
     store is in `dead` (rank 0 failed to list it this restore) fails as it did then."""
     found: list[tuple[int, Candidate]] = []
     failed: dict[int, str] = {}
+    nameless: set[int] = set()
     for i, tier in enumerate(tiers):
         if i in skip:
             continue
@@ -145,7 +145,14 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
             failed[i] = dead[tier.store_id]
             continue
         try:
-            found += [(i, c) for c in committed(tier)]
+            candidates, without = listing(tier)
+            found += [(i, c) for c in candidates]
+            for step in without:
+                where = f"{tier.location}/{version_dirname(step)}/{ROOT_INFO_NAME}"
+                if where not in warned:
+                    warned.add(where)
+                    log.warning("rank %d: step %d skipped, %s is missing or damaged", rank, step, where)
+            nameless.update(without)
             for d in damaged_entries(tier):
                 where = f"{tier.location}/{d.name}"
                 if where not in warned:
@@ -154,7 +161,7 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
         except (CkptError, OSError) as e:
             failed[i] = f"{tier.location}: {e}"
             log.warning("rank %d: tier %s is unavailable: %s", rank, tier.location, e)
-    return _Found(found, failed)
+    return _Found(found, failed, nameless)
 
 
 def restore_newest(
@@ -187,6 +194,7 @@ def restore_newest(
     passed: set[int] = set()  # versions already reported as passed over
     vanished: set[int] = set()  # deleted by GC since they were listed
     warned: set[str] = set()  # damaged entries already reported
+    nameless: set[int] = set()  # committed steps this rank found without a usable root info
     one_lister = True  # rank 0 lists the shared tiers for every rank (False: each rank lists its own)
     dead: dict[str, str] = {}  # shared tiers rank 0 could not list (store_id: why): not tried again
     cut_off: set[str] = set()  # sources this rank found out of its reach while loading (Located.unreachable)
@@ -200,7 +208,8 @@ def restore_newest(
             listed = list(tiers())
             if one_lister and comm.rank != 0:
                 left = frozenset(i for i, t in enumerate(listed) if t.capabilities.shared)
-            mine, unlisted = _list(listed, comm.rank, warned, left, dead)
+            mine, unlisted, without = _list(listed, comm.rank, warned, left, dead)
+            nameless |= without
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
         unreachable = list(unlisted.values())
@@ -243,6 +252,11 @@ def restore_newest(
         if chosen is None:
             if needed is not None and step is None and reachable_steps(held) and not reachable_steps(held, needed):
                 _lacking(held, needed, listed)
+            if step is None and comm.any(bool(nameless - reachable_steps(held).keys())):
+                raise CorruptVersionError(
+                    f"no version can be chosen, and committed steps {sorted(nameless)} (on rank {comm.rank}) "
+                    f"have a missing or damaged {ROOT_INFO_NAME}; not starting from scratch"
+                )
             _nothing(comm, listed, held, step, excluded, vanished, unreachable, missing_ok, searched, if_incomplete)
             return None
         save_id = reachable_steps(held, needed)[chosen]

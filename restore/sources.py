@@ -35,7 +35,7 @@ __all__ = [
 
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
-REREADS = 2  # reads of a block after the first, while it fails its checksum
+REREADS = 2  # reads of a block after the first, while it fails its checksum or cannot be read
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +97,13 @@ class SourcesUnreachable(TierUnavailableError):
 
 
 def with_rereads(read: Callable[[], T]) -> T:
-    """read(), again while it fails a checksum (CorruptVersionError with an `actual` digest)."""
+    """read(), again while it fails a checksum (CorruptVersionError with an `actual` digest)
+    or cannot be read (`io_error`: a disk that fails a read once is not damage)."""
     for attempt in range(REREADS + 1):
         try:
             return read()
         except CorruptVersionError as e:
-            if not e.actual or attempt == REREADS:
+            if not (e.actual or e.io_error) or attempt == REREADS:
                 raise
             log.warning("%s; reading it again", e)
     raise AssertionError("unreachable")

@@ -5,9 +5,11 @@ and anything but a regular file) and its size is checked against the manifest be
 anything is read; reads are positional, so ranges of a chunk can be read without the rest.
 
 What a failure means: a missing, short, misplaced or mismatching chunk is damage
-(CorruptVersionError); so is an I/O error of a local file (a bad sector). A tier that
-cannot be reached (TierUnavailableError, after retries) is not damage and is raised as
-it is: nothing is skipped or deleted because a read failed once.
+(CorruptVersionError); so is an I/O error of a local file (a bad sector) that persists:
+it is marked `io_error`, and readers (restore.sources.with_rereads) read it again first,
+as they do a checksum mismatch. A tier that cannot be reached (TierUnavailableError,
+after retries) is not damage and is raised as it is: nothing is skipped or deleted
+because a read failed once.
 """
 
 from __future__ import annotations
@@ -72,7 +74,11 @@ def open_checked(tier: Tier, key: str, nbytes: int, expected: str, what: str = "
             raise TierUnavailableError(
                 e.errno or errno.EIO, f"{what} {where} cannot be opened: {e.strerror or e}"
             ) from None
-        raise CorruptVersionError(f"{what} {where} cannot be opened: {e.strerror or e}", path=where) from None
+        raise CorruptVersionError(
+            f"{what} {where} cannot be opened: {e.strerror or e}",
+            path=where,
+            io_error=not isinstance(e, IsADirectoryError),  # (a planted directory stays one)
+        ) from None
     if handle.size != nbytes:
         handle.close()
         where = f"{tier.location}/{key}"
@@ -109,7 +115,7 @@ def _read_error(e: EOFError | OSError, where: str) -> Exception:
         return CorruptVersionError(f"chunk {where} ended early", path=where)
     if _unavailable(e):
         return TierUnavailableError(e.errno or errno.EIO, f"chunk {where} cannot be read: {e.strerror or e}")
-    return CorruptVersionError(f"chunk {where} cannot be read: {e.strerror or e}", path=where)
+    return CorruptVersionError(f"chunk {where} cannot be read: {e.strerror or e}", path=where, io_error=True)
 
 
 def read_chunk(tier: Tier, step: int, array: ArrayEntry, chunk: ChunkEntry, out: memoryview) -> None:

@@ -51,7 +51,9 @@ class CorruptVersionError(CkptError):
     """A chunk or manifest does not match what the manifest promises.
 
     `causes`: when the damage was found by other ranks of a collective restore, each such
-    rank's finding (rank -> "TypeName: message"); empty when this rank found it."""
+    rank's finding (rank -> "TypeName: message"); empty when this rank found it.
+    `io_error`: the bytes could not be read (an I/O error of a local file): a bad sector,
+    or a read that fails once, so a reader tries again before it calls it damage."""
 
     def __init__(
         self,
@@ -61,12 +63,14 @@ class CorruptVersionError(CkptError):
         expected: str = "",
         actual: str = "",
         causes: Mapping[int, str] | None = None,
+        io_error: bool = False,
     ) -> None:
         super().__init__(message)
         self.path = path
         self.expected = expected
         self.actual = actual
         self.causes = dict(causes or {})
+        self.io_error = io_error
 
 
 class ManifestError(CorruptVersionError, ValueError):

@@ -67,6 +67,7 @@ ROOT_INFO_NAME = "root.json"
 STATE_PREFIX = "state"
 MAX_ARRAY_BYTES = 1 << 48  # 256 TiB: anything larger is a crafted manifest
 MAX_NDIM = 32
+MAX_WORLD = 1 << 24  # ranks of one job: far beyond any real one
 MAX_ROW_BYTES = 1 << 30  # one row of a chunk is the smallest unit a reader buffers
 MAX_RANK_FILE = 1 << 30  # bytes of one rank file: anything larger is crafted
 MAX_COMPONENT = 128  # characters of one array path component (file names stop at 255 bytes)
@@ -396,7 +397,7 @@ def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
         raise ManifestError(f"array {name!r} is not an object")
     _check_name(name)
     dtype = doc.get("data_type")
-    if dtype not in ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise ManifestError(f"array {name!r} has unsupported data_type {dtype!r}", path=name)
     shape = _ints(doc.get("shape"), f"{name}.shape")
     chunk_shape = _ints(doc.get("chunk_shape"), f"{name}.chunk_shape", lo=1)
@@ -584,9 +585,10 @@ def _with_listed(head: ArrayEntry, doc: dict[str, Any], world: int) -> ArrayEntr
     regions = doc.get("regions", [])
     if not isinstance(regions, list) or not all(
         isinstance(r, dict)
-        and isinstance(r.get("offsets"), list)
-        and isinstance(r.get("ranks"), list)
-        and isinstance(r.get("shape", []), list)
+        and all(
+            isinstance(v, list) and all(type(x) is int for x in v)
+            for v in (r.get("offsets"), r.get("ranks"), r.get("shape", []))
+        )
         for r in regions
     ):
         raise ManifestError(f"array {name!r}: regions must be a list of region objects", path=name)
@@ -657,7 +659,7 @@ def parse_manifest(raw: bytes) -> Manifest:
     save_id = doc.get("save_id")
     if not isinstance(save_id, str) or not SAVE_ID.fullmatch(save_id):
         raise ManifestError(f"manifest save_id {str(save_id)[:40]!r} is not 32 hex digits")
-    world = _int(doc.get("world_size"), "world_size", 1, 1 << 24)
+    world = _int(doc.get("world_size"), "world_size", 1, MAX_WORLD)
     arrays_doc = doc.get("arrays")
     ranks_doc = doc.get("ranks")
     roots_doc = doc.get("roots")
@@ -671,10 +673,12 @@ def parse_manifest(raw: bytes) -> Manifest:
         raise ManifestError("manifest roots must be a list of rank lists")
     roots = tuple(tuple(_int(x, "roots", 0, world - 1) for x in r) for r in roots_doc)
     created = doc.get("created", 0.0)
+    if not (isinstance(created, float) or (type(created) is int and abs(created) < _INT_MAX)):
+        created = 0.0  # (a crafted integer beyond a float's range raises in float())
     return Manifest(
         step=_int(doc.get("step"), "step"),
         save_id=save_id,
-        created=float(created) if isinstance(created, (int, float)) else 0.0,
+        created=float(created),
         world_size=world,
         arrays=arrays,
         trees=trees,
@@ -690,7 +694,7 @@ def _parse_ranks(ranks_doc: list[Any], trees: dict[str, Any], world: int) -> tup
     """Schemas 1-2: each rank's tree key, RNG, host and root."""
     ranks = []
     for r in ranks_doc:
-        if not isinstance(r, dict) or r.get("tree") not in trees:
+        if not isinstance(r, dict) or not isinstance(r.get("tree"), str) or r.get("tree") not in trees:
             raise ManifestError("manifest rank entry is malformed")
         rng = r.get("rng")
         if rng is not None and not rng_ok(rng):

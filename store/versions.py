@@ -34,7 +34,7 @@ import xxhash
 
 from ckpt.store.errors import CorruptVersionError, ManifestError, TierUnavailableError, VersionNotFoundError
 from ckpt.store.faults import fault_point
-from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, SAVE_ID, Manifest, keys_of, parse_manifest
+from ckpt.store.manifest import MANIFEST_NAME, MAX_WORLD, ROOT_INFO_NAME, SAVE_ID, Manifest, keys_of, parse_manifest
 from ckpt.store.rank_ranges import RankRanges, ranges_of
 from ckpt.store.root import ROOT_ID_NAME
 from ckpt.store.tier import Tier, join_key, open_tier
@@ -54,6 +54,7 @@ __all__ = [
     "committed_steps",
     "is_committed",
     "committed",
+    "listing",
     "damaged_entries",
     "read_manifest",
     "ManifestFacts",
@@ -128,14 +129,14 @@ def parse_root_info(raw: bytes) -> RootInfo | None:
     """The root info, or None where it is not one (a torn or foreign file)."""
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(doc, dict):
         return None
     save_id, step, world, writers = doc.get("save_id"), doc.get("step"), doc.get("world_size"), doc.get("writers")
     if not (isinstance(save_id, str) and SAVE_ID.fullmatch(save_id)):
         return None
-    if type(world) is not int or world < 1 or not isinstance(writers, list):
+    if type(world) is not int or not 1 <= world <= MAX_WORLD or not isinstance(writers, list):
         return None
     if not all(type(w) is int and 0 <= w < world for w in writers):
         return None
@@ -270,16 +271,24 @@ def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo 
 
 
 def committed(where: Tier | str | os.PathLike[str]) -> list[Candidate]:
-    """Committed versions with a valid root info, oldest first (a version without one is
-    skipped: its holders cannot be known, so it cannot be chosen for a restore)."""
+    """Committed versions with a valid root info, oldest first (see listing)."""
+    return listing(where)[0]
+
+
+def listing(where: Tier | str | os.PathLike[str]) -> tuple[list[Candidate], list[int]]:
+    """Committed versions with a valid root info, oldest first, and the committed steps
+    without one (missing, unreadable or damaged: its holders cannot be known, so it cannot
+    be chosen for a restore, and a restore that finds nothing else says so)."""
     tier = as_tier(where)
-    out = []
+    out, nameless = [], []
     for step in committed_steps(tier):
         info = read_root_info(tier, step)
-        if info is not None:
-            keys = None if info.keys is None else frozenset(info.keys)
-            out.append(Candidate(step, info.save_id, info.world_size, ranges_of(info.writers), keys))
-    return out
+        if info is None:
+            nameless.append(step)
+            continue
+        keys = None if info.keys is None else frozenset(info.keys)
+        out.append(Candidate(step, info.save_id, info.world_size, ranges_of(info.writers), keys))
+    return out, nameless
 
 
 def read_manifest(where: Tier | str | os.PathLike[str], step: int) -> Manifest:
@@ -299,6 +308,7 @@ class ManifestFacts:
     milestone: bool
     keys: frozenset[str] | None  # the saved state's top-level keys (None: every key)
     layout: str | None  # the save layout's key (store.spare)
+    save_id: str  # which save of the step it is (another, once the step is saved again)
 
 
 _FACTS: OrderedDict[tuple[int, bytes], ManifestFacts] = OrderedDict()
@@ -334,6 +344,7 @@ def remember_manifest(raw: bytes, m: Manifest, digest: bytes | None = None) -> M
         bool(m.meta.get("milestone")),
         None if m.keys is None else frozenset(m.keys),
         layout if isinstance(layout, str) else None,
+        m.save_id,
     )
     with _FACTS_LOCK:
         _FACTS[(m.step, digest or xxhash.xxh3_128_digest(raw))] = facts

@@ -34,7 +34,7 @@ from click.testing import CliRunner
 from ckpt import Checkpointer, CorruptVersionError, TierUnavailableError
 from ckpt.cli import main as cli_main
 from ckpt.replicator.config import ReplicatorConfig
-from ckpt.replicator.policy import KeepMilestones
+from ckpt.replicator.policy import KeepLast, KeepMilestones
 from ckpt.replicator.service import Replicator
 from ckpt.replicator.status import Status
 from ckpt.store import versions
@@ -529,6 +529,68 @@ def test_gc_keeps_a_version_it_could_not_read(s3: S3Place, proxy: FlakyProxy, tm
     r = CliRunner().invoke(cli_main, ["gc", s3.url, "--milestone-every", "2", "--all-but-milestones", *quick])
     assert r.exit_code == 0, r.output
     assert remote_steps(s3) == [2, 4, 5]  # v5 is the newest intact version: kept
+
+
+def test_replica_kept_while_the_remote_cannot_read_its_copy(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
+    """Steps 1-4 on the source, its replica disk and S3; step 1 then deleted from the source
+    by hand, and every GET of the remote's step 1 manifest answers 503 SlowDown: the remote's
+    copy may be fine, but nothing proves it, so replica GC (keep_last 2) keeps the replica's
+    copy, the last one known good. Once the store answers, it goes."""
+    from ckpt.replicator.placement import source_label
+
+    disks = []
+    for name in ("disk0", "disk1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".ckpt-disk").write_text(name)
+        disks.append(tmp_path / name / "ckpt")
+    d0, d1 = disks
+    replica = str(d1 / "replicas" / source_label(str(d0)))
+    save_steps(d0, {s: make_state(s) for s in (1, 2, 3, 4)})
+
+    def replicator(policy: KeepLast | None = None) -> Replicator:
+        config = ReplicatorConfig(
+            replicas=2,
+            replica_roots=(str(d1),),
+            remote=s3.url,
+            storage_options=options(proxy.endpoint),
+            local_policy=policy,
+        )
+        return Replicator([str(d0)], config)
+
+    replicator().run_once()
+    assert versions.committed_steps(replica) == remote_steps(s3) == [1, 2, 3, 4]
+    versions.delete_version(str(d0), 1)
+    proxy.set_plan(FaultPlan(rate=1.0, weights={"slowdown503": 1.0}, only=rf"^GET /[^?]*/{vname(1)}/manifest\.json"))
+    replicator(KeepLast(2)).run_once()
+    assert proxy.faults()["slowdown503"] >= 1
+    assert 1 in versions.committed_steps(replica)
+    proxy.set_plan(FaultPlan(rate=0.0))
+    replicator(KeepLast(2)).run_once()
+    assert 1 not in versions.committed_steps(replica)  # the remote's copy is read, and intact
+
+
+def test_a_damaged_manifest_beside_an_unreachable_copy_is_not_damage(
+    s3: S3Place, proxy: FlakyProxy, tmp_path: Path
+) -> None:
+    """Step 2's manifest is damaged on the local root, and every GET of its copy on S3
+    answers 503 SlowDown: that copy may be good, so restore() raises TierUnavailableError
+    rather than take step 2 for damaged and fall back to step 1. Once S3 answers, step 2
+    comes from its copy there."""
+    root = tmp_path / "root"
+    states = {s: make_state(s) for s in (1, 2)}
+    save_steps(root, states)
+    replicate(root, s3.url, s3.server.endpoint)  # directly, no faults
+    manifest = root / vname(2) / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:-9] + b"0" * 9)
+    proxy.set_plan(FaultPlan(rate=1.0, weights={"slowdown503": 1.0}, only=rf"^GET /[^?]*/{vname(2)}/manifest\.json"))
+    with Checkpointer(root, tiers=[s3.url], storage_options=options(proxy.endpoint)) as ck:
+        with pytest.raises(TierUnavailableError, match="no readable manifest of step 2"):
+            ck.restore(blank(states[2]))
+        assert proxy.faults()["slowdown503"] >= 1
+        proxy.set_plan(FaultPlan(rate=0.0))
+        target = blank(states[2])
+        assert ck.restore(target) == 2
+    assert_bitwise(target, states[2])
 
 
 def vname(step: int) -> str:

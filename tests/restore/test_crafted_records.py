@@ -1,0 +1,158 @@
+"""Crafted or damaged records of a version (root.json, manifest fields, the RNG state in a
+rank file) make restore() fall back past that version or raise a documented error: never
+a raw Python exception, never a silent fresh start, and never a state left half from the
+bad version."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from ckpt import Checkpointer
+from ckpt.store.errors import CorruptVersionError, ManifestError
+from ckpt.store.manifest import parse_manifest, with_checksum
+from ckpt.store.versions import version_dirname
+from tests._manifests import as_schema_2, crafted
+from tests._states import assert_bitwise, blank
+
+
+def state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(10, 4, generator=g), "b": torch.randn(300, 256, generator=g)}
+
+
+def two_steps(root: Path) -> None:
+    with Checkpointer(root) as ck:
+        for step in (1, 2):
+            random.seed(step)
+            np.random.seed(step)
+            torch.manual_seed(step)
+            ck.save(step, state(step))
+
+
+def draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.random()), float(torch.rand(1))
+
+
+def restores_step_1(root: Path) -> None:
+    """restore() falls back to step 1: its tensors and its RNG, bitwise."""
+    target = blank(state(1))
+    with Checkpointer(root) as ck:
+        assert ck.restore(target) == 1
+        assert_bitwise(target, state(1))
+        got = draws()
+        ck.restore(blank(state(1)), step=1)
+    assert got == draws()
+
+
+# -- root.json ---------------------------------------------------------------------------------
+
+
+ROOT_INFO: dict[str, Callable[[Path], None]] = {
+    "garbage": lambda p: p.write_bytes(b"\x00\x01 not json"),
+    "missing": lambda p: p.unlink(),
+    "nested": lambda p: p.write_bytes(b"[" * 200_000),  # RecursionError in json, caught
+    "huge-world": lambda p: p.write_text(json.dumps({**json.loads(p.read_bytes()), "world_size": 1 << 40})),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(ROOT_INFO))
+def test_damaged_root_info_is_named_and_passed(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    two_steps(tmp_path)
+    ROOT_INFO[damage](tmp_path / version_dirname(2) / "root.json")
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        restores_step_1(tmp_path)
+    assert f"step 2 skipped, {tmp_path}/{version_dirname(2)}/root.json is missing or damaged" in caplog.text
+
+
+def test_only_version_with_damaged_root_info_is_no_fresh_start(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, state(1))
+    (tmp_path / version_dirname(1) / "root.json").write_bytes(b"{torn")
+    with Checkpointer(tmp_path) as ck:
+        assert ck.steps() == [1]
+        with pytest.raises(CorruptVersionError, match="root.json; not starting from scratch"):
+            ck.restore(blank(state(1)))
+
+
+# -- manifest fields ---------------------------------------------------------------------------
+
+
+def _edit(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
+    doc = json.loads(path.read_bytes())
+    fn(doc)
+    path.write_bytes(crafted(doc))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        lambda d: d["arrays"]["w"].__setitem__("data_type", []),
+        lambda d: d["ranks"][0].__setitem__("tree", [1]),  # schema 2
+        lambda d: d["arrays"]["w"].__setitem__("regions", [{"offsets": [0, 0], "shape": [[10], 4], "ranks": [0]}]),
+    ],
+    ids=["data-type-a-list", "rank-tree-a-list", "region-shape-nested"],
+)
+def test_crafted_manifest_fields_are_manifest_errors(tmp_path: Path, case: Callable[[dict[str, Any]], None]) -> None:
+    two_steps(tmp_path)
+    version = tmp_path / version_dirname(2)
+    as_schema_2(version)
+    manifest = version / "manifest.json"
+    parse_manifest(manifest.read_bytes())  # valid as converted
+    _edit(manifest, case)
+    with pytest.raises(ManifestError):
+        parse_manifest(manifest.read_bytes())
+    restores_step_1(tmp_path)
+
+
+def test_created_beyond_a_float_is_no_overflow(tmp_path: Path) -> None:
+    two_steps(tmp_path)
+    manifest = tmp_path / version_dirname(2) / "manifest.json"
+    doc = json.loads(manifest.read_bytes())
+    doc.pop("manifest_xxh3")
+    body = json.dumps(doc, separators=(",", ":")).replace(f'"created":{doc["created"]}', '"created":1' + "0" * 400)
+    manifest.write_bytes(with_checksum(body.encode()))
+    assert parse_manifest(manifest.read_bytes()).created == 0.0
+    target = blank(state(2))
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(target) == 2
+    assert_bitwise(target, state(2))
+
+
+# -- the RNG state in a rank file --------------------------------------------------------------
+
+
+RNG: dict[str, Callable[[dict[str, Any]], None]] = {
+    "numpy-keys-empty": lambda r: r["numpy"].__setitem__("keys", ""),
+    "numpy-name": lambda r: r["numpy"].__setitem__("name", "PCG64"),
+    "numpy-no-has-gauss": lambda r: r["numpy"].pop("has_gauss"),
+    "python-version": lambda r: r["python"].__setitem__("version", 99),
+    "torch-state-short": lambda r: r.__setitem__("torch", "AAAA"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RNG))
+def test_crafted_rng_state_is_refused_before_restoring(tmp_path: Path, case: str) -> None:
+    """A rank file whose RNG state passes the manifest's shape checks but that no generator
+    takes, in a version whose checksums all match (crafted): the version is refused before
+    any of it is restored, and step 1 restored whole."""
+    two_steps(tmp_path)
+    version = tmp_path / version_dirname(2)
+    rank = json.loads((version / "ranks" / "0.json").read_bytes())
+    RNG[case](rank["rng"])
+    raw = json.dumps(rank, separators=(",", ":")).encode()
+    (version / "ranks" / "0.json").write_bytes(raw)
+    doc = json.loads((version / "manifest.json").read_bytes())
+    doc.pop("manifest_xxh3")
+    doc["ranks"][0] = [len(raw), xxhash.xxh3_64_hexdigest(raw)]
+    (version / "manifest.json").write_bytes(with_checksum(json.dumps(doc, separators=(",", ":")).encode()))
+    restores_step_1(tmp_path)

@@ -1,0 +1,105 @@
+"""A local file that fails a read once is read again, not taken for damage; one that keeps
+failing is damage, and the restore falls back past it.
+
+No kernel facility here fails a read once and then serves it (no device-mapper, no libfuse
+on these machines), so the I/O error is raised by a wrapper around the tier's own file
+reads (`_FileHandle.read_into`, and the open beneath the tier), for the named file and
+the given number of times; everything else is the real read path on real files.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt.store._local as local
+from ckpt import Checkpointer
+from ckpt.store.versions import version_dirname
+from tests._states import assert_bitwise, blank
+
+
+def state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(10, 4, generator=g), "b": torch.randn(300, 256, generator=g)}  # b: a full-path chunk
+
+
+def two_steps(root: Path) -> None:
+    with Checkpointer(root) as ck:
+        for step in (1, 2):
+            random.seed(step)
+            ck.save(step, state(step))
+
+
+class _Failing:
+    """Raise EIO for the first `times` reads (or opens) of keys ending in `suffix`."""
+
+    def __init__(self, suffix: str, times: int) -> None:
+        self.suffix, self.left, self.raised = suffix, times, 0
+
+    def hit(self, key: str) -> None:
+        if key.endswith(self.suffix) and self.left > 0:
+            self.left -= 1
+            self.raised += 1
+            raise OSError(errno.EIO, "Input/output error", key)
+
+
+def _fail_reads(monkeypatch: pytest.MonkeyPatch, suffix: str, times: int) -> _Failing:
+    failing = _Failing(suffix, times)
+    real = local._FileHandle.read_into
+
+    def read_into(self: Any, offset: int, out: memoryview) -> None:
+        failing.hit(self._key)
+        real(self, offset, out)
+
+    monkeypatch.setattr(local._FileHandle, "read_into", read_into)
+    return failing
+
+
+def _fail_opens(monkeypatch: pytest.MonkeyPatch, suffix: str, times: int) -> _Failing:
+    failing = _Failing(suffix, times)
+    real = local.open_beneath
+
+    def open_beneath(top: str, rel: str, top_fd: int | None = None) -> tuple[int, int]:
+        failing.hit(rel)
+        return real(top, rel, top_fd)
+
+    monkeypatch.setattr(local, "open_beneath", open_beneath)
+    return failing
+
+
+CHUNK = f"{version_dirname(2)}/state/b/c.0.0"
+RANK_FILE = f"{version_dirname(2)}/ranks/0.json"
+
+
+@pytest.mark.parametrize(
+    "where,inject", [(CHUNK, _fail_reads), (CHUNK, _fail_opens), (RANK_FILE, _fail_reads), (RANK_FILE, _fail_opens)]
+)
+def test_a_read_that_fails_once_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str, inject: Any
+) -> None:
+    two_steps(tmp_path)
+    assert (tmp_path / where).is_file()
+    failing = inject(monkeypatch, where, 1)
+    target = blank(state(2))
+    with caplog.at_level(logging.WARNING, logger="ckpt"), Checkpointer(tmp_path) as ck:
+        assert ck.restore(target) == 2
+    assert failing.raised == 1
+    assert_bitwise(target, state(2))
+    assert "reading it again" in caplog.text and "Input/output error" in caplog.text
+
+
+@pytest.mark.parametrize("inject", [_fail_reads, _fail_opens])
+def test_a_read_that_keeps_failing_is_damage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inject: Any) -> None:
+    two_steps(tmp_path)
+    failing = inject(monkeypatch, CHUNK, 1_000)
+    target = blank(state(1))
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(target) == 1  # three reads failed: a bad sector, as before
+    assert failing.raised == 3
+    assert_bitwise(target, state(1))
