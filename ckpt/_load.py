@@ -223,6 +223,8 @@ def load_version(
                     bound.results[leaf.name] = dest
                     requests.append(ReadRequest(array, dest, (0,) * len(array.shape)))
                     continue
+                if isinstance(leaf.value, np.ndarray) and not leaf.value.flags.writeable:
+                    raise StateMismatchError(f"{leaf.key}: the state's array is read-only (restore fills it in place)")
                 piece = describe(leaf.value, leaf.key)
                 if (piece.data_type, piece.global_shape) != (array.data_type, array.shape):
                     raise StateMismatchError(

@@ -58,10 +58,14 @@ def node_of(rank: int) -> int:
 
 
 def resolve_root(root: PathSpec, rank: int) -> str:
-    """A path, a callable of the rank, or a string with {rank}, {local_rank}, {node} or {hostname}."""
+    """A path, a callable of the rank, or a string with {rank}, {local_rank}, {node} or {hostname}.
+    An empty one is refused: it would make the working directory the root (an unset
+    environment variable, say)."""
+    text = os.fspath(root(rank) if callable(root) else root)
+    if not text:
+        raise ValueError("checkpoint root is empty")
     if callable(root):
-        return os.path.abspath(os.fspath(root(rank)))
-    text = os.fspath(root)
+        return os.path.abspath(text)
     fields = {
         "rank": rank,
         "local_rank": int(os.environ.get("LOCAL_RANK", rank % local_world())),

@@ -70,6 +70,11 @@ def encode_state(state: Mapping[str, Any], memo: EncodeMemo | None = None) -> tu
     holds this save's."""
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
+    odd = [k for k in state if not isinstance(k, str) or k in _MARKERS]
+    if odd:  # (below the top, such keys are encoded with their types; here they name what a restore loads)
+        raise UnsupportedStateError(
+            f"top-level state key {odd[0]!r}: top-level keys are strings other than {sorted(_MARKERS)}"
+        )
     enc = _Encoder(memo)
     tree = {k: enc.enc(v, (k,), escape_component(str(k))) for k, v in state.items()}
     if memo is not None:

@@ -116,6 +116,8 @@ def _is_directory(tier: Tier) -> bool:
 
 def _root(location: str, options: dict[str, Any]) -> Tier:
     """The tier of a ROOT argument: a local one (a path or a file:// URL) must exist."""
+    if not location:
+        raise click.UsageError("ROOT is empty")
     tier = open_tier(location, options)
     if not _is_directory(tier):
         raise CkptError(f"{location} is not a directory")
@@ -123,6 +125,8 @@ def _root(location: str, options: dict[str, Any]) -> Tier:
 
 
 def _tiers(root: str, extra: tuple[str, ...], options: dict[str, Any]) -> list[Tier]:
+    if not root or not all(extra):
+        raise click.UsageError("a ROOT or --tier is empty")
     tiers = {p: open_tier(p, options) for p in (root, *extra)}
     usable = [p for p, t in tiers.items() if _is_directory(t)]
     for path in tiers:

@@ -27,12 +27,17 @@ class UntrustedSourceError(UnsupportedStateError):
 
 
 def _dcp_state(path: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # type: ignore[no-untyped-call]
+    try:
+        planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
+        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+    except CheckpointException as e:  # (a BaseException: what its ranks raised)
+        raise ValueError(" ".join(str(e).split())[:500]) from None
     return state
 
 
@@ -47,7 +52,13 @@ def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
             f"{path}: importing unpickles {what}, which can run any code; pass --trust (trust=True) "
             "only for files from a source you trust"
         )
-    state = _dcp_state(path) if is_dcp else torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = _dcp_state(path) if is_dcp else torch.load(path, map_location="cpu", weights_only=False)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a foreign reader raises on a file it cannot read
+        what = "DCP checkpoint" if is_dcp else "torch.save file"
+        raise UnsupportedStateError(f"{path}: not a readable {what}: {type(e).__name__}: {e}") from None
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"{path}: holds a {type(state).__name__}, not a dict of state")
     return state

@@ -20,11 +20,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+import xxhash
+
 from ckpt.store.errors import TierUnavailableError
 from ckpt.store.fsio import makedirs, write_durable
 from ckpt.store.tier import Tier, is_url
 
-__all__ = ["DISK_MARKER", "Destination", "disk_id", "claim_disk", "is_local_location", "source_label"]
+__all__ = ["DISK_MARKER", "Destination", "disk_id", "device_id", "claim_disk", "is_local_location", "source_label"]
 
 DISK_MARKER = ".ckpt-disk"
 
@@ -34,7 +36,8 @@ def is_local_location(location: str) -> bool:
 
 
 def _path(location: str) -> str:
-    return os.path.abspath(location[len("file://") :] if location.startswith("file://") else location)
+    """The real path: a symlink names the disk it points into, not the one it lies on."""
+    return os.path.realpath(location[len("file://") :] if location.startswith("file://") else location)
 
 
 def disk_id(location: str) -> str:
@@ -54,6 +57,16 @@ def disk_id(location: str) -> str:
         if probe == os.path.dirname(probe):
             break
         probe = os.path.dirname(probe)
+    return device_id(path)
+
+
+def device_id(location: str) -> str:
+    """The device of a local `location` (of its nearest existing directory), whatever
+    `.ckpt-disk` lies above it: an unmarked root on a device a copy is on already is on
+    that disk (a marker claim_disk wrote there would only hide it)."""
+    path = _path(location)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
     return f"dev:{os.stat(path).st_dev}"
 
 
@@ -77,10 +90,17 @@ def claim_disk(location: str) -> str:
     return disk_id(location)
 
 
+_LABEL_CHARS = 200  # a file name holds 255 bytes
+
+
 def source_label(root: str) -> str:
-    """A stable name for a source root in replica directories: host and path."""
+    """A stable name for a source root in replica directories: host and path; a longer one
+    cut, with the xxh3 of the whole, so two roots never share a name."""
     path = os.path.abspath(root).strip("/").replace("/", "_")
-    return f"{platform.node()}_{path}"[:200]
+    label = f"{platform.node()}_{path}"
+    if len(label) <= _LABEL_CHARS:
+        return label
+    return f"{label[: _LABEL_CHARS - 17]}~{xxhash.xxh3_64_hexdigest(label.encode())}"
 
 
 @dataclass

@@ -27,7 +27,7 @@ import time
 from ckpt._peer_status import with_peer_rule
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.gc import collect, judge
-from ckpt.replicator.placement import Destination, claim_disk, disk_id, is_local_location, source_label
+from ckpt.replicator.placement import Destination, claim_disk, device_id, disk_id, is_local_location, source_label
 from ckpt.replicator.policy import Policy, VersionInfo, expired
 from ckpt.replicator.publish import committed_info, publish
 from ckpt.replicator.ratelimit import RateLimiter
@@ -47,7 +47,7 @@ from ckpt.replicator.status import (
 )
 from ckpt.replicator.transfer import Transfer, copy_files, journal_for
 from ckpt.store import metrics
-from ckpt.store.errors import CkptError, StoppedError, VersionExistsError
+from ckpt.store.errors import CkptError, CorruptVersionError, StoppedError, VersionExistsError
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import deleting
 from ckpt.store.retry import RetryPolicy
@@ -91,7 +91,7 @@ class Replicator:
         recorded the first time (in the source's status, so it outlives restarts); later the
         destination must still be on that disk (Destination.check_disk), or its copies fail."""
         status = self._status[source]
-        used = {disk_id(source)}
+        used = {disk_id(source), device_id(source)}  # (unmarked roots are told apart by device)
         out: list[Destination] = []
         for r in self.config.replica_roots:
             if len(out) == self.config.replicas - 1:
@@ -99,12 +99,16 @@ class Replicator:
             local = is_local_location(r)
             disk = status.disks.get(r)
             if disk is None:
+                if local and disk_id(r) == device_id(r) and device_id(r) in used:  # unmarked, on a disk a copy is on
+                    continue
                 disk = claim_disk(r)
                 if local:
                     status.disks[r] = disk
             if disk in used:
                 continue
             used.add(disk)
+            if local:
+                used.add(device_id(r))
             url = f"{r.rstrip('/')}/replicas/{source_label(source)}"
             out.append(Destination(url, "replica", self._tier(url), disk=disk if local else None))
         if len(out) < self.config.replicas - 1:
@@ -276,7 +280,8 @@ class Replicator:
                 except StoppedError:
                     raise
                 except Exception as e:  # noqa: BLE001 - a lost disk must not stop the other copies: recorded as failed
-                    failed.add(dest.url)
+                    if not _of_the_version(e):
+                        failed.add(dest.url)
                     entry.copies[dest.url] = CopyState("failed", time.time(), error=self._failed(step, dest, e))
                     continue
                 entry.copies[dest.url] = CopyState("verified" if ok else "pending", time.time())
@@ -330,7 +335,8 @@ class Replicator:
         except StoppedError:
             raise
         except Exception as e:  # noqa: BLE001 - as for the replicas: recorded as failed
-            failed.add(self.remote.url)
+            if not _of_the_version(e):
+                failed.add(self.remote.url)
             entry.remote = CopyState("failed", time.time(), url=url, error=self._failed(step, self.remote, e))
             return
         entry.remote = CopyState("verified" if ok else WAITING, time.time(), url=url)
@@ -471,9 +477,17 @@ class Replicator:
         return {v.step for v in versions if v.step not in there and (policy is None or not expired(listing, v, policy))}
 
 
+def _of_the_version(e: Exception) -> bool:
+    """Whether a failed copy is this version's own (its source damaged, or the remote
+    holding another save of its step), not its destination's: the other versions are
+    still copied there in the same pass."""
+    return isinstance(e, (CorruptVersionError, VersionExistsError))
+
+
 def _last_status(source: str) -> Status:
     """What an earlier replicator recorded for `source`; a record that cannot be read is
-    started anew (its copies are found and verified again), with a warning."""
+    started anew, with a warning: copies not in it are made again, and a copy a
+    destination holds committed (verified before it was committed) counts as it is."""
     try:
         return read_status(source) or Status()
     except (CkptError, OSError) as e:

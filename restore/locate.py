@@ -129,7 +129,7 @@ def first_manifest(located: Located, shared: bool = True) -> Manifest | None:
 class _Found(NamedTuple):
     candidates: list[tuple[int, Candidate]]  # (the tier's position, a version on it)
     failed: dict[int, str]  # the positions of the tiers that could not be listed, and why
-    nameless: set[int]  # committed steps without a usable root info (versions.listing)
+    damaged: dict[int, str]  # steps whose entry is damaged (no root info, no manifest...): what is
 
 
 def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int], dead: dict[str, str]) -> _Found:
@@ -137,7 +137,7 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
     store is in `dead` (rank 0 failed to list it this restore) fails as it did then."""
     found: list[tuple[int, Candidate]] = []
     failed: dict[int, str] = {}
-    nameless: set[int] = set()
+    damaged: dict[int, str] = {}
     for i, tier in enumerate(tiers):
         if i in skip:
             continue
@@ -149,19 +149,20 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
             found += [(i, c) for c in candidates]
             for step in without:
                 where = f"{tier.location}/{version_dirname(step)}/{ROOT_INFO_NAME}"
+                damaged[step] = f"{where} is missing or damaged"
                 if where not in warned:
                     warned.add(where)
-                    log.warning("rank %d: step %d skipped, %s is missing or damaged", rank, step, where)
-            nameless.update(without)
+                    log.warning("rank %d: step %d skipped, %s", rank, step, damaged[step])
             for d in damaged_entries(tier):
                 where = f"{tier.location}/{d.name}"
+                damaged[d.step] = f"{where} is damaged: {d.why}"
                 if where not in warned:
                     warned.add(where)
-                    log.warning("rank %d: step %d skipped, %s is damaged: %s", rank, d.step, where, d.why)
+                    log.warning("rank %d: step %d skipped, %s", rank, d.step, damaged[d.step])
         except (CkptError, OSError) as e:
             failed[i] = f"{tier.location}: {e}"
             log.warning("rank %d: tier %s is unavailable: %s", rank, tier.location, e)
-    return _Found(found, failed, nameless)
+    return _Found(found, failed, damaged)
 
 
 def restore_newest(
@@ -194,7 +195,7 @@ def restore_newest(
     passed: set[int] = set()  # versions already reported as passed over
     vanished: set[int] = set()  # deleted by GC since they were listed
     warned: set[str] = set()  # damaged entries already reported
-    nameless: set[int] = set()  # committed steps this rank found without a usable root info
+    damaged: dict[int, str] = {}  # steps this rank found damaged entries of (_Found.damaged)
     one_lister = True  # rank 0 lists the shared tiers for every rank (False: each rank lists its own)
     dead: dict[str, str] = {}  # shared tiers rank 0 could not list (store_id: why): not tried again
     cut_off: set[str] = set()  # sources this rank found out of its reach while loading (Located.unreachable)
@@ -208,8 +209,8 @@ def restore_newest(
             listed = list(tiers())
             if one_lister and comm.rank != 0:
                 left = frozenset(i for i, t in enumerate(listed) if t.capabilities.shared)
-            mine, unlisted, without = _list(listed, comm.rank, warned, left, dead)
-            nameless |= without
+            mine, unlisted, found_damaged = _list(listed, comm.rank, warned, left, dead)
+            damaged.update(found_damaged)
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
         unreachable = list(unlisted.values())
@@ -252,11 +253,13 @@ def restore_newest(
         if chosen is None:
             if needed is not None and step is None and reachable_steps(held) and not reachable_steps(held, needed):
                 _lacking(held, needed, listed)
-            if step is None and comm.any(bool(nameless - reachable_steps(held).keys())):
-                raise CorruptVersionError(
-                    f"no version can be chosen, and committed steps {sorted(nameless)} (on rank {comm.rank}) "
-                    f"have a missing or damaged {ROOT_INFO_NAME}; not starting from scratch"
-                )
+            # A damaged entry of the step asked for, or (none asked for) of a step no tier
+            # holds intact: an error, never "not committed" or a fresh start.
+            asked = {step} if step is not None else set(damaged) - reachable_steps(held).keys()
+            bad = "; ".join(damaged[s] for s in sorted(asked) if s in damaged)
+            if comm.any(bool(bad)):
+                what = f"step {step} is damaged" if step is not None else "no version can be chosen"
+                raise CorruptVersionError(f"{what} ({bad or 'on another rank'}); not starting from scratch")
             _nothing(comm, listed, held, step, excluded, vanished, unreachable, missing_ok, searched, if_incomplete)
             return None
         save_id = reachable_steps(held, needed)[chosen]

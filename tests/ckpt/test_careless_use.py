@@ -356,3 +356,92 @@ def test_two_keys_that_name_one_array_are_refused_with_both_key_paths(tmp_path: 
         ck.save(1, {"x": {1: torch.ones(2), "1": torch.zeros(2)}})
     assert str(info.value) == "state['x']['1'] and state['x'][1] map to the same array name 'x/1'"
     assert ck.steps() == []
+
+
+# -- found by review (2026-12-05): each failed on the code before its fix ---------------------
+
+
+@pytest.mark.parametrize("key", ["__tensor__", "__dict__", "__float__", 1, None, True])
+def test_top_level_keys_that_would_not_restore_are_refused_at_save(tmp_path: Path, key: object) -> None:
+    """Such a key committed a version that no restore into the same state could read."""
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(UnsupportedStateError, match="top-level state key"):
+            ck.save(1, {key: torch.ones(2), "b": torch.zeros(2)})  # type: ignore[dict-item]
+        assert ck.steps() == []
+        ck.save(1, {"w": {key: torch.ones(2)}})  # below the top, with its type
+        got = {"w": {key: torch.zeros(2)}}
+        assert ck.restore(got) == 1  # type: ignore[arg-type]
+    assert_bitwise(got, {"w": {key: torch.ones(2)}})  # type: ignore[arg-type]
+
+
+def test_a_read_only_array_in_the_state_is_a_mismatch_not_damage(tmp_path: Path) -> None:
+    import numpy as np
+
+    state = {"a": np.arange(12.0), "w": torch.ones(3)}
+    with Checkpointer(tmp_path / "root") as ck:
+        ck.save(1, state)
+    np.save(tmp_path / "a.npy", np.zeros(12))
+    mapped = np.load(tmp_path / "a.npy", mmap_mode="r")  # read-only: a read into it fails (EFAULT)
+    frozen = np.zeros(12)
+    frozen.flags.writeable = False
+    for target in (mapped, frozen):
+        with Checkpointer(tmp_path / "root") as ck:
+            with pytest.raises(StateMismatchError, match="read-only"):
+                ck.restore({"a": target, "w": torch.zeros(3)})
+            assert ck.steps() == [1]
+        assert not np.asarray(target).any()  # nothing written into it
+    got = {"a": np.zeros(12), "w": torch.zeros(3)}
+    with Checkpointer(tmp_path / "root") as ck:
+        assert ck.restore(got) == 1  # the version is intact
+    assert (got["a"] == np.arange(12.0)).all()
+
+
+def test_an_empty_root_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unset environment variable made the working directory a checkpoint root."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="root is empty"):
+        Checkpointer("")
+    with pytest.raises(ValueError, match="root is empty"):
+        Checkpointer(lambda rank: "")
+    for args in (["ls", ""], ["verify", ""], ["restore", str(tmp_path), "--tier", "", "--to-torch", "x.pt"]):
+        out = CliRunner().invoke(cli, args)
+        assert out.exit_code == 2 and "is empty" in out.output, (args, out.output)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("content", [b"garbage bytes here\n", b""], ids=["not-a-pickle", "empty"])
+def test_import_of_a_file_that_is_no_torch_save_file_is_one_line(tmp_path: Path, content: bytes) -> None:
+    src = tmp_path / "x.pt"
+    src.write_bytes(content)
+    out = CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root"), "--step", "1", "--trust"])
+    assert out.exit_code == 3, out.output
+    assert out.stderr.startswith("ckpt: error: ") and out.stderr.count("\n") == 1, out.stderr
+    assert "not a readable torch.save file" in out.stderr
+
+
+def test_import_of_a_dcp_directory_with_a_damaged_metadata_is_one_line(tmp_path: Path) -> None:
+    src = tmp_path / "dcp"
+    src.mkdir()
+    (src / ".metadata").write_bytes(b"junk\n")
+    out = CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root"), "--step", "1", "--trust"])
+    assert out.exit_code == 3, out.output
+    assert "not a readable DCP checkpoint" in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "restore"])
+def test_a_damaged_version_asked_for_by_step_is_damage(
+    damaged_root: tuple[Path, int], tmp_path: Path, cmd: str
+) -> None:
+    """README, exit codes: 1 for a corrupt version asked for by restore/inspect --step; a
+    version directory that lost its manifest (or a file in its place) is one."""
+    root, step = damaged_root
+    args = [cmd, str(root), "--step", str(step)] + (
+        ["--to-torch", str(tmp_path / "out.pt")] if cmd == "restore" else []
+    )
+    out = CliRunner().invoke(cli, args)
+    assert out.exit_code == 1, out.output
+    assert out.stderr.splitlines()[-1].startswith(f"ckpt: error: step {step} is damaged"), out.stderr
+    assert "Traceback" not in out.stderr
+    got = {"w": torch.zeros(4), "step": 0}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got, step=2) == 2  # the others are unaffected

@@ -80,7 +80,7 @@ def test_only_version_with_damaged_root_info_is_no_fresh_start(tmp_path: Path) -
     (tmp_path / version_dirname(1) / "root.json").write_bytes(b"{torn")
     with Checkpointer(tmp_path) as ck:
         assert ck.steps() == [1]
-        with pytest.raises(CorruptVersionError, match="root.json; not starting from scratch"):
+        with pytest.raises(CorruptVersionError, match=r"root.json is missing or damaged\); not starting from scratch"):
             ck.restore(blank(state(1)))
 
 
