@@ -39,8 +39,8 @@ from ckpt.provenance import job_provenance, rank_provenance
 from ckpt.store import commit as commit_mod
 from ckpt.store import metrics
 from ckpt.store.dtypes import itemsize
-from ckpt.store.errors import TierUnavailableError
-from ckpt.store.faults import fault_point
+from ckpt.store.errors import CkptError, TierUnavailableError
+from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.fsio import DIR_MODE, fsync_dirs, write_new
 from ckpt.store.layout import block_rows, flat_index, grid_shape
 from ckpt.store.manifest import ArrayEntry, Manifest, RankRef, parse_manifest
@@ -214,13 +214,17 @@ def _write(job: SaveJob, ctx: RootContext, tmp_dir: str, pool: ThreadPoolExecuto
         t0 = time.perf_counter()
         fsync_dirs(job.written.dirs)
         job.stats.fsync_s = time.perf_counter() - t0
-    except OSError as e:  # disk full, I/O error, unwritable: one documented type, errno kept
-        if isinstance(e, TierUnavailableError):
-            return e
-        return TierUnavailableError(e.errno, f"cannot write step {job.step} to {ctx.root}: {e.strerror or e}")
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised
-        return e
+        return _disk_error(e, f"cannot write step {job.step} to {ctx.root}")
     return None
+
+
+def _disk_error(e: BaseException, what: str) -> BaseException:
+    """A disk's OSError (disk full, I/O error, unwritable) as the one documented type,
+    TierUnavailableError, its errno kept; anything else as it is."""
+    if isinstance(e, OSError) and not isinstance(e, CkptError):
+        return TierUnavailableError(e.errno, f"{what}: {e.strerror or e}")
+    return e
 
 
 def _report(job: SaveJob, ctx: RootContext, error: BaseException | None) -> RankReport:
@@ -293,15 +297,16 @@ def _commit(
                     remember_manifest(raw, manifest)  # retention judges it next, without parsing it again
                     del manifest, inline
             except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
-                error = e
+                error = _disk_error(e, f"cannot prepare step {job.step} in {ctx.root}")
         comm.agree(error)
         prepared_everywhere = True
         fault_point("after-prepare", ctx.rank)
+        fault_delay("after-prepare", ctx.rank)
         if ctx.is_leader:  # PUBLISH
             try:
                 commit_mod.publish(ctx.root, tmp_name, job.step, overwrite=job.request.overwrite)
             except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
-                error = e
+                error = _disk_error(e, f"cannot publish step {job.step} in {ctx.root}")
         fault_point("after-publish", ctx.rank)
         comm.agree(error)
     except BaseException as e:

@@ -29,7 +29,7 @@ from ckpt.restore.locate import Located, first_manifest
 from ckpt.restore.saved_ranks import SavedRank, saved_rank
 from ckpt.restore.sources import Source, SourcesUnreachable, rank_file_bytes_from
 from ckpt.rng import check_rng, restore_rng, seed_new_rank
-from ckpt.store.errors import CorruptVersionError, RankFailures, StateMismatchError, TierUnavailableError
+from ckpt.store.errors import CkptError, CorruptVersionError, RankFailures, StateMismatchError, TierUnavailableError
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
 
@@ -238,7 +238,14 @@ def load_version(
         ctl.agree(error)
         read_agreed(ctl, config, located, manifest, requests)
     assert bound is not None
-    bound.finish()
+    error = None
+    try:
+        bound.finish()  # load_state_dict of the state's objects, which may refuse what they get
+    except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
+        error = (
+            e if isinstance(e, CkptError) else StateMismatchError(f"loading into the state: {type(e).__name__}: {e}")
+        )
+    ctl.agree(error)
     if config.capture_rng:
         if ctl.rank < saved_world and mine.rng is not None:
             restore_rng(mine.rng)

@@ -179,8 +179,13 @@ class Saver:
             error = e
         # One all-reduce of a few integers: whether any rank failed, whether any rank's
         # layout changed since the last plan, and rank 0's random save id (the others give 0s).
+        # Also each rank's step, overwrite and milestone, and their negatives: all alike, or an error.
         ids = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else [0, 0]
-        failed, changed, *id_parts = self._ctl.reduce_max([int(error is not None), int(sig != self._plan_sig), *ids])
+        args = [step, int(overwrite), int(milestone)]
+        failed, changed, *rest = self._ctl.reduce_max(
+            [int(error is not None), int(sig != self._plan_sig), *ids, *args, *(-a for a in args)]
+        )
+        id_parts, highs, lows = rest[:2], rest[2:5], [-x for x in rest[5:]]
         if failed:  # rare: only now does each rank's error text cross, so that every rank can name it
             info = self._ctl.all_gather(None if error is None else (type(error).__name__, str(error)))
             if error is not None:
@@ -188,6 +193,10 @@ class Saver:
             failures = {r: f"{e[0]}: {e[1]}" for r, e in enumerate(info) if e}
             exists = [e for e in info if e and e[0] == VersionExistsError.__name__]
             raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
+        if highs != lows:
+            raise ValueError(
+                f"save(): the ranks pass different steps ({lows[0]}..{highs[0]}), overwrite or milestone flags"
+            )
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
             self._plan_sig, self._batches, self._last_split = None, None, None
             self._plans = agree_plans(self._ctl, described.pieces, self.config.split_bytes)

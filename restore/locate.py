@@ -88,6 +88,7 @@ class Listing(NamedTuple):
     shared: list[
         tuple[str, list[Candidate] | None]
     ]  # per shared tier (Tier.store_id): what it holds; None: left to rank 0
+    step: int | None = None  # the step this rank asks for (the same on every rank, or an error)
 
 
 def first_manifest(located: Located, shared: bool = True) -> Manifest | None:
@@ -221,8 +222,12 @@ def restore_newest(
                 [t.location for t in listed],
                 sorted(needs) if isinstance(needs, frozenset) else None,
                 _shared(listed, mine, left | unlisted.keys()),
+                step,
             )
         )
+        asks = {str(g.step) for g in gathered}
+        if len(asks) > 1:  # on every rank alike: a job whose ranks would load different versions
+            raise ValueError(f"restore(): the ranks ask for different steps ({', '.join(sorted(asks))})")
         failed = {r: g.failure for r, g in enumerate(gathered) if g.failure}
         if failed:
             if failure is not None:

@@ -119,7 +119,13 @@ def tree_tensors(manifest: Manifest, tree: Any, prefix: str) -> list[tuple[str, 
         n = _unwrap(n)
         if isinstance(n, dict) and ("__tensor__" in n or "__ndarray__" in n):
             out.append((path, manifest.arrays[str(n.get("__tensor__", n.get("__ndarray__")))]))
-        elif isinstance(n, dict) and "__tuple__" not in n and "__dict__" not in n and "__float__" not in n:
+        elif isinstance(n, dict) and "__tuple__" in n and isinstance(n["__tuple__"], list):
+            walk(n["__tuple__"], path)
+        elif isinstance(n, dict) and "__dict__" in n and isinstance(n["__dict__"], list):
+            for item in n["__dict__"]:  # a dict with keys of other types than str: [key, value] pairs
+                if isinstance(item, list) and len(item) == 2:
+                    walk(item[1], f"{path}.{item[0]}" if path else str(item[0]))
+        elif isinstance(n, dict) and "__float__" not in n:
             for k, v in n.items():
                 walk(v, f"{path}.{k}" if path else str(k))
         elif isinstance(n, list):
@@ -128,7 +134,8 @@ def tree_tensors(manifest: Manifest, tree: Any, prefix: str) -> list[tuple[str, 
 
     if node is not None:
         walk(node, "")
-    return out
+    last = prefix.rsplit(".", 1)[-1]
+    return [(name or last, array) for name, array in out]  # (a prefix naming a tensor: by its own name)
 
 
 def export_needs(step: int | None, prefix: str) -> frozenset[str] | None:

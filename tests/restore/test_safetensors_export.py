@@ -230,3 +230,51 @@ def test_the_ranks_of_a_job_export_together_what_one_process_exports(tmp_path: P
     assert torch.equal(got["emb"], torch.arange(48, dtype=torch.float32).reshape(8, 6))
     assert all(torch.equal(got[f"stage{r}.w"], torch.full((5,), float(r))) for r in range(4))
     assert torch.equal(got["bias"], torch.ones(6)) and len(got) == 6
+
+
+# -- names (found by review, 2026-12-05: each failed on the code before its fix) -------------
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [(torch.zeros(1), torch.full((1,), 3.0)), {0: torch.zeros(1), 1: torch.full((1,), 3.0)}],
+    ids=["tuple", "int-keys"],
+)
+def test_tensors_in_tuples_and_typed_key_dicts_are_exported(tmp_path: Path, inner: Any) -> None:
+    """They were left out without a word (saved as __tuple__ / __dict__ nodes)."""
+    import ckpt
+
+    root = str(tmp_path / "root")
+    state = {"model": {"w": torch.ones(2), "x": inner}}
+    with ckpt.Checkpointer(root) as ck:
+        ck.save(1, state)
+    with ckpt.Checkpointer(root) as ck:
+        job = ck.export_safetensors(str(tmp_path / "job"))
+    for paths in (ckpt.export_safetensors(root, str(tmp_path / "cli")), job):
+        got = safetensors_torch.load_file(paths[0])
+        assert sorted(got) == ["w", "x.0", "x.1"]
+        assert torch.equal(got["x.1"], torch.full((1,), 3.0))
+
+
+def test_two_tensors_of_one_name_are_refused_by_the_job_export_too(tmp_path: Path) -> None:
+    import ckpt
+
+    root = str(tmp_path / "root")
+    with ckpt.Checkpointer(root) as ck:
+        ck.save(1, {"model": {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}})  # both "a.b"
+    with pytest.raises(ckpt.CkptError, match="names two different tensors"):
+        ckpt.export_safetensors(root, str(tmp_path / "cli"))
+    with ckpt.Checkpointer(root) as ck, pytest.raises(ckpt.CkptError, match="names two different tensors"):
+        ck.export_safetensors(str(tmp_path / "job"), prefix="model")
+    assert not (tmp_path / "job").exists() or not os.listdir(tmp_path / "job")
+
+
+def test_a_prefix_naming_a_tensor_exports_it_by_that_name(tmp_path: Path) -> None:
+    import ckpt
+
+    root = str(tmp_path / "root")
+    with ckpt.Checkpointer(root) as ck:
+        ck.save(1, {"model": {"w": torch.ones(2)}, "ema": {"avg": torch.full((3,), 2.0)}})
+    paths = ckpt.export_safetensors(root, str(tmp_path / "out"), prefix="ema.avg")
+    got = safetensors_torch.load_file(paths[0])
+    assert list(got) == ["avg"] and torch.equal(got["avg"], torch.full((3,), 2.0))
