@@ -76,7 +76,10 @@ def encode_state(state: Mapping[str, Any], memo: EncodeMemo | None = None) -> tu
             f"top-level state key {odd[0]!r}: top-level keys are strings other than {sorted(_MARKERS)}"
         )
     enc = _Encoder(memo)
-    tree = {k: enc.enc(v, (k,), escape_component(str(k))) for k, v in state.items()}
+    try:
+        tree = {k: enc.enc(v, (k,), escape_component(str(k))) for k, v in state.items()}
+    except RecursionError:
+        raise UnsupportedStateError("the state is nested too deeply to save (Python's recursion limit)") from None
     if memo is not None:
         memo.last = enc.seen
     return tree, enc.leaves

@@ -135,6 +135,9 @@ class CheckpointerConfig:
             raise ValueError("deferred_staging needs the whole state staged at once (max_staging_bytes=None)")
         if self.split_bytes < 1:
             raise ValueError("split_bytes must be positive")
+        port = self.metrics_port
+        if port is not None and (type(port) is not int or not 0 < port < 65536):
+            raise ValueError(f"metrics_port must be a port number (1-65535) or None, not {port!r}")
         if self.keep_last is not None and (isinstance(self.keep_last, bool) or self.keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, not {self.keep_last!r}")
         if self.keep_every is not None and (self.keep_last is None or self.keep_every < 1):

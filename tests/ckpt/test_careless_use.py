@@ -445,3 +445,19 @@ def test_a_damaged_version_asked_for_by_step_is_damage(
     got = {"w": torch.zeros(4), "step": 0}
     with Checkpointer(root) as ck:
         assert ck.restore(got, step=2) == 2  # the others are unaffected
+
+
+def test_a_state_nested_beyond_the_recursion_limit_is_refused(tmp_path: Path) -> None:
+    deep: dict[str, object] = {"w": torch.ones(2)}
+    for _ in range(5_000):
+        deep = {"d": deep}
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(UnsupportedStateError, match="nested too deeply"):
+            ck.save(1, {"s": deep})
+        assert ck.steps() == []
+
+
+@pytest.mark.parametrize("port", [-1, 0, 65536, True, "9100"])
+def test_a_metrics_port_that_is_no_port_is_refused(tmp_path: Path, port: object) -> None:
+    with pytest.raises(ValueError, match="metrics_port"):
+        Checkpointer(tmp_path, metrics_port=port)  # type: ignore[arg-type]
