@@ -28,20 +28,11 @@ from ckpt.replicator.placement import source_label
 from ckpt.replicator.service import Replicator
 from ckpt.replicator.status import Status
 from ckpt.store import versions
+from tests._disks import two_disks
 
 
 def state(step: int) -> dict[str, Any]:
     return {"w": torch.arange(4096, dtype=torch.float32) * step}
-
-
-def two_disks(tmp_path: Path) -> tuple[Path, Path]:
-    """Two directories that placement treats as two disks (a `.ckpt-disk` marker above each)."""
-    roots = []
-    for name in ("disk0", "disk1"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / ".ckpt-disk").write_text(name)
-        roots.append(tmp_path / name / "ckpt")
-    return roots[0], roots[1]
 
 
 @pytest.fixture

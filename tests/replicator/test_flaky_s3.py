@@ -45,6 +45,7 @@ from ckpt.store.rank_file import RankFiles, parse_rank_file, rank_file_path
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed
+from tests._disks import two_disks
 from tests._states import assert_bitwise, blank, save_steps
 from tests.flaky_proxy import KINDS, FaultPlan, FlakyProxy, ProxyProcess
 
@@ -538,12 +539,7 @@ def test_replica_kept_while_the_remote_cannot_read_its_copy(s3: S3Place, proxy: 
     copy, the last one known good. Once the store answers, it goes."""
     from ckpt.replicator.placement import source_label
 
-    disks = []
-    for name in ("disk0", "disk1"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / ".ckpt-disk").write_text(name)
-        disks.append(tmp_path / name / "ckpt")
-    d0, d1 = disks
+    d0, d1 = two_disks(tmp_path)
     replica = str(d1 / "replicas" / source_label(str(d0)))
     save_steps(d0, {s: make_state(s) for s in (1, 2, 3, 4)})
 

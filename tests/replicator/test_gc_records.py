@@ -38,21 +38,12 @@ from ckpt.replicator.status import CopyState, Status, VersionStatus, read_status
 from ckpt.store import versions
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import as_tier
+from tests._disks import two_disks
 from tests._states import assert_bitwise, blank
 
 
 def state(step: int) -> dict[str, Any]:
     return {"w": torch.arange(16, dtype=torch.float32) * step, "step": step}
-
-
-def two_disks(tmp_path: Path) -> tuple[Path, Path]:
-    """Two directories that placement treats as two disks (a `.ckpt-disk` marker above each)."""
-    roots = []
-    for name in ("disk0", "disk1"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / ".ckpt-disk").write_text(name)
-        roots.append(tmp_path / name / "ckpt")
-    return roots[0], roots[1]
 
 
 def retention_pass(root: Path, keep_last: int) -> None:

@@ -42,6 +42,7 @@ from ckpt.store import pins, versions
 from ckpt.store.manifest import parse_manifest
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import as_tier, committed
+from tests._disks import two_disks
 from tests._states import assert_bitwise, blank, save_steps
 
 if TYPE_CHECKING:
@@ -375,16 +376,6 @@ def test_daemon_sigkilled_mid_upload_resumes(s3: S3Place, tmp_path: Path) -> Non
 
 
 # -- 4. one replica disk lost ---------------------------------------------------------------------
-
-
-def two_disks(tmp_path: Path) -> tuple[Path, Path]:
-    """Two directories that placement treats as two disks (a `.ckpt-disk` marker above each)."""
-    roots = []
-    for name in ("disk0", "disk1"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / ".ckpt-disk").write_text(name)
-        roots.append(tmp_path / name / "ckpt")
-    return roots[0], roots[1]
 
 
 def test_replica_disk_deleted_restore_from_the_other(s3: S3Place, tmp_path: Path) -> None:
