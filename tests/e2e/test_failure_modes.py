@@ -39,6 +39,7 @@ from ckpt.store.retry import RetryPolicy
 from ckpt.store.tier import open_tier
 from ckpt.store.verify import verify_chunks
 from ckpt.store.versions import COMMIT_CLAIM, committed, committed_steps, read_manifest, read_root_info
+from tests._disks import two_disks
 
 
 class _ThreadComm:
@@ -151,8 +152,7 @@ def test_collector_does_not_delete_under_a_live_committer(tmp_path: Path, precla
 
 
 def test_overwrite_does_not_tear_a_replica(tmp_path: Path) -> None:
-    root, disk2 = tmp_path / "root", tmp_path / "disk2"
-    disk2.mkdir()
+    root, disk2 = two_disks(tmp_path)  # (an unmarked directory beside the root is on its disk: no copy goes there)
     _save(root, 1)
     rep = Replicator([str(root)], ReplicatorConfig(replicas=2, replica_roots=(str(disk2),)))
     rep.run_once()
