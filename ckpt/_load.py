@@ -200,9 +200,20 @@ def read_agreed(
 
 
 def load_version(
-    ctl: Comm, config: CheckpointerConfig, located: Located, state: Mapping[str, Any], *, strict: bool = True
+    ctl: Comm,
+    config: CheckpointerConfig,
+    located: Located,
+    state: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    written: set[str] | None = None,
 ) -> None:
-    """Fill `state` in place from the located version (collective); `strict`: see ckpt._tree.bind."""
+    """Fill `state` in place from the located version (collective); `strict`: see ckpt._tree.bind.
+
+    `written`: the state's top-level keys earlier attempts of this restore may have filled
+    before they failed (added to here once reading begins). A version that does not hold
+    them all is refused (CorruptVersionError): loading it would leave those keys holding
+    a mix of the failed version's bytes and the state's own."""
     with no_cyclic_gc(promote=True):  # thousands of manifest objects: see ckpt/_gc.py
         manifest = agreed_manifest(ctl, located)
         saved_world = manifest.world_size
@@ -210,7 +221,15 @@ def load_version(
         bound = None
         requests: list[ReadRequest] = []
         error: BaseException | None = None
+        held = manifest.keys
+        touched = {str(k) for k in state if held is None or str(k) in held}
         try:
+            lacking = sorted((written or set()) - touched)
+            if lacking:
+                raise CorruptVersionError(
+                    f"step {located.step} does not hold {lacking}, which a newer version that failed part-way "
+                    "may have filled; the state is partly overwritten"
+                )
             if config.capture_rng and ctl.rank < saved_world and mine.rng is not None:
                 check_rng(mine.rng)  # before anything is read into the state
             bound = bind(mine.tree, state, strict=strict)
@@ -236,6 +255,8 @@ def load_version(
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
         ctl.agree(error)
+        if written is not None:
+            written |= touched  # from here on, a failure may leave these keys part-filled
         read_agreed(ctl, config, located, manifest, requests)
     assert bound is not None
     error = None

@@ -302,11 +302,12 @@ class Checkpointer:
         self._saver.wait()
 
         incomplete: set[int] = set()
+        written: set[str] = set()  # keys an attempt that failed may have filled (load_version)
         try:
             found = restore_newest(
                 self._ctl,
                 self._search_tiers,
-                lambda located: load_version(self._ctl, self.config, located, state, strict=strict),
+                lambda located: load_version(self._ctl, self.config, located, state, strict=strict, written=written),
                 step=step,
                 needs=frozenset(str(k) for k in state) if strict and step is None else None,
                 if_incomplete=if_incomplete,

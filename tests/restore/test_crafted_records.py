@@ -156,3 +156,55 @@ def test_crafted_rng_state_is_refused_before_restoring(tmp_path: Path, case: str
     doc["ranks"][0] = [len(raw), xxhash.xxh3_64_hexdigest(raw)]
     (version / "manifest.json").write_bytes(with_checksum(json.dumps(doc, separators=(",", ":")).encode()))
     restores_step_1(tmp_path)
+
+
+# -- falling back past a version that failed part-way ------------------------------------------
+
+
+def _trained(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.ones(2, 16)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _damage_model_chunks(root: Path, step: int) -> None:
+    for f in (root / version_dirname(step) / "state" / "model").rglob("c.*"):
+        raw = bytearray(f.read_bytes())
+        raw[0] ^= 0xFF
+        f.write_bytes(bytes(raw))
+
+
+def test_no_fallback_to_a_version_lacking_keys_a_failed_attempt_filled(tmp_path: Path) -> None:
+    """Step 1 is params-only, step 2 full with its model damaged: the read of step 2 fills the
+    optimizer before it fails, so step 1 (no optimizer) would leave step 2's optimizer state
+    beside step 1's model. restore(strict=False) raises instead of returning 1."""
+    model, opt = _trained(1)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": opt}, only=("model",))
+        model(torch.ones(2, 16)).sum().backward()
+        opt.step()
+        ck.save(2, {"model": model, "optim": opt})
+    _damage_model_chunks(tmp_path, 2)
+    m2, o2 = _trained(1)
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(CorruptVersionError, match="partly overwritten"):
+            ck.restore({"model": m2, "optim": o2}, strict=False)
+
+
+def test_strict_false_falls_back_to_a_version_holding_what_was_filled(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+        want = {k: v.clone() for k, v in opt.state[model.weight].items()}
+        model(torch.ones(2, 16)).sum().backward()
+        opt.step()
+        ck.save(2, {"model": model, "optim": opt})
+    _damage_model_chunks(tmp_path, 2)
+    m2, o2 = _trained(1)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": m2, "optim": o2}, strict=False) == 1
+    assert all(torch.equal(o2.state[m2.weight][k], v) for k, v in want.items())
