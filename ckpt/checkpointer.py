@@ -186,6 +186,8 @@ class Checkpointer:
         """
         self._check_open()
         check_step(step)
+        if type(overwrite) is not bool or type(milestone) is not bool:  # ("no" would be a milestone)
+            raise TypeError(f"overwrite and milestone must be bools, not {overwrite!r} and {milestone!r}")
         if not isinstance(state, Mapping):
             raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
         keys = self._keys_to_save(state, only, milestone, step)

@@ -461,3 +461,12 @@ def test_a_state_nested_beyond_the_recursion_limit_is_refused(tmp_path: Path) ->
 def test_a_metrics_port_that_is_no_port_is_refused(tmp_path: Path, port: object) -> None:
     with pytest.raises(ValueError, match="metrics_port"):
         Checkpointer(tmp_path, metrics_port=port)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flags", [{"milestone": "no"}, {"overwrite": 1}, {"milestone": None}])
+def test_save_flags_that_are_no_bools_are_refused(tmp_path: Path, flags: dict[str, object]) -> None:
+    """milestone="no" was stored, and kept as a milestone."""
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(TypeError, match="must be bools"):
+            ck.save(1, {"w": torch.ones(2)}, **flags)  # type: ignore[arg-type]
+        assert ck.steps() == []
