@@ -45,10 +45,10 @@ from ckpt.replicator.status import (
     remote_done,
     write_status,
 )
-from ckpt.replicator.transfer import Transfer, copy_files, journal_for
+from ckpt.replicator.transfer import Transfer, copy_files, journal_for, missing_files
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError, CorruptVersionError, StoppedError, VersionExistsError
-from ckpt.store.manifest import MANIFEST_NAME, Manifest
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
 from ckpt.store.pins import deleting
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.storage_options import redact
@@ -341,6 +341,16 @@ class Replicator:
             return
         entry.remote = CopyState("verified" if ok else WAITING, time.time(), url=url)
 
+    def _lacks_files(self, source: str, dest: Destination, step: int) -> bool:
+        """Whether `dest` lacks a file of `source`'s version `step`, or holds one at another size."""
+        name = version_dirname(step)
+        sizes = {  # what copy_files copies: all but the manifest and root info, which each copy writes
+            o.key[len(name) + 1 :]: o.size
+            for o in self._source_tiers[source].find(name)
+            if o.key.rsplit("/", 1)[-1] not in (MANIFEST_NAME, ROOT_INFO_NAME)
+        }
+        return bool(missing_files(dest.tier, step, sizes))
+
     def _expired_on_remote(self, entry: VersionStatus, manifest: Manifest) -> bool:
         """Whether a version whose part this node has uploaded, and which the remote does
         not hold now, was completed by the other nodes and then deleted by the remote's
@@ -377,7 +387,16 @@ class Replicator:
         there = committed_info(dest.tier, step)
         if there is not None and there.save_id == manifest.save_id:
             if dest.kind == "shared" or set(writers) <= set(there.writers):
-                return True
+                # The status did not vouch for it (it was lost, or a pass died before recording
+                # it): a replica counts once it holds every file of the source's version at its
+                # size (one listing each), else it is unpublished and copied again.
+                if dest.kind == "shared" or not self._lacks_files(source, dest, step):
+                    return True
+                log.warning("%s: step %d is committed there with files missing; copying it again", dest.url, step)
+                with deleting(dest.tier, step) as free:
+                    if not free:
+                        return False  # being read: next pass
+                    delete_version(dest.tier, step)
         elif dest.tier.exists(join_key(version_dirname(step), MANIFEST_NAME)):
             # The destination holds step `step` committed from another save (the source was
             # saved again with overwrite=True). Copying into it would replace the chunks a

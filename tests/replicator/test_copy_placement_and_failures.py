@@ -151,3 +151,32 @@ def test_long_source_paths_get_replica_directories_of_their_own(tmp_path: Path) 
         for d in (tmp_path / "disk1" / "replicas").iterdir()
     }
     assert saves == {versions.read_manifest(str(r), 1).save_id for r in (a, b)}
+
+
+# -- 4. a copy the status does not vouch for ---------------------------------------------------
+
+
+def test_a_committed_replica_missing_a_file_is_copied_again_after_the_status_is_lost(tmp_path: Path) -> None:
+    """Its record lost, a replicator found a committed copy of the same save and counted it
+    verified without looking: here one chunk file of it was gone."""
+    from ckpt.replicator.status import STATE_DIR
+
+    d0, d1 = two_disks(tmp_path)
+    replica = d1 / "replicas" / source_label(str(d0))
+    with Checkpointer(d0) as ck:
+        ck.save(1, state(1))
+    config = ReplicatorConfig(replicas=2, replica_roots=(str(d1),))
+    Replicator([str(d0)], config).run_once()
+    lost = _chunk_files(replica, 1)[0]
+    lost.unlink()
+    shutil.rmtree(d0 / STATE_DIR)
+    status = Replicator([str(d0)], config).run_once()[str(d0)]
+    assert list(copies(status, 1).values()) == ["verified"] and lost.exists()
+    target = {"w": torch.zeros(4096)}
+    with Checkpointer(tmp_path / "reader", tiers=[str(replica)]) as reader:
+        assert reader.restore(target) == 1
+    assert torch.equal(target["w"], state(1)["w"])
+    inode = os.stat(lost).st_ino
+    shutil.rmtree(d0 / STATE_DIR)  # lost again: now the copy is whole, and counts as it is
+    status = Replicator([str(d0)], config).run_once()[str(d0)]
+    assert list(copies(status, 1).values()) == ["verified"] and os.stat(lost).st_ino == inode
