@@ -116,11 +116,8 @@ def _names(ctl: Comm, manifest: Manifest, located: Located, prefix: str) -> dict
             except Exception as e:  # noqa: BLE001 - every rank still joins the merge, then raises it
                 error = f"saved rank {want}'s tree: {describe_error(e)}"
                 continue
-            names: dict[str, tuple[int, int, str]] = {}
-            for i, (n, a) in enumerate(tensors):
-                if names.setdefault(n, (want, i, a.name))[2] != a.name:
-                    error = f"{n!r} names two different tensors in the ranks' states: not exporting"
-            error = error or _merge(mine, names)
+            for i, (n, a) in enumerate(tensors):  # one at a time: two of one name within a tree clash too
+                error = error or _merge(mine, {n: (want, i, a.name)})
     # Up a binary tree: at distance d, rank r (a multiple of 2d) takes in rank r + d's names.
     d = 1
     while d < ctl.world:

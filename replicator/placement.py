@@ -45,9 +45,7 @@ def disk_id(location: str) -> str:
     if not is_local_location(location):
         proto, rest = location.split("://", 1)
         return f"{proto}://{rest.split('/', 1)[0]}"
-    path = _path(location)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
+    path = _existing(location)
     probe = path
     while True:
         marker = os.path.join(probe, DISK_MARKER)
@@ -64,10 +62,15 @@ def device_id(location: str) -> str:
     """The device of a local `location` (of its nearest existing directory), whatever
     `.ckpt-disk` lies above it: an unmarked root on a device a copy is on already is on
     that disk (a marker claim_disk wrote there would only hide it)."""
+    return f"dev:{os.stat(_existing(location)).st_dev}"
+
+
+def _existing(location: str) -> str:
+    """The nearest existing directory of a local location's real path (itself, if it exists)."""
     path = _path(location)
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    return f"dev:{os.stat(path).st_dev}"
+    return path
 
 
 def claim_disk(location: str) -> str:

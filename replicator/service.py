@@ -45,10 +45,10 @@ from ckpt.replicator.status import (
     remote_done,
     write_status,
 )
-from ckpt.replicator.transfer import Transfer, copy_files, journal_for, missing_files
+from ckpt.replicator.transfer import Transfer, copy_files, journal_for, missing_files, part_sizes
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError, CorruptVersionError, StoppedError, VersionExistsError
-from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
+from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import deleting
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.storage_options import redact
@@ -343,13 +343,7 @@ class Replicator:
 
     def _lacks_files(self, source: str, dest: Destination, step: int) -> bool:
         """Whether `dest` lacks a file of `source`'s version `step`, or holds one at another size."""
-        name = version_dirname(step)
-        sizes = {  # what copy_files copies: all but the manifest and root info, which each copy writes
-            o.key[len(name) + 1 :]: o.size
-            for o in self._source_tiers[source].find(name)
-            if o.key.rsplit("/", 1)[-1] not in (MANIFEST_NAME, ROOT_INFO_NAME)
-        }
-        return bool(missing_files(dest.tier, step, sizes))
+        return bool(missing_files(dest.tier, step, part_sizes(self._source_tiers[source], step)))
 
     def _expired_on_remote(self, entry: VersionStatus, manifest: Manifest) -> bool:
         """Whether a version whose part this node has uploaded, and which the remote does

@@ -167,6 +167,17 @@ def _send_once(t: Transfer, rel: str, size: int, digest: str | None, block_bytes
     t.dest.check_disk()  # verified where it should be, not below an unmounted disk's mount point
 
 
+def part_sizes(tier: Tier, step: int) -> dict[str, int]:
+    """The files of version `step` on `tier` that a copy copies (all but the manifest and the
+    root info, which each copy writes itself): relative path -> bytes, from one listing."""
+    name = version_dirname(step)
+    return {
+        o.key[len(name) + 1 :]: o.size
+        for o in tier.find(name)
+        if o.key.rsplit("/", 1)[-1] not in (MANIFEST_NAME, ROOT_INFO_NAME)
+    }
+
+
 def missing_files(tier: Tier, step: int, sizes: dict[str, int]) -> list[str]:
     """The files of `sizes` (relative path -> bytes) that `tier` does not hold at that size,
     from one fresh listing."""
@@ -182,11 +193,7 @@ def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) ->
     chunks = {a.chunk_path(c): (a, c) for a in t.manifest.arrays.values() for c in a.iter_chunks() if c.inline is None}
     rank_files = {rank_file_path(r): ref.xxh3 for r, ref in enumerate(t.manifest.rank_files)}
     book = RankFiles(t.source)  # schema 3: the chunks' digests, from the rank files of the source
-    sizes = {
-        o.key[len(t.name) + 1 :]: o.size
-        for o in t.source.find(t.name)
-        if o.key.rsplit("/", 1)[-1] not in (MANIFEST_NAME, ROOT_INFO_NAME)
-    }
+    sizes = part_sizes(t.source, t.step)
     done = set(t.journal.done)
     held = {o.key[len(t.name) + 1 :]: o.size for o in t.dest.tier.find(t.name)} if done else {}
     todo = sorted((rel for rel in sizes if not (rel in done and held.get(rel) == sizes[rel])), key=lambda r: -sizes[r])

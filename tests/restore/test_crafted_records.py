@@ -178,17 +178,25 @@ def _damage_model_chunks(root: Path, step: int) -> None:
         f.write_bytes(bytes(raw))
 
 
+def _saved_then_damaged(root: Path, *, params_only_first: bool) -> dict[str, torch.Tensor]:
+    """Step 1 (params-only, or full), step 2 full with its model's chunks damaged; step 1's
+    Adam state of the weight."""
+    model, opt = _trained(1)
+    with Checkpointer(root) as ck:
+        ck.save(1, {"model": model, "optim": opt}, only=("model",) if params_only_first else None)
+        want = {k: v.clone() for k, v in opt.state[model.weight].items()}
+        model(torch.ones(2, 16)).sum().backward()
+        opt.step()
+        ck.save(2, {"model": model, "optim": opt})
+    _damage_model_chunks(root, 2)
+    return want
+
+
 def test_no_fallback_to_a_version_lacking_keys_a_failed_attempt_filled(tmp_path: Path) -> None:
     """Step 1 is params-only, step 2 full with its model damaged: the read of step 2 fills the
     optimizer before it fails, so step 1 (no optimizer) would leave step 2's optimizer state
     beside step 1's model. restore(strict=False) raises instead of returning 1."""
-    model, opt = _trained(1)
-    with Checkpointer(tmp_path) as ck:
-        ck.save(1, {"model": model, "optim": opt}, only=("model",))
-        model(torch.ones(2, 16)).sum().backward()
-        opt.step()
-        ck.save(2, {"model": model, "optim": opt})
-    _damage_model_chunks(tmp_path, 2)
+    _saved_then_damaged(tmp_path, params_only_first=True)
     m2, o2 = _trained(1)
     with Checkpointer(tmp_path) as ck:
         with pytest.raises(CorruptVersionError, match="partly overwritten"):
@@ -196,14 +204,7 @@ def test_no_fallback_to_a_version_lacking_keys_a_failed_attempt_filled(tmp_path:
 
 
 def test_strict_false_falls_back_to_a_version_holding_what_was_filled(tmp_path: Path) -> None:
-    model, opt = _trained(1)
-    with Checkpointer(tmp_path) as ck:
-        ck.save(1, {"model": model, "optim": opt})
-        want = {k: v.clone() for k, v in opt.state[model.weight].items()}
-        model(torch.ones(2, 16)).sum().backward()
-        opt.step()
-        ck.save(2, {"model": model, "optim": opt})
-    _damage_model_chunks(tmp_path, 2)
+    want = _saved_then_damaged(tmp_path, params_only_first=False)
     m2, o2 = _trained(1)
     with Checkpointer(tmp_path) as ck:
         assert ck.restore({"model": m2, "optim": o2}, strict=False) == 1
