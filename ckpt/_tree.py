@@ -22,7 +22,7 @@ import torch
 from ckpt._keys import KeyPath
 from ckpt._tensors import ARRAY_TYPES, TENSOR_LIKE, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
-from ckpt.store.manifest import escape_component
+from ckpt.store.manifest import MAX_NAME_BYTES, escape_component
 
 __all__ = ["Leaf", "Leaves", "EncodeMemo", "encode_state", "bind", "Bound"]
 
@@ -127,6 +127,11 @@ class _Encoder:
                 raise UnsupportedStateError(
                     f"{KeyPath(path)} and {KeyPath(paths[name])} map to the same array name {name!r}"
                 )
+            if len(name) > MAX_NAME_BYTES:  # (ASCII: escape_component quotes every other character)
+                raise UnsupportedStateError(
+                    f"{KeyPath(path)}: its array name of {len(name)} bytes is too long for a file path "
+                    f"(at most {MAX_NAME_BYTES}); shorten or flatten its keys"
+                )
             paths[name] = path
             self.leaves.values.append(v)
             return {NDARRAY if isinstance(v, np.ndarray) else TENSOR: name}
@@ -179,7 +184,7 @@ class _Encoder:
         mine: dict[str, tuple[Any, ...]] | None = {} if last is not None else None
         for k, x in v.items():
             child = f"{name}/{escape_component(k)}"
-            if type(x) in ARRAY_TYPES and child not in paths:
+            if type(x) in ARRAY_TYPES and child not in paths and len(child) <= MAX_NAME_BYTES:  # else enc() refuses
                 paths[child] = key = path + (k,)
                 values.append(x)
                 out[k] = {TENSOR: child}

@@ -44,6 +44,7 @@ from ckpt.store.layout import block_rows as expected_block_rows
 __all__ = [
     "SCHEMA_VERSION",
     "MANIFEST_NAME",
+    "MAX_NAME_BYTES",
     "ROOT_INFO_NAME",
     "SAVE_ID",
     "ChunkEntry",
@@ -71,6 +72,12 @@ MAX_WORLD = 1 << 24  # ranks of one job: far beyond any real one
 MAX_ROW_BYTES = 1 << 30  # one row of a chunk is the smallest unit a reader buffers
 MAX_RANK_FILE = 1 << 30  # bytes of one rank file: anything larger is crafted
 MAX_COMPONENT = 128  # characters of one array path component (file names stop at 255 bytes)
+# Bytes of an array name (escaped components, ASCII, joined by "/"). Its deepest file under
+# a root, "v<12 digits>.tmp-<32 hex>/state/<name>/<chunk file>.<write suffix>", is the name
+# plus 58 bytes plus one file name (at most NAME_MAX, 255): with 2048, a root's own path (a
+# replica root's embeds its source's) keeps over 1.7 KiB of PATH_MAX (4096). encode_state
+# refuses longer ones at save; parsing does not, so a version saved before still restores.
+MAX_NAME_BYTES = 2048
 _RESERVED = frozenset({"zarr.json"})  # names a group directory holds besides its children
 # A safe array name in one match: components of these characters, none "." or ".." and
 # none starting "__", joined by single slashes (and no final newline, which "$" allows).

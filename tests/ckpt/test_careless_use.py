@@ -224,6 +224,59 @@ def test_keys_that_collide_with_the_format_or_exceed_name_limits_round_trip(tmp_
     assert CliRunner().invoke(cli, ["verify", str(tmp_path)]).exit_code == 0
 
 
+def _keys(n: int, letter: str = "k") -> list[str]:
+    """Keys of at most 127 characters (none escaped or hashed) whose array name is n bytes."""
+    keys = []
+    while n > 128:
+        keys.append(letter * 127)
+        n -= 128
+    return [*keys, letter * n]
+
+
+def _chain(keys: list[str], leaf: object) -> dict[str, object]:
+    """{keys[0]: {keys[1]: ... leaf}}."""
+    for k in reversed(keys):
+        leaf = {k: leaf}
+    return leaf  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("over", [1, 2200])  # just over the limit; over PATH_MAX under any root
+def test_a_key_path_too_long_for_a_file_path_is_refused_at_save(tmp_path: Path, over: int) -> None:
+    """Such a key path failed the save as TierUnavailableError (ENAMETOOLONG), blaming the
+    root; one just over the limit saved a version that a longer root cannot hold."""
+    limit = 2048  # ckpt.store.manifest.MAX_NAME_BYTES
+    keys = _keys(limit + over)
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"w": torch.arange(4.0)})
+        ck.wait()
+        with pytest.raises(UnsupportedStateError) as info:
+            ck.save(2, {"w": torch.ones(4), **_chain(keys, torch.ones(2))})
+        ck.wait()
+        msg = str(info.value)
+        assert msg.startswith(f"state[{keys[0]!r}]") and f"[{keys[-1]!r}]: " in msg, msg
+        assert f"array name of {limit + over} bytes" in msg and f"at most {limit}" in msg, msg
+        assert ck.steps() == [1]
+        got = {"w": torch.zeros(4)}
+        assert ck.restore(got) == 1
+    assert_bitwise(got, {"w": torch.arange(4.0)})
+    assert [n for n in os.listdir(tmp_path) if n.startswith("v")] == [version_dirname(1)]  # no tmp left
+
+
+def test_the_longest_key_path_that_fits_round_trips(tmp_path: Path) -> None:
+    from ckpt.store.manifest import MAX_NAME_BYTES
+
+    keys = _keys(MAX_NAME_BYTES)
+    state = {"w": torch.arange(3.0), **_chain(keys, torch.arange(5.0)), **_chain(_keys(9000, "j"), {"n": 1})}
+    with Checkpointer(tmp_path) as ck:  # (a deep path to JSON values names no file: any length)
+        ck.save(1, state)
+        ck.wait()
+        got = {"w": torch.zeros(3), **_chain(keys, torch.zeros(5)), **_chain(_keys(9000, "j"), {"n": 0})}
+        assert ck.restore(got) == 1
+    assert_bitwise(got, state)
+    manifest = json.loads((tmp_path / version_dirname(1) / MANIFEST_NAME).read_text())
+    assert sorted(map(len, manifest["arrays"])) == [1, MAX_NAME_BYTES]
+
+
 # -- roots -----------------------------------------------------------------------------
 
 

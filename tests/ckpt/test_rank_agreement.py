@@ -157,3 +157,34 @@ def test_a_root_that_refuses_the_publish_fails_the_save_on_every_rank(tmp_path: 
     assert "cannot publish step 2" in results[1]["save"]["msg"], results
     for r in results:
         assert r["save"]["ckpt"] and r["restore"] == {"ok": 1} and r["retry"] == {"ok": 2} and r["bitwise"], results
+
+
+def long_key_job(ctx: Any, root: str) -> dict[str, Any]:
+    """A key path too long for a file path (ckpt.store.manifest.MAX_NAME_BYTES): on every
+    rank, then on rank 1 only. Each fails the save on both ranks, before anything is written."""
+    import ckpt
+
+    deep: Any = torch.ones(2)
+    for _ in range(17):  # 17 levels of 127 characters: an array name of 2175 bytes
+        deep = {"k" * 127: deep}
+    with ckpt.Checkpointer(root, timeout=TIMEOUT) as ck:
+        ck.save(1, {"w": torch.arange(8.0)})
+        out = {"both": _outcome(lambda: ck.save(2, {"w": torch.ones(8), "d": deep}))}
+        one = {"w": torch.ones(8), "d": deep if ctx.rank == 1 else {}}
+        out["one"] = _outcome(lambda: ck.save(2, one))
+        ck.wait()
+        out["steps"] = ck.steps()
+        target = {"w": torch.zeros(8)}
+        out["restore"] = _outcome(lambda: ck.restore(target))
+        out["bitwise"] = bool(torch.equal(target["w"], torch.arange(8.0)))
+    return out
+
+
+def test_a_key_path_too_long_on_any_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    results, failures = launch(THIS, "long_key_job", 2, tmp_path, timeout=120, root=str(tmp_path / "root"))
+    assert not failures, failures
+    for r in results:
+        assert r["both"]["err"] == "UnsupportedStateError" and r["both"]["msg"].startswith("state['d']"), results
+        assert r["steps"] == [1] and r["restore"] == {"ok": 1} and r["bitwise"], results
+    assert [r["one"]["err"] for r in results] == ["RankFailures", "UnsupportedStateError"], results
+    assert "UnsupportedStateError: state['d']" in results[0]["one"]["msg"], results  # rank 1's, named
