@@ -8,6 +8,8 @@ device. A replica root's identity is recorded the first time it is used (and a
 (every later start too: it is kept in the source root's status) must find the same
 identity there. An unmounted disk leaves its empty mount point, on another filesystem,
 in its place: it then fails the check, is reported `failed`, and nothing is written there.
+A root whose device tells its disk (`device_decides`: unmarked, or marked only by such a
+claim, older code's included) is no second disk on a device a copy is on already.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from ckpt.store.errors import TierUnavailableError
 from ckpt.store.fsio import makedirs, write_durable
 from ckpt.store.tier import Tier, is_url
 
-__all__ = ["DISK_MARKER", "Destination", "disk_id", "device_id", "claim_disk", "is_local_location", "source_label"]
+__all__ = [
+    "DISK_MARKER",
+    "Destination",
+    "disk_id",
+    "device_id",
+    "device_decides",
+    "claim_disk",
+    "is_local_location",
+    "source_label",
+]
 
 DISK_MARKER = ".ckpt-disk"
 
@@ -45,17 +56,11 @@ def disk_id(location: str) -> str:
     if not is_local_location(location):
         proto, rest = location.split("://", 1)
         return f"{proto}://{rest.split('/', 1)[0]}"
-    path = _existing(location)
-    probe = path
-    while True:
-        marker = os.path.join(probe, DISK_MARKER)
-        if os.path.isfile(marker):
-            with open(marker) as f:
-                return f"marker:{f.read().strip()}"
-        if probe == os.path.dirname(probe):
-            break
-        probe = os.path.dirname(probe)
-    return device_id(path)
+    marker = _marker(location)
+    if marker is None:
+        return device_id(location)
+    with open(marker) as f:
+        return f"marker:{f.read().strip()}"
 
 
 def device_id(location: str) -> str:
@@ -63,6 +68,38 @@ def device_id(location: str) -> str:
     `.ckpt-disk` lies above it: an unmarked root on a device a copy is on already is on
     that disk (a marker claim_disk wrote there would only hide it)."""
     return f"dev:{os.stat(_existing(location)).st_dev}"
+
+
+def device_decides(location: str) -> bool:
+    """Whether a local location's device, not a `.ckpt-disk`, tells its disk: no marker lies
+    at or above it, or the one there is a claim (claim_disk's: at the root itself, a bare
+    uuid4). A claim records a root's first use, wherever that was, so it proves no second
+    disk on a device a copy is on; any other marker is the operator's word that the
+    directory is a disk of its own, whatever its device (tests/_disks.py)."""
+    marker = _marker(location)
+    if marker is None:
+        return True
+    if os.path.dirname(marker) != _path(location):
+        return False
+    with open(marker) as f:
+        text = f.read().strip()
+    try:
+        claim = uuid.UUID(hex=text)
+    except ValueError:
+        return False
+    return claim.hex == text and claim.version == 4
+
+
+def _marker(location: str) -> str | None:
+    """The nearest `.ckpt-disk` at or above a local location's nearest existing directory."""
+    probe = _existing(location)
+    while True:
+        marker = os.path.join(probe, DISK_MARKER)
+        if os.path.isfile(marker):
+            return marker
+        if probe == os.path.dirname(probe):
+            return None
+        probe = os.path.dirname(probe)
 
 
 def _existing(location: str) -> str:
@@ -83,7 +120,7 @@ def claim_disk(location: str) -> str:
     makedirs(root)
     marker = os.path.join(root, DISK_MARKER)
     tmp = f"{marker}.tmp-{uuid.uuid4().hex}"
-    write_durable(tmp, uuid.uuid4().hex.encode())  # FILE_MODE, whatever the umask
+    write_durable(tmp, uuid.uuid4().hex.encode())  # FILE_MODE, whatever the umask; device_decides knows it
     try:
         os.link(tmp, marker)  # create-only: a concurrent claimer's id wins alike for both
     except FileExistsError:

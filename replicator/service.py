@@ -27,7 +27,15 @@ import time
 from ckpt._peer_status import with_peer_rule
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.gc import collect, judge
-from ckpt.replicator.placement import Destination, claim_disk, device_id, disk_id, is_local_location, source_label
+from ckpt.replicator.placement import (
+    Destination,
+    claim_disk,
+    device_decides,
+    device_id,
+    disk_id,
+    is_local_location,
+    source_label,
+)
 from ckpt.replicator.policy import Policy, VersionInfo, expired
 from ckpt.replicator.publish import committed_info, publish
 from ckpt.replicator.ratelimit import RateLimiter
@@ -91,25 +99,31 @@ class Replicator:
         recorded the first time (in the source's status, so it outlives restarts); later the
         destination must still be on that disk (Destination.check_disk), or its copies fail."""
         status = self._status[source]
-        used = {disk_id(source), device_id(source)}  # (unmarked roots are told apart by device)
+        used = {disk_id(source): source, device_id(source): source}  # disk or device -> the path of a copy on it
         out: list[Destination] = []
         for r in self.config.replica_roots:
             if len(out) == self.config.replicas - 1:
                 break
             local = is_local_location(r)
             disk = status.disks.get(r)
+            url = f"{r.rstrip('/')}/replicas/{source_label(source)}"
+            # a root its device tells (unmarked, or claimed by older code wherever it was) is on the
+            # disk of a copy on that device; a recorded root found on another disk is check_disk's
+            if local and disk in (None, disk_id(r)) and device_decides(r) and (there := used.get(device_id(r))):
+                log.warning("replica root %s is on the device of %s, a copy's: no second disk, no copy there", r, there)
+                status.disks.pop(r, None)
+                for v in status.versions.values():
+                    v.copies.pop(url, None)  # a copy there is on that disk: it counts for no other
+                continue
             if disk is None:
-                if local and disk_id(r) == device_id(r) and device_id(r) in used:  # unmarked, on a disk a copy is on
-                    continue
                 disk = claim_disk(r)
                 if local:
                     status.disks[r] = disk
             if disk in used:
                 continue
-            used.add(disk)
+            used[disk] = r
             if local:
-                used.add(device_id(r))
-            url = f"{r.rstrip('/')}/replicas/{source_label(source)}"
+                used[device_id(r)] = r
             out.append(Destination(url, "replica", self._tier(url), disk=disk if local else None))
         if len(out) < self.config.replicas - 1:
             log.warning("only %d distinct disks for %d copies of %s", len(out) + 1, self.config.replicas, source)

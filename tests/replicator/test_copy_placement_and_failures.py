@@ -2,8 +2,9 @@
 
 1. Disks are told apart by what they are: an unmarked replica root on the source's device
    (or on the device of a replica already chosen) is no second disk, even though claiming
-   it would write a `.ckpt-disk` there; a symlinked replica root is judged where it
-   points. /dev/shm is a device of its own here, so "another disk" is a real one.
+   it would write a `.ckpt-disk` there, nor is one an older claim marked there; a
+   symlinked replica root is judged where it points. /dev/shm is a device of its own here,
+   so "another disk" is a real one.
 2. A failure that belongs to one version (its source chunk damaged, the remote holding
    another save of its step) fails that version's copy only: the later versions are
    copied in the same pass, and every pass after.
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -24,9 +26,9 @@ import torch
 
 from ckpt import Checkpointer
 from ckpt.replicator.config import ReplicatorConfig
-from ckpt.replicator.placement import source_label
+from ckpt.replicator.placement import claim_disk, source_label
 from ckpt.replicator.service import Replicator
-from ckpt.replicator.status import Status
+from ckpt.replicator.status import CopyState, Status, VersionStatus, write_status
 from ckpt.store import versions
 from tests._disks import two_disks
 
@@ -66,6 +68,35 @@ def test_unmarked_replica_roots_are_told_apart_by_device(tmp_path: Path, shm: Pa
     assert status.required_copies == 1  # three copies asked for, two disks found
     assert not same_device.exists() and not other_b.exists()
     assert versions.committed_steps(str(other_a / "replicas" / source_label(str(src)))) == [1]
+
+
+def test_a_root_claimed_on_a_device_a_copy_is_on_is_no_second_disk(
+    tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Older code claimed any unmarked root: the `.ckpt-disk` it wrote on the source's device
+    (and the disk it recorded in the status, with a copy there), or on an earlier replica's,
+    proves no second disk. Such a root is skipped, saying so, and its copy no longer counts."""
+    src = tmp_path / "src"
+    same_device = tmp_path / "elsewhere"  # claimed by older code, on the source's device
+    other_a, other_b = shm / "a", shm / "b"  # other_b claimed by older code, on other_a's device
+    with Checkpointer(src) as ck:
+        ck.save(1, state(1))
+    label = source_label(str(src))
+    m = versions.read_manifest(str(src), 1)
+    old = Status(required_copies=1, disks={str(same_device): claim_disk(str(same_device))})
+    old.versions[1] = VersionStatus(
+        m.save_id, m.created, {f"{same_device}/replicas/{label}": CopyState("verified", 1.0)}
+    )
+    write_status(str(src), old)
+    claim_disk(str(other_b))
+    config = ReplicatorConfig(replicas=4, replica_roots=(str(same_device), str(other_a), str(other_b)))
+    with caplog.at_level(logging.WARNING, logger="ckpt.replicator"):
+        status = Replicator([str(src)], config).run_once()[str(src)]
+    assert copies(status, 1) == {f"{other_a}/replicas/{label}": "verified"}
+    assert status.required_copies == 1 and list(status.disks) == [str(other_a)]
+    assert not (other_b / "replicas").exists()
+    assert f"{same_device} is on the device of {src}" in caplog.text
+    assert f"{other_b} is on the device of {other_a}" in caplog.text
 
 
 def test_a_symlinked_replica_root_is_on_the_disk_it_points_into(tmp_path: Path) -> None:
