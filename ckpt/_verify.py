@@ -1,6 +1,7 @@
 """`ckpt verify`: recompute every checksum of a tier's versions, each pinned against GC
 while it is read. Damage (a bad manifest, a bad or missing chunk) is reported per
-version; a tier that cannot be read raises (it is not damage)."""
+version, and apart from it the files that failed every read with an I/O error (no proof
+of damage); a tier that cannot be read raises (it is not damage)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ __all__ = ["Checked", "verify_tier"]
 @dataclass(frozen=True)
 class Checked:
     step: int
-    problems: tuple[str, ...]  # one line per bad chunk, or the bad manifest
+    problems: tuple[str, ...]  # one line per bad chunk, or the bad manifest: damage
     summary: str  # "ok (N chunks, SIZE)" when there is no problem
+    unreadable: tuple[str, ...] = ()  # one line per file no read of which succeeded (an I/O error)
 
 
 def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
@@ -38,9 +40,14 @@ def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
         return Checked(step, (f"BAD manifest: {e}",), "")
     info = read_root_info(tier, step)
     held = set(info.writers) if info is not None else None
-    problems = tuple(f"BAD {p.path}: {p.reason}" for p in verify_chunks(tier, step, manifest, held))
+    found = list(verify_chunks(tier, step, manifest, held))
     n = sum(1 for a in manifest.arrays.values() for c in a.iter_chunks() if held is None or c.writer in held)
-    return Checked(step, problems, f"ok ({n} chunks, {human(manifest.total_bytes)})")
+    return Checked(
+        step,
+        tuple(f"BAD {p.path}: {p.reason}" for p in found if not p.unreadable),
+        f"ok ({n} chunks, {human(manifest.total_bytes)})",
+        tuple(f"UNREADABLE {p.path}: {p.reason}" for p in found if p.unreadable),
+    )
 
 
 def verify_tier(tier: Tier, step: int | None = None) -> Iterator[Checked]:

@@ -3,7 +3,7 @@ ckpt.replicator (listing: ckpt._listing, checks: ckpt._verify, text: ckpt._rende
 
 Exit codes: 0 success, 1 damage (verification found bad chunks, or the version asked for
 is corrupt), 2 usage error (click), 3 any other error (one readable line on stderr, never
-a traceback), 4 `ckpt gc` kept versions it could not read (a transient error is no proof
+a traceback; `verify` found no damage but files it could not read), 4 `ckpt gc` kept versions it could not read (a transient error is no proof
 of damage: run it again).
 
 Starting fast: `ckpt --help`, `ls` and `verify` never import torch (about 2 s) nor rich's
@@ -173,17 +173,23 @@ def ls_cmd(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
 @_STORAGE_OPTION
 @_errors_to_exit
 def verify_cmd(root: str, step: int | None, storage_options: tuple[str, ...]) -> None:
-    """Recompute every chunk's xxh3 (ROOT: a path or a URL); exit 1 naming each bad chunk."""
-    bad = 0
+    """Recompute every chunk's xxh3 (ROOT: a path or a URL); exit 1 naming each bad chunk,
+    else 3 naming each file that failed every read with an I/O error (no proof of damage)."""
+    bad = unreadable = 0
     for checked in verify_tier(_root(root, _options(storage_options)), step):
-        for line in checked.problems:
+        for line in (*checked.problems, *checked.unreadable):
             click.echo(f"step {checked.step}: {line}")
-        if not checked.problems:
+        if not checked.problems and not checked.unreadable:
             click.echo(f"step {checked.step}: {checked.summary}")
         bad += len(checked.problems)
+        unreadable += len(checked.unreadable)
+    if unreadable:
+        click.echo(f"{unreadable} unreadable file{'s' if unreadable != 1 else ''} (I/O errors: run it again)", err=True)
     if bad:
         click.echo(f"{bad} bad chunk{'s' if bad != 1 else ''}", err=True)
         sys.exit(EXIT_BAD_CHUNKS)
+    if unreadable:
+        sys.exit(EXIT_CKPT_ERROR)  # not damage: a disk that fails reads now may read later
 
 
 def _manifest_of(located: Located) -> Manifest:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from ckpt.store.chunk_read import with_rereads
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.rank_file import RankFile, RankFiles, rank_file_path, read_rank_file_raw
@@ -25,17 +26,14 @@ from ckpt.store.versions import version_dirname
 __all__ = [
     "Source",
     "SourcesUnreachable",
-    "REREADS",
     "first_good",
     "from_first_good",
     "rank_file_bytes_from",
     "rank_file_from",
-    "with_rereads",
 ]
 
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
-REREADS = 2  # reads of a block after the first, while it fails its checksum or cannot be read
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,19 +92,6 @@ class SourcesUnreachable(TierUnavailableError):
         e = cls(code, message)
         e.locations = frozenset(locations)
         return e
-
-
-def with_rereads(read: Callable[[], T]) -> T:
-    """read(), again while it fails a checksum (CorruptVersionError with an `actual` digest)
-    or cannot be read (`io_error`: a disk that fails a read once is not damage)."""
-    for attempt in range(REREADS + 1):
-        try:
-            return read()
-        except CorruptVersionError as e:
-            if not (e.actual or e.io_error) or attempt == REREADS:
-                raise
-            log.warning("%s; reading it again", e)
-    raise AssertionError("unreachable")
 
 
 def from_first_good(

@@ -1,12 +1,17 @@
-"""Recomputing every checksum of the part of a version a tier holds (`ckpt verify`, tests)."""
+"""Recomputing every checksum of the part of a version a tier holds (`ckpt verify`, tests).
+
+A file is read as a restore reads it (with_rereads): one that fails its checksum or an I/O
+error is read twice more before it counts. An I/O error on every read is reported as
+`unreadable`, apart from damage: it proves nothing about the bytes."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
-from ckpt.store.chunk_read import READ_BLOCK, open_checked, read_chunk, read_exact
+from ckpt.store.chunk_read import READ_BLOCK, open_checked, read_chunk, read_exact, with_rereads
 from ckpt.store.digest import ChunkHasher
 from ckpt.store.errors import CorruptVersionError
 from ckpt.store.manifest import Manifest
@@ -22,6 +27,7 @@ class ChunkProblem:
     array: str  # "" for a rank file
     path: str
     reason: str
+    unreadable: bool = False  # an I/O error on every read, not proven damage
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,27 +48,29 @@ def expected_chunks(
     that leaves its digest unknown; inline chunks (in the manifest) are checked here.
 
     `writers` limits it to the files of those ranks (the part a tier holds). Since schema 3
-    each writer's rank file holds its chunks' digests: a bad rank file is a problem, and so
-    is each of its chunks.
+    each writer's rank file holds its chunks' digests: a bad (or unreadable) rank file is a
+    problem, and so is each of its chunks.
     """
     book = RankFiles(tier)
-    bad_ranks: set[int] = set()
+    bad_ranks: dict[int, bool] = {}  # rank -> whether its file is unreadable (not proven bad)
     if manifest.rank_files:
         for rank in range(manifest.world_size):
             if writers is not None and rank not in writers:
                 continue
             try:
-                book.get(step, manifest, rank)
+                with_rereads(partial(book.get, step, manifest, rank))
             except CorruptVersionError as e:
-                bad_ranks.add(rank)
-                yield ChunkProblem("", rank_file_path(rank), str(e))
+                bad_ranks[rank] = e.io_error
+                yield ChunkProblem("", rank_file_path(rank), str(e), e.io_error)
     for array in manifest.arrays.values():
         for chunk in array.iter_chunks():
             if writers is not None and chunk.writer not in writers:
                 continue
             path = array.chunk_path(chunk)
             if chunk.inline is None and chunk.writer in bad_ranks:
-                yield ChunkProblem(array.name, path, f"its digests are in the bad {rank_file_path(chunk.writer)}")
+                unreadable = bad_ranks[chunk.writer]
+                why = f"its digests are in the {'unreadable' if unreadable else 'bad'} {rank_file_path(chunk.writer)}"
+                yield ChunkProblem(array.name, path, why, unreadable)
                 continue
             try:
                 chunk = book.resolve(step, manifest, array, chunk)
@@ -70,7 +78,7 @@ def expected_chunks(
                     read_chunk(tier, step, array, chunk, memoryview(bytearray(len(chunk.inline) // 2)))
                     continue
             except CorruptVersionError as e:
-                yield ChunkProblem(array.name, path, str(e))
+                yield ChunkProblem(array.name, path, str(e), e.io_error)
                 continue
             yield ExpectedChunk(array.name, path, chunk.nbytes, array.digest_block_bytes(chunk), chunk.xxh3)
 
@@ -86,21 +94,28 @@ def verify_chunks(tier: Tier, step: int, manifest: Manifest, writers: set[int] |
         if isinstance(expected, ChunkProblem):
             yield expected
             continue
-        key = join_key(version_dirname(step), expected.path)
-        where = os.path.join(tier.location, key)
-        hasher = ChunkHasher(expected.block_bytes)
         try:
-            handle = open_checked(tier, key, expected.nbytes, expected.xxh3)
-            try:
-                for start in range(0, expected.nbytes, READ_BLOCK):
-                    piece = view[: min(READ_BLOCK, expected.nbytes - start)]
-                    read_exact(handle, piece, start, where)
-                    hasher.update(piece)
-            finally:
-                handle.close()
+            with_rereads(partial(_check_chunk, tier, step, expected, view))
         except CorruptVersionError as e:
-            yield ChunkProblem(expected.array, expected.path, str(e))
-            continue
-        got = hasher.hexdigest()
-        if got != expected.xxh3:
-            yield ChunkProblem(expected.array, expected.path, f"xxh3 {got} != manifest {expected.xxh3}")
+            yield ChunkProblem(expected.array, expected.path, str(e), e.io_error)
+
+
+def _check_chunk(tier: Tier, step: int, expected: ExpectedChunk, view: memoryview) -> None:
+    """Read one chunk file whole, streaming through `view`; CorruptVersionError if it is
+    bad (with both digests on a mismatch, so with_rereads reads it again)."""
+    key = join_key(version_dirname(step), expected.path)
+    where = os.path.join(tier.location, key)
+    hasher = ChunkHasher(expected.block_bytes)
+    handle = open_checked(tier, key, expected.nbytes, expected.xxh3)
+    try:
+        for start in range(0, expected.nbytes, READ_BLOCK):
+            piece = view[: min(READ_BLOCK, expected.nbytes - start)]
+            read_exact(handle, piece, start, where)
+            hasher.update(piece)
+    finally:
+        handle.close()
+    got = hasher.hexdigest()
+    if got != expected.xxh3:
+        raise CorruptVersionError(
+            f"xxh3 {got} != manifest {expected.xxh3}", path=where, expected=expected.xxh3, actual=got
+        )

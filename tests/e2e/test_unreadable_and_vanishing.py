@@ -7,7 +7,8 @@
    restore comes from the replica on the other disk, `ckpt ls`/`verify` print one error line
    and exit 3, and the replica and the remote keep every committed version. Before that, one
    version directory alone becomes unreadable (its files on a second ext4 that dies): restore
-   reads its chunks from the replica and `ckpt verify` names each bad chunk.
+   reads its chunks from the replica and `ckpt verify` names each unreadable chunk (exit 3:
+   an I/O error is no proof of damage).
 2. A replica disk vanishes mid-copy: the replicator copies a version onto a tmpfs that is lazily
    unmounted (umount -l) in the middle. It reports the error, still uploads to the remote,
    commits nothing half-copied, leaves the source alone, and finishes once the disk is back.
@@ -168,7 +169,7 @@ ROOT_DIES = COMMON + textwrap.dedent(
 
     report("RESTORE_V2", restore_2)  # chunk by chunk from the replica
     out = cli_here("verify", d0, "--step", "2")
-    print("VERIFY_V2", [line for line in out.stdout.splitlines() if "BAD" in line], flush=True)
+    print("VERIFY_V2", [line for line in out.stdout.splitlines() if "UNREADABLE" in line or "BAD" in line], flush=True)
     out = cli_here("ls", d0, "--json")
     print("LS_V2", [r["step"] for r in json.loads(out.stdout)], flush=True)
 
@@ -226,10 +227,10 @@ def test_root_dies_mid_save(tmp_path: Path) -> None:
     assert _lines(out, "REPLICATED") == ["True"], out
 
     # an unreadable version directory: restore reads its chunks from the replica; verify names
-    # every bad chunk (exit 1); ls still lists it (its manifest is readable)
+    # every unreadable chunk (exit 3, not damage); ls still lists it (its manifest is readable)
     assert _lines(out, "RESTORE_V2") == ["ok (2, True)"], out
     bad = ast.literal_eval(_lines(out, "VERIFY_V2")[0])
-    assert len(bad) == 2 and all("Input/output error" in line for line in bad), out  # w and b
+    assert len(bad) == 2 and all("UNREADABLE" in line and "Input/output error" in line for line in bad), out  # w, b
     assert _lines(out, "LS_V2") == ["[1, 2, 3]"], out
 
     # the save in flight and the next one fail with the documented error, errno kept
@@ -247,7 +248,7 @@ def test_root_dies_mid_save(tmp_path: Path) -> None:
         for line in _lines(out, "CLI")
     ]
     assert [(cmd, rc) for cmd, rc, _ in cli] == [
-        ("verify", 1),
+        ("verify", 3),
         ("ls", 0),
         ("ls", 0),
         ("verify", 3),

@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import ckpt.store._local as local
 from ckpt import Checkpointer
+from ckpt.cli import main as cli
 from ckpt.store.versions import version_dirname
 from tests._states import assert_bitwise, blank
 
@@ -103,3 +105,43 @@ def test_a_read_that_keeps_failing_is_damage(tmp_path: Path, monkeypatch: pytest
         assert ck.restore(target) == 1  # three reads failed: a bad sector, as before
     assert failing.raised == 3
     assert_bitwise(target, state(1))
+
+
+@pytest.mark.parametrize(
+    "where,inject", [(CHUNK, _fail_reads), (CHUNK, _fail_opens), (RANK_FILE, _fail_reads), (RANK_FILE, _fail_opens)]
+)
+def test_verify_reads_again_what_fails_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, inject: Any
+) -> None:
+    two_steps(tmp_path)
+    failing = inject(monkeypatch, where, 1)
+    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert failing.raised == 1
+    assert out.exit_code == 0, out.output
+    assert "step 2: ok" in out.output and "reading it again" in out.output
+
+
+@pytest.mark.parametrize(
+    "where,inject", [(CHUNK, _fail_reads), (CHUNK, _fail_opens), (RANK_FILE, _fail_reads), (RANK_FILE, _fail_opens)]
+)
+def test_verify_calls_a_read_that_keeps_failing_unreadable_not_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, inject: Any
+) -> None:
+    two_steps(tmp_path)
+    failing = inject(monkeypatch, where, 1_000)
+    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert failing.raised == 3  # read three times, as a restore reads it
+    assert out.exit_code == 3, out.output  # an error, not damage (exit 1)
+    assert "step 1: ok" in out.output and "BAD" not in out.output
+    assert f"step 2: UNREADABLE {where.split('/', 1)[1]}:" in out.output and "Input/output error" in out.output
+
+
+def test_verify_calls_a_flipped_byte_damage(tmp_path: Path) -> None:
+    two_steps(tmp_path)
+    chunk = tmp_path / CHUNK
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert out.exit_code == 1, out.output
+    assert f"step 2: BAD {CHUNK.split('/', 1)[1]}: xxh3" in out.output and "UNREADABLE" not in out.output
