@@ -159,7 +159,7 @@ class ArrayEntry:
     def __post_init__(self) -> None:
         # Derived once: a restore asks for them per chunk, thousands of times.
         self.run_starts = tuple(map(_RUN_START, self.runs))
-        self.grid = grid_shape(self.shape, self.chunk_shape)
+        self.grid = _grid(self.shape, self.chunk_shape)
 
     inline: str | None = None  # schema 3: a single-element array's value (hex), when it has no chunk file
     inline_xxh3: str = ""  # schema 3: the xxh3_64 of the inline value's bytes
@@ -386,11 +386,15 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = _INT_MAX) -> int:
     return v
 
 
+_JUST_INT = {int}  # (bool, a subclass, is refused: type(), not isinstance())
+
+
 def _ints(v: Any, what: str, lo: int = 0) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > MAX_NDIM:
         raise ManifestError(f"manifest field {what} must be a list of at most {MAX_NDIM} integers")
-    if all(type(x) is int and lo <= x <= _INT_MAX for x in v):  # the usual case, without a call per item
-        return tuple(v)
+    out = tuple(v)
+    if not out or (set(map(type, out)) == _JUST_INT and lo <= min(out) and max(out) <= _INT_MAX):  # the usual case
+        return out
     return tuple(_int(x, what, lo) for x in v)
 
 
@@ -408,24 +412,48 @@ def _parse_array(name: str, doc: Any, world: int, schema: int) -> ArrayEntry:
         raise ManifestError(f"array {name!r} has unsupported data_type {dtype!r}", path=name)
     shape = _ints(doc.get("shape"), f"{name}.shape")
     chunk_shape = _ints(doc.get("chunk_shape"), f"{name}.chunk_shape", lo=1)
-    if len(chunk_shape) != len(shape):
-        raise ManifestError(f"array {name!r}: chunk_shape and shape differ in rank", path=name)
-    if any(c > max(s, 1) for c, s in zip(chunk_shape, shape)):  # writers never chunk beyond the extent
-        raise ManifestError(f"array {name!r}: chunk_shape {chunk_shape} exceeds the shape {shape}", path=name)
-    if (
-        math.prod(shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES
-        or math.prod(chunk_shape) * ITEMSIZE[dtype] > MAX_ARRAY_BYTES
-    ):
-        raise ManifestError(f"array {name!r}: shape {shape} is absurdly large", path=name)
     block_rows = _int(doc.get("block_rows", 0), f"{name}.block_rows", 0, chunk_shape[0] if chunk_shape else 0)
-    if block_rows != expected_block_rows(chunk_shape, ITEMSIZE[dtype], block_bytes_of(schema)):
-        raise ManifestError(f"array {name!r}: block_rows {block_rows} does not follow from its chunk shape", path=name)
-    if chunk_shape and math.prod(chunk_shape[1:]) * ITEMSIZE[dtype] > MAX_ROW_BYTES:
-        raise ManifestError(f"array {name!r}: rows of {chunk_shape[1:]} are absurdly large", path=name)
+    geometry = _geometry(dtype, shape, chunk_shape, block_rows, schema)
+    if geometry.problem:
+        raise ManifestError(f"array {name!r}: {geometry.problem}", path=name)
     replicated = bool(doc.get("replicated"))
     if schema >= 3:
-        return _with_runs(_Head(name, dtype, shape, chunk_shape, replicated, block_rows, schema), doc, world)
+        head = _Head(name, dtype, shape, chunk_shape, replicated, block_rows, schema)
+        return _with_runs(head, geometry, doc, world)
     return _with_listed(ArrayEntry(name, dtype, shape, chunk_shape, replicated, {}, (), block_rows, schema), doc, world)
+
+
+_grid = functools.lru_cache(maxsize=1 << 12)(grid_shape)  # most arrays share their shapes
+
+
+class _Geometry(NamedTuple):
+    """What an array's type and shapes imply, checked: shared by the many arrays of a
+    manifest that have the same ones (every layer of a model), so each is worked out once."""
+
+    problem: str  # what is wrong with them ("" when nothing is)
+    grid: tuple[int, ...]  # chunks along each dimension
+    chunks: int | None  # chunks the writer runs cover (None: an empty array, at most one)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _geometry(
+    dtype: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...], block_rows: int, schema: int
+) -> _Geometry:
+    """Of validated integers only (bool is refused before: True would share 1's entry)."""
+    grid = _grid(shape, chunk_shape)
+    item = ITEMSIZE[dtype]
+    problem = ""
+    if len(chunk_shape) != len(shape):
+        problem = "chunk_shape and shape differ in rank"
+    elif any(c > max(s, 1) for c, s in zip(chunk_shape, shape)):  # writers never chunk beyond the extent
+        problem = f"chunk_shape {chunk_shape} exceeds the shape {shape}"
+    elif math.prod(shape) * item > MAX_ARRAY_BYTES or math.prod(chunk_shape) * item > MAX_ARRAY_BYTES:
+        problem = f"shape {shape} is absurdly large"
+    elif block_rows != expected_block_rows(chunk_shape, item, block_bytes_of(schema)):
+        problem = f"block_rows {block_rows} does not follow from its chunk shape"
+    elif chunk_shape and math.prod(chunk_shape[1:]) * item > MAX_ROW_BYTES:
+        problem = f"rows of {chunk_shape[1:]} are absurdly large"
+    return _Geometry(problem, grid, math.prod(grid) if math.prod(shape) > 0 else None)
 
 
 class _Head(NamedTuple):
@@ -470,14 +498,13 @@ def _refuse_run(name: str, run: Any, world: int) -> NoReturn:
     raise AssertionError(f"writer run {run!r} of {name!r} refused without a reason")  # the test and these agree
 
 
-def _with_runs(head: _Head, doc: dict[str, Any], world: int) -> ArrayEntry:
+def _with_runs(head: _Head, geometry: _Geometry, doc: dict[str, Any], world: int) -> ArrayEntry:
     """Schema 3: the writers as runs covering the grid in order, and an inline value."""
     name = head.name
     raw = doc.get("writers")
     if not isinstance(raw, list):
         raise ManifestError(f"array {name!r}: writers must be a list of runs", path=name)
-    grid = grid_shape(head.shape, head.chunk_shape)
-    want = math.prod(grid) if math.prod(head.shape) > 0 else None
+    grid, want = geometry.grid, geometry.chunks
     runs: list[WriterRun] = []
     start = 0
     for run in raw:
