@@ -79,9 +79,12 @@ CHUNK = f"{version_dirname(2)}/state/b/c.0.0"
 RANK_FILE = f"{version_dirname(2)}/ranks/0.json"
 
 
-@pytest.mark.parametrize(
+EVERY_FAILING_READ = pytest.mark.parametrize(
     "where,inject", [(CHUNK, _fail_reads), (CHUNK, _fail_opens), (RANK_FILE, _fail_reads), (RANK_FILE, _fail_opens)]
 )
+
+
+@EVERY_FAILING_READ
 def test_a_read_that_fails_once_is_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str, inject: Any
 ) -> None:
@@ -107,29 +110,28 @@ def test_a_read_that_keeps_failing_is_damage(tmp_path: Path, monkeypatch: pytest
     assert_bitwise(target, state(1))
 
 
-@pytest.mark.parametrize(
-    "where,inject", [(CHUNK, _fail_reads), (CHUNK, _fail_opens), (RANK_FILE, _fail_reads), (RANK_FILE, _fail_opens)]
-)
+def _verify_failing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, inject: Any, times: int) -> Any:
+    """`ckpt verify` of two steps while the first `times` reads (or opens) of `where` fail."""
+    two_steps(tmp_path)
+    failing = inject(monkeypatch, where, times)
+    return failing, CliRunner().invoke(cli, ["verify", str(tmp_path)])
+
+
+@EVERY_FAILING_READ
 def test_verify_reads_again_what_fails_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, inject: Any
 ) -> None:
-    two_steps(tmp_path)
-    failing = inject(monkeypatch, where, 1)
-    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    failing, out = _verify_failing(tmp_path, monkeypatch, where, inject, 1)
     assert failing.raised == 1
     assert out.exit_code == 0, out.output
     assert "step 2: ok" in out.output and "reading it again" in out.output
 
 
-@pytest.mark.parametrize(
-    "where,inject", [(CHUNK, _fail_reads), (CHUNK, _fail_opens), (RANK_FILE, _fail_reads), (RANK_FILE, _fail_opens)]
-)
+@EVERY_FAILING_READ
 def test_verify_calls_a_read_that_keeps_failing_unreadable_not_damaged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, inject: Any
 ) -> None:
-    two_steps(tmp_path)
-    failing = inject(monkeypatch, where, 1_000)
-    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    failing, out = _verify_failing(tmp_path, monkeypatch, where, inject, 1_000)
     assert failing.raised == 3  # read three times, as a restore reads it
     assert out.exit_code == 3, out.output  # an error, not damage (exit 1)
     assert "step 1: ok" in out.output and "BAD" not in out.output
