@@ -38,7 +38,30 @@ def _dcp_state(path: str) -> dict[str, Any]:
         _load_state_dict(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
     except CheckpointException as e:  # (a BaseException: what its ranks raised)
         raise ValueError(" ".join(str(e).split())[:500]) from None
+    _optimizer_ids(state)
     return state
+
+
+def _optimizer_ids(node: Any) -> None:
+    """Give the optimizer state dicts in `node` their int parameter ids back, in place.
+
+    DCP stores every dict key as a string, so `optimizer.state_dict()["state"]` comes back
+    keyed "0", "1", ...; `Optimizer.load_state_dict` would keep those entries apart from
+    the parameters (ids 0, 1, ... in `param_groups`, whose lists DCP keeps intact), and the
+    resumed optimizer would start without its state. Other dict keys stay strings: only
+    here do the ints in `param_groups` show which keys were ints."""
+    if isinstance(node, list):
+        for v in node:
+            _optimizer_ids(v)
+    if not isinstance(node, dict):
+        return
+    state, groups = node.get("state"), node.get("param_groups")
+    if isinstance(state, dict) and isinstance(groups, list):
+        ids = {str(i): i for g in groups if isinstance(g, dict) for i in g.get("params", ()) if type(i) is int}
+        if state and all(k in ids for k in state):
+            node["state"] = {ids[k]: v for k, v in state.items()}
+    for v in node.values():
+        _optimizer_ids(v)
 
 
 def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer
 from ckpt.cli import main as cli
+from tests._states import assert_bitwise
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -59,6 +60,32 @@ def test_dcp_directory(tmp_path: Path) -> None:
     assert out.exit_code == 0, out.output
     assert CliRunner().invoke(cli, ["verify", str(tmp_path / "root")]).exit_code == 0
     assert _same(_restored(tmp_path / "root", 3), _state(2))
+
+
+def _adam(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if seed == 0:  # the saved one has taken a step: a moment per parameter
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def test_dcp_optimizer_state_comes_back_onto_its_parameters(tmp_path: Path) -> None:
+    """DCP stores every dict key as a string, the optimizer's parameter ids too; imported
+    and restored into a fresh optimizer, each moment belongs to its parameter again."""
+    model, opt = _adam(0)
+    src = tmp_path / "dcp"
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(src), no_dist=True)
+    out = CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root"), "--step", "1", "--trust"])
+    assert out.exit_code == 0, out.output
+    model2, opt2 = _adam(1)
+    with Checkpointer(tmp_path / "root") as ck:
+        assert ck.restore({"model": model2, "optim": opt2}) == 1
+    assert list(opt2.state_dict()["state"]) == [0, 1, 2, 3]  # parameter ids, not the strings "0", "1", ...
+    assert_bitwise(opt2.state_dict(), opt.state_dict(), "optim")
+    assert_bitwise(model2.state_dict(), model.state_dict(), "model")
 
 
 class _Payload:
