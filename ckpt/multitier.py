@@ -34,8 +34,7 @@ log = logging.getLogger("ckpt")
 
 
 class MultiTier:
-    """Several Checkpointers, each saved every `every` steps; the first is the fastest
-    (it answers reached_preemption)."""
+    """Several Checkpointers, each saved every `every` steps; the first is the fastest."""
 
     def __init__(self, *tiers: tuple[Checkpointer, int]) -> None:
         if not tiers:
@@ -47,16 +46,24 @@ class MultiTier:
         if len(set(roots)) != len(roots):
             raise ValueError(f"two tiers share a root: {roots}")
         self.tiers = tuple(tiers)
+        self._saved: list[int | None] = [None] * len(self.tiers)  # the step each tier's last save staged
 
     def save(
         self, step: int, state: Mapping[str, Any], *, force: bool = False, milestone: bool = False, **kwargs: Any
     ) -> list[str]:
-        """Save to every tier whose cadence divides `step` (all of them with `force`); the
-        roots saved to. Each returns as its own save() does: the commits go on behind."""
+        """Save to every tier whose cadence divides `step` (all of them with `force`, but
+        those whose cadence saved this step already); the roots saved to. Each returns as
+        its own save() does: the commits go on behind."""
         saved = []
-        for ck, every in self.tiers:
+        for i, (ck, every) in enumerate(self.tiers):
+            # A forced save (preemption) comes after the cadence's save of the same step: a
+            # tier holding it already is skipped, so its VersionExistsError cannot stop the
+            # save of the tiers after it (the disk, where RAM goes with the node).
+            if force and self._saved[i] == step and not kwargs.get("overwrite"):
+                continue
             if force or step % every == 0:
                 if ck.save(step, state, milestone=milestone, **kwargs):
+                    self._saved[i] = step
                     saved.append(ck.root)
         return saved
 
@@ -96,7 +103,10 @@ class MultiTier:
         return ck._ctl.reduce_max([-1 if mine is None else mine])[0]
 
     def reached_preemption(self) -> bool:
-        return self.tiers[0][0].reached_preemption()
+        """Collective: True once any tier's preemption_signals arrived (see
+        Checkpointer.reached_preemption). Every tier is asked: a tier's handler only notes
+        the signal, so a tier not asked would swallow it."""
+        return any([ck.reached_preemption() for ck, _ in self.tiers])
 
     def wait(self) -> None:
         for ck, _ in self.tiers:

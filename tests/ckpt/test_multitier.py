@@ -3,7 +3,9 @@ takes the newest intact version of either; retention bounds what RAM holds."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch
 from ckpt import Checkpointer, MultiTier, RootLockedError
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed_steps, version_dirname
+from tests._states import assert_bitwise
 
 SHM = Path("/dev/shm")
 
@@ -85,3 +88,29 @@ def test_two_tiers_cannot_share_a_root(tmp_path: Path) -> None:
             Checkpointer(tmp_path)
         with pytest.raises(ValueError, match="Checkpointer, every"):
             MultiTier((ck, 0))
+
+
+def test_a_forced_save_at_a_step_a_tier_saved_saves_the_others(ram: Path, tmp_path: Path) -> None:
+    """The preemption pattern: the cadence saved step 20 to RAM, then preemption forces a
+    save of step 20 to every tier. RAM holds it already (it goes with the node): the disk
+    must get it, not a VersionExistsError from the RAM tier before the disk is reached."""
+    disk = tmp_path / "disk"
+    with MultiTier((Checkpointer(ram), 10), (Checkpointer(disk), 100)) as ck:
+        assert ck.save(20, _state(20)) == [str(ram)]
+        assert ck.save(20, _state(20), force=True) == [str(disk)]
+        ck.wait()
+    state = _state(0)
+    with Checkpointer(disk) as ck:
+        assert ck.restore(state) == 20
+    assert_bitwise(state, _state(20))
+
+
+def test_reached_preemption_answers_for_the_signals_of_any_tier(ram: Path, tmp_path: Path) -> None:
+    """A tier's handler only notes the signal (the process no longer dies of it): the
+    notice must reach the loop whichever tier installed it."""
+    ram_ck = Checkpointer(ram)
+    disk_ck = Checkpointer(tmp_path / "disk", preemption_signals=(signal.SIGUSR1,))
+    with MultiTier((ram_ck, 10), (disk_ck, 100)) as ck:
+        assert not ck.reached_preemption()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert ck.reached_preemption()
