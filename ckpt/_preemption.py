@@ -49,8 +49,11 @@ class PreemptionWatch:
         previous = self._previous.get(signum)
         if self._closed:
             # Still installed after close() (another handler was put on top, or close() ran
-            # off the main thread): behave as the handler before this one would.
-            if previous == signal.SIG_DFL or previous is None:
+            # off the main thread): behave as the handler before this one would. Called by
+            # a handler chained on top (an open watch's), only forward: that one is handling
+            # the signal, as if this one were gone, so the default action is not taken.
+            installed = signal.getsignal(signum) == self._handle
+            if installed and (previous == signal.SIG_DFL or previous is None):
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             elif callable(previous):

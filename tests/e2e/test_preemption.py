@@ -135,3 +135,31 @@ def test_a_handler_left_installed_after_close_passes_the_signal_on(tmp_path: Pat
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
     )
     assert out.returncode == -signal.SIGUSR1, (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+def test_a_closed_watch_under_an_open_one_does_not_kill_the_process(tmp_path: Path) -> None:
+    """Two Checkpointers with preemption_signals, the first closed while the second trains
+    on: the second's handler chains to the first's, still installed beneath it. The signal
+    is the second's notice (the job saves and exits); the first, closed, must not turn it
+    into the default action and kill the process before reached_preemption() sees it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from ckpt import Checkpointer
+        a = Checkpointer({str(tmp_path / "a")!r}, preemption_signals=(signal.SIGUSR1,))
+        b = Checkpointer({str(tmp_path / "b")!r}, preemption_signals=(signal.SIGUSR1,))
+        a.close()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+        print("reached", b.reached_preemption())
+        b.close()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
+    )
+    assert out.returncode == 0 and "reached True" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
