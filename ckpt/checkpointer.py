@@ -125,7 +125,7 @@ class Checkpointer:
             self._replicator_thread.start()
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
-        self._saves = 0  # save() calls that staged a version: the full_every schedule counts them
+        self._saves = 0  # save() calls that staged a version since the schedule (re)started: full_every counts them
         if self._ctx.is_leader and not self.config.peer_copies:
             forget_peer_copies(self.root)  # an earlier job's peer copies hold nothing back on this root now
         self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
@@ -193,9 +193,19 @@ class Checkpointer:
         keys = self._keys_to_save(state, only, milestone, step)
         if keys is not None:
             state = {k: state[k] for k in keys}
-        saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone)
+        try:
+            saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone)
+        except BaseException:
+            self._restart_schedule()
+            raise
         self._saves += saved
         return saved
+
+    def _restart_schedule(self) -> None:
+        """A save failed (this one, or an earlier one reported now): it may be the full one
+        the full_every schedule counts on, so the next save is full. Params-only versions
+        with no full one behind them leave nothing to resume from."""
+        self._saves = 0
 
     def _keys_to_save(
         self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool, step: int
@@ -245,7 +255,11 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every pending save is committed; raise its error if it failed."""
-        self._saver.wait()
+        try:
+            self._saver.wait()
+        except BaseException:
+            self._restart_schedule()
+            raise
 
     # -- reading ---------------------------------------------------------------------
 

@@ -88,8 +88,9 @@ class CheckpointerConfig:
     full_every: int | None = None
     """A schedule of params-only versions: the first save of this Checkpointer and every
     `full_every`-th after it hold the whole state (as does every milestone); the others hold
-    only `partial_keys`. Restore picks the newest version holding every key it needs, and
-    retention always keeps the newest full one."""
+    only `partial_keys`. A save that fails restarts the schedule (the next one is full).
+    Restore picks the newest version holding every key it needs, and retention always
+    keeps the newest full one."""
 
     partial_keys: tuple[str, ...] | None = None
     """The top-level keys of the state a params-only version holds, e.g. ("model",)."""

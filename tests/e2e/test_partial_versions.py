@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from ckpt import Checkpointer
 from ckpt.cli import main as cli
 from ckpt.store.errors import StateMismatchError
 from ckpt.store.versions import committed_steps
-from tests._dist import launch
+from tests._dist import can_isolate, in_private_mounts, launch
 from tests._states import bitwise_diff
 
 THIS = os.path.abspath(__file__)
@@ -247,3 +248,36 @@ def test_ranks_with_different_top_level_keys_choose_the_same_version(tmp_path: P
     results, failures = launch(THIS, "stages", 2, tmp_path, root=str(tmp_path / "root"), timeout=90)
     assert not failures, failures
     assert [r["step"] for r in results] == [1, 1]
+
+
+@pytest.mark.skipif(not can_isolate(), reason="needs root, unshare(1) and mount namespaces")
+def test_a_full_save_that_fails_makes_the_next_save_full(tmp_path: Path) -> None:
+    """The schedule's full save fails to commit (the root's real 1 MiB tmpfs is full); the
+    job reports it and goes on once there is room. The next save must hold the whole state:
+    params-only ones with no full version behind them leave nothing to resume from."""
+    script = textwrap.dedent(
+        f"""
+        import os, subprocess, torch
+        from ckpt import Checkpointer
+        root = {str(tmp_path / "small")!r}
+        state = {{"model": {{"w": torch.ones(64)}}, "optim": {{"m": torch.ones(1 << 19)}}}}  # 2 MiB
+        with Checkpointer(root, full_every=3, partial_keys=("model",), direct_io=False) as ck:
+            ck.save(1, state)
+            try:
+                ck.wait()
+            except Exception as e:
+                print("failed", type(e).__name__)
+            subprocess.run(["mount", "-o", "remount,size=64m", root], check=True)
+            for step in (2, 3):
+                state["optim"]["m"].fill_(step)
+                ck.save(step, state)
+        got = {{"model": {{"w": torch.zeros(64)}}, "optim": {{"m": torch.zeros(1 << 19)}}}}
+        with Checkpointer(root) as ck:
+            print("restored", ck.restore(got), int(got["optim"]["m"][0]))
+        """
+    )
+    (tmp_path / "small").mkdir()
+    out = in_private_mounts(f"mount -t tmpfs -o size=1m tmpfs {tmp_path / 'small'}", script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failed TierUnavailableError" in out.stdout, out.stdout
+    assert "restored 2 2" in out.stdout, (out.stdout, out.stderr[-3000:])  # step 2 was saved in full
