@@ -308,6 +308,20 @@ class Checkpointer:
         a bad chunk is first read from another tier that holds it. The state may use
         another world size or sharding than the one that saved it.
         """
+        return self._restore(state, step, strict=strict, if_incomplete=if_incomplete, written=set())
+
+    def _restore(
+        self,
+        state: Mapping[str, Any],
+        step: int | None,
+        *,
+        strict: bool,
+        if_incomplete: Literal["raise", "fresh"],
+        written: set[str],
+    ) -> int | None:
+        """restore(); `written`: the state's top-level keys that failed attempts may have
+        filled, this one's and those of earlier ones (MultiTier's other tiers): added to
+        here, and no version lacking one is loaded (ckpt._load.load_version)."""
         self._check_open()
         if not isinstance(state, Mapping):
             raise UnsupportedStateError(f"state must be a dict to restore into, got {type(state).__name__}")
@@ -318,7 +332,6 @@ class Checkpointer:
         self._saver.wait()
 
         incomplete: set[int] = set()
-        written: set[str] = set()  # keys an attempt that failed may have filled (load_version)
         try:
             found = restore_newest(
                 self._ctl,

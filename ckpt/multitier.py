@@ -74,13 +74,16 @@ class MultiTier:
         ranked = sorted(((self._newest(ck), i) for i, (ck, _) in enumerate(self.tiers)), reverse=True)
         best: tuple[int, Checkpointer] | None = None
         dirty = False  # a restore after `best` was loaded may have overwritten part of the state
+        # Keys a failed attempt on any tier may have filled: a later tier's version must hold
+        # them all, else the state would mix two versions (a single Checkpointer's rule).
+        written: set[str] = set()
         first_error: Exception | None = None
         for newest, i in ranked:
             ck = self.tiers[i][0]
             if newest < 0 or (best is not None and newest <= best[0]):
                 break
             try:
-                got = ck.restore(state, **kwargs)
+                got = ck._restore(state, **_restore_args(kwargs), written=written)
             except (IncompleteVersionError, VersionNotFoundError, CorruptVersionError) as e:
                 log.warning("rank %d: tier %s has no version to restore: %s", ck.rank, ck.root, e)
                 first_error = first_error or e
@@ -91,7 +94,7 @@ class MultiTier:
             elif best is not None:
                 dirty = True
         if best is not None and dirty:  # load the newest one found again, whole
-            best[1].restore(state, **{**kwargs, "step": best[0]})
+            best[1]._restore(state, **_restore_args({**kwargs, "step": best[0]}), written=written)
         if best is None and first_error is not None:
             raise first_error
         return None if best is None else best[0]
@@ -129,3 +132,11 @@ class MultiTier:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         close_on_exit(self.close, exc, "MultiTier")
+
+
+def _restore_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Checkpointer.restore's keyword arguments, defaults filled, for Checkpointer._restore."""
+    unknown = set(kwargs) - {"step", "strict", "if_incomplete"}
+    if unknown:
+        raise TypeError(f"restore() got unexpected keyword arguments {sorted(unknown)}")
+    return {"step": None, "strict": True, "if_incomplete": "raise", **kwargs}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckpt import Checkpointer, MultiTier, RootLockedError
+from ckpt.store.errors import CorruptVersionError
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed_steps, version_dirname
 from tests._states import assert_bitwise
@@ -114,3 +115,24 @@ def test_reached_preemption_answers_for_the_signals_of_any_tier(ram: Path, tmp_p
         assert not ck.reached_preemption()
         os.kill(os.getpid(), signal.SIGUSR1)
         assert ck.reached_preemption()
+
+
+def test_a_tier_that_failed_part_way_is_not_mixed_with_an_older_tiers_version(ram: Path, tmp_path: Path) -> None:
+    """RAM's only version (step 20, full) fails its checksum after its good chunks were
+    read into the state; the disk holds a params-only step 10. With strict=False that one
+    would fill "model" and leave "optim" holding part of step 20: a mix of two versions,
+    which a single Checkpointer refuses (CorruptVersionError), and so must MultiTier."""
+
+    def state(step: int) -> dict[str, dict[str, torch.Tensor]]:
+        return {"model": {"w": torch.full((64,), float(step))}, "optim": {"m": torch.full((64,), float(step))}}
+
+    disk = tmp_path / "disk"
+    with Checkpointer(disk) as ck:
+        ck.save(10, state(10), only=("model",))
+    with Checkpointer(ram) as ck:
+        ck.save(20, state(20))
+    chunk = ram / version_dirname(20) / "state" / "model" / "w" / "c.0"
+    chunk.write_bytes(b"\x00" * chunk.stat().st_size)  # "model" is damaged; "optim" reads well
+    got = state(0)
+    with MultiTier((Checkpointer(ram), 10), (Checkpointer(disk), 100)) as ck, pytest.raises(CorruptVersionError):
+        ck.restore(got, strict=False)
