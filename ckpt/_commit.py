@@ -32,6 +32,7 @@ from ckpt._dist import Comm, describe_error
 from ckpt._exchange import exchange
 from ckpt._gc import no_cyclic_gc
 from ckpt._job import RankReport, RankTimings, SaveJob, SaveStats
+from ckpt._peer_status import drop_overwritten_copies
 from ckpt._reports import gather_reports
 from ckpt._timings import summarize
 from ckpt._write import metadata_documents, open_tree, write_tasks
@@ -304,6 +305,8 @@ def _commit(
         fault_delay("after-prepare", ctx.rank)
         if ctx.is_leader:  # PUBLISH
             try:
+                if job.request.overwrite:
+                    drop_overwritten_copies(ctx.root, job.step)
                 commit_mod.publish(ctx.root, tmp_name, job.step, overwrite=job.request.overwrite)
             except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
                 error = _disk_error(e, f"cannot publish step {job.step} in {ctx.root}")

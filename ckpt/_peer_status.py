@@ -3,9 +3,11 @@ follows from it, read by every GC of the root (the Checkpointer's retention, a r
 daemon's, `ckpt gc`) and by `ckpt ls`, without importing torch.
 
 The rule: while a root makes peer copies, the newest version whose peer copies are all
-verified is kept, and every newer one. After a node's loss that version is whole on the
-survivors (their own parts, and the lost node's as peer copies; the same rule keeps it on
-every root). A root whose copier stopped for good (a peer stopped answering), or that a
+verified, on every root (the leaders agree after each round), is kept, and every newer
+one. After a node's loss that version is whole on the survivors (their own parts, and the
+lost node's as peer copies; the same rule keeps it on every root). A step whose own copies
+were verified while another root's failed does not count: after that other node's loss
+its part of the step is missing, and this root must still hold an older version whole. A root whose copier stopped for good (a peer stopped answering), or that a
 job without peer copies opened since, is judged by its other rules alone.
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Mapping
 from ckpt.store.errors import CkptError
 from ckpt.store.fsio import replace_durable
 from ckpt.store.tier import open_tier
-from ckpt.store.versions import committed_steps
+from ckpt.store.versions import committed_steps, delete_version
 
 __all__ = [
     "PEER_STATUS",
@@ -28,6 +30,7 @@ __all__ = [
     "record_peers_stopped",
     "forget_peer_copies",
     "forget_peer_step",
+    "drop_overwritten_copies",
     "verified_peer_steps",
     "peer_redundant",
     "with_peer_rule",
@@ -83,12 +86,21 @@ def _steps(doc: dict[str, object]) -> dict[int, dict[int, str]]:
         return {}
 
 
+def _partial(doc: dict[str, object]) -> set[int]:
+    """Steps whose round failed on another root (this root's own copies may be verified)."""
+    steps = doc.get("partial", [])
+    return {s for s in steps if isinstance(s, int)} if isinstance(steps, list) else set()
+
+
 def _verified(doc: dict[str, object]) -> set[int]:
     copies = doc.get("copies")
+    partial = _partial(doc)
     return {
         s
         for s, d in _steps(doc).items()
-        if d and sum(v == "verified" for v in d.values()) >= (copies if isinstance(copies, int) else len(d))
+        if d
+        and s not in partial
+        and sum(v == "verified" for v in d.values()) >= (copies if isinstance(copies, int) else len(d))
     }
 
 
@@ -132,14 +144,17 @@ def _write(root: str, doc: dict[str, object]) -> None:
     replace_durable(_status_path(root), json.dumps(doc).encode())
 
 
-def record_peer_copies(root: str, step: int, results: dict[int, str]) -> None:
-    """Record how `step`'s peer copies went (atomically: retention reads it meanwhile); the
-    steps no longer on the root are forgotten."""
-    status = read_peer_status(root)
+def record_peer_copies(root: str, step: int, results: dict[int, str], *, everywhere: bool) -> None:
+    """Record how `step`'s peer copies went (atomically: retention reads it meanwhile), and
+    whether every root's copies of it were verified (`everywhere`); the steps no longer on
+    the root are forgotten."""
+    doc = _read(root)
+    status = _steps(doc)
     status[step] = results
     present = set(committed_steps(open_tier(root))) | {step}
     steps = {str(s): {str(t): v for t, v in status[s].items()} for s in sorted(status) if s in present}
-    _write(root, {"copies": len(results), "steps": steps})
+    partial = sorted(s for s in (_partial(doc) - {step}) | ({step} if not everywhere else set()) if s in present)
+    _write(root, {"copies": len(results), "steps": steps, "partial": partial})
 
 
 def forget_peer_step(root: str, step: int) -> None:
@@ -148,6 +163,20 @@ def forget_peer_step(root: str, step: int) -> None:
     steps = doc.get("steps")
     if isinstance(steps, dict) and steps.pop(str(step), None) is not None:
         _write(root, doc)
+
+
+def drop_overwritten_copies(root: str, step: int) -> None:
+    """`step` is being overwritten on every root (each root prepared it): before this root
+    publishes it, delete the copies of the old save this disk holds for other roots, and
+    forget this root's own. Once every root has published, no copy of the old save is
+    left: beside the new save, the old one whole in copies would make the step ambiguous
+    (saved twice) and restore pass over it for an older one."""
+    forget_peer_step(root, step)
+    base = os.path.join(root, "replicas")
+    names = os.listdir(base) if os.path.isdir(base) else []
+    for name in names:
+        if name.startswith("peer-") and name[5:].isdigit():
+            delete_version(os.path.join(base, name), step)
 
 
 def record_peers_stopped(root: str, why: str) -> None:

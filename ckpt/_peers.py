@@ -579,12 +579,19 @@ class PeerCopier:
         for s, why in errors.items():
             log.error("%s: the peer copy of root %d's step %d was not kept: %s", self._root, s, step, why)
         results = {t: "verified" if int(got[t].item()) else "failed" for t in plan.targets}
+        ours = all(v == "verified" for v in results.values())
+        # Every leader alike: the step counts only where every root's copies of it were
+        # verified, or a root whose own copies went through would drop the older version
+        # that the survivors of another root's node need whole.
+        everywhere = not self._comm.reduce_max([int(not ours)])[0]
         try:
-            record_peer_copies(self._root, step, results)
+            record_peer_copies(self._root, step, results, everywhere=everywhere)
         except (CkptError, OSError) as e:  # retention then keeps the version: safe
             log.error("%s: cannot record step %d's peer copies: %s", self._root, step, e)
-        if all(v == "verified" for v in results.values()):
+        if everywhere:
             self._on_verified(step)
+        elif ours:
+            log.warning("%s: step %d's peer copies failed on another root; older versions are kept", self._root, step)
         else:
             log.warning("%s: step %d's peer copies: %s", self._root, step, results)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ckpt._commit import RootContext
 from ckpt._dist import Comm
+from ckpt._peer_status import drop_overwritten_copies
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.daemon import lock_root
 from ckpt.store import commit
@@ -185,6 +186,7 @@ def recover(ctl: Comm, ctx: RootContext, tier: Tier) -> None:
     for p in commit.prepared_versions(ctx.root):
         if p.has_manifest and (p.step, p.save_id) in published:
             log.warning("rank %d: rolling forward step %d, published on another root", ctx.rank, p.step)
+            drop_overwritten_copies(ctx.root, p.step)
             commit.publish(ctx.root, p.dirname, p.step, overwrite=True)
         else:
             log.info("rank %d: removing unfinished save of step %d (%s)", ctx.rank, p.step, p.dirname)

@@ -128,3 +128,19 @@ def _retained_as_is(root: Path) -> list[int]:
     retention.committed(3)
     retention.close()
     return committed_steps(tier)
+
+
+def test_a_step_whose_copies_failed_on_another_root_does_not_count(tmp_path: Path) -> None:
+    """This root's copies of step 2 were verified, another root's were not (the leaders
+    agreed so): after that root's node is lost, step 2 lacks its part, so step 1 is kept."""
+    with Checkpointer(tmp_path) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+    doc = {"steps": {"1": {"1": "verified"}, "2": {"1": "verified"}}, "partial": [2]}
+    (tmp_path / PEER_STATUS).write_text(json.dumps(doc))
+    assert verified_peer_steps(str(tmp_path)) == {1}
+    tier = open_tier(str(tmp_path))
+    retention = Retention(tier, str(tmp_path), KeepLast(1))
+    retention.committed(3)
+    retention.close()
+    assert committed_steps(tier) == [1, 2, 3]

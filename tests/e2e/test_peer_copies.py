@@ -250,6 +250,83 @@ def resume_and_save_again(ctx: Any, view: str) -> dict[str, Any]:
     return {"resumed": resumed, "again": again, "bitwise": bitwise, "refused": refused}
 
 
+def one_way_copy_refused(ctx: Any, view: str) -> dict[str, Any]:
+    """keep_last=1. Step 1 is copied both ways. Of step 2, root 0's copy reaches root 1,
+    while root 1's copy is refused on node 0 (where it lands is made immutable, chattr +i,
+    once step 1's copies are in); then the job ends, before a further save is copied."""
+    import subprocess
+    import time
+
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt._peer_status import read_peer_status
+
+    root = _view(ctx, view)
+    mine = root.format(node=ctx.rank // 2)
+    landing = os.path.join(mine, "replicas", "peer-1")  # root 1's copies, on node 0
+    try:
+        with ckpt.Checkpointer(root, peer_copies=1, keep_last=1, timeout=TIMEOUT) as ck:
+            for step in (1, 2):
+                ck.save(step, _state(ctx.rank, step))
+                ck.wait()
+                deadline = time.monotonic() + 60  # each step's round over before the next save
+                while ctx.rank % 2 == 0 and step not in read_peer_status(mine) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                dist.barrier()
+                if step == 1 and ctx.rank == 0:
+                    subprocess.run(["chattr", "+i", landing], check=True)
+                dist.barrier()
+    finally:
+        if ctx.rank == 0:
+            subprocess.run(["chattr", "-i", landing], check=False)
+    status = read_peer_status(mine) if ctx.rank % 2 == 0 else {}
+    return {"status": {str(s): v for s, v in status.items()}}
+
+
+def overwrite_then_crash(ctx: Any, view: str) -> dict[str, Any]:
+    """Steps 1 and 2 saved and copied; step 2 overwritten with other values, and every rank
+    dies of SIGKILL once the overwrite commits, before it is copied (CKPT_DELAY holds root
+    0's copier after its header)."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt._peer_status import verified_peer_steps
+
+    root = _view(ctx, view)
+    mine = root.format(node=ctx.rank // 2)
+    ck = ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT)
+    ck.save(1, _state(ctx.rank, 1))
+    ck.save(2, _state(ctx.rank, 2))
+    ck.wait()
+    deadline = time.monotonic() + 60
+    while ctx.rank % 2 == 0 and 2 not in verified_peer_steps(mine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ctx.check(ctx.rank % 2 or 2 in verified_peer_steps(mine), "step 2's copies were verified")
+    dist.barrier()
+    ck.save(2, _state(ctx.rank, 20), overwrite=True)
+    ck.wait()
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+def restore_values_of(ctx: Any, view: str, values: int) -> dict[str, Any]:
+    """Restore; whether the state is bitwise the one saved with `values`."""
+    import ckpt
+
+    root = _view(ctx, view)
+    state = _state(ctx.rank, 0, ctx.world)
+    with ckpt.Checkpointer(root, timeout=TIMEOUT) as ck:
+        got = ck.restore(state)
+    want = _state(ctx.rank, values, ctx.world)
+    same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in ("w", "own"))
+    return {"step": got, "bitwise": bool(same)}
+
+
 def _versions(path: Path) -> list[str]:
     return sorted(e for e in os.listdir(path) if e.startswith("v") and "." not in e) if path.is_dir() else []
 
@@ -449,3 +526,45 @@ def test_an_overwritten_version_is_copied_again(tmp_path: Path) -> None:
         own = json.loads((nodes.disks / f"node{k}" / "v000000000002" / "root.json").read_text())
         held = Path(peer_dir(str(nodes.disks / f"node{1 - k}"), k)) / "v000000000002" / "root.json"
         assert json.loads(held.read_text())["save_id"] == own["save_id"]
+
+
+def test_a_copy_refused_one_way_keeps_the_older_version_on_every_root(tmp_path: Path) -> None:
+    """Step 2's copies are verified one way only (root 1's is refused on node 0). Node 1 is
+    then lost: step 2 lacks its part, so step 1 must be whole on node 0 (its own part, and
+    node 1's copy). Before: root 0 counted step 2 as verified and its keep_last=1 deleted
+    its part of step 1, and the survivors held no whole version."""
+    nodes = _nodes(tmp_path)
+    results, failures = launch(THIS, "one_way_copy_refused", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert results[2]["status"]["2"] == {"0": "failed"}, results
+    _wipe(nodes.disks / "node1")
+    results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert [(r.get("step"), r.get("bitwise")) for r in results] == [(1, True)] * 4, results
+
+
+def test_an_overwrite_not_yet_copied_is_restored_not_the_older_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 2 is overwritten after its peer copies were verified, and the whole job dies
+    before the overwrite is copied; no node is lost. The new save of step 2 is whole on
+    the roots and restores bitwise. Before: the old save's peer copies, whole together,
+    stayed beside it, restore passed over step 2 as saved twice, and step 1 came back."""
+    nodes = _nodes(tmp_path)
+    monkeypatch.setenv("CKPT_DELAY", "peer-stream:0:5")
+    _, failures = launch(
+        THIS,
+        "overwrite_then_crash",
+        4,
+        tmp_path / "job",
+        isolate=nodes,
+        killed=frozenset(range(4)),
+        view=str(nodes.view),
+    )
+    assert not failures, failures
+    monkeypatch.delenv("CKPT_DELAY")
+    results, failures = launch(
+        THIS, "restore_values_of", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view), values=20
+    )
+    assert not failures, failures
+    assert [(r["step"], r["bitwise"]) for r in results] == [(2, True)] * 4, results
