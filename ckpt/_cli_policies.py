@@ -9,16 +9,16 @@ from ckpt.replicator.policy import KeepLast, KeepMilestones, Policy, Union
 __all__ = ["replicate_policy", "gc_policy"]
 
 
-def replicate_policy(keep_last: int | None, milestone_every: int | None) -> Policy | None:
-    """`ckpt replicate`'s policy of one tier; None keeps everything."""
-    parts: list[Policy] = []
-    if keep_last is not None:
-        parts.append(KeepLast(keep_last))
-    if milestone_every is not None:
-        parts.append(KeepMilestones(milestone_every))
-    if not parts:
+def replicate_policy(keep_last: int | None, milestone_every: int | None, *, remote: bool) -> Policy | None:
+    """`ckpt replicate`'s policy of one tier; None keeps everything. A local disk keeps the
+    newest N only; the remote also keeps the milestones (the versions saved with
+    milestone=True, and every K-th step), which add to keep_last as in `ckpt gc`: alone
+    they would delete every other version."""
+    if keep_last is None:
+        if milestone_every is not None:
+            raise ValueError("--milestone-every only adds versions to keep: give --remote-keep-last N as well")
         return None
-    return parts[0] if len(parts) == 1 else Union(tuple(parts))
+    return Union((KeepLast(keep_last), KeepMilestones(milestone_every))) if remote else KeepLast(keep_last)
 
 
 def _listed(items: list[str]) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from ckpt._peer_status import read_peer_status
 from ckpt._timings import summarize
-from ckpt.replicator.status import CopyState, read_status
+from ckpt.replicator.status import REMOTE_DONE, CopyState, read_status
 from ckpt.store import commit
 from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
@@ -105,7 +105,7 @@ def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
     replicate_s = {dest: round(c.at - created, 3) for dest, c in done if c.state == "verified"}
     lag = None
     if entry.remote is not None:
-        until = entry.remote.at if entry.remote.state == "verified" else time.time()
+        until = entry.remote.at if entry.remote.state in REMOTE_DONE else time.time()  # done: lag no longer grows
         lag = round(max(0.0, until - created), 3)
     return Row(
         **{**row.__dict__, "copies": entry.copies, "remote": entry.remote, "replicate_s": replicate_s, "lag_s": lag}

@@ -556,8 +556,8 @@ def replicate_cmd(
             bwlimit_mbps=bwlimit,
             interval_s=interval,
             readback=not no_readback,
-            local_policy=replicate_policy(keep_last, None),
-            remote_policy=replicate_policy(remote_keep_last, milestone_every),
+            local_policy=replicate_policy(keep_last, None, remote=False),
+            remote_policy=replicate_policy(remote_keep_last, milestone_every, remote=True),
             abandon_after_s=abandoned_after,
         )
     except ValueError as e:

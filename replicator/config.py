@@ -43,6 +43,9 @@ class ReplicatorConfig:
     pass): the remote's GC collects it (with remote_policy set)."""
 
     def __post_init__(self) -> None:
+        if self.remote == "" or "" in self.replica_roots:
+            # an unset variable (`--to "$REMOTE"`): "" would open the working directory
+            raise ValueError("the remote and the replica roots must not be empty (no remote: None)")
         if self.replicas < 1:
             raise ValueError("replicas must be at least 1")
         if self.replicas - 1 > len(self.replica_roots):

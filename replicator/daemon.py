@@ -50,8 +50,14 @@ def lock_root(root: str) -> int:
 
 def run_daemon(sources: list[str], config: ReplicatorConfig, *, once: bool = False) -> Replicator:
     fds = [lock_root(s) for s in sources]
-    replicator = Replicator(sources, config)
+    try:  # the locks are let go however it ends (a remote refused or unreachable included)
+        return _run(Replicator(sources, config), once)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
+
+def _run(replicator: Replicator, once: bool) -> Replicator:
     signals: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -85,6 +91,4 @@ def run_daemon(sources: list[str], config: ReplicatorConfig, *, once: bool = Fal
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        for fd in fds:
-            os.close(fd)
     return replicator

@@ -69,6 +69,17 @@ log = logging.getLogger("ckpt.replicator")
 WAITING: State = "waiting for other nodes"
 
 
+def _refuse_a_source_as_remote(remote: str, sources: list[str]) -> None:
+    """A source root is no remote: the remote's retention would delete the source's own
+    versions, and its copies would be the originals, counted as a second copy."""
+    if not is_local_location(remote):
+        return
+    path = os.path.realpath(remote.removeprefix("file://"))
+    for source in sources:
+        if path == os.path.realpath(source):
+            raise CkptError(f"the remote {remote} is the root {source} itself: give another place")
+
+
 class Replicator:
     def __init__(self, sources: list[str], config: ReplicatorConfig) -> None:
         self.sources = [os.path.abspath(s) for s in sources]
@@ -78,6 +89,8 @@ class Replicator:
         self._retry = RetryPolicy(stop=self.stop)
         self._status: dict[str, Status] = {s: _last_status(s) for s in self.sources}
         self._source_tiers: dict[str, Tier] = {s: open_tier(s) for s in self.sources}
+        if config.remote is not None:
+            _refuse_a_source_as_remote(config.remote, self.sources)
         self.remote = (
             Destination(config.remote, "shared", self._tier(config.remote)) if config.remote is not None else None
         )
@@ -466,6 +479,10 @@ class Replicator:
             and self.remote.url not in self._failed_dests
         ):
             result = collect(self.remote.tier, self.config.remote_policy, abandon_after_s=self.config.abandon_after_s)
+            for step in result.deleted:  # no status claims a copy the remote no longer holds
+                for entry in (s.versions[step] for s in self._status.values() if step in s.versions):
+                    if entry.remote is not None and entry.remote.state == "verified":
+                        entry.remote = CopyState("expired", entry.remote.at, url=entry.remote.url)  # at: reached it
             for step, why in result.unjudged.items():
                 log.warning("gc of the remote kept step %d, which it could not read: %s", step, self._redact(why))
 

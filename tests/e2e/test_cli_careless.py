@@ -191,6 +191,39 @@ def test_commands_that_write_refuse_an_ordinary_directory(root: Path, tmp_path: 
     assert run("replicate", root, "--once").exit_code == 0  # a root
 
 
+def test_replicate_refuses_an_empty_remote_and_its_own_root_as_the_remote(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `--to "$REMOTE"` with the variable unset: no upload into the working directory
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for option in ("--to", "--replica-root"):
+        r = run("replicate", root, "--once", option, "")
+        assert r.exit_code == 2 and "empty" in r.output and "Traceback" not in r.output, r.output
+    assert list(cwd.iterdir()) == []
+    # the source as its own remote: the remote's GC would delete the source's versions
+    for remote in (str(root), f"file://{root}/"):
+        one_line_error(run("replicate", root, "--once", "--to", remote, "--remote-keep-last", "1"), 3, "itself")
+    assert versions.committed_steps(str(root)) == [1, 2, 3]
+
+
+def test_the_remote_keeps_the_milestones_and_milestones_alone_are_refused(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "r") as ck:
+        for step in (1, 2, 3, 4, 5):
+            ck.save(step, _state(step), milestone=step == 1)
+    remote = tmp_path / "remote"
+    # --milestone-every alone would make the remote keep only the milestones, not everything
+    r = run("replicate", tmp_path / "r", "--once", "--to", f"file://{remote}", "--milestone-every", "2")
+    assert r.exit_code == 2 and "--remote-keep-last" in r.output and "Traceback" not in r.output, r.output
+    assert not remote.exists()
+    for more, kept in (([], [1, 5]), (["--milestone-every", "4"], [1, 4, 5])):  # milestone=True: kept either way
+        to = f"file://{remote}{len(more)}"
+        ok = run("replicate", tmp_path / "r", "--once", "--to", to, "--remote-keep-last", "1", *more)
+        assert ok.exit_code == 0, ok.output
+        assert versions.committed_steps(f"{remote}{len(more)}") == kept
+
+
 # 6. a fast start: no torch for --help, ls and verify
 
 

@@ -463,6 +463,24 @@ def test_retention_over_50_saves(s3: S3Place, tmp_path: Path) -> None:
     _check_retention(d0, d1, s3, [48, 49, 50], [10, 20, 30, tagged, 40, 50])
 
 
+def test_a_remote_copy_its_retention_deleted_is_expired_not_verified(tmp_path: Path) -> None:
+    """The status (and `ckpt ls`) never claims a remote copy the remote's retention deleted."""
+    remote = tmp_path / "remote"
+    save_steps(tmp_path / "root", {step: tiny_state(step) for step in (1, 2, 3)})
+    r = cli("replicate", tmp_path / "root", "--once", "--to", f"file://{remote}", "--remote-keep-last", "1")
+    assert r.exit_code == 0, r.output
+    assert versions.committed_steps(str(remote)) == [3]
+    status = read_status(str(tmp_path / "root"))
+    assert status is not None
+    assert {step: v.remote.state for step, v in status.versions.items() if v.remote} == {
+        1: "expired",
+        2: "expired",
+        3: "verified",
+    }
+    rows = json.loads(cli("ls", tmp_path / "root", "--json").stdout)
+    assert [row["remote"]["state"] for row in rows] == ["expired", "expired", "verified"]
+
+
 def test_replica_copies_of_versions_gc_deleted_elsewhere_are_collected(tmp_path: Path) -> None:
     """`ckpt gc ROOT` deletes versions behind the replicator's back: their replica copies
     go under the local policy in later passes (not only those the replicator deleted),
