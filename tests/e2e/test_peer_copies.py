@@ -61,6 +61,20 @@ def _state(rank: int, step: int, world: int = 4, big: bool = False) -> dict[str,
     }
 
 
+def _two_steps_copied(ctx: Any, ck: Any, mine: str) -> None:
+    """Save steps 1 and 2; a leader waits (up to a minute) until step 2's copies are verified."""
+    import time
+
+    from ckpt._peer_status import verified_peer_steps
+
+    ck.save(1, _state(ctx.rank, 1))
+    ck.save(2, _state(ctx.rank, 2))
+    ck.wait()
+    deadline = time.monotonic() + 60
+    while ctx.rank % 2 == 0 and 2 not in verified_peer_steps(mine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _view(ctx: Any, view: str) -> str:
     node = ctx.rank // 2
     ctx.check(os.path.isdir(f"{view}/node{node}"), "its own node's disk is there")
@@ -109,7 +123,6 @@ def stream_breaks(ctx: Any, view: str) -> dict[str, Any]:
 def overwrite_copied(ctx: Any, view: str) -> dict[str, Any]:
     """Save steps 1 and 2, let step 2's peer copies be verified, overwrite step 2 with other
     values; then restore in a new Checkpointer."""
-    import time
 
     import ckpt
     from ckpt._peer_status import verified_peer_steps
@@ -117,12 +130,7 @@ def overwrite_copied(ctx: Any, view: str) -> dict[str, Any]:
     root = _view(ctx, view)
     mine = root.format(node=ctx.rank // 2)
     with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
-        ck.save(1, _state(ctx.rank, 1))
-        ck.save(2, _state(ctx.rank, 2))
-        ck.wait()
-        deadline = time.monotonic() + 60
-        while ctx.rank % 2 == 0 and 2 not in verified_peer_steps(mine) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _two_steps_copied(ctx, ck, mine)
         ck.save(2, _state(ctx.rank, 20), overwrite=True)
     fresh = _state(ctx.rank, 0, ctx.world)
     with ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT) as ck:
@@ -289,7 +297,6 @@ def overwrite_then_crash(ctx: Any, view: str) -> dict[str, Any]:
     dies of SIGKILL once the overwrite commits, before it is copied (CKPT_DELAY holds root
     0's copier after its header)."""
     import signal
-    import time
 
     import torch.distributed as dist
 
@@ -299,12 +306,7 @@ def overwrite_then_crash(ctx: Any, view: str) -> dict[str, Any]:
     root = _view(ctx, view)
     mine = root.format(node=ctx.rank // 2)
     ck = ckpt.Checkpointer(root, peer_copies=1, timeout=TIMEOUT)
-    ck.save(1, _state(ctx.rank, 1))
-    ck.save(2, _state(ctx.rank, 2))
-    ck.wait()
-    deadline = time.monotonic() + 60
-    while ctx.rank % 2 == 0 and 2 not in verified_peer_steps(mine) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _two_steps_copied(ctx, ck, mine)
     ctx.check(ctx.rank % 2 or 2 in verified_peer_steps(mine), "step 2's copies were verified")
     dist.barrier()
     ck.save(2, _state(ctx.rank, 20), overwrite=True)
