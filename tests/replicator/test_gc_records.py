@@ -136,9 +136,9 @@ def _peer_copied(root: Path) -> None:
     with Checkpointer(root) as ck:
         for step in (1, 2, 3):
             ck.save(step, state(step))
-    record_peer_copies(str(root), 1, {1: "verified"})
-    record_peer_copies(str(root), 2, {1: "failed: timeout"})
-    record_peer_copies(str(root), 3, {1: "failed: timeout"})
+    record_peer_copies(str(root), 1, {1: "verified"}, everywhere=True)
+    record_peer_copies(str(root), 2, {1: "failed: timeout"}, everywhere=False)
+    record_peer_copies(str(root), 3, {1: "failed: timeout"}, everywhere=False)
 
 
 def test_peer_record_read_as_written(tmp_path: Path) -> None:
