@@ -26,7 +26,7 @@ from ckpt.store.digest import chunk_digest
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
 from ckpt.store.manifest import ArrayEntry, ChunkEntry
 from ckpt.store.tier import ReadHandle, Tier, join_key
-from ckpt.store.versions import version_dirname
+from ckpt.store.versions import REREADS, version_dirname
 
 __all__ = [
     "READ_BLOCK",
@@ -43,7 +43,6 @@ __all__ = [
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
 READ_BLOCK = 4 << 20
-REREADS = 2  # reads of a block after the first, while it fails its checksum or cannot be read
 
 
 # Failures that say nothing about the bytes: refused access (an expired token, a changed

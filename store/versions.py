@@ -26,9 +26,9 @@ import stat
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import xxhash
 
@@ -41,6 +41,7 @@ from ckpt.store.tier import Tier, join_key, open_tier
 
 __all__ = [
     "MAX_STEP",
+    "REREADS",
     "TRASH_NAME",
     "DELETING_MARKER",
     "COMMIT_CLAIM",
@@ -70,6 +71,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckpt")
+T = TypeVar("T")
 TRASH_NAME = ".trash"
 DELETING_MARKER = ".deleting"
 COMMIT_CLAIM = ".commit"
@@ -79,6 +81,11 @@ each other."""
 _VERSION = re.compile(r"v([0-9]{12})")  # ASCII digits only, and nothing after them (fullmatch)
 MAX_STEP = 10**12 - 1
 """The largest step: a version directory's name holds 12 digits."""
+REREADS = 2
+"""Reads of a version's file (its manifest, root info, a chunk's block) after the first,
+while its bytes fail their checks or cannot be read: bytes from a store may arrive
+complete yet wrong where no transport checksum covers them (an S3 range read, plain HTTP,
+checksum validation switched off), so one bad read is no proof of damage."""
 
 
 def check_step(step: object) -> int:
@@ -255,9 +262,9 @@ def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo 
     tier = as_tier(where)
     key = join_key(version_dirname(step), ROOT_INFO_NAME)
     try:
-        raw = tier.get(key)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, CorruptVersionError):
-        return None
+        return _read_checked(tier, key, lambda: tier.get(key), _valid_root_info)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, CorruptVersionError, ValueError):
+        return None  # (ValueError: it did not parse, on every read)
     except TierUnavailableError:
         raise  # the store does not answer: the whole tier is unavailable, not this version
     except OSError as e:
@@ -267,7 +274,29 @@ def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo 
         # skipped, as when its root info does not parse; the tier's other versions are not.
         log.warning("%s/%s cannot be read; step %d skipped: %s", tier.location, key, step, e.strerror or e)
         return None
-    return parse_root_info(raw)
+
+
+def _valid_root_info(raw: bytes) -> RootInfo:
+    info = parse_root_info(raw)
+    if info is None:
+        raise ValueError(f"not a valid {ROOT_INFO_NAME}")
+    return info
+
+
+def _read_checked(tier: Tier, key: str, read: Callable[[], bytes], parse: Callable[[bytes], T]) -> T:
+    """parse(read()), from a store read again (REREADS) while parse refuses the bytes (a
+    ValueError: ManifestError is one); the last refusal is raised, a failed read at once.
+    This machine's files are read once: a re-read brings the same bytes from the page cache."""
+    last = 0 if tier.capabilities.local_files else REREADS
+    for attempt in range(last + 1):
+        raw = read()
+        try:
+            return parse(raw)
+        except ValueError as e:
+            if attempt == last:
+                raise
+            log.warning("%s/%s: %s; reading it again", tier.location, key, e)
+    raise AssertionError("unreachable")
 
 
 def committed(where: Tier | str | os.PathLike[str]) -> list[Candidate]:
@@ -296,7 +325,9 @@ def read_manifest(where: Tier | str | os.PathLike[str], step: int) -> Manifest:
     ManifestError (a CorruptVersionError) if the manifest is damaged, TierUnavailableError
     if it cannot be read (an I/O error, a store that does not answer)."""
     tier = as_tier(where)
-    return _parsed(tier, step, _manifest_bytes(tier, step))
+    return _read_checked(
+        tier, _manifest_key(step), lambda: _manifest_bytes(tier, step), lambda raw: _parsed(tier, step, raw)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +355,12 @@ def read_manifest_facts(where: Tier | str | os.PathLike[str], step: int) -> Mani
     GIL) only when its bytes differ from those of a manifest parsed before: the facts are
     kept by the bytes' xxh3_128, and parsing is a pure function of them."""
     tier = as_tier(where)
-    raw = _manifest_bytes(tier, step)
+    return _read_checked(
+        tier, _manifest_key(step), lambda: _manifest_bytes(tier, step), lambda raw: _facts(tier, step, raw)
+    )
+
+
+def _facts(tier: Tier, step: int, raw: bytes) -> ManifestFacts:
     key = (step, xxhash.xxh3_128_digest(raw))
     with _FACTS_LOCK:
         facts = _FACTS.get(key)
@@ -353,8 +389,12 @@ def remember_manifest(raw: bytes, m: Manifest, digest: bytes | None = None) -> M
     return facts
 
 
+def _manifest_key(step: int) -> str:
+    return join_key(version_dirname(step), MANIFEST_NAME)
+
+
 def _manifest_bytes(tier: Tier, step: int) -> bytes:
-    key = join_key(version_dirname(step), MANIFEST_NAME)
+    key = _manifest_key(step)
     try:
         raw = tier.get(key)
     except (FileNotFoundError, NotADirectoryError):
@@ -371,7 +411,7 @@ def _manifest_bytes(tier: Tier, step: int) -> bytes:
 def _parsed(tier: Tier, step: int, raw: bytes) -> Manifest:
     manifest = parse_manifest(raw)
     if manifest.step != step:
-        key = join_key(version_dirname(step), MANIFEST_NAME)
+        key = _manifest_key(step)
         raise ManifestError(f"{tier.location}/{key} describes step {manifest.step}, not {step}", path=key)
     return manifest
 

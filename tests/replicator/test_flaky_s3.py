@@ -12,8 +12,10 @@ SlowDown, stalls longer than the read timeout, trickles answers, truncates bodie
     it names is in that same listing at its size, and its bytes match the manifest xxh3.
 (c) Restoring through the proxy (Checkpointer from the URL, `ckpt restore`) retries and
     verifies: bitwise equal to what was saved. Bodies that fail botocore's CRC32 are read
-    again; chunk downloads that fail ckpt's xxh3 are downloaded again. A body that is always
-    corrupted or always truncated is never accepted: the restore fails instead.
+    again; chunk downloads that fail ckpt's xxh3 are downloaded again, and so are a manifest
+    or root.json that fail their checks (neither a restore nor GC takes one bad download for
+    damage). A body that is always corrupted or always truncated is never accepted: the
+    restore fails instead.
 Plus the proxy itself: keep-alive, chunked request bodies, the subprocess mode.
 """
 
@@ -91,7 +93,8 @@ def options(proxy_endpoint: str, **config: Any) -> dict[str, Any]:
 # uploaded without one. Switched off, a flipped bit reaches ckpt's own xxh3 check.
 NO_TRANSPORT_CHECKSUM = {"response_checksum_validation": "when_required"}
 # ckpt's checksums cover chunk data; listings, root.json and the manifest rely on the
-# transport (TLS, botocore's CRC32), so flipped bits are aimed at chunk downloads only.
+# transport (TLS, botocore's CRC32), so random flipped bits are aimed at chunk downloads
+# (a manifest or root.json that arrives damaged once is read again: its own tests below).
 CHUNK_GET = r"^GET /[^?]*/c\.[0-9.]+(\?|$)"
 BIG_CHUNK_GET = r"^GET /[^?]*/state/big/c\.0(\?|$)"
 
@@ -530,6 +533,41 @@ def test_gc_keeps_a_version_it_could_not_read(s3: S3Place, proxy: FlakyProxy, tm
     r = CliRunner().invoke(cli_main, ["gc", s3.url, "--milestone-every", "2", "--all-but-milestones", *quick])
     assert r.exit_code == 0, r.output
     assert remote_steps(s3) == [2, 4, 5]  # v5 is the newest intact version: kept
+
+
+def test_gc_reads_again_a_manifest_that_arrives_damaged(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
+    """Versions 2, 4 and 5 on S3; the first download of v5's manifest arrives with a flipped
+    bit that no transport checksum catches (checksum validation off, as stores without
+    flexible checksums need). One bad download is no proof of damage: GC reads it again and
+    keeps v5, the newest intact version, which `--milestone-every 2` would delete as damaged."""
+    root = tmp_path / "root"
+    save_steps(root, {s: make_state(s) for s in (2, 4, 5)})
+    replicate(root, s3.url, s3.server.endpoint)  # directly, no faults
+    proxy.set_plan(
+        FaultPlan(rate=1.0, weights={"corrupt": 1.0}, only=rf"^GET /[^?]*/{vname(5)}/manifest\.json", max_faults=1)
+    )
+    extra = ["--storage-option", "config_kwargs.response_checksum_validation=when_required"]
+    r = cli("gc", s3.url, "--milestone-every", "2", "--all-but-milestones", *cli_options(proxy.endpoint), *extra)
+    assert r.exit_code == 0, r.output
+    assert proxy.faults() == {"corrupt": 1}
+    assert remote_steps(s3) == [2, 4, 5]
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "root.json"])
+def test_restore_reads_again_metadata_that_arrives_damaged(
+    replicated: tuple[str, str, dict[int, dict[str, Any]]], proxy: FlakyProxy, tmp_path: Path, name: str
+) -> None:
+    """The first download of step 3's manifest or root.json arrives with a flipped bit that
+    no transport checksum catches: restore reads it again and restores step 3, rather than
+    take step 3 for damaged and restore step 2."""
+    url, _, states = replicated
+    proxy.set_plan(FaultPlan(rate=1.0, weights={"corrupt": 1.0}, only=rf"^GET /[^?]*/{vname(3)}/{name}", max_faults=1))
+    opts = options(proxy.endpoint, **NO_TRANSPORT_CHECKSUM)
+    with Checkpointer(tmp_path / "fresh", tiers=[url], storage_options=opts) as ck:
+        target = blank(states[3])
+        assert ck.restore(target) == 3
+    assert_bitwise(target, states[3])
+    assert proxy.faults() == {"corrupt": 1}
 
 
 def test_replica_kept_while_the_remote_cannot_read_its_copy(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
