@@ -7,8 +7,9 @@ verified, on every root (the leaders agree after each round), is kept, and every
 one. After a node's loss that version is whole on the survivors (their own parts, and the
 lost node's as peer copies; the same rule keeps it on every root). A step whose own copies
 were verified while another root's failed does not count: after that other node's loss
-its part of the step is missing, and this root must still hold an older version whole. A root whose copier stopped for good (a peer stopped answering), or that a
-job without peer copies opened since, is judged by its other rules alone.
+its part of the step is missing, and this root must still hold an older version whole. A
+root whose copier stopped for good (a peer stopped answering), or that a job without peer
+copies opened since, is judged by its other rules alone.
 """
 
 from __future__ import annotations

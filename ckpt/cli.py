@@ -3,8 +3,8 @@ ckpt.replicator (listing: ckpt._listing, checks: ckpt._verify, text: ckpt._rende
 
 Exit codes: 0 success, 1 damage (verification found bad chunks, or the version asked for
 is corrupt), 2 usage error (click), 3 any other error (one readable line on stderr, never
-a traceback; `verify` found no damage but files it could not read), 4 `ckpt gc` kept versions it could not read (a transient error is no proof
-of damage: run it again).
+a traceback; `verify` found no damage but files it could not read), 4 `ckpt gc` kept
+versions it could not read (a transient error is no proof of damage: run it again).
 
 Starting fast: `ckpt --help`, `ls` and `verify` never import torch (about 2 s) nor rich's
 progress bars; `inspect` and `restore` import them when they run.
