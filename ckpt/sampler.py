@@ -137,6 +137,12 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         self.seed = state["seed"]
         self.shuffle = state["shuffle"]
         self.drop_last = state["drop_last"]
+        # torch sized the epoch in __init__ from the constructor's drop_last: size it for the saved one.
+        if self.drop_last and size % self.num_replicas:
+            self.num_samples = (size - self.num_replicas) // self.num_replicas + 1
+        else:
+            self.num_samples = -(-size // self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
         start = state.get("segment_start", 0)
         world = state.get("segment_world", state["num_replicas"])
         if state["num_replicas"] == self.num_replicas and state["rank"] == self.rank:

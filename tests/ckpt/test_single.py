@@ -275,6 +275,16 @@ def test_sampler_resumes_mid_epoch_and_reshuffles():
     assert reshuffled != order and len(reshuffled) == len(order)
 
 
+def test_sampler_len_follows_the_restored_drop_last():
+    data = list(range(10))
+    saved = DistributedSampler(data, num_replicas=4, rank=0, drop_last=True)
+    r = DistributedSampler(data, num_replicas=4, rank=0)  # torch sized it for drop_last=False
+    r.load_state_dict(saved.state_dict())
+    for epoch in (0, 1):
+        r.set_epoch(epoch)
+        assert len(r) == len(list(r)) == len(list(saved)) == 2
+
+
 def test_sampler_refuses_another_dataset():
     s = DistributedSampler(list(range(10)), num_replicas=2, rank=0)
     with pytest.raises(ckpt.StateMismatchError):
