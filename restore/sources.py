@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ckpt.store.chunk_read import with_rereads
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.rank_file import RankFile, RankFiles, rank_file_path, read_rank_file_raw
+from ckpt.store.rereads import reread, unproven_damage
 from ckpt.store.tier import Tier
 from ckpt.store.versions import version_dirname
 
@@ -133,7 +133,7 @@ def first_good(holders: Sequence[Source], read: Callable[[Source], T], what: str
     unreachable: list[tuple[str, TierUnavailableError]] = []
     for src in holders:
         try:
-            result = with_rereads(lambda src=src: read(src))  # type: ignore[misc]
+            result = reread(lambda src=src: read(src), unproven_damage)  # type: ignore[misc]
         except CorruptVersionError as e:
             damaged.append(str(e))
             continue

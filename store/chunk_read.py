@@ -6,7 +6,7 @@ anything is read; reads are positional, so ranges of a chunk can be read without
 
 What a failure means: a missing, short, misplaced or mismatching chunk is damage
 (CorruptVersionError); so is an I/O error of a local file (a bad sector) that persists:
-it is marked `io_error`, and readers (with_rereads: restore, `ckpt verify`) read it again
+it is marked `io_error`, and readers (store.rereads: restore, `ckpt verify`) read it again
 first, as they do a checksum mismatch (restore then falls back past it; verify reports it
 as unreadable, apart from proven damage). A tier that cannot be reached (TierUnavailableError,
 after retries) is not damage and is raised as it is: nothing is skipped or deleted
@@ -16,9 +16,6 @@ because a read failed once.
 from __future__ import annotations
 
 import errno
-import logging
-from collections.abc import Callable
-from typing import TypeVar
 
 import xxhash
 
@@ -26,22 +23,18 @@ from ckpt.store.digest import chunk_digest
 from ckpt.store.errors import CorruptVersionError, TierUnavailableError
 from ckpt.store.manifest import ArrayEntry, ChunkEntry
 from ckpt.store.tier import ReadHandle, Tier, join_key
-from ckpt.store.versions import REREADS, version_dirname
+from ckpt.store.versions import version_dirname
 
 __all__ = [
     "READ_BLOCK",
-    "REREADS",
     "open_chunk",
     "open_checked",
     "read_exact",
     "read_direct_exact",
     "read_chunk",
     "check_digest",
-    "with_rereads",
 ]
 
-log = logging.getLogger("ckpt")
-T = TypeVar("T")
 READ_BLOCK = 4 << 20
 
 
@@ -158,16 +151,3 @@ def check_digest(got: str, expected: str, what: str, where: str) -> None:
         raise CorruptVersionError(
             f"{what} (xxh3 {got}, manifest {expected})", path=where, expected=expected, actual=got
         )
-
-
-def with_rereads(read: Callable[[], T]) -> T:
-    """read(), again while it fails a checksum (CorruptVersionError with an `actual` digest)
-    or cannot be read (`io_error`: a disk that fails a read once is not damage)."""
-    for attempt in range(REREADS + 1):
-        try:
-            return read()
-        except CorruptVersionError as e:
-            if not (e.actual or e.io_error) or attempt == REREADS:
-                raise
-            log.warning("%s; reading it again", e)
-    raise AssertionError("unreachable")

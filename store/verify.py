@@ -1,6 +1,6 @@
 """Recomputing every checksum of the part of a version a tier holds (`ckpt verify`, tests).
 
-A file is read as a restore reads it (with_rereads): one that fails its checksum or an I/O
+A file is read as a restore reads it (store.rereads): one that fails its checksum or an I/O
 error is read twice more before it counts. An I/O error on every read is reported as
 `unreadable`, apart from damage: it proves nothing about the bytes."""
 
@@ -11,11 +11,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
-from ckpt.store.chunk_read import READ_BLOCK, open_checked, read_chunk, read_exact, with_rereads
+from ckpt.store.chunk_read import READ_BLOCK, open_checked, read_chunk, read_exact
 from ckpt.store.digest import ChunkHasher
 from ckpt.store.errors import CorruptVersionError
 from ckpt.store.manifest import Manifest
 from ckpt.store.rank_file import RankFiles, rank_file_path
+from ckpt.store.rereads import reread, unproven_damage
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import version_dirname
 
@@ -58,7 +59,7 @@ def expected_chunks(
             if writers is not None and rank not in writers:
                 continue
             try:
-                with_rereads(partial(book.get, step, manifest, rank))
+                reread(partial(book.get, step, manifest, rank), unproven_damage)
             except CorruptVersionError as e:
                 bad_ranks[rank] = e.io_error
                 yield ChunkProblem("", rank_file_path(rank), str(e), e.io_error)
@@ -95,14 +96,14 @@ def verify_chunks(tier: Tier, step: int, manifest: Manifest, writers: set[int] |
             yield expected
             continue
         try:
-            with_rereads(partial(_check_chunk, tier, step, expected, view))
+            reread(partial(_check_chunk, tier, step, expected, view), unproven_damage)
         except CorruptVersionError as e:
             yield ChunkProblem(expected.array, expected.path, str(e), e.io_error)
 
 
 def _check_chunk(tier: Tier, step: int, expected: ExpectedChunk, view: memoryview) -> None:
     """Read one chunk file whole, streaming through `view`; CorruptVersionError if it is
-    bad (with both digests on a mismatch, so with_rereads reads it again)."""
+    bad (with both digests on a mismatch, so it is read again)."""
     key = join_key(version_dirname(step), expected.path)
     where = os.path.join(tier.location, key)
     hasher = ChunkHasher(expected.block_bytes)

@@ -36,12 +36,12 @@ from ckpt.store.errors import CorruptVersionError, ManifestError, TierUnavailabl
 from ckpt.store.faults import fault_point
 from ckpt.store.manifest import MANIFEST_NAME, MAX_WORLD, ROOT_INFO_NAME, SAVE_ID, Manifest, keys_of, parse_manifest
 from ckpt.store.rank_ranges import RankRanges, ranges_of
+from ckpt.store.rereads import REREADS, reread
 from ckpt.store.root import ROOT_ID_NAME
 from ckpt.store.tier import Tier, join_key, open_tier
 
 __all__ = [
     "MAX_STEP",
-    "REREADS",
     "TRASH_NAME",
     "DELETING_MARKER",
     "COMMIT_CLAIM",
@@ -81,11 +81,6 @@ each other."""
 _VERSION = re.compile(r"v([0-9]{12})")  # ASCII digits only, and nothing after them (fullmatch)
 MAX_STEP = 10**12 - 1
 """The largest step: a version directory's name holds 12 digits."""
-REREADS = 2
-"""Reads of a version's file (its manifest, root info, a chunk's block) after the first,
-while its bytes fail their checks or cannot be read: bytes from a store may arrive
-complete yet wrong where no transport checksum covers them (an S3 range read, plain HTTP,
-checksum validation switched off), so one bad read is no proof of damage."""
 
 
 def check_step(step: object) -> int:
@@ -285,18 +280,12 @@ def _valid_root_info(raw: bytes) -> RootInfo:
 
 def _read_checked(tier: Tier, key: str, read: Callable[[], bytes], parse: Callable[[bytes], T]) -> T:
     """parse(read()), from a store read again (REREADS) while parse refuses the bytes (a
-    ValueError: ManifestError is one); the last refusal is raised, a failed read at once.
+    ValueError: ManifestError is one); the last refusal is raised, a failed read (OSError) at once.
     This machine's files are read once: a re-read brings the same bytes from the page cache."""
-    last = 0 if tier.capabilities.local_files else REREADS
-    for attempt in range(last + 1):
-        raw = read()
-        try:
-            return parse(raw)
-        except ValueError as e:
-            if attempt == last:
-                raise
-            log.warning("%s/%s: %s; reading it again", tier.location, key, e)
-    raise AssertionError("unreachable")
+    times = 0 if tier.capabilities.local_files else REREADS
+    return reread(
+        lambda: parse(read()), lambda e: isinstance(e, ValueError), times=times, what=f"{tier.location}/{key}: "
+    )
 
 
 def committed(where: Tier | str | os.PathLike[str]) -> list[Candidate]:
