@@ -467,12 +467,22 @@ def remove_marked(tier: Tier, name: str) -> None:
     """Delete an object-store version directory that carries the `.deleting` marker: the
     manifest first (the version is no longer listed), the marker last. GCs racing on one
     version (every node's replicator collects the shared remote) find objects already
-    deleted by the other, which is no error."""
+    deleted by the other, which is no error.
+
+    A batch delete may leave keys with no error raised (S3 answers per-key failures with
+    200, and s3fs does not raise them): what a second listing still finds is deleted one
+    key at a time, which raises, so the marker never goes while anything else is left."""
     tier.delete(join_key(name, MANIFEST_NAME))
-    rest = [o.key for o in tier.find(name) if o.key.rsplit("/", 1)[-1] != DELETING_MARKER]
-    tier.delete_many(rest)
+    tier.delete_many(_unmarked(tier, name))
+    for key in _unmarked(tier, name):
+        tier.delete(key)
     fault_point("gc-mid-remove")
     tier.delete(join_key(name, DELETING_MARKER))
+
+
+def _unmarked(tier: Tier, name: str) -> list[str]:
+    """The keys under a version directory but its deletion marker."""
+    return [o.key for o in tier.find(name) if o.key.rsplit("/", 1)[-1] != DELETING_MARKER]
 
 
 def finish_deletions(where: Tier | str | os.PathLike[str]) -> list[str]:

@@ -17,7 +17,10 @@ bodies framed by Content-Length or `Transfer-Encoding: chunked` relayed byte for
 - `truncate`: the headers with the full Content-Length, a part of the body, then the
   connection closes (an answer without a body is cut in its headers);
 - `corrupt` (weight 0 unless asked for): one bit of the body flipped, length unchanged,
-  the connection kept; answers without a body are passed through untouched.
+  the connection kept; answers without a body are passed through untouched;
+- `delete_errors` (weight 0 unless asked for): a DeleteObjects request (`POST ...?delete`)
+  is not applied, and `200 OK` answers it with an `InternalError` for every key, as S3
+  reports per-key failures of a batch delete; other requests are passed through untouched.
 
 `faults()` counts the faults actually injected, per kind, so a test can assert that each
 kind really happened. `only` (a regex on "METHOD /path?query") limits faults to some
@@ -60,8 +63,9 @@ from typing import Any
 
 __all__ = ["KINDS", "FaultPlan", "FlakyProxy", "ProxyProcess"]
 
-KINDS = ("drop", "error500", "slowdown503", "stall", "slow", "truncate", "corrupt")
-_DEFAULT_WEIGHTS = {k: (0.0 if k == "corrupt" else 1.0) for k in KINDS}
+KINDS = ("drop", "error500", "slowdown503", "stall", "slow", "truncate", "corrupt", "delete_errors")
+_ASKED_FOR = {"corrupt", "delete_errors"}  # kinds of weight 0 unless a plan asks for them
+_DEFAULT_WEIGHTS = {k: (0.0 if k in _ASKED_FOR else 1.0) for k in KINDS}
 _HEAD_LIMIT = 1 << 20
 _PIECE = 1 << 16
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "upgrade", "expect"}
@@ -192,6 +196,7 @@ async def _relay_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 
 _ETAG_XML = re.compile(rb"<ETag>(.*?)</ETag>", re.S)
+_KEY_XML = re.compile(rb"<Key>(.*?)</Key>", re.S)
 
 
 class FlakyProxy:
@@ -369,6 +374,11 @@ class FlakyProxy:
             self._count(kind)
             await self._send_error(writer, req, 500 if kind == "error500" else 503)
             return True
+        if kind == "delete_errors" and req.method == "POST" and re.search(r"\?delete(=|&|$)", req.target):
+            body = await _relay_chunked(reader, None) if req.chunked else await reader.readexactly(length)
+            self._count(kind)
+            await self._send_delete_errors(writer, req, _KEY_XML.findall(body))
+            return True
 
         sent = None
         if self.opaque_etags and req.method == "POST" and not req.chunked and "uploadId=" in req.target:
@@ -480,6 +490,24 @@ class FlakyProxy:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     @staticmethod
+    async def _send_delete_errors(writer: asyncio.StreamWriter, req: _Request, keys: list[bytes]) -> None:
+        errors = "".join(
+            f"<Error><Key>{k.decode()}</Key><Code>InternalError</Code>"
+            "<Message>We encountered an internal error. Please try again.</Message></Error>"
+            for k in keys
+        )
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f'<DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">{errors}</DeleteResult>'
+        ).encode()
+        head = (
+            f"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: {'keep-alive' if req.keep_alive else 'close'}\r\n\r\n"
+        )
+        writer.write(head.encode("latin-1") + body)
+        await writer.drain()
+
+    @staticmethod
     async def _send_error(writer: asyncio.StreamWriter, req: _Request, status: int) -> None:
         code, message = _ERROR_BODIES[status]
         request_id = uuid.uuid4().hex[:16].upper()
@@ -572,7 +600,9 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall-s", type=float, default=3.0)
     ap.add_argument("--slow-s", type=float, default=0.3)
-    ap.add_argument("--weights", default="", help="kind=weight,... (default: every kind but corrupt, equally)")
+    ap.add_argument(
+        "--weights", default="", help="kind=weight,... (default: every kind but corrupt and delete_errors, equally)"
+    )
     ap.add_argument("--only", default=None)
     ap.add_argument("--max-faults", type=int, default=None)
     ap.add_argument("--scope", action="append", default=[], help="kind=regex (repeatable)")

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 READ_TIMEOUT = 1.0  # seconds; the proxy's stalls last longer
 STALL_S = 2.5
 STEPS = (1, 2, 3)
-UPLOAD_KINDS = {k for k in KINDS if k != "corrupt"}
+UPLOAD_KINDS = {k for k in KINDS if k not in ("corrupt", "delete_errors")}
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def test_checkpointer_restore_through_faults(
     """Every kind of fault, and corrupted bodies that only ckpt's xxh3 can catch: the newest
     version still comes back bit for bit (a bad download is downloaded again)."""
     url, _, states = replicated
-    weights = dict.fromkeys(KINDS, 1.0) | {"truncate": 2.0, "stall": 0.5}
+    weights = dict.fromkeys(UPLOAD_KINDS, 1.0) | {"corrupt": 1.0, "truncate": 2.0, "stall": 0.5}
     proxy.set_plan(FaultPlan(rate=0.3, seed=11, stall_s=STALL_S, weights=weights, scope={"corrupt": CHUNK_GET}))
     t0 = time.monotonic()
     opts = options(proxy.endpoint, **NO_TRANSPORT_CHECKSUM)
@@ -458,7 +458,7 @@ def test_cli_restore_through_faults(
     replicated: tuple[str, str, dict[int, dict[str, Any]]], proxy: FlakyProxy, tmp_path: Path
 ) -> None:
     url, _, states = replicated
-    weights = dict.fromkeys(KINDS, 1.0) | {"truncate": 2.0, "corrupt": 2.0, "stall": 0.5}
+    weights = dict.fromkeys(UPLOAD_KINDS, 1.0) | {"truncate": 2.0, "corrupt": 2.0, "stall": 0.5}
     proxy.set_plan(FaultPlan(rate=0.3, seed=13, stall_s=STALL_S, weights=weights, scope={"corrupt": CHUNK_GET}))
     out = tmp_path / "restored.pt"
     r = cli("restore", url, "--to-torch", out, *cli_options(proxy.endpoint))
@@ -633,3 +633,44 @@ def vname(step: int) -> str:
 
 def remote_steps(place: S3Place) -> list[int]:
     return [c.step for c in committed(open_tier(place.url, place.options))]
+
+
+def test_a_batch_delete_with_per_key_errors_is_finished(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
+    """S3 answers a batch delete (DeleteObjects) with 200 and per-key errors, which s3fs
+    does not raise. Deleting a version must not then drop its `.deleting` marker over
+    objects that are still there: it deletes what is left one key at a time, and while
+    that fails too the marker stays, so a later GC (finish_deletions) completes it."""
+    root = tmp_path / "root"
+    save_steps(root, {s: make_state(s) for s in (1, 2, 3)})
+    replicate(root, s3.url, s3.server.endpoint)  # directly, no faults
+    direct = open_tier(s3.url, s3.options)
+    assert len([o.key for o in direct.find(vname(1))]) > 3
+    flaky = open_tier(s3.url, options(proxy.endpoint), retry=RetryPolicy(attempts=2, first_wait_s=0.01))
+    batch = r"^POST /[^?]*\?delete"
+
+    proxy.set_plan(FaultPlan(rate=1.0, weights={"delete_errors": 1.0}, only=batch, max_faults=1))
+    versions.delete_version(flaky, 1)
+    assert proxy.faults() == {"delete_errors": 1}
+    assert [o.key for o in direct.find(vname(1))] == []
+    assert remote_steps(s3) == [2, 3]
+
+    proxy.reset_counts()  # every batch delete fails per key, and so does every single delete
+    proxy.set_plan(
+        FaultPlan(
+            rate=1.0,
+            weights={"delete_errors": 1.0, "error500": 1.0},
+            scope={"error500": r"^DELETE "},
+            only=r"DELETE |\?delete",
+        )
+    )
+    with pytest.raises(TierUnavailableError):
+        versions.delete_version(flaky, 2)
+    assert proxy.faults()["delete_errors"] >= 1 and proxy.faults()["error500"] >= 1
+    left = [o.key for o in direct.find(vname(2))]
+    assert f"{vname(2)}/.deleting" in left and len(left) > 1, left  # marked, so not forgotten
+    assert remote_steps(s3) == [3]
+
+    proxy.set_plan(FaultPlan(rate=0.0))
+    assert versions.finish_deletions(flaky) == [vname(2)]
+    assert [o.key for o in direct.find(vname(2))] == []
+    assert remote_steps(s3) == [3]
