@@ -98,10 +98,13 @@ def collect(
     dry_run: bool = False,
     abandon_after_s: float | None = None,
     versions: tuple[list[VersionInfo], dict[int, str]] | None = None,
+    confirm: Callable[[int], bool] | None = None,
 ) -> GcResult:
     """Delete what `policy` does not keep (see policy.plan_deletions for what is never
     deleted). `versions`: judge(tier, redundant), if the caller has it already. With
-    `abandon_after_s`, also collect abandoned uploads (the shared remote)."""
+    `abandon_after_s`, also collect abandoned uploads (the shared remote). `confirm(step)`,
+    just before a version is deleted: False keeps it (its copies are not where `redundant`
+    says)."""
     if not dry_run:
         finish_deletions(tier)
     judged, unjudged = judge(tier, redundant) if versions is None else versions
@@ -109,6 +112,8 @@ def collect(
     doomed = plan_deletions(judged, policy, pinned=pins, require_redundant=redundant is not None)
     deleted = list(doomed) if dry_run else []
     for step in [] if dry_run else doomed:
+        if confirm is not None and not confirm(step):
+            continue
         with deleting(tier, step) as free:  # a reader may have pinned it since
             if not free:
                 log.info("gc %s: step %d is being read; kept", tier.location, step)

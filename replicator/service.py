@@ -19,6 +19,7 @@ would otherwise travel between modules as arguments.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -61,7 +62,14 @@ from ckpt.store.pins import deleting
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.storage_options import redact
 from ckpt.store.tier import Tier, join_key, open_tier
-from ckpt.store.versions import committed_steps, delete_version, read_manifest, read_root_info, version_dirname
+from ckpt.store.versions import (
+    committed_steps,
+    delete_version,
+    is_committed,
+    read_manifest,
+    read_root_info,
+    version_dirname,
+)
 
 __all__ = ["Replicator"]
 
@@ -469,7 +477,8 @@ class Replicator:
         status = self._status[source]
         if policy is not None:
             redundant = with_peer_rule(source, redundant_saves(status))  # a job's peer copies may need more
-            result = collect(self._source_tiers[source], policy, redundant=redundant)
+            confirm = functools.partial(self._still_copied, source, dests)
+            result = collect(self._source_tiers[source], policy, redundant=redundant, confirm=confirm)
             for step in result.deleted:
                 status.versions.pop(step, None)
             self._gc_replicas(source, dests, policy)
@@ -485,6 +494,41 @@ class Replicator:
                         entry.remote = CopyState("expired", entry.remote.at, url=entry.remote.url)  # at: reached it
             for step, why in result.unjudged.items():
                 log.warning("gc of the remote kept step %d, which it could not read: %s", step, self._redact(why))
+
+    def _still_copied(self, source: str, dests: list[Destination], step: int) -> bool:
+        """Whether `step`'s copies that the status counts as verified are still there, asked
+        just before local retention deletes the source's version on their strength: a copy
+        deleted since (by hand, a bucket's lifecycle rule, another job's GC) would leave the
+        version nowhere. A copy found gone is marked failed, so a later pass makes it again;
+        copies that cannot be checked now keep the version (no proof either way)."""
+        status = self._status[source]
+        entry = status.versions.get(step)
+        if entry is None:
+            return True  # no copies are required of it
+        counted = [d for d in dests if (c := entry.copies.get(d.url)) is not None and c.state == "verified"]
+        remote = self.remote
+        if (
+            remote is None
+            or entry.remote is None
+            or (entry.remote.state, entry.remote.url) != ("verified", status.remote)
+        ):
+            remote = None  # none required, not verified, or expired there by the remote's retention
+        elif remote.url in self._failed_dests:
+            return False  # it failed in this pass: not waited on again, and nothing is proven
+        try:
+            gone = [d for d in counted if not _holds(d, step, entry.save_id)]
+            remote_gone = remote is not None and not _holds(remote, step, entry.save_id)
+        except (CkptError, OSError) as e:
+            log.warning("gc %s: step %d kept: its copies cannot be checked now: %s", source, step, self._redact(str(e)))
+            return False
+        now, why = time.time(), "gone since it was verified"
+        for d in gone:
+            entry.copies[d.url] = CopyState("failed", now, error=why)
+        if remote_gone and entry.remote is not None:
+            entry.remote = CopyState("failed", now, url=entry.remote.url, error=why)
+        for where in [d.url for d in gone] + ([remote.url] if remote_gone and remote is not None else []):
+            log.warning("gc %s: step %d kept: its copy on %s is %s", source, step, self._redact(where), why)
+        return copies_done(status, entry) and remote_done(status, entry)
 
     def _gc_replicas(self, source: str, dests: list[Destination], policy: Policy) -> None:
         """Collect replica copies of versions the source no longer holds (deleted by this GC,
@@ -519,6 +563,12 @@ class Replicator:
         there = {v.step for v in listing if v.intact}  # a damaged or unread copy there is none yet
         policy = self.config.remote_policy
         return {v.step for v in versions if v.step not in there and (policy is None or not expired(listing, v, policy))}
+
+
+def _holds(dest: Destination, step: int, save_id: str) -> bool:
+    """Whether `dest` holds `step` committed, and from the save `save_id`."""
+    info = read_root_info(dest.tier, step)
+    return info is not None and info.save_id == save_id and is_committed(dest.tier, step)
 
 
 def _of_the_version(e: Exception) -> bool:

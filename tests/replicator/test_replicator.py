@@ -785,3 +785,48 @@ def test_credentials_never_logged(s3: S3Place, tmp_path: Path) -> None:
     for where, text in texts.items():
         for secret in SECRETS:
             assert secret not in text, f"{secret} appears in {where}:\n{text}"
+
+
+@pytest.mark.parametrize("where", ["remote", "replica"])
+def test_a_copy_deleted_since_it_was_verified_does_not_count(tmp_path: Path, where: str) -> None:
+    """Step 1 is copied (to the remote, or to a replica disk) and verified; then that copy is
+    deleted behind the replicator's back (by hand, a bucket's lifecycle rule, another job's
+    GC). Local retention (keep the newest 1) must not delete the source's step 1 on the
+    strength of the status's word: it checks the copy first, keeps step 1 and copies it
+    again, and only then deletes it. Before, step 1 was deleted at once, while no copy of
+    it was left anywhere."""
+    from ckpt.replicator.placement import source_label
+
+    d0, d1 = two_disks(tmp_path)
+    if where == "remote":
+        dest = str(d1 / "remote")
+        config = ReplicatorConfig(remote=f"file://{dest}", local_policy=KeepLast(1))
+    else:
+        dest = str(d1 / "replicas" / source_label(str(d0)))
+        config = ReplicatorConfig(replicas=2, replica_roots=(str(d1),), local_policy=KeepLast(1))
+    rep = Replicator([str(d0)], config)
+    with Checkpointer(d0) as ck:
+        ck.save(1, tiny_state(1))
+        ck.wait()
+        rep.run_once()
+        assert versions.committed_steps(dest) == [1]
+        versions.delete_version(dest, 1)  # behind the replicator's back
+        ck.save(2, tiny_state(2))
+        ck.wait()
+        rep.run_once()
+        assert versions.committed_steps(str(d0)) == [1, 2]  # 1 kept: its copy is gone
+        status = read_status(str(d0))
+        assert status is not None
+        entry = status.versions[1]
+        copy = entry.remote if where == "remote" else next(iter(entry.copies.values()))
+        assert copy is not None and copy.state != "verified", copy
+        rep.run_once()
+    assert versions.committed_steps(str(d0)) == [2]  # deleted here once copied again
+    if where == "replica":  # replicas follow the local policy: that copy went in the same pass
+        assert versions.committed_steps(dest) == [2]
+        return
+    assert versions.committed_steps(dest) == [1, 2]  # the remote keeps every version
+    target = blank(tiny_state(1))
+    with Checkpointer(tmp_path / "reader", tiers=[dest]) as reader:
+        assert reader.restore(target, step=1) == 1
+    assert_bitwise(target, tiny_state(1))
