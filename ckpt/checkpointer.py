@@ -396,14 +396,23 @@ class Checkpointer:
         node's disks, then `tiers` and the remote."""
         return [self._tier, *_roots.replica_tiers(self._disks), *self._tiers[1:]]
 
-    def _locate(self, step: int | None) -> tuple[Manifest, Located] | None:
-        """Collective: the newest version whose manifest every rank can read (or `step`),
-        without loading it; for readers that read parts of it themselves (ckpt.dcp)."""
+    def _locate(
+        self, step: int | None, read: Callable[[Manifest, Located], None] | None = None
+    ) -> tuple[Manifest, Located] | None:
+        """Collective: the newest version whose manifest every rank can read (or `step`), for
+        readers that read parts of it themselves (ckpt.dcp). `read` runs on it while it is
+        pinned; its CorruptVersionError passes the version over for the next older one
+        (unless `step` was given), as a failed load does in restore()."""
         self._check_open()
         self._saver.wait()
-        found = restore_newest(
-            self._ctl, self._search_tiers, lambda located: (agreed_manifest(self._ctl, located), located), step=step
-        )
+
+        def load(located: Located) -> tuple[Manifest, Located]:
+            manifest = agreed_manifest(self._ctl, located)
+            if read is not None:
+                read(manifest, located)
+            return manifest, located
+
+        found = restore_newest(self._ctl, self._search_tiers, load, step=step)
         return None if found is None else found[1]
 
     # -- lifecycle -------------------------------------------------------------------

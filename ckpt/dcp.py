@@ -15,7 +15,9 @@ dcp.load hands them back to DCP's planner, which does, as it does from its own f
 
 No DCP metadata file is written: StorageReader builds DCP's Metadata from the manifest,
 each tensor one chunk of its whole shape, so DCP plans reads for any layout and ckpt
-reads only the bytes each rank asks for (verified, from whichever tier holds them).
+reads only the bytes each rank asks for (verified, from whichever tier holds them). With
+no step, a version with a chunk that no tier holds intact is passed over for the next
+older one, as in restore().
 
 The commit: ckpt's commit is collective (every rank's data is durable before any root
 publishes), while DCP calls `finish()` on its coordinator alone. So `write_data` saves on
@@ -30,6 +32,7 @@ import contextlib
 import io
 import os
 import urllib.parse
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,9 +64,8 @@ from ckpt.restore.execute import ReadRequest, full_tensor
 from ckpt.restore.locate import Located
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
 from ckpt.shard import Shard
-from ckpt.store.errors import StateMismatchError, UnsupportedStateError, VersionNotFoundError
-from ckpt.store.manifest import MAX_COMPONENT, Manifest, escape_component
-from ckpt.store.pins import pin_version
+from ckpt.store.errors import CorruptVersionError, StateMismatchError, UnsupportedStateError, VersionNotFoundError
+from ckpt.store.manifest import MAX_COMPONENT, ArrayEntry, Manifest, escape_component
 from ckpt.store.versions import check_step
 
 __all__ = ["StorageWriter", "StorageReader"]
@@ -145,6 +147,8 @@ class StorageWriter(_StorageWriter):
         self._ck = _checkpointer(root, checkpointer, options)
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
+        if checkpoint_id is not None and self._owned:
+            self._ck.close()  # DCP calls nothing more on this writer: its root must not stay locked
         _no_checkpoint_id(checkpoint_id)
 
     @classmethod
@@ -207,17 +211,22 @@ class StorageWriter(_StorageWriter):
         return None
 
 
+def _storage_metadata(kind: str, array: ArrayEntry) -> TensorStorageMetadata | BytesStorageMetadata:
+    """DCP's description of one stored item: a tensor is one chunk of its whole shape."""
+    if kind == BYTES:
+        return BytesStorageMetadata()
+    shape = torch.Size(array.shape)
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
+    return TensorStorageMetadata(TensorProperties(dtype=ZARR_TO_TORCH[array.data_type]), shape, [chunk])
+
+
 def metadata_of(manifest: Manifest) -> Metadata:
     """DCP's Metadata of a version saved through StorageWriter: every tensor one chunk."""
     found: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     for name, array in manifest.arrays.items():
         kind, fqn = _fqn(name)
-        if kind == BYTES:
-            found[fqn] = BytesStorageMetadata()
-        elif kind == TENSORS:
-            shape = torch.Size(array.shape)
-            chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
-            found[fqn] = TensorStorageMetadata(TensorProperties(dtype=ZARR_TO_TORCH[array.data_type]), shape, [chunk])
+        if kind in (BYTES, TENSORS):
+            found[fqn] = _storage_metadata(kind, array)
     if manifest.arrays and not found:
         raise StateMismatchError(f"step {manifest.step} was not saved through ckpt.dcp: no {TENSORS}/ or {BYTES}/")
     return Metadata(state_dict_metadata=found)
@@ -226,10 +235,17 @@ def metadata_of(manifest: Manifest) -> Metadata:
 class StorageReader(_StorageReader):
     """DCP's StorageReader from a ckpt root: version `step`, or the newest intact one.
 
-    Construct it on every rank (it opens a Checkpointer, which is collective), or pass an
-    open `checkpointer`. Choosing the version is ckpt's (restore.locate): a version whose
-    manifest is damaged everywhere is passed over for the next older one; a bad chunk is
-    read from another tier that holds it."""
+    Construct it on every rank; pass an open `checkpointer` to reuse one, else each of
+    DCP's collective calls (read_metadata, read_data) opens a Checkpointer and closes it
+    before returning. Nothing is held between them: DCP calls nothing more on a reader
+    whose planning failed (a key the version lacks, on any rank), and a Checkpointer left
+    open would keep the root locked for the rest of the process.
+
+    Choosing the version is ckpt's (restore.locate): read_metadata describes the newest
+    version whose manifest reads; read_data chooses again, pinned, and reads. With no
+    `step`, a version a chunk of which has no good copy on any tier is passed over for the
+    next older one that holds every item as DCP planned it (the state is untouched until
+    every read succeeded); a bad chunk is read from another tier that holds it."""
 
     def __init__(
         self,
@@ -243,11 +259,11 @@ class StorageReader(_StorageReader):
         if step is not None:
             check_step(step)
         self.step = step
+        self._asked = step
         self._root = root
-        self._owned = checkpointer is None
-        self._ck = _checkpointer(root, checkpointer, options)
-        self._found: tuple[Manifest, Located] | None = None
-        self._pins = contextlib.ExitStack()  # the chosen version, held against GC until read
+        self._given = checkpointer
+        self._options = options
+        self._planned: Metadata | None = None  # what read_metadata described: DCP's plan rests on it
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
         _no_checkpoint_id(checkpoint_id)
@@ -256,27 +272,28 @@ class StorageReader(_StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
 
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[Checkpointer]:
+        """The given Checkpointer, or one open for the length of one call (collective)."""
+        if self._given is not None:
+            yield self._given
+            return
+        with _checkpointer(self._root, None, dict(self._options)) as ck:
+            yield ck
+
+    def _nothing(self) -> VersionNotFoundError:
+        where = self._root if isinstance(self._root, str) else "the root"
+        return VersionNotFoundError(f"no committed version under {where}")
+
     def read_metadata(self) -> Metadata:
         """Collective (DCP calls it on every rank): choose the version, describe it."""
-        try:
-            self._found = self._ck._locate(self.step)
-            if self._found is None:
-                where = self._root if isinstance(self._root, str) else "the root"
-                raise VersionNotFoundError(f"no committed version under {where}")
-            self.step = self._found[0].step
-            held = [self._pins.enter_context(pin_version(src.tier, self.step)) for src in self._found[1].sources]
-            self._ck._ctl.agree(
-                None if all(held) else VersionNotFoundError(f"step {self.step} is being deleted by a GC")
-            )
-            return metadata_of(self._found[0])
-        except BaseException:
-            self._close()  # DCP reads nothing after a failed read_metadata
-            raise
-
-    def _close(self) -> None:
-        self._pins.close()
-        if self._owned:
-            self._ck.close()
+        with self._opened() as ck:
+            found = ck._locate(self._asked)
+        if found is None:
+            raise self._nothing()
+        self.step = found[0].step
+        self._planned = metadata_of(found[0])
+        return self._planned
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         return None
@@ -290,27 +307,49 @@ class StorageReader(_StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Collective: read this rank's items (a chunk on another node's disk arrives over
         the group, as in restore), verified, then hand them to DCP's planner."""
-        if self._found is None:
+        if self._planned is None:
             raise RuntimeError("read_metadata must come first")
-        try:
-            self._read(*self._found, plan, planner)
-        finally:
-            self._close()
+        planned = self._planned
+        read: list[ReadRequest] = []
+        with self._opened() as ck:
+
+            def into_buffers(manifest: Manifest, located: Located) -> None:
+                read[:] = self._read(ck, planned, manifest, located, plan)
+
+            found = ck._locate(self._asked, into_buffers)
+        if found is None:  # deleted since read_metadata
+            raise self._nothing()
+        self.step = found[0].step
+        for item, req in zip(plan.items, read):
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(req.dest.numpy().tobytes()))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(req.dest)
+            planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read(self, manifest: Manifest, located: Located, plan: LoadPlan, planner: LoadPlanner) -> None:
-        ctl, config = self._ck._ctl, self._ck.config
+    @staticmethod
+    def _read(
+        ck: Checkpointer, planned: Metadata, manifest: Manifest, located: Located, plan: LoadPlan
+    ) -> list[ReadRequest]:
+        """This rank's items of the version, read and verified into buffers of their own (the
+        state is untouched). A version that does not hold an item as `planned` describes it
+        (an older one, after the planned one failed) is CorruptVersionError: passed over."""
+        ctl, config = ck._ctl, ck.config
         requests: list[ReadRequest] = []
         error: BaseException | None = None
         try:
             for item in plan.items:
                 kind = BYTES if item.type == LoadItemType.BYTE_IO else TENSORS
-                array = manifest.arrays.get(array_name(kind, item.storage_index.fqn))
-                if array is None:
-                    raise StateMismatchError(
-                        f"{item.storage_index.fqn}: step {manifest.step} holds no such {kind} item"
+                fqn = item.storage_index.fqn
+                array = manifest.arrays.get(array_name(kind, fqn))
+                if array is None or _storage_metadata(kind, array) != planned.state_dict_metadata.get(fqn):
+                    raise CorruptVersionError(
+                        f"{fqn}: step {manifest.step} does not hold this {kind} item as DCP planned it "
+                        "(from a newer version that is not intact)"
                     )
                 if kind == BYTES:
                     requests.append(ReadRequest(array, full_tensor(array), (0,)))
@@ -321,10 +360,4 @@ class StorageReader(_StorageReader):
             error = e
         ctl.agree(error)
         read_agreed(ctl, config, located, manifest, requests)
-        for item, req in zip(plan.items, requests):
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(req.dest.numpy().tobytes()))
-                continue
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(req.dest)
-            planner.commit_tensor(item, target)
+        return requests

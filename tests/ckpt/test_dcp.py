@@ -7,6 +7,7 @@ gloo ranks with DTensors, real files; `ckpt verify` and `ckpt ls` run on what DC
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 import ckpt.dcp
+from ckpt import Checkpointer
 from ckpt.cli import main as cli
-from ckpt.store.errors import UnsupportedStateError
+from ckpt.store.errors import CorruptVersionError, UnsupportedStateError
+from ckpt.store.pins import pinned_steps
+from ckpt.store.versions import as_tier
 from tests._dist import launch
 
 THIS = os.path.abspath(__file__)
@@ -107,6 +112,44 @@ def test_reader_takes_the_newest_intact_version(tmp_path: Path) -> None:
     assert reader.step == 1 and _same(target, one)
 
 
+def test_a_failed_load_or_save_leaves_the_root_usable(tmp_path: Path) -> None:
+    """DCP calls nothing more on a storage layer once its planning fails (here: a key the
+    version lacks), or once reset() refuses a checkpoint_id: what the reader or writer
+    opened must not stay open. Before, the root stayed locked for the rest of the process
+    (every later load or save: RootLockedError) and the version stayed pinned against GC."""
+    root = tmp_path / "root"
+    saved = _state(*_trained(7), epoch=4)
+    dcp.save(saved, storage_writer=ckpt.dcp.StorageWriter(str(root), 1), no_dist=True)
+    lacking = {**_state(*_trained(8), epoch=0), "other": {"w": torch.zeros(2)}}
+    with pytest.raises(CheckpointException, match="Missing key"):
+        dcp.load(lacking, storage_reader=ckpt.dcp.StorageReader(str(root)), no_dist=True)
+    target = _state(*_trained(8), epoch=0)
+    dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root)), no_dist=True)  # the retry
+    assert _same(target, saved)
+    with pytest.raises(ValueError, match="checkpoint_id"):
+        dcp.save(
+            saved, checkpoint_id=str(tmp_path / "x"), storage_writer=ckpt.dcp.StorageWriter(str(root), 2), no_dist=True
+        )
+    again = _state(*_trained(9), epoch=5)
+    dcp.save(again, storage_writer=ckpt.dcp.StorageWriter(str(root), 2), no_dist=True)
+    with Checkpointer(str(root)) as ck:  # an open Checkpointer (as torchtitan's manager holds one)
+        with pytest.raises(CheckpointException, match="Missing key"):
+            dcp.load(lacking, storage_reader=ckpt.dcp.StorageReader(str(root), checkpointer=ck), no_dist=True)
+        assert pinned_steps(as_tier(str(root))) == set()  # GC may delete it again
+        target = _state(*_trained(8), epoch=0)
+        dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root), checkpointer=ck), no_dist=True)
+        assert _same(target, again)
+
+
+def _damage_a_chunk(root: Path, step: int, tensor: str) -> None:
+    """Flip one bit in the middle of the largest chunk file of `tensor` (a path under tensors/)."""
+    pattern = str(root / f"v{step:012d}" / "state" / "tensors" / tensor / "c*")
+    path = max(glob.glob(pattern), key=os.path.getsize)
+    raw = bytearray(Path(path).read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    Path(path).write_bytes(bytes(raw))
+
+
 def test_names_that_cannot_round_trip_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedStateError, match="dot-separated parts"):
         ckpt.dcp.array_name("tensors", "model..weight")
@@ -166,3 +209,67 @@ def test_two_ranks_then_resharded_to_one(tmp_path: Path) -> None:
     for key, shape in (("w", (11, 4)), ("v", (3, 9)), ("b", (5,))):
         assert torch.equal(_bits(whole["model"][key]), _bits(_full(key, shape))), key
     assert whole["meta"] == {"lr": 0.5, "name": "ok"}
+
+
+def damaged_newest(ctx: Any, root: str) -> dict[str, Any]:
+    """Steps 3 and 4 saved by 2 ranks; rank 0 then damages step 4's `w` in rows only rank 0
+    reads (rank 1 learns of it in the ranks' agreement). A load of the newest intact version
+    reads step 3 on both ranks; a load of step 4 raises CorruptVersionError on both and
+    leaves the state as it was."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+
+    def state(tag: str | None) -> dict[str, Any]:
+        def make(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return _full(name + (tag or ""), shape) if tag else torch.zeros(shape)
+
+        return {
+            "model": {
+                "w": distribute_tensor(make("w", (64, 16)), mesh, [Shard(0)], src_data_rank=None),
+                "b": make("b", (5,)),
+            },
+            "meta": {"epoch": int(tag or 0)},
+        }
+
+    for step in (3, 4):
+        dcp.save(state(str(step)), storage_writer=ckpt.dcp.StorageWriter(root, step, timeout=TIMEOUT))
+    if ctx.rank == 0:
+        _damage_a_chunk(Path(root), 4, "model/w")
+    dist.barrier()
+    got, want = state(None), state("3")
+    reader = ckpt.dcp.StorageReader(root, timeout=TIMEOUT)
+    dcp.load(got, storage_reader=reader)
+    ctx.check(reader.step == 3, f"read step {reader.step}")
+    ctx.check(torch.equal(_bits(got["model"]["w"].to_local()), _bits(want["model"]["w"].to_local())), "w")
+    ctx.check(torch.equal(_bits(got["model"]["b"]), _bits(want["model"]["b"])), "b")
+    ctx.check(got["meta"] == {"epoch": 3}, f"meta {got['meta']}")
+    untouched = state(None)
+    try:
+        dcp.load(untouched, storage_reader=ckpt.dcp.StorageReader(root, step=4, timeout=TIMEOUT))
+        ctx.check(False, "step 4 loaded")
+    except CheckpointException as e:
+        errors = [x[0] if isinstance(x, tuple) else x for x in e.failures.values()]  # (error, its traceback)
+        ctx.check(errors and all(isinstance(x, CorruptVersionError) for x in errors), f"raised {errors!r}")
+    ctx.check(not untouched["model"]["w"].to_local().any() and not untouched["model"]["b"].any(), "state changed")
+    ctx.check(untouched["meta"] == {"epoch": 0}, f"meta {untouched['meta']}")
+    return {}
+
+
+def test_a_damaged_newest_version_is_passed_over(tmp_path: Path) -> None:
+    """With no step, dcp.load reads the newest version every chunk of which is intact (a
+    checksum failure with no good copy anywhere passes the version over, as restore() does);
+    before, the load raised CorruptVersionError, so a job resuming through DCP (torchtitan)
+    could not resume until someone removed the damaged version. Also resharded 2 -> 1."""
+    root = str(tmp_path / "root")
+    _, failures = launch(THIS, "damaged_newest", 2, tmp_path / "job", timeout=180, root=root)
+    assert not failures, failures
+    whole: dict[str, Any] = {"model": {"w": torch.zeros(64, 16), "b": torch.zeros(5)}, "meta": {"epoch": 0}}
+    reader = ckpt.dcp.StorageReader(root)
+    dcp.load(whole, storage_reader=reader, no_dist=True)
+    assert reader.step == 3
+    for key, shape in (("w", (64, 16)), ("b", (5,))):
+        assert torch.equal(_bits(whole["model"][key]), _bits(_full(key + "3", shape))), key
+    assert whole["meta"] == {"epoch": 3}

@@ -6,6 +6,7 @@ are ordinary committed ckpt versions (`ckpt verify`)."""
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,27 @@ def test_torchtitan_resumes_from_ckpt_versions_bitwise(tmp_path: Path, mode: str
     assert [line.split(":")[0] for line in res.output.splitlines() if line.startswith("step")] == [
         "step 2", "step 3", "step 4", "step 6",
     ], res.output  # fmt: skip
+
+
+def test_torchtitan_passes_over_a_damaged_newest_version(tmp_path: Path) -> None:
+    """A resume without load_step loads the newest intact version: with a chunk of the newest
+    (step 3) failing its checksum and no other copy, the job resumes from step 2 and goes on
+    bitwise as the uninterrupted run. Before, every restart raised CorruptVersionError."""
+    whole, failures = launch(
+        THIS, "train", 2, tmp_path / "whole", folder=str(tmp_path / "whole"), mode="disabled", until=6
+    )
+    assert not failures, failures
+    cut = str(tmp_path / "cut")
+    _, failures = launch(THIS, "train", 2, tmp_path / "cut", folder=cut, mode="disabled", until=3)
+    assert not failures, failures
+    chunks = glob.glob(os.path.join(cut, "ckpt", "v000000000003", "state", "tensors", "**", "c*"), recursive=True)
+    largest = Path(max(chunks, key=os.path.getsize))  # a weight of the model or its optimizer state
+    raw = bytearray(largest.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    largest.write_bytes(bytes(raw))
+    again, failures = launch(THIS, "train", 2, tmp_path / "cut", folder=cut, mode="disabled", until=6)
+    assert not failures, failures
+    for r in range(2):
+        assert again[r]["resumed"] and sorted(again[r]["losses"]) == ["3", "4", "5", "6"], again[r]
+        for step in ("3", "4", "5", "6"):
+            assert again[r]["losses"][step] == whole[r]["losses"][step], (r, step)
