@@ -564,7 +564,10 @@ def load_arrays(
     locations of sources this rank could not reach earlier in the restore: left out, and
     added to as reads find more. The chunks of a saved rank with a copy there come from
     ranks that reach it (not from another copy here, which may be the bad one that sent
-    this rank there); a chunk no rank reaches is then unreachable, not lost.
+    this rank there); a chunk no rank reaches is then unreachable, not lost. A round of
+    chunks sent between ranks that one rank could not prepare (a buffer it could not
+    allocate) is sent by none: that rank raises, and the others return with those
+    requests unfilled, for the caller's agreement to fail them with its cause.
 
     `threads` read this rank's chunks; at most `cores` where every source read first is in
     memory (tmpfs): there a read is a copy, and readers beyond the cores only contend for
@@ -668,8 +671,19 @@ def load_arrays(
             for k in range(len(batches)):
                 if nxt is None:
                     break
-                rnd = nxt.result()
-                nxt = ahead.submit(prepare, batches[k + 1], verify, threads, dead) if k + 1 < len(batches) else None
+                rnd: _Round | None = None
+                try:
+                    rnd = nxt.result()
+                except Exception as e:  # noqa: BLE001 - outside the read lanes (a buffer not allocated)
+                    error = error or e
+                more = rnd is not None and k + 1 < len(batches)
+                nxt = ahead.submit(prepare, batches[k + 1], verify, threads, dead) if more else None
+                # One all-reduce a round: a rank that has no part to send or receive in it
+                # must not leave the others waiting in the exchange until the timeout. No
+                # rank sends it or any later round; the caller's agreement names the cause.
+                if comm.any(rnd is None):
+                    break
+                assert rnd is not None
                 failure = _finish_round(comm, rnd)
                 if isinstance(failure, SourcesUnreachable):  # what it sent in their place was zeros
                     dead.update(failure.locations)

@@ -1,7 +1,8 @@
 """What one rank does differently fails the call on every rank, with ckpt's errors: never a
 version committed from different steps, ranks restoring different versions, one rank's
-load_state_dict failing while the others return, or a raw OSError on the rank whose disk
-refused the commit. Real gloo jobs of 2 ranks."""
+load_state_dict failing while the others return, a raw OSError on the rank whose disk
+refused the commit, or ranks left waiting for a chunk that one rank cannot send. Real gloo
+jobs of 2 ranks."""
 
 from __future__ import annotations
 
@@ -188,3 +189,72 @@ def test_a_key_path_too_long_on_any_rank_fails_the_save_on_every_rank(tmp_path: 
         assert r["steps"] == [1] and r["restore"] == {"ok": 1} and r["bitwise"], results
     assert [r["one"]["err"] for r in results] == ["RankFailures", "UnsupportedStateError"], results
     assert "UnsupportedStateError: state['d']" in results[0]["one"]["msg"], results  # rank 1's, named
+
+
+# float64: each saving rank's half is one 40 MiB chunk, above the size from which malloc
+# always maps new memory (32 MiB at most), so an allocation of it must grow the address space.
+SEND_ROWS, SEND_COLS = 10240, 1024
+
+
+def _rows(lo: int, hi: int) -> torch.Tensor:
+    return torch.arange(lo * SEND_COLS, hi * SEND_COLS, dtype=torch.float64).reshape(hi - lo, SEND_COLS)
+
+
+def _address_space() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def send_save_job(ctx: Any, base: str) -> None:
+    """A root per rank, each holding its half of `w`, one chunk."""
+    import ckpt
+
+    half = SEND_ROWS // 2
+    piece = ckpt.Shard(_rows(half * ctx.rank, half * (ctx.rank + 1)), (SEND_ROWS, SEND_COLS), (half * ctx.rank, 0))
+    with ckpt.Checkpointer(f"{base}/r{{rank}}", timeout=TIMEOUT) as ck:
+        ck.save(1, {"w": piece})
+        ck.wait()
+
+
+def send_buffer_job(ctx: Any, base: str) -> dict[str, Any]:
+    """Rank 0 restores all of `w`, so rank 1 reads its chunk and sends it (restore.execute's
+    rounds); rank 1's address space is capped below that chunk (in a fresh process: one
+    that saved it keeps room), so it cannot allocate the send buffer. Then, uncapped, the
+    same restore succeeds."""
+    import resource
+
+    import ckpt
+    from tests._states import bitwise_diff
+
+    lo, hi = (0, SEND_ROWS) if ctx.rank == 0 else (SEND_ROWS, SEND_ROWS)  # rank 1 restores nothing of w
+    target = {"w": ckpt.Shard(torch.zeros(hi - lo, SEND_COLS, dtype=torch.float64), (SEND_ROWS, SEND_COLS), (lo, 0))}
+    threading.stack_size(1 << 20)  # the restore's threads fit under the cap: only the chunk's buffer does not
+    out: dict[str, Any] = {}
+    # A short group timeout: a rank left waiting for rank 1's sends fails in seconds, not 30 minutes.
+    with ckpt.Checkpointer(f"{base}/r{{rank}}", timeout=datetime.timedelta(seconds=10)) as ck:
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if ctx.rank == 1:
+            chunk = SEND_ROWS // 2 * SEND_COLS * 8
+            resource.setrlimit(resource.RLIMIT_AS, (_address_space() + chunk // 2, hard))
+        try:
+            out["capped"] = _outcome(lambda: ck.restore(target))
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        out["again"] = _outcome(lambda: ck.restore(target))
+    out["diff"] = bitwise_diff(target["w"].local_tensor, _rows(lo, hi), "w")
+    return out
+
+
+def test_a_rank_that_cannot_allocate_a_chunk_it_sends_fails_the_restore_on_every_rank(tmp_path: Path) -> None:
+    """Before, rank 1 left the rounds while rank 0 waited in the exchange for its chunk:
+    both ranks raised gloo's RuntimeError once the group's timeout had passed."""
+    _, failures = launch(THIS, "send_save_job", 2, tmp_path, timeout=120, base=str(tmp_path))
+    assert not failures, failures
+    results, failures = launch(THIS, "send_buffer_job", 2, tmp_path, timeout=120, base=str(tmp_path))
+    assert not failures, failures
+    capped = [r["capped"] for r in results]
+    assert [c.get("err") for c in capped] == ["RankFailures", "RuntimeError"], capped
+    assert "can't allocate memory" in capped[1]["msg"], capped  # the fault is the one meant
+    assert "rank 1: RuntimeError" in capped[0]["msg"] and "can't allocate memory" in capped[0]["msg"], capped
+    for r in results:
+        assert r["again"] == {"ok": 1} and r["diff"] == [], results
