@@ -605,7 +605,10 @@ def _plan_listed(specs: Sequence[ArraySpec], split_bytes: int) -> list[ArrayPlan
     plans = []
     for name, (spec, chunk_shape, replicated, sharding) in shapes.items():
         runs = writer_runs([w for _, w in sorted(writers[name].items())])
-        plans.append(ArrayPlan(spec, chunk_shape, runs, replicated, sharding, _inline(spec), slivers[name]))
+        # Without the ranks' regions: the runs and slivers say all that is planned from them,
+        # and every rank receives the plans (ckpt._plan), so they stay O(runs), not O(ranks).
+        bare = ArraySpec(spec.name, spec.data_type, spec.shape, ())
+        plans.append(ArrayPlan(bare, chunk_shape, runs, replicated, sharding, _inline(spec), slivers[name]))
     return plans
 
 

@@ -4,6 +4,7 @@ chunk, and slivers that together with the writer's part fill each chunk exactly 
 from __future__ import annotations
 
 import math
+import pickle
 import random
 from collections.abc import Sequence
 
@@ -93,6 +94,21 @@ def test_even_and_ceil_splits_keep_one_chunk_per_rank_and_no_slivers() -> None:
         (plan,) = plan_arrays([_spec((n,), regions)])
         assert plan.chunk_shape == (size,) and not any(c.slivers for c in plan.chunks)
         assert [c.writer for c in plan.chunks] == list(range(len(regions)))
+
+
+def test_the_plans_every_rank_receives_do_not_grow_with_the_ranks_regions() -> None:
+    """Hand-made shards (ckpt.Shard): rank 0 plans them from every rank's region and sends
+    the plans, pickled, to every rank (ckpt._plan.agree_plans). They carry each array's
+    writers as runs, not the regions: as many bytes at 4096 ranks as at 64 (before: 70 times as many)."""
+
+    def sent(world: int) -> int:
+        rows = [((64 * r, 0), (64, 16)) for r in range(world)]
+        plans = plan_arrays([_spec((64 * world, 16), rows, name=f"p{a}") for a in range(8)])
+        assert all(len(p.runs) == 1 for p in plans)
+        return len(pickle.dumps((plans, None)))
+
+    small, large = sent(64), sent(4096)
+    assert large < 1.1 * small, (small, large)
 
 
 def test_a_straddling_chunk_is_written_by_the_holder_of_its_largest_part() -> None:
