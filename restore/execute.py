@@ -66,12 +66,13 @@ SEND_ROUND_BYTES = 64 << 20  # chunks sent to ranks that cannot reach them, per 
 
 
 class Comm(Protocol):
-    """The collectives a restore uses (ckpt._dist.Comm provides them; SoloComm for one process)."""
+    """The collectives a restore uses (ckpt._dist.Comm provides them; Comm.solo() for one process)."""
 
     rank: int
     world: int
 
     def all_gather(self, obj: Any) -> list[Any]: ...
+    def all_gather_few(self, obj: Any, most: int = ...) -> list[Any]: ...
     def any(self, flag: bool) -> bool: ...
     def exchange(
         self, sends: Sequence[tuple[int, int, torch.Tensor]], recvs: Sequence[tuple[int, int, torch.Tensor]]
@@ -587,7 +588,11 @@ def load_arrays(
     remote = sorted((p.name, p.index) for p in plan if p.chunk.inline is None and p.chunk.writer not in reach)
     views: list[_View] = []
     if comm.any(bool(remote)):  # some rank cannot reach a chunk it needs (else: one all-reduce)
-        views = [_View(*v) for v in comm.all_gather((remote, ranges_of(reach), ranges_of(lost)))]
+        # What each rank lacks, from the few that lack anything (a replaced node's ranks);
+        # what each reaches (a few ranges), from every rank.
+        needs = comm.all_gather_few(remote or None)
+        ranges = comm.all_gather((ranges_of(reach), ranges_of(lost)))
+        views = [_View(n or [], r, lo) for n, (r, lo) in zip(needs, ranges)]
     by_key = {(p.name, p.index): p for p in plan} if views else {}  # (only chunks sent between ranks look here)
     wanted: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for r, (needs, _, _) in enumerate(views):

@@ -102,14 +102,43 @@ def test_steady_state_save_costs_few_small_collectives(tmp_path: Path, per_node:
             manifest = 1 if (rank in leaders and len(leaders) > 1) else 0
             assert reports + manifest <= calls["p2p"] <= reports + manifest + 1, (rank, step, calls)
         assert Counter(r["relayout"])["all_gather"] == 1, (rank, r["relayout"])
-        # A restore all-gathers each rank's listing (its candidates' writers as ranges),
-        # and what each rank cannot reach only where chunks are then sent point to point
-        # (a root per node); the pin check and the manifest's holders are all-reduces.
+        # A restore all-gathers each rank's listing (its candidates' writers as ranges);
+        # only where chunks are then sent point to point (a root per node) what each rank
+        # cannot reach follows (all_gather_few: the sizes, then a broadcast per rank that
+        # lacks chunks) and what each reaches; the pin check and the manifest's holders
+        # are all-reduces.
         for what in ("restore", "restore_newest"):
             calls = Counter(r[what])
             sent = calls["p2p"] > 0
             assert sent == per_node, (rank, what, calls)
-            assert calls["all_gather"] == 1 + sent and calls["broadcast"] == calls["gather"] == 0, (rank, what, calls)
+            assert calls["all_gather"] == 1 + 2 * sent and calls["gather"] == 0, (rank, what, calls)
+            assert 0 < calls["broadcast"] <= 4 if sent else calls["broadcast"] == 0, (rank, what, calls)
+
+
+def few_job(ctx: Any) -> dict[str, Any]:
+    from ckpt._dist import make_comms
+
+    ctl, _ = make_comms(TIMEOUT)
+    said = {"rank": ctx.rank, "asks": [("w", (ctx.rank, 0))] * (100 * ctx.rank)} if ctx.rank in (1, 3) else None
+    out: dict[str, Any] = {}
+    for most in (2, 1):  # two speakers: each broadcasts; more than `most`: one all_gather
+        before = Counter(ctl.calls)
+        got = ctl.all_gather_few(said, most=most)
+        out[str(most)] = dict(ctl.calls - before)
+        want = [{"rank": r, "asks": [("w", (r, 0))] * (100 * r)} if r in (1, 3) else None for r in range(ctx.world)]
+        ctx.check(got == want, f"most={most}: {got!r:.200}")
+    return out
+
+
+def test_all_gather_few_sends_only_what_the_speakers_say(tmp_path: Path) -> None:
+    """Ranks 1 and 3 of 4 have something to say, the others nothing: every rank gets every
+    part (None for the silent), through the sizes and one broadcast per speaker, or one
+    all_gather where there are more speakers than `most`."""
+    results, failures = launch(THIS, "few_job", 4, tmp_path, timeout=120)
+    assert not failures, failures
+    for r in results:
+        assert r["2"] == {"all_gather": 1, "broadcast": 2}, r
+        assert r["1"] == {"all_gather": 2}, r
 
 
 def test_packed_reports_come_back_whole() -> None:
