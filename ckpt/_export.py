@@ -31,15 +31,15 @@ from ckpt.restore.to_safetensors import (
     check_dtype,
     check_target,
     export_dirname,
+    export_sizes,
     finish_export,
-    out_bytes,
     parse_size,
     plan_files,
     tree_tensors,
     write_file,
 )
 from ckpt.store.errors import CkptError, RankFailures, VersionNotFoundError
-from ckpt.store.fsio import DIR_MODE
+from ckpt.store.fsio import DIR_MODE, makedirs
 from ckpt.store.manifest import ArrayEntry, Manifest
 from ckpt.store.removal import remove_tree
 
@@ -66,7 +66,7 @@ def export_version(
     limit = parse_size(max_shard_size)
     manifest = agreed_manifest(ctl, located)
     names = _names(ctl, manifest, located, prefix)
-    files = plan_files([(n, out_bytes(a, dtype)) for n, a in names.items()], limit)
+    files = plan_files(export_sizes(names, dtype), limit)
     tmp = _agreed_tmp(ctl, manifest, out_dir, force)
     try:
         for first in range(0, len(files), ctl.world):
@@ -155,7 +155,7 @@ def _agreed_tmp(ctl: Comm, manifest: Manifest, out_dir: str, force: bool) -> str
     if ctl.rank == 0:
         try:
             check_target(out_dir, force)
-            os.makedirs(out_dir, mode=DIR_MODE, exist_ok=True)
+            makedirs(out_dir)
             tmp = os.path.join(out_dir, export_dirname(manifest))
             os.mkdir(tmp, DIR_MODE)
             made = (tmp, "")

@@ -324,6 +324,9 @@ def import_cmd(source: str, root: str, step: int, trust: bool, overwrite: bool) 
     """
     from ckpt.importers import import_checkpoint
 
+    if not root:
+        raise click.UsageError("ROOT is empty")
+    check_writable_root(root)
     nbytes = import_checkpoint(source, root, step, trust=trust, overwrite=overwrite)
     click.echo(f"imported {source} as step {step} ({human(nbytes)}) under {root}")
 

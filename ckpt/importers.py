@@ -33,11 +33,16 @@ def _dcp_state(path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
+    reader = FileSystemReader(path)
+    # .metadata read here first, its error as itself: DCP's loader would log the failure
+    # with its traceback (to stderr, through the root logger) and try other files.
+    reader.read_metadata()
     try:
         planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
-        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
-    except CheckpointException as e:  # (a BaseException: what its ranks raised)
-        raise ValueError(" ".join(str(e).split())[:500]) from None
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as e:  # (a BaseException; its text is the ranks' tracebacks)
+        why = "; ".join(f"{type(error).__name__}: {error}" for error, _ in e.failures.values())
+        raise ValueError(" ".join(why.split())[:500]) from None
     _optimizer_ids(state)
     return state
 

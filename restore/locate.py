@@ -131,6 +131,7 @@ class _Found(NamedTuple):
     candidates: list[tuple[int, Candidate]]  # (the tier's position, a version on it)
     failed: dict[int, str]  # the positions of the tiers that could not be listed, and why
     damaged: dict[int, str]  # steps whose entry is damaged (no root info, no manifest...): what is
+    unreadable: dict[int, str]  # steps whose root info failed to read (an I/O error): which, and why
 
 
 def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[int], dead: dict[str, str]) -> _Found:
@@ -139,6 +140,7 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
     found: list[tuple[int, Candidate]] = []
     failed: dict[int, str] = {}
     damaged: dict[int, str] = {}
+    unreadable: dict[int, str] = {}
     for i, tier in enumerate(tiers):
         if i in skip:
             continue
@@ -146,8 +148,10 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
             failed[i] = dead[tier.store_id]
             continue
         try:
-            candidates, without = listing(tier)
+            candidates, without, unread = listing(tier)
             found += [(i, c) for c in candidates]
+            for step, why in unread.items():  # (listing logged each)
+                unreadable[step] = f"{tier.location}/{version_dirname(step)}/{ROOT_INFO_NAME} cannot be read: {why}"
             for step in without:
                 where = f"{tier.location}/{version_dirname(step)}/{ROOT_INFO_NAME}"
                 damaged[step] = f"{where} is missing or damaged"
@@ -163,7 +167,7 @@ def _list(tiers: Sequence[Tier], rank: int, warned: set[str], skip: frozenset[in
         except (CkptError, OSError) as e:
             failed[i] = f"{tier.location}: {e}"
             log.warning("rank %d: tier %s is unavailable: %s", rank, tier.location, e)
-    return _Found(found, failed, damaged)
+    return _Found(found, failed, damaged, unreadable)
 
 
 def restore_newest(
@@ -197,6 +201,7 @@ def restore_newest(
     vanished: set[int] = set()  # deleted by GC since they were listed
     warned: set[str] = set()  # damaged entries already reported
     damaged: dict[int, str] = {}  # steps this rank found damaged entries of (_Found.damaged)
+    unread: dict[int, str] = {}  # steps whose root info this rank could not read (_Found.unreadable)
     one_lister = True  # rank 0 lists the shared tiers for every rank (False: each rank lists its own)
     dead: dict[str, str] = {}  # shared tiers rank 0 could not list (store_id: why): not tried again
     cut_off: set[str] = set()  # sources this rank found out of its reach while loading (Located.unreachable)
@@ -210,8 +215,9 @@ def restore_newest(
             listed = list(tiers())
             if one_lister and comm.rank != 0:
                 left = frozenset(i for i, t in enumerate(listed) if t.capabilities.shared)
-            mine, unlisted, found_damaged = _list(listed, comm.rank, warned, left, dead)
+            mine, unlisted, found_damaged, found_unread = _list(listed, comm.rank, warned, left, dead)
             damaged.update(found_damaged)
+            unread.update(found_unread)
         except Exception as e:  # noqa: BLE001 - not a tier's failure (a bug): raised on every rank below
             failure = e
         unreachable = list(unlisted.values())
@@ -258,11 +264,17 @@ def restore_newest(
         if chosen is None:
             if needed is not None and step is None and reachable_steps(held) and not reachable_steps(held, needed):
                 _lacking(held, needed, listed)
-            # A damaged entry of the step asked for, or (none asked for) of a step no tier
-            # holds intact: an error, never "not committed" or a fresh start.
-            asked = {step} if step is not None else set(damaged) - reachable_steps(held).keys()
+            # A damaged or unreadable entry of the step asked for, or (none asked for) of a
+            # step no tier holds intact: an error, never "not committed" or a fresh start;
+            # damage only where no read failed (an I/O error is no proof of it).
+            asked = {step} if step is not None else {*damaged, *unread} - reachable_steps(held).keys()
             bad = "; ".join(damaged[s] for s in sorted(asked) if s in damaged)
-            if comm.any(bool(bad)):
+            failed_reads = "; ".join(unread[s] for s in sorted(asked) if s in unread)
+            if comm.any(bool(bad or failed_reads)):
+                if comm.any(bool(failed_reads)):
+                    what = f"step {step} cannot be read" if step is not None else "no version can be read"
+                    why = failed_reads or "on another rank"
+                    raise TierUnavailableError(errno.EIO, f"{what} ({why}); not starting from scratch")
                 what = f"step {step} is damaged" if step is not None else "no version can be chosen"
                 raise CorruptVersionError(f"{what} ({bad or 'on another rank'}); not starting from scratch")
             _nothing(comm, listed, held, step, excluded, vanished, unreachable, missing_ok, searched, if_incomplete)

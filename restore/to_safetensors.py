@@ -17,9 +17,11 @@ the index last: a reader never sees a partial export.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +32,7 @@ from ckpt.restore.saved_ranks import saved_trees
 from ckpt.restore.sources import Source
 from ckpt.store.dtypes import ITEMSIZE
 from ckpt.store.errors import CkptError, VersionNotFoundError
-from ckpt.store.fsio import DIR_MODE, fsync_dir
+from ckpt.store.fsio import DIR_MODE, fsync_dir, makedirs, open_new, write_new
 from ckpt.store.manifest import ArrayEntry, Manifest
 from ckpt.store.removal import remove_tree
 
@@ -43,6 +45,7 @@ __all__ = [
     "write_safetensors",
     "export_safetensors",
     "export_needs",
+    "export_sizes",
     "finish_export",
     "write_file",
     "DTYPES",
@@ -53,6 +56,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype: 
 _FLOATS = {"bfloat16", "float16", "float32", "float64"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20}
 _UNITS.update({"GIB": 1 << 30, "TIB": 1 << 40})
+_HEADER_KEY = "__metadata__"  # the header's own entry: a tensor of this name makes the file unreadable
 _EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
@@ -157,9 +161,34 @@ def as_exported(tensor: Any, array: ArrayEntry, cast: Any) -> Any:
     return tensor.to(cast) if cast is not None and array.data_type in _FLOATS else tensor
 
 
-def out_bytes(array: ArrayEntry, dtype: str | None) -> int:
-    kind = DTYPES[dtype] if dtype is not None and array.data_type in _FLOATS else array.data_type
-    return array.nbytes // ITEMSIZE[array.data_type] * ITEMSIZE[kind]
+def export_sizes(names: dict[str, ArrayEntry], dtype: str | None) -> list[tuple[str, int]]:
+    """Each tensor's exported name and bytes, in order; CkptError, before anything is read or
+    written, for one that safetensors cannot hold (its type, or the header's own name)."""
+    out = []
+    for name, array in names.items():
+        kind = DTYPES[dtype] if dtype is not None and array.data_type in _FLOATS else array.data_type
+        if name == _HEADER_KEY:
+            raise CkptError(f"{name!r} is the safetensors header's own name: not exporting a tensor under it")
+        if not _storable(kind):
+            raise CkptError(f"{name!r} is {kind}, which safetensors cannot store: not exporting")
+        out.append((name, array.nbytes // ITEMSIZE[array.data_type] * ITEMSIZE[kind]))
+    return out
+
+
+@functools.cache
+def _storable(data_type: str) -> bool:
+    """Whether the installed safetensors writes tensors of this type (it has no complex128;
+    older versions lack more): an empty one, serialized in memory, tells."""
+    import torch
+    from safetensors.torch import save
+
+    from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
+
+    try:
+        save({"t": torch.empty(0, dtype=ZARR_TO_TORCH[data_type])})
+    except Exception:  # noqa: BLE001 - whatever safetensors raises for a type it lacks (a KeyError today)
+        return False
+    return True
 
 
 def plan_files(sizes: Sequence[tuple[str, int]], max_bytes: int, stem: str = "model") -> list[OutFile]:
@@ -247,9 +276,9 @@ def write_safetensors(
 
     cast = check_dtype(dtype)
     names = tensor_names(manifest, sources, prefix)
-    files = plan_files([(n, out_bytes(a, dtype)) for n, a in names.items()], parse_size(max_shard_size))
+    files = plan_files(export_sizes(names, dtype), parse_size(max_shard_size))
     check_target(out_dir, force)
-    os.makedirs(out_dir, mode=DIR_MODE, exist_ok=True)
+    makedirs(out_dir)
     tmp = os.path.join(out_dir, export_dirname(manifest))
     os.mkdir(tmp, DIR_MODE)
 
@@ -278,10 +307,15 @@ def export_dirname(manifest: Manifest) -> str:
 
 
 def write_file(path: str, tensors: dict[str, Any], step: int) -> None:
-    """One safetensors file, durable."""
+    """One safetensors file, durable, with the mode ckpt's own files get: safetensors (0.8
+    on) writes a temporary file of mode 0600 and renames it onto the path, which would make
+    the export readable by its writer alone (a serving job of another user could not)."""
     from safetensors.torch import save_file
 
+    os.close(open_new(path, replace=False))  # created as ckpt creates its files: the mode the umask gives
+    mode = stat.S_IMODE(os.stat(path).st_mode)
     save_file(tensors, path, metadata={"format": "pt", "ckpt_step": str(step)})
+    os.chmod(path, mode)
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
 
@@ -299,10 +333,7 @@ def finish_export(tmp: str, out_dir: str, files: Sequence[OutFile]) -> list[str]
             "weight_map": {t: f.name for f in files for t in f.tensors},
         }
         name = "model.safetensors.index.json"
-        with open(os.path.join(tmp, name), "w") as fh:
-            json.dump(index, fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_new(os.path.join(tmp, name), json.dumps(index, indent=2).encode(), fsync=True)
         written.append(name)
     fsync_dir(tmp)
     # With force, an earlier export's files go first (its index before its shards):

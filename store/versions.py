@@ -254,7 +254,12 @@ def is_committed(where: Tier | str | os.PathLike[str], step: int) -> bool:
 
 def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo | None:
     """The version's root info on this tier; None if it has none or it does not parse."""
-    tier = as_tier(where)
+    info = _root_info(as_tier(where), step)
+    return None if isinstance(info, OSError) else info
+
+
+def _root_info(tier: Tier, step: int) -> RootInfo | OSError | None:
+    """read_root_info's answer, or the error of a local file that cannot be read (logged)."""
     key = join_key(version_dirname(step), ROOT_INFO_NAME)
     try:
         return _read_checked(tier, key, lambda: tier.get(key), _valid_root_info)
@@ -268,7 +273,7 @@ def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo 
         # One version's file cannot be read (a bad sector, a permission): that version is
         # skipped, as when its root info does not parse; the tier's other versions are not.
         log.warning("%s/%s cannot be read; step %d skipped: %s", tier.location, key, step, e.strerror or e)
-        return None
+        return e
 
 
 def _valid_root_info(raw: bytes) -> RootInfo:
@@ -293,20 +298,24 @@ def committed(where: Tier | str | os.PathLike[str]) -> list[Candidate]:
     return listing(where)[0]
 
 
-def listing(where: Tier | str | os.PathLike[str]) -> tuple[list[Candidate], list[int]]:
-    """Committed versions with a valid root info, oldest first, and the committed steps
-    without one (missing, unreadable or damaged: its holders cannot be known, so it cannot
-    be chosen for a restore, and a restore that finds nothing else says so)."""
+def listing(where: Tier | str | os.PathLike[str]) -> tuple[list[Candidate], list[int], dict[int, str]]:
+    """Committed versions with a valid root info, oldest first; the committed steps without
+    one (missing or damaged); and those whose root info could not be read, with why (an I/O
+    error: no proof of damage). Neither can be chosen for a restore (its holders cannot be
+    known), and a restore that finds nothing else says which it was."""
     tier = as_tier(where)
-    out, nameless = [], []
+    out, nameless, unreadable = [], [], {}
     for step in committed_steps(tier):
-        info = read_root_info(tier, step)
+        info = _root_info(tier, step)
+        if isinstance(info, OSError):
+            unreadable[step] = info.strerror or str(info)
+            continue
         if info is None:
             nameless.append(step)
             continue
         keys = None if info.keys is None else frozenset(info.keys)
         out.append(Candidate(step, info.save_id, info.world_size, ranges_of(info.writers), keys))
-    return out, nameless
+    return out, nameless, unreadable
 
 
 def read_manifest(where: Tier | str | os.PathLike[str], step: int) -> Manifest:

@@ -125,3 +125,64 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
     out = CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root"), "--step", "1", "--trust"])
     assert out.exit_code == 3 and "not a dict" in out.output
     assert not (tmp_path / "root").exists()
+
+
+# -- found by review, 2026-12-05: each failed on the code before its fix --------------------
+
+
+def test_a_damaged_dcp_checkpoint_is_one_line_without_a_traceback(tmp_path: Path) -> None:
+    """DCP's loader logs a failed read of .metadata with its traceback (on the root logger:
+    stderr, in the command), and its CheckpointException's text is the ranks' tracebacks:
+    the error line held a traceback's frames. Now the one line says what failed."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    good = tmp_path / "dcp"
+    dcp.save(_state(4), checkpoint_id=str(good), no_dist=True)
+    truncated, no_data = tmp_path / "truncated", tmp_path / "no-data"
+    shutil.copytree(good, truncated)
+    (truncated / ".metadata").write_bytes((good / ".metadata").read_bytes()[:50])
+    shutil.copytree(good, no_data)
+    for data in no_data.glob("*.distcp"):
+        data.unlink()
+    repo = Path(__file__).resolve().parents[2]
+    for source, words in ((truncated, ("truncated",)), (no_data, ("No such file", "__0_0.distcp"))):
+        args = ["import", str(source), str(tmp_path / "root"), "--step", "1", "--trust"]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}  # DCP's warning that it runs in one process
+        res = subprocess.run(
+            [sys.executable, "-m", "ckpt.cli", *args], cwd=repo, capture_output=True, text=True, timeout=120, env=env
+        )
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 3 and len(lines) == 1, res.stderr
+        assert lines[0].startswith(f"ckpt: error: {source}: not a readable DCP checkpoint: "), lines[0]
+        assert "Traceback" not in lines[0] and "File " not in lines[0] and all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "root").exists()
+
+
+def test_import_refuses_an_empty_root_an_ordinary_directory_and_a_version(tmp_path: Path) -> None:
+    """An empty ROOT (an unset variable) and a ROOT inside a version were tracebacks (the
+    Checkpointer's ValueError); an ordinary directory got a version written into it. Like
+    every command that writes into a directory, import refuses them before writing."""
+    src = tmp_path / "model.pt"
+    torch.save(_state(1), src)
+    root = tmp_path / "root"
+    assert CliRunner().invoke(cli, ["import", str(src), str(root), "--step", "1", "--trust"]).exit_code == 0
+    version = root / "v000000000001"
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    for target, code, words in (
+        ("", 2, "ROOT is empty"),
+        (str(version), 3, "inside the version"),
+        (str(version / "state"), 3, "inside the version"),
+        (str(home), 3, "neither empty nor a checkpoint root"),
+    ):
+        out = CliRunner().invoke(cli, ["import", str(src), target, "--step", "2", "--trust"])
+        assert out.exit_code == code and words in out.output, (target, out.output)
+        assert out.exception is None or isinstance(out.exception, SystemExit), repr(out.exception)
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    assert [p.name for p in home.iterdir()] == ["notes.txt"]
+    assert CliRunner().invoke(cli, ["verify", str(root)]).exit_code == 0

@@ -3,9 +3,10 @@
 A save (nested state, so chunk files sit several directories deep), the replicator run by
 the Checkpointer (a copy on a second disk and a `file://` remote), a restore that fetches
 from the remote into its cache, `ckpt restore --to DIR` (from the root and from the remote
-through the XDG cache) and `--to-torch`, `ckpt replicate --once` to another `file://`
-remote and `ckpt gc` all run in one child process with umask 0; then every file and
-directory under the test's directory is checked for the o+w bit.
+through the XDG cache), `--to-torch`, `--to-safetensors` (into a directory not there yet),
+`ckpt replicate --once` to another `file://` remote and `ckpt gc` all run in one child
+process with umask 0; then every file and directory under the test's directory is checked
+for the o+w bit.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ WRITER = textwrap.dedent(
         ["restore", d0, "--to", base + "/export/a"],
         ["restore", remote, "--step", "1", "--to", base + "/export/b"],
         ["restore", d0, "--to-torch", base + "/export/s.pt"],
+        ["restore", d0, "--to-safetensors", base + "/export/hf/model", "--max-shard-size", "4KB"],
         ["replicate", d0, "--to", "file://" + base + "/remote2", "--once"],
         ["gc", d0, "--keep-last", "1"],
     ):
@@ -101,6 +103,7 @@ def test_nothing_created_is_world_writable_under_umask_0(tmp_path: Path) -> None
         "export/a/v000000000002/state",
         "export/b/v000000000001",
         "export/s.pt",
+        "export/hf/model/model.safetensors.index.json",
         "remote2/v000000000002/state",
     ):
         assert (base / made).exists(), made

@@ -14,12 +14,15 @@
    commits nothing half-copied, leaves the source alone, and finishes once the disk is back.
 3. The replica's directory is deleted mid-copy (no namespace needed): the copy is completed,
    what was deleted is sent again, and the replica is committed only whole.
+6. A dead disk with nothing else to read: `ckpt restore` and `inspect` exit 3 (an I/O
+   error), not 1 (damage).
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -516,3 +519,56 @@ def test_a_replica_disk_not_mounted_at_start_is_not_written(tmp_path: Path) -> N
     (unmounted,) = _lines(out, "UNMOUNTED")
     assert unmounted.startswith("[('failed', ") and "is gone" in unmounted, out
     assert _lines(out, "BELOW_MOUNT_POINT") == ["[]"], out
+
+
+# -- 6. a dead disk and nothing else to read (found by review, 2026-12-05) ----------------------
+
+DEAD_ROOT_ALONE = COMMON + textwrap.dedent(
+    """
+    from ckpt import Checkpointer
+
+    base = sys.argv[1]
+    root = base + "/disk0/ckpt"
+    with Checkpointer(root) as ck:
+        for s in (1, 2):
+            ck.save(s, state_for(s))
+    fd = os.open(base + "/disk0", os.O_RDONLY)
+    fcntl.ioctl(fd, 0x8004587D, struct.pack("I", 2))  # FS_IOC_SHUTDOWN: EIO from now on
+    os.close(fd)
+    for args in (
+        ["restore", root, "--to-torch", base + "/out.pt"],
+        ["restore", root, "--step", "2", "--to-torch", base + "/out.pt"],
+        ["restore", root, "--to-safetensors", base + "/hf", "--prefix", "w"],
+        ["inspect", root],
+    ):
+        out = subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True)
+        print("CLI", json.dumps([" ".join(args[:3]), out.returncode, out.stderr]), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not _can_mount("ext4"), reason="needs root, unshare -m and loop-mounted ext4")
+def test_a_dead_disk_alone_is_an_io_error_not_damage(tmp_path: Path) -> None:
+    """Every version's root.json fails with EIO: each version is skipped (the right call for
+    one bad file), and with none left the command said `step 2 is damaged` or `no version
+    can be chosen (... is missing or damaged)` and exited 1, the code for damage. An I/O
+    error is no proof of damage: exit 3, naming the read that failed, and nothing written."""
+    (tmp_path / "disk0").mkdir()
+    image = tmp_path / "disk0.img"
+    with open(image, "wb") as f:
+        f.truncate(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    script = tmp_path / "child.py"
+    script.write_text(DEAD_ROOT_ALONE)
+    out = _run_in_namespace(
+        f"mount -o loop {image} {tmp_path}/disk0 && cd {REPO} && PYTHONPATH={REPO} exec {sys.executable} {script} {tmp_path}"
+    ).stdout
+    runs = [json.loads(line) for line in _lines(out, "CLI")]
+    assert len(runs) == 4, out
+    for cmd, rc, err in runs:
+        lines = err.strip().splitlines()
+        assert rc == 3 and "Traceback" not in err, (cmd, rc, err)
+        assert lines[-1].startswith("ckpt: error: ") and "cannot be read" in lines[-1], (cmd, lines[-1])
+        assert "damaged" not in lines[-1], (cmd, lines[-1])
+        assert all(line.startswith("ckpt: warning: ") for line in lines[:-1]), (cmd, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["child.py", "disk0", "disk0.img"]

@@ -278,3 +278,74 @@ def test_a_prefix_naming_a_tensor_exports_it_by_that_name(tmp_path: Path) -> Non
     paths = ckpt.export_safetensors(root, str(tmp_path / "out"), prefix="ema.avg")
     got = safetensors_torch.load_file(paths[0])
     assert list(got) == ["avg"] and torch.equal(got["avg"], torch.full((3,), 2.0))
+
+
+# -- what safetensors cannot hold, and who can read the files (found by review, 2026-12-05) --
+
+
+def _bits_of_every_dtype() -> dict[str, torch.Tensor]:
+    """A tensor of random bits for every element type ckpt saves (complex128 aside)."""
+    g = torch.Generator().manual_seed(0)
+    kinds = [torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16]
+    kinds += [torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    kinds += [torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+    out = {}
+    for kind in kinds:
+        raw = torch.randint(0, 256, (3, 4 * kind.itemsize), dtype=torch.uint8, generator=g)
+        out[str(kind).removeprefix("torch.")] = raw > 127 if kind == torch.bool else raw.view(kind)
+    return out
+
+
+def test_every_dtype_exports_bitwise_and_what_safetensors_cannot_hold_is_refused(tmp_path: Path) -> None:
+    """complex128 (no safetensors type) was a KeyError from inside safetensors: a traceback
+    and exit 1, the code for damage; a tensor named __metadata__ (the header's own entry)
+    was written into a file no safetensors reader opens ("duplicate field"), exit 0. Both
+    are refused now, by the CLI and the job's export, before anything is written."""
+    import ckpt
+
+    every = _bits_of_every_dtype()
+    roots = {}
+    for name, extra in (
+        ("good", {}),
+        ("complex128", {"z": torch.ones(2, dtype=torch.complex128)}),
+        ("metadata", {"__metadata__": torch.ones(2)}),
+    ):
+        roots[name] = tmp_path / name
+        with ckpt.Checkpointer(str(roots[name])) as ck:
+            ck.save(1, {"model": {**every, **extra}})
+    res = _ckpt("restore", str(roots["good"]), "--to-safetensors", str(tmp_path / "hf"), "--max-shard-size", "100B")
+    assert res.returncode == 0, res.stderr
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    got: dict[str, torch.Tensor] = {}
+    for name in set(index["weight_map"].values()):
+        got.update(safetensors_torch.load_file(tmp_path / "hf" / name))
+    assert got.keys() == every.keys() and not bitwise_diff(got, every)
+    for name, words in (("complex128", ("'z'", "complex128")), ("metadata", ("'__metadata__'",))):
+        out = tmp_path / f"out-{name}"
+        res = _ckpt("restore", str(roots[name]), "--to-safetensors", str(out))
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 3 and len(lines) == 1 and lines[0].startswith("ckpt: error: "), res.stderr
+        assert all(w in lines[0] for w in words), lines[0]
+        assert not out.exists() or not os.listdir(out), os.listdir(out)
+        with ckpt.Checkpointer(str(roots[name])) as ck, pytest.raises(ckpt.CkptError, match=words[0]):
+            ck.export_safetensors(str(tmp_path / f"job-{name}"))
+        assert not (tmp_path / f"job-{name}").exists() or not os.listdir(tmp_path / f"job-{name}")
+
+
+def test_the_exported_files_are_readable_as_ckpt_files_are(saved: tuple[Path, Any], tmp_path: Path) -> None:
+    """safetensors (0.8 on) writes through a temporary file of mode 0600 and renames it into
+    place: an export for a serving job (another user) was readable by its writer alone,
+    while its index beside it was not. Every file now gets the mode ckpt's own files get."""
+    import ckpt
+
+    root, _ = saved
+    umask = os.umask(0o022)
+    os.umask(umask)
+    want = 0o644 & ~umask  # store.fsio.FILE_MODE, as os.open gives it
+    res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "hf"), "--max-shard-size", "40KB")
+    assert res.returncode == 0, res.stderr
+    with ckpt.Checkpointer(str(root)) as ck:
+        ck.export_safetensors(str(tmp_path / "job"))
+    for out in (tmp_path / "hf", tmp_path / "job"):
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+        assert len(modes) > 0 and set(modes.values()) == {oct(want)}, modes
