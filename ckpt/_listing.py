@@ -30,7 +30,7 @@ __all__ = ["Row", "version_rows"]
 Status = Literal["committed", "partial", "damaged", "unreadable", "incomplete"]
 STATUS_HELP = {
     "partial": "this root holds some ranks' chunks; the other ranks' are on other roots",
-    "damaged": "its manifest fails its checks, or it has none (gc removes it, a save of its step replaces it)",
+    "damaged": "its manifest fails its checks, or it has none (gc removes it once retention does not keep it; a save of its step replaces it)",
     "unreadable": "its manifest could not be read",
     "incomplete": "a save that never committed (removed when a writer opens the root)",
 }

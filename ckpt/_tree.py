@@ -80,6 +80,10 @@ def encode_state(state: Mapping[str, Any], memo: EncodeMemo | None = None) -> tu
         tree = {k: enc.enc(v, (k,), escape_component(str(k))) for k, v in state.items()}
     except RecursionError:
         raise UnsupportedStateError("the state is nested too deeply to save (Python's recursion limit)") from None
+    except UnicodeEncodeError as e:  # a lone surrogate ('\udcff', as os.fsdecode makes of bad bytes)
+        raise UnsupportedStateError(
+            f"state key {e.object!r} is not valid Unicode text: no file name holds it"
+        ) from None
     if memo is not None:
         memo.last = enc.seen
     return tree, enc.leaves

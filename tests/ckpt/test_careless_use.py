@@ -404,6 +404,19 @@ def test_a_key_of_an_unsupported_type_is_named_before_any_value_is_encoded(tmp_p
     assert str(info.value) == "state['x']: dict key (1,) of type tuple"
 
 
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_a_key_that_is_not_valid_unicode_is_refused_before_anything_is_written(tmp_path: Path, where: str) -> None:
+    bad = "w\udcff"  # a lone surrogate, as os.fsdecode makes of undecodable bytes
+    state = {bad: torch.ones(2)} if where == "top" else {"model": {bad: torch.ones(2)}}
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(UnsupportedStateError, match="not valid Unicode"):
+            ck.save(1, state)
+        assert ck.latest_step() is None
+        ck.save(2, {"model": {"w": torch.ones(2)}})  # the next save is not hindered
+        ck.wait()
+        assert ck.latest_step() == 2
+
+
 def test_two_keys_that_name_one_array_are_refused_with_both_key_paths(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ck, pytest.raises(UnsupportedStateError) as info:
         ck.save(1, {"x": {1: torch.ones(2), "1": torch.zeros(2)}})
