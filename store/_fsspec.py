@@ -262,7 +262,21 @@ class FsspecTier(Tier):
         try:
             return self._call(f"list {prefix or '/'}", lambda: how(path))
         except FileNotFoundError:
+            if not prefix and self._s3:
+                self._check_bucket()
             return empty
+
+    def _check_bucket(self) -> None:
+        """TierUnavailableError where the tier's bucket does not exist: a typo in its URL
+        would otherwise read as a store that holds no version, and a restore would start
+        afresh. A bucket that cannot be asked about (refused, unreachable) is no proof."""
+        bucket = self.fs._strip_protocol(self.prefix).split("/", 1)[0]
+        try:
+            self._call(f"head bucket {bucket}", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
+        except FileNotFoundError:
+            raise TierUnavailableError(errno.ENOENT, f"{self.location}: bucket {bucket!r} does not exist") from None
+        except (CkptError, OSError):
+            pass
 
     def listdir(self, prefix: str = "") -> list[str]:
         names: list[str] = self._listing(prefix, lambda p: self.fs.ls(p, detail=False), [])

@@ -185,3 +185,23 @@ def test_a_chained_url_is_refused_not_taken_for_a_local_path(tmp_path: Path, mon
         with pytest.raises(TierUnavailableError, match="chained URLs are not supported"):
             open_tier(url, {"endpoint_url": "http://127.0.0.1:9"})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bucket_that_does_not_exist_is_no_empty_store(s3: S3Place, tmp_path: Path) -> None:
+    """A typo in the bucket's name: listing it is TierUnavailableError (and a restore from it
+    an error, not a fresh start), while an empty prefix of a real bucket lists as empty."""
+    import torch
+    from click.testing import CliRunner
+
+    from ckpt import Checkpointer
+    from ckpt.cli import main as cli_main
+
+    typo = f"s3://{s3.server.bucket}-typo/{s3.prefix}"
+    with pytest.raises(TierUnavailableError, match="does not exist"):
+        open_tier(typo, s3.options).listdir("")
+    assert open_tier(s3.url, s3.options).listdir("") == []  # nothing saved there yet: empty
+    with Checkpointer(tmp_path / "local", tiers=[typo], storage_options=s3.options) as ck:
+        with pytest.raises(TierUnavailableError, match="does not exist"):
+            ck.restore({"w": torch.zeros(2)})
+    r = CliRunner().invoke(cli_main, ["ls", typo, "--storage-option", f"endpoint_url={s3.server.endpoint}"])
+    assert r.exit_code == 3 and "does not exist" in r.output and "Traceback" not in r.output, r.output
