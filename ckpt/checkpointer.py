@@ -27,6 +27,7 @@ from ckpt._retention import Retention
 from ckpt._roots import PathSpec, RootSpec
 from ckpt._save import Saver
 from ckpt.config import CheckpointerConfig
+from ckpt.provenance import job_provenance
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.service import Replicator
 from ckpt.restore.locate import Located, restore_newest
@@ -95,6 +96,11 @@ class Checkpointer:
     ) -> None:
         self._ctl, self._data = make_comms(self.config.timeout)
         self.rank, self.world = self._ctl.rank, self._ctl.world
+        if self.rank == 0:
+            # Rank 0 puts it in every manifest. It runs git, whose pipes a process forked by
+            # another thread meanwhile (a DataLoader worker) would inherit and hold open: the
+            # commit thread would wait for that process to end, and the loop for the commit.
+            job_provenance()
         self._closed = True
         self.root, disks = _roots.choose_root(self._ctl, root)
         replication = _roots.replication_config(replication, replicate_to, storage_options, self.root, disks)

@@ -46,8 +46,11 @@ elsewhere in the checkpoint is taken to be alike on every rank too, as Lightning
 saves rank 0's checkpoint, takes it; other values are saved and restored per rank). Under
 DDP, give the StatefulDataLoader a `ckpt.DistributedSampler`: the DistributedSampler
 Lightning puts in keeps no state, and the loader's restored iterator is built before
-Lightning sets the sampler's epoch. Other strategies (FSDP, DeepSpeed, ModelParallel)
-are refused in `setup`; for FSDP, save through DCP with `ckpt.dcp`.
+Lightning sets the sampler's epoch. On another world size (pass the sampler
+`even_after_reshard=True`: DDP steps are collective), the resumed epoch's batch count
+(`batch_idx`) starts over from 0, since the saved one counts batches of the old world size.
+Other strategies (FSDP, DeepSpeed, ModelParallel) are refused in `setup`; for FSDP, save
+through DCP with `ckpt.dcp`.
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ class CkptCallback(Callback):
         self._postponed = 0  # steps the due save has waited (the batch ended an epoch or validated)
         self._rng_after_restore: dict[str, Any] | None = None
         self._warned_loader = False
+        self._world_size = 0  # the trainer's, saved with each version (state_dict)
+        self._saved_world_size: int | None = None  # that of the version restored, if it says
 
     # -- the hooks, in the order fit calls them --------------------------------------
 
@@ -123,6 +128,7 @@ class CkptCallback(Callback):
         self._last_saved = None
         self._rng_after_restore = None
         self._seen_step, self._due, self._postponed = trainer.global_step, False, 0
+        self._world_size, self._saved_world_size = trainer.world_size, None
         self.checkpointer = ck = Checkpointer(self.root, **self.checkpointer_options)
         state: dict[str, Any] = {KEY: None}  # None takes whatever the version holds there
         step = ck.restore(state)
@@ -148,9 +154,22 @@ class CkptCallback(Callback):
             connector.restore_training_state()
         finally:
             connector._loaded_checkpoint = {}  # so that Trainer restores nothing over it
+        if self._resharded(trainer):
+            _count_epoch_from_restore(trainer)
         self.restored_step = self._last_saved = step
         self._seen_step = trainer.global_step
         log.info("rank %d: resumed from step %d (global_step %d)", ck.rank, step, trainer.global_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"world_size": self._world_size} if self._world_size else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved_world_size = state_dict.get("world_size")
+
+    def _resharded(self, trainer: pl.Trainer) -> bool:
+        """Whether the version restored was saved at another world size (versions saved
+        before the callback's state held it do not say)."""
+        return self._saved_world_size is not None and self._saved_world_size != trainer.world_size
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._rng_after_restore is not None:
@@ -242,6 +261,22 @@ class CkptCallback(Callback):
             ck.close()
         except Exception:
             log.exception("rank %d: a pending ckpt save failed while fit was interrupted", ck.rank)
+
+
+def _count_epoch_from_restore(trainer: pl.Trainer) -> None:
+    """Count the current epoch's batches from the restore on, as Lightning counts a new epoch's.
+
+    The restored count is in batches of the world size that saved; the loader (its
+    ckpt.DistributedSampler) yields the rest of the epoch split over this world size, and
+    its len() is an epoch at this one. Lightning ends an epoch once its count reaches len():
+    with the old count that would cut the rest short (on more ranks) or, at an old count
+    beyond len(), start the epoch's count over anyway. The version was saved in
+    on_train_batch_end, where completed is one behind the others: Lightning completes it on
+    the restart."""
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    done = current.ready
+    for counter in ("ready", "started", "processed", "completed"):
+        setattr(current, counter, getattr(current, counter) - done)
 
 
 def _loop_goes_on_after_batch(trainer: pl.Trainer) -> bool:

@@ -7,9 +7,12 @@ counts the indices it has handed out in the current epoch, so `state_dict()` rec
 Resharding: within an epoch, the samples form one list, the epoch's padded permutation
 for the world size the epoch started with. Rank r of R takes every R-th element of the
 part not yet consumed when the current layout began (`segment_start`). After each rank
-has taken `position` samples, the first `segment_start + position * R` elements are
-consumed, so a job resumed on R' ranks splits exactly the rest over its ranks: none
-repeated, none skipped (the last round may give some ranks one sample fewer).
+has taken `position - segment_offset` samples of the layout, the first
+`segment_start + (position - segment_offset) * R` elements are consumed, so a job resumed
+on R' ranks splits exactly the rest over its ranks: none repeated, none skipped (the last
+round may give some ranks one sample fewer). The position goes on counting from the saved
+rank's across the change (the new layout begins at `segment_offset`, the saved
+position), as the loop's own count of the epoch's samples, restored from the same rank, does.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ __all__ = ["DistributedSampler"]
 class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
     """Drop-in for `torch.utils.data.DistributedSampler` with a resumable position.
 
-    The position counts indices handed to the DataLoader. With `num_workers=0` that is
-    exactly what the training loop consumed. A loader with workers prefetches ahead: set
-    `sampler.position` to the number of samples the loop actually consumed in this epoch
-    before saving.
+    The position counts indices handed to the DataLoader in this epoch, those before the
+    restore included (across world sizes: those of the saved rank it restored from). With
+    `num_workers=0` that is exactly what the training loop consumed. A loader with workers
+    prefetches ahead: set `sampler.position` to the number of samples the loop actually
+    consumed in this epoch (its own count, restored with the sampler) before saving.
+    `len()` is an epoch at the current world size, also while a resumed epoch yields its rest.
     """
 
     def __init__(
@@ -51,10 +56,11 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         # may get one sample fewer), or, with this flag, pad like torch (drop_last: truncate)
         # so every rank runs the same number of steps, which collective training steps need.
         self.even_after_reshard = even_after_reshard
-        self.position = 0  # indices of this epoch (segment) already handed out on this rank
+        self.position = 0  # indices of this epoch already handed out on this rank (and the saved rank)
         self._resume_from = 0
         self._segment_start = 0  # elements of the epoch list consumed before the current layout
         self._segment_world = self.num_replicas  # the world size that padded the epoch list
+        self._segment_offset = 0  # the position at which the current layout began
 
     def _epoch_list(self) -> list[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -99,19 +105,19 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[int]:
         start, self._resume_from = self._resume_from, 0
         self.position = start
-        for index in self._indices()[start:]:
+        for index in self._indices()[start - self._segment_offset :]:
             self.position += 1
             yield index
 
     def __len__(self) -> int:
-        if self._segment_start == 0 and self._segment_world == self.num_replicas:
-            return self.num_samples
-        return len(self._indices())
+        # An epoch's length at this layout, also while a resumed or resharded epoch yields only
+        # its rest: loops size every epoch by the len() they read once (Lightning's batch count).
+        return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for a new epoch; setting the epoch a resumed sampler is already in keeps its position."""
         if epoch != self.epoch:
-            self.position = self._resume_from = self._segment_start = 0
+            self.position = self._resume_from = self._segment_start = self._segment_offset = 0
             self._segment_world = self.num_replicas
         self.epoch = epoch
 
@@ -124,6 +130,7 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
             "rank": self.rank,
             "segment_start": self._segment_start,
             "segment_world": self._segment_world,
+            "segment_offset": self._segment_offset,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "dataset_len": len(self.dataset),  # type: ignore[arg-type]
@@ -145,11 +152,12 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         self.total_size = self.num_samples * self.num_replicas
         start = state.get("segment_start", 0)
         world = state.get("segment_world", state["num_replicas"])
+        offset = state.get("segment_offset", 0)
+        self.position = self._resume_from = state["position"]
         if state["num_replicas"] == self.num_replicas and state["rank"] == self.rank:
-            self._segment_start, self._segment_world = start, world
-            self.position = self._resume_from = state["position"]
+            self._segment_start, self._segment_world, self._segment_offset = start, world, offset
             return
         # Another layout: what all old ranks consumed is a prefix of the epoch list.
-        self._segment_start = start + state["position"] * state["num_replicas"]
+        self._segment_start = start + (state["position"] - offset) * state["num_replicas"]
         self._segment_world = world
-        self.position = self._resume_from = 0
+        self._segment_offset = state["position"]

@@ -325,3 +325,85 @@ def test_ddp_two_ranks_killed_and_resumed_bitwise(tmp_path: Path) -> None:
         assert got["losses"] == want, f"rank {rank}"  # JSON floats round-trip exactly
         assert got["params"] == ref["params"], f"rank {rank}"
     assert results[0]["losses"] != results[1]["losses"]  # the ranks saw different data and dropout
+
+
+# -- another world size: 2 gloo ranks save, 1 or 3 resume --------------------------------
+
+SEEN_SAMPLES, SEEN_EVERY = 24, 3  # batches of 2: 6 per rank and epoch on 2 ranks, 12 on 1, 4 on 3
+
+
+class Seen(pl.LightningModule):
+    """Records (epoch, batch_idx, global_step, sample indices) of each batch."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__()
+        self.workers = workers
+        self.lin = nn.Linear(1, 1)
+        self.seen: list[tuple[int, int, int, list[int]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        self.seen.append((self.current_epoch, batch_idx, self.trainer.global_step, x.view(-1).long().tolist()))
+        return self.lin(x).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        ds = TensorDataset(torch.arange(SEEN_SAMPLES, dtype=torch.float32).unsqueeze(1))
+        sampler = ckpt.DistributedSampler(ds, seed=3, even_after_reshard=True)  # DDP steps are collective
+        return StatefulDataLoader(ds, batch_size=2, sampler=sampler, num_workers=self.workers)
+
+
+def seen_fit(ctx: Any, root: str, max_steps: int, workers: int) -> dict[str, Any]:
+    _quiet()
+    os.environ.update(LOCAL_RANK=str(ctx.rank), RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world), NODE_RANK="0")
+    model = Seen(workers)
+    cb = CkptCallback(root, every_n_steps=SEEN_EVERY)
+    trainer = _trainer(
+        [cb],
+        max_steps,
+        max_epochs=2,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        devices=ctx.world,
+        num_nodes=1,
+    )
+    trainer.fit(model)
+    return {
+        "seen": model.seen,
+        "restored": cb.restored_step,
+        "step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+    }
+
+
+@pytest.mark.parametrize("world,workers", [(1, 2), (3, 0)])
+def test_ddp_resumed_on_another_world_size_sees_every_sample_once_per_epoch(
+    tmp_path: Path, world: int, workers: int
+) -> None:
+    """2 DDP ranks stop after the save of step 3 (3 of the 6 batches of epoch 0 each, 12
+    samples); 1 or 3 ranks resume: the rest of epoch 0 and all of epoch 1 see every sample
+    exactly once. Lightning counts the epoch's batches with len(loader), read once: the
+    sampler's len() is an epoch at the new world size, and the resumed epoch's batch count
+    starts over, so neither epoch ends early (on 1 rank epoch 0 ended after 3 of the 6
+    batches left, on 3 ranks epoch 1 after the 2 batches epoch 0 had left)."""
+    root = str(tmp_path / "root")
+    first, failures = launch(THIS, "seen_fit", 2, tmp_path / "saved", root=root, max_steps=SEEN_EVERY, workers=workers)
+    assert not failures, failures
+    results, failures = launch(THIS, "seen_fit", world, tmp_path / "resumed", root=root, max_steps=-1, workers=workers)
+    assert not failures, failures
+    assert [r["restored"] for r in results] == [SEEN_EVERY] * world
+    epochs: dict[int, list[int]] = {0: [], 1: []}
+    for r in first + results:
+        for epoch, _, _, samples in r["seen"]:
+            epochs[epoch] += samples
+    for epoch, samples in epochs.items():
+        assert sorted(samples) == list(range(SEEN_SAMPLES)), f"epoch {epoch}: repeated or skipped"
+    left = (SEEN_SAMPLES - 2 * 2 * SEEN_EVERY) // world // 2  # batches of epoch 0 left per rank
+    full = SEEN_SAMPLES // world // 2
+    for r in results:
+        got = [(epoch, batch_idx, step) for epoch, batch_idx, step, _ in r["seen"]]
+        want = [(0, i, SEEN_EVERY + i) for i in range(left)]
+        want += [(1, i, SEEN_EVERY + left + i) for i in range(full)]
+        assert got == want
+        assert (r["step"], r["epoch"]) == (SEEN_EVERY + left + full, 2)

@@ -311,6 +311,8 @@ def test_sampler_reshards_the_rest_of_the_epoch(old, new):
     assert sorted(consumed) == sorted(epoch[: 5 * old])
     assert sorted(x for part in rest for x in part) == sorted(epoch[5 * old :])  # none repeated, none skipped
     assert max(map(len, rest)) - min(map(len, rest)) <= 1
+    # len() is an epoch at the new world size (loops size every epoch by it), not the rest
+    assert [len(s) for s in news] == [len(DistributedSampler(data, num_replicas=new, rank=r)) for r in range(new)]
     # reshard twice in one epoch: 2 more samples per new rank, then back to the old size
     taken = []
     for r, s in enumerate(news):

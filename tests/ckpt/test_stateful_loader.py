@@ -13,11 +13,15 @@ saves with `ck.save` after k batches and stops; a fresh loader (fresh dataset, s
 and generator) restored by `ck.restore` yields exactly the reference's remaining batches
 (torch.equal), across the epoch boundaries too. A save follows every batch of the first
 two epochs (mid-epoch, at the last batch of an epoch, in a later epoch) and the first of
-the third.
+the third. Then `ckpt.DistributedSampler` with workers on 2, then 3, then 1 rank in one
+epoch; and a first save whose commit goes on while the process forks (workers starting).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from ckpt import Checkpointer, DistributedSampler
+from tests._dist import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11 on torch 2.13
 
@@ -212,3 +217,83 @@ def test_resumes_at_the_exact_batch(tmp_path: Path, kind: str) -> None:
         assert state["step"] == k
         tail = _loop(setup, fresh, k)
         assert _same(tail, reference[k:]), f"{kind}: resumed after {k} batches, the rest differs from the reference"
+
+
+def test_distributed_sampler_with_workers_goes_on_across_world_sizes() -> None:
+    """The README's rule for a plain DataLoader with workers, `sampler.position` = the samples
+    the loop consumed this epoch, holds across world sizes: 48 samples in batches of 4, 2
+    ranks take 2 batches each, then 3 ranks 1 batch each, then 1 rank the rest. Each rank
+    restores what ck.restore gives it (saved rank r % world: the sampler and the loop's
+    count of the epoch's samples) and sets the position from its count before saving.
+    Every sample of the epoch is seen exactly once."""
+    data = _data(48)
+    seen: list[int] = []
+    saved: list[dict[str, Any]] = []
+    for world, batches in ((2, 2), (3, 1), (1, None)):
+        states = []
+        for rank in range(world):
+            sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=4)
+            consumed = 0
+            if saved:
+                mine = saved[rank % len(saved)]
+                sampler.load_state_dict(mine["sampler"])
+                consumed = mine["consumed"]
+            sampler.set_epoch(0)
+            loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
+            for i, (index, _) in enumerate(loader):
+                seen += index.tolist()
+                consumed += len(index)
+                if i + 1 == batches:
+                    break
+            sampler.position = consumed  # the workers prefetched ahead of the loop
+            states.append(json.loads(json.dumps({"sampler": sampler.state_dict(), "consumed": consumed})))
+        saved = states
+    assert sorted(seen) == list(range(48)), f"repeated or skipped: {sorted(seen)}"
+
+
+# A process's first save, then processes forked while it commits, alive until killed: the
+# DataLoader workers of a loop that goes on meanwhile. JSON: whether the commit ended first.
+_FORKED_DURING_COMMIT = """
+import json, os, signal, sys, threading, time
+import torch
+from ckpt import Checkpointer
+
+children = []
+with Checkpointer(sys.argv[1]) as ck:
+    ck.save(1, {"x": torch.zeros(4)})
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and ck.latest_step() != 1:
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        children.append(pid)
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (ck.wait(), done.set()), daemon=True)
+    waiter.start()
+    committed = done.wait(15)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    waiter.join()
+print(json.dumps({"committed": committed, "forks": len(children)}))
+"""
+
+
+def test_a_commit_does_not_wait_for_processes_forked_meanwhile(tmp_path: Path) -> None:
+    """A loop that forks DataLoader workers while its first save commits in the background:
+    the commit must not wait for them (it did when the commit thread ran git for the
+    manifest's provenance, whose pipes a child forked meanwhile inherited; the loop, waiting
+    in its next save, then never ended the epoch that would end the workers). The race is
+    timing-dependent: three fresh processes (each process runs git once)."""
+    for attempt in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", _FORKED_DURING_COMMIT, str(tmp_path / f"root{attempt}")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        result = json.loads(out.stdout.splitlines()[-1])
+        assert result["committed"], f"attempt {attempt}: the commit waited for the {result['forks']} forked processes"

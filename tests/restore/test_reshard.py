@@ -483,9 +483,8 @@ def check_sampler(ctx: Any, mode: str, old: int, sampler: Any) -> None:
     W, r = ctx.world, ctx.rank
     chk(ctx, (sampler.epoch, sampler.seed) == (SAMPLER_EPOCH, SAMPLER_SEED), f"epoch/seed {sampler.state_dict()}")
     sampler.set_epoch(SAMPLER_EPOCH)  # what a loader loop does first: keeps the resumed position
-    n = len(sampler)
+    n = len(sampler)  # an epoch at this world size, also while this one yields its rest (loops size epochs by it)
     mine = list(sampler)
-    chk(ctx, n == len(mine), f"len(sampler) {n}, yields {len(mine)}")
     everyone: list[Any] = [None] * W
     dist.all_gather_object(everyone, mine)
     rest = collections.Counter(i for o in range(old) for i in torch_sampler_list(old, o, SAMPLER_EPOCH)[CONSUMED:])
@@ -499,7 +498,9 @@ def check_sampler(ctx: Any, mode: str, old: int, sampler: Any) -> None:
     sizes = [len(lst) for lst in everyone]
     chk(ctx, max(sizes) - min(sizes) <= 1, f"unbalanced split {sizes}")
     sampler.set_epoch(SAMPLER_EPOCH + 1)  # the next epoch is torch's order for the new world size
-    chk(ctx, list(sampler) == torch_sampler_list(W, r, SAMPLER_EPOCH + 1), "next epoch differs from torch's")
+    nxt = list(sampler)
+    chk(ctx, nxt == torch_sampler_list(W, r, SAMPLER_EPOCH + 1), "next epoch differs from torch's")
+    chk(ctx, n == len(nxt) == len(sampler), f"len(sampler) {n} in the resumed epoch, the next yields {len(nxt)}")
 
 
 def restore_pair(ctx: Any, base: str, old: int, saved: list[dict[str, Any]], meshes: dict[str, Any]) -> None:
