@@ -11,7 +11,9 @@ tensor is stored under `tensors/` by its fully qualified name split at its dots
 DCP's plan gives it (DTensor and ShardedTensor shards, and the whole tensors DCP assigns
 it) as `ckpt.Shard`s. DCP's "bytes" items (objects DCP serializes itself, with
 torch.save) are stored under `bytes/` as opaque uint8 arrays: ckpt never unpickles them;
-dcp.load hands them back to DCP's planner, which does, as it does from its own files.
+dcp.load hands them back to DCP's planner, which does, as it does from its own files
+(each first checked by torch's weights-only unpickler unless the reader is told to trust
+the root: StorageReader).
 
 No DCP metadata file is written: StorageReader builds DCP's Metadata from the manifest,
 each tensor one chunk of its whole shape, so DCP plans reads for any layout and ckpt
@@ -220,6 +222,20 @@ def _storage_metadata(kind: str, array: ArrayEntry) -> TensorStorageMetadata | B
     return TensorStorageMetadata(TensorProperties(dtype=ZARR_TO_TORCH[array.data_type]), shape, [chunk])
 
 
+def _check_inert(data: bytes, fqn: str) -> None:
+    """UnsupportedStateError unless torch's weights-only unpickler (tensors, containers and
+    plain values: nothing that runs code) reads a non-tensor item: DCP's planner unpickles
+    it with weights_only=False, which runs whatever the pickle names."""
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the restricted unpickler refuses
+        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise UnsupportedStateError(
+            f"{fqn}: a non-tensor item that torch.load(weights_only=True) refuses ({why}); loading it would run "
+            "code from the checkpoint: pass StorageReader(..., trust=True) for a root you trust"
+        ) from None
+
+
 def metadata_of(manifest: Manifest) -> Metadata:
     """DCP's Metadata of a version saved through StorageWriter: every tensor one chunk."""
     found: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
@@ -245,7 +261,11 @@ class StorageReader(_StorageReader):
     version whose manifest reads; read_data chooses again, pinned, and reads. With no
     `step`, a version a chunk of which has no good copy on any tier is passed over for the
     next older one that holds every item as DCP planned it (the state is untouched until
-    every read succeeded); a bad chunk is read from another tier that holds it."""
+    every read succeeded); a bad chunk is read from another tier that holds it.
+
+    DCP unpickles non-tensor items with weights_only=False, which runs whatever a pickle
+    names: unless `trust`, each is first read by torch's weights-only unpickler, and one it
+    refuses is UnsupportedStateError, before anything of the state changes."""
 
     def __init__(
         self,
@@ -253,12 +273,14 @@ class StorageReader(_StorageReader):
         step: int | None = None,
         *,
         checkpointer: Checkpointer | None = None,
+        trust: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
         if step is not None:
             check_step(step)
         self.step = step
+        self._trust = trust
         self._asked = step
         self._root = root
         self._given = checkpointer
@@ -320,9 +342,17 @@ class StorageReader(_StorageReader):
         if found is None:  # deleted since read_metadata
             raise self._nothing()
         self.step = found[0].step
-        for item, req in zip(plan.items, read):
+        raw = {
+            i: req.dest.numpy().tobytes()
+            for i, (item, req) in enumerate(zip(plan.items, read))
+            if item.type == LoadItemType.BYTE_IO
+        }
+        if not self._trust:
+            for i, data in raw.items():
+                _check_inert(data, plan.items[i].storage_index.fqn)
+        for i, (item, req) in enumerate(zip(plan.items, read)):
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(req.dest.numpy().tobytes()))
+                planner.load_bytes(item, io.BytesIO(raw[i]))
                 continue
             target = planner.resolve_tensor(item).detach()
             target.copy_(req.dest)

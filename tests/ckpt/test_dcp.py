@@ -92,6 +92,41 @@ def test_async_save_through_ckpt(tmp_path: Path) -> None:
     assert _same(target, saved)
 
 
+class _Touches:
+    """Pickles as a call of Path.touch(marker): what a hostile checkpoint's non-tensor item
+    could run on load, here harmless and visible."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_non_tensor_item_that_would_run_code_loads_only_when_trusted(tmp_path: Path) -> None:
+    """DCP unpickles non-tensor items with weights_only=False. The reader first gives each to
+    torch's weights-only unpickler: plain values load as ever; an item whose pickle names
+    code is UnsupportedStateError, nothing of the state is touched and the code never runs,
+    unless the reader is told to trust the root."""
+    root, marker = tmp_path / "root", tmp_path / "ran"
+    saved = _state(*_trained(0), epoch=7)
+    dcp.save({**saved, "hostile": _Touches(marker)}, storage_writer=ckpt.dcp.StorageWriter(str(root), 1), no_dist=True)
+    assert not marker.exists()
+    target = _state(*_trained(1), epoch=0)
+    dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root)), no_dist=True)  # plain values: no trust needed
+    assert _same(target, saved) and not marker.exists()
+    target = {**_state(*_trained(1), epoch=0), "hostile": None}
+    before = {k: v.clone() for k, v in target["model"].items()}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root)), no_dist=True)
+    errors = [e for e, _ in info.value.failures.values()]
+    assert any(isinstance(e, UnsupportedStateError) and "hostile" in str(e) for e in errors), errors
+    assert not marker.exists()
+    assert all(torch.equal(before[k], v) for k, v in target["model"].items())  # untouched
+    dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root), trust=True), no_dist=True)
+    assert marker.exists() and _same(target["model"], saved["model"])  # trusted: DCP's own unpickling ran it
+
+
 def test_reader_takes_the_newest_intact_version(tmp_path: Path) -> None:
     """With no step, the newest version whose manifest reads is chosen; a damaged newer one
     is passed over for the next older one."""
