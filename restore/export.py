@@ -29,7 +29,7 @@ from ckpt.store.errors import CkptError, CorruptVersionError, VersionExistsError
 from ckpt.store.fsio import DIR_MODE, FILE_MODE, fsync_dir, fsync_dirs, makedirs, write_chunk, write_new
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.rank_file import RANKS_DIR, rank_file_path
-from ckpt.store.root import RootLock
+from ckpt.store.root import RootLock, version_above
 from ckpt.store.versions import committed_steps, version_dirname
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
@@ -207,6 +207,9 @@ class TorchFile:
         self._dir = os.path.dirname(full)
         if not os.path.isdir(self._dir):
             raise CkptError(f"cannot write {path}: {self._dir} is not a directory")
+        above = version_above(self._dir)
+        if above is not None:  # a deletion of the version would take the file with it
+            raise CkptError(f"cannot write {path}: it is inside the version {above}")
         self._check()
         self._tmp = os.path.join(self._dir, f".{os.path.basename(full)}.tmp-{uuid.uuid4().hex[:12]}")
         try:

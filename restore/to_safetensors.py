@@ -35,6 +35,7 @@ from ckpt.store.errors import CkptError, VersionNotFoundError
 from ckpt.store.fsio import DIR_MODE, fsync_dir, makedirs, open_new, write_new
 from ckpt.store.manifest import ArrayEntry, Manifest
 from ckpt.store.removal import remove_tree
+from ckpt.store.root import version_above
 
 __all__ = [
     "OutFile",
@@ -208,6 +209,9 @@ def plan_files(sizes: Sequence[tuple[str, int]], max_bytes: int, stem: str = "mo
 
 
 def check_target(out_dir: str, force: bool) -> None:
+    above = version_above(out_dir)
+    if above is not None:  # a deletion of the version would take the export with it
+        raise CkptError(f"{out_dir} is inside the version {above}: give a directory of its own")
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CkptError(f"{out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:

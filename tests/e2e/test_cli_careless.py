@@ -111,6 +111,11 @@ def test_restore_into_its_own_root_or_a_version_is_one_line(root: Path) -> None:
     before = sorted(p.name for p in (root / versions.version_dirname(3)).iterdir())
     for inside in (root / versions.version_dirname(3), root / versions.version_dirname(3) / "sub"):
         one_line_error(run("restore", root, "--to", inside), 3, "inside the version")
+        # an export there would go when GC deletes the version
+        one_line_error(run("restore", root, "--to-safetensors", inside, "--force"), 3, "inside the version")
+    one_line_error(
+        run("restore", root, "--to-torch", root / versions.version_dirname(3) / "x.pt"), 3, "inside the version"
+    )
     assert sorted(p.name for p in (root / versions.version_dirname(3)).iterdir()) == before
     assert run("verify", root).exit_code == 0
 
