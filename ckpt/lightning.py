@@ -40,6 +40,12 @@ exhausted. The Checkpointer is opened in `on_fit_start` (on every rank: it is co
 and closed at the end of fit, which waits for the last save; on an exception it is closed
 too, and an error of the pending save is logged rather than raised over the exception.
 
+With `preemption_signals` among the Checkpointer options, `on_train_batch_end` asks
+`reached_preemption()` after every batch (on every rank: it is collective); once the ranks
+agree, the callback saves the first state Lightning resumes exactly (the rule above, and
+right after an optimizer step), holding off Lightning's own stop on SIGTERM until then,
+waits for the commit and sets `trainer.should_stop`.
+
 Strategies: single-device and DDP (`SingleDeviceStrategy`, `DDPStrategy`), whose module and
 optimizer states are whole tensors, alike on every rank: ckpt writes each once (a tensor
 elsewhere in the checkpoint is taken to be alike on every rank too, as Lightning, which
@@ -181,6 +187,9 @@ class CkptCallback(Callback):
     ) -> None:
         step = trainer.global_step
         before, self._seen_step = self._seen_step, step
+        if self.checkpointer is not None and self.checkpointer.reached_preemption():  # every rank, every batch
+            self._save_on_preemption(trainer, stepped=step != before)
+            return
         if step == before:  # accumulating gradients: only the state right after an optimizer step is saved
             return
         if step // self.every_n_steps > before // self.every_n_steps:  # a multiple passed (several optimizers)
@@ -231,6 +240,22 @@ class CkptCallback(Callback):
         if saved:  # else skipped (if_busy="skip"): still due
             self._last_saved, self._due, self._postponed = step, False, 0
         return saved
+
+    def _save_on_preemption(self, trainer: pl.Trainer, *, stepped: bool) -> None:
+        """The ranks agreed on a preemption notice (`preemption_signals`): save the first state
+        Lightning resumes exactly (right after an optimizer step, with neither an epoch's end
+        nor validation due), wait for its commit and stop fit. Until then Lightning's own stop
+        on SIGTERM, due right after this batch, is held off."""
+        ck = self.checkpointer
+        assert ck is not None
+        if trainer.global_step != self._last_saved:
+            if not stepped or _loop_goes_on_after_batch(trainer):
+                trainer._signal_connector.received_sigterm = False
+                return
+            ck.wait()  # a save in flight first: this one must not be skipped (if_busy="skip")
+            self.save(trainer)
+        ck.wait()
+        trainer.should_stop = True
 
     def _check_loaders(self, trainer: pl.Trainer) -> None:
         """Warn once (rank 0) about train loaders whose position a resumed run cannot find again."""

@@ -17,6 +17,9 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import ckpt
 from ckpt.cli import main as cli
 from ckpt.lightning import KEY, CkptCallback
-from tests._dist import launch
+from tests._dist import REPO, launch
 from tests._states import assert_bitwise
 
 THIS = os.path.abspath(__file__)
@@ -197,6 +200,84 @@ def test_single_device_resumes_mid_epoch_bitwise(
     assert cb.restored_step == resume_at and cb.checkpointer is None  # closed at the end of fit
     out = CliRunner().invoke(cli, ["verify", str(root)])
     assert out.exit_code == 0, out.output
+
+
+class AwaitSigterm(pl.Callback):
+    """In the batch of global_step `step`: say so in `ready` and wait for the SIGTERM the test sends."""
+
+    def __init__(self, step: int, ready: Path) -> None:
+        self.step, self.ready = step, ready
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.step or self.ready.exists():
+            return
+        self.ready.write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not trainer.received_sigterm:  # Lightning's handler, which ckpt's passes the signal to
+            assert time.monotonic() < deadline, "no SIGTERM"
+            time.sleep(0.01)
+
+
+def preempted_fit(root: str, step: int, ready: str, out: str, accumulate: int) -> None:
+    """A Trainer process (the test's child) that gets a SIGTERM in the first batch of `step`."""
+    _quiet()
+    torch.manual_seed(0)
+    model = Net()
+    callbacks = [
+        CkptCallback(root, every_n_steps=4, preemption_signals=(signal.SIGTERM,)),
+        AwaitSigterm(step, Path(ready)),
+    ]
+    try:
+        _trainer(callbacks, 35, accumulate_grad_batches=accumulate).fit(model)
+    finally:
+        Path(out).write_text(json.dumps(model.losses))
+
+
+@pytest.mark.parametrize(
+    ("signalled", "accumulate", "saved"),
+    [
+        # Batch 2 of epoch 1: the step it ends (13) is saved, beside the periodic saves.
+        (12, 1, [4, 8, 12, 13]),
+        # The last batch of epoch 0: Lightning resumes a state saved there with an empty
+        # epoch, so the save waits for the next step (11, batch 0 of epoch 1).
+        (9, 1, [4, 8, 11]),
+        # Two batches a step (5 an epoch): signalled in the first batch of step 6 (batch 2
+        # of epoch 1), which accumulates gradients no version holds, the save waits for step 7.
+        (6, 2, [4, 7]),
+    ],
+    ids=["mid_epoch", "epoch_end", "accumulating"],
+)
+def test_a_sigterm_to_the_trainer_process_saves_and_the_resume_is_bitwise(
+    tmp_path: Path, signalled: int, accumulate: int, saved: list[int]
+) -> None:
+    """CkptCallback(preemption_signals=(SIGTERM,)): a real SIGTERM sent to a Trainer process
+    mid-epoch ends fit with the state of the step the ranks agreed on committed (not just the
+    last periodic save's), and a fresh run resumes it bit for bit."""
+    root, ready, out = tmp_path / "root", tmp_path / "ready", tmp_path / "losses.json"
+    args = (str(root), signalled, str(ready), str(out), accumulate)
+    code = f"from tests.ckpt.test_lightning import preempted_fit; preempted_fit(*{args!r})"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()[0][-4000:]
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGTERM)
+        output = child.communicate(timeout=120)[0]
+    finally:
+        child.kill()
+    assert child.returncode == 0, output[-4000:]
+    assert _steps(root) == saved, output[-4000:]
+    ref = _fit(None, seed=0, max_steps=35, accumulate_grad_batches=accumulate)
+    first = [tuple(r) for r in json.loads(out.read_text())]
+    assert first == ref.losses[: len(first)] and first[-1][0] == saved[-1] - 1  # stopped right after the save
+
+    resumed = _fit(root, seed=1234, max_steps=35, every=4, accumulate_grad_batches=accumulate)
+    assert resumed.losses == [r for r in ref.losses if r[0] >= saved[-1]]
+    assert_bitwise(_params(resumed), _params(ref), "params")
+    assert CliRunner().invoke(cli, ["verify", str(root)]).exit_code == 0
 
 
 def test_a_fresh_root_starts_fresh_and_saves_lightnings_checkpoint(tmp_path: Path) -> None:
