@@ -32,6 +32,7 @@ from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import CkptError
 from ckpt.store.faults import fault_delay, faults_armed
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
+from ckpt.store.host_arrays import host_bytes
 from ckpt.store.lanes import LaneGroup
 from ckpt.store.layout import ArrayPlan, ChunkPlan, Sliver
 
@@ -358,10 +359,6 @@ def chunk_view(arena: torch.Tensor, task: StageTask) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
 def _memcpy_ok(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return (
         src.device.type == "cpu"
@@ -397,7 +394,7 @@ def _whole_piece(flat: np.ndarray, task: StageTask, data: torch.Tensor) -> bool:
         return False
     if data.numel() < _MEMCPY_MIN or not data.is_contiguous() or data.is_conj() or data.is_neg():
         return False
-    np.copyto(flat[task.offset : task.offset + task.staged_bytes], _bytes(data), casting="no")
+    np.copyto(flat[task.offset : task.offset + task.staged_bytes], host_bytes(data), casting="no")
     return True
 
 
@@ -409,7 +406,7 @@ def _copy_one(arena: torch.Tensor, task: StageTask, data: torch.Tensor, non_bloc
         if _memcpy_ok(src, dst):
             # glibc memcpy through numpy (GIL released): ~10 GB/s on two threads here, where
             # torch's copy_ reaches ~5.5 GB/s; the staging copy is the training stall.
-            np.copyto(_bytes(dst), _bytes(src), casting="no")
+            np.copyto(host_bytes(dst), host_bytes(src), casting="no")
             return
         dst.copy_(src, non_blocking=non_blocking)
         return

@@ -293,3 +293,38 @@ def test_staging_with_a_stage_batch_copies_what_staging_without_one_does() -> No
             start, rows = (t.chunk.offsets[0], t.chunk.shape[0]) if t.chunk.shape else (0, 1)
             assert torch.equal(got[:rows], whole[start : start + rows])
         values[0].add_(1.0)  # new values, same layout
+
+
+@pytest.mark.parametrize("mode", ["copy", "overlap_writes", "deferred_staging"])
+def test_a_saved_tensor_can_still_grow_and_the_next_save_holds_it(tmp_path: Path, mode: str) -> None:
+    """A save leaves the state's tensors as it found them: one that grows afterwards (by
+    resize_(), or as the out= of an op of a larger result) grows, and the next save, of the
+    new shapes, restores bitwise, as does the one before."""
+    torch.manual_seed(0)
+    # Each large enough to be copied as one block of memory (small ones go in one batch).
+    w = torch.nn.Parameter(torch.randn(256, 256))  # (deferred_staging: the optimizer owns it, copied late)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    history = torch.arange(16384, dtype=torch.int64)
+    order = torch.randperm(16384)
+    state = {"w": w, "optim": opt, "history": history, "order": order}
+    options = {mode: True} if mode != "copy" else {"overlap_writes": False}
+    saved = []
+    with Checkpointer(tmp_path, capture_rng=False, **options) as ck:
+        for step in range(2):
+            saved.append({"w": w.detach().clone(), "history": history.clone(), "order": order.clone()})
+            ck.save(step, state)
+            ck.wait()
+            n = len(history)
+            history.resize_(2 * n)  # a log the training loop appends to
+            history[n:] = torch.arange(n, 2 * n)
+            torch.randperm(2 * len(order), out=order)  # a new epoch's order, over more samples
+            with torch.no_grad():
+                w.detach().resize_(512, 256).normal_()  # the optimizer's parameter, grown by hand
+        for step, want in enumerate(saved):
+            got = {k: torch.zeros_like(v) for k, v in want.items()}
+            ck.restore(got, step=step)
+            assert_bitwise(got, want, f"step {step}")
+            for t in got.values():  # a restore leaves its targets as it found them too
+                t.resize_(2 * t.shape[0], *t.shape[1:])
