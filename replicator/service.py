@@ -527,7 +527,7 @@ class Replicator:
         if remote_gone and entry.remote is not None:
             entry.remote = CopyState("failed", now, url=entry.remote.url, error=why)
         for where in [d.url for d in gone] + ([remote.url] if remote_gone and remote is not None else []):
-            log.warning("gc %s: step %d kept: its copy on %s is %s", source, step, self._redact(where), why)
+            log.warning("gc %s: step %d's copy on %s is %s; it is made again", source, step, self._redact(where), why)
         return copies_done(status, entry) and remote_done(status, entry)
 
     def _gc_replicas(self, source: str, dests: list[Destination], policy: Policy) -> None:
