@@ -60,7 +60,7 @@ def test_a_listing_across_a_retention_pass_still_shows_what_it_published(
     save_steps(root, {s: {"w": torch.full((4,), float(s))} for s in (234, 237, 238, 239)})
     aside = tmp_path / "v239-not-yet-published"
     os.rename(root / version_dirname(239), aside)
-    real = versions.read_root_info
+    real = versions._root_info  # what versions.listing reads each root.json with
 
     def racing(where: Any, step: int) -> Any:
         if step == 234 and aside.exists():  # the pass runs now: publish 239, retire 234
@@ -68,5 +68,5 @@ def test_a_listing_across_a_retention_pass_still_shows_what_it_published(
             shutil.rmtree(root / version_dirname(234))
         return real(where, step)
 
-    monkeypatch.setattr(versions, "read_root_info", racing)
+    monkeypatch.setattr(versions, "_root_info", racing)
     assert sorted(listing(str(root))) == [237, 238, 239]
