@@ -25,9 +25,6 @@ from ckpt.store.errors import CorruptVersionError, RankFailures
 
 __all__ = ["Comm", "make_comms", "subgroup", "destroy_comms", "describe_error"]
 
-FEW_SPEAKERS = 32
-"""all_gather_few broadcasts the parts of at most this many ranks, one by one; more take one all-gather."""
-
 
 def describe_error(e: BaseException) -> str:
     """An error as the other ranks learn it (exceptions do not cross ranks: text does)."""
@@ -77,29 +74,29 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def all_gather_few(self, obj: Any, most: int = FEW_SPEAKERS) -> list[Any]:
-        """all_gather where few ranks have anything to say (the others pass None): every
-        rank's object, None for the silent ones. The sizes go first (one int64 a rank), then
-        each rank that speaks broadcasts its bytes, so a rank receives what was said: an
-        all_gather pads every rank's part to the longest, world x that in all (the ranks
-        of one replaced node asking for 1,000 chunks each: 452 MB at 16,384 ranks, where
-        this receives 0.4 MB). More than `most` speakers take one all_gather."""
+    def all_to_all(self, parts: Sequence[Any]) -> list[Any]:
+        """parts[r] to rank r (None: nothing); returns what each rank sent this one (None
+        where it sent nothing). The sizes go in one all-to-all (an int64 per rank pair), then
+        the parts that are not empty, point to point: a rank receives only what is meant for
+        it, where an all-gather would hand every rank every part, padded to the longest."""
+        self.calls["all_to_all"] += 1
+        if len(parts) != self.world:
+            raise ValueError(f"all_to_all takes one part per rank: {len(parts)} for {self.world} ranks")
         if self.world == 1:
-            return [obj]
-        data = b"" if obj is None else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes = self.all_gather_int(len(data))
-        speakers = [r for r, n in enumerate(sizes) if n]
-        if len(speakers) > most:
-            return self.all_gather(obj)
+            return [parts[0]]
+        data = [
+            b"" if p is None or r == self.rank else pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)
+            for r, p in enumerate(parts)
+        ]
+        sizes = torch.empty(self.world, dtype=torch.int64)
+        dist.all_to_all_single(sizes, torch.tensor([len(d) for d in data], dtype=torch.int64), group=self.group)
+        bufs = {r: torch.empty(int(n), dtype=torch.uint8) for r, n in enumerate(sizes.tolist()) if n}
+        sends = [(r, 0, torch.frombuffer(bytearray(d), dtype=torch.uint8)) for r, d in enumerate(data) if d]
+        self.exchange(sends, [(r, 0, b) for r, b in bufs.items()])
         out: list[Any] = [None] * self.world
-        for r in speakers:
-            if r == self.rank:
-                self.broadcast_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8), r)
-                out[r] = obj
-                continue
-            buf = torch.empty(sizes[r], dtype=torch.uint8)
-            self.broadcast_tensor(buf, r)
-            out[r] = pickle.loads(buf.numpy().tobytes())  # a part this job's own rank pickled, as all_gather does
+        out[self.rank] = parts[self.rank]
+        for r, b in bufs.items():
+            out[r] = pickle.loads(b.numpy().tobytes())  # a part this job's own rank pickled, as all_gather does
         return out
 
     def all_gather_int(self, value: int) -> list[int]:

@@ -15,7 +15,7 @@ open (_read_whole), the full path taking it over on anything unexpected.
 A chunk is read from the first source that holds a good copy (restore.sources). A chunk
 that no source of this rank holds (ranks do not share filesystems) is read by a rank that
 holds it and sent point to point to the ranks that need it, over the checkpointer's gloo
-group.
+group (restore.handoff plans who sends what).
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import xxhash
 
+from ckpt.restore.handoff import ChunkKey, Incoming, Outgoing, ask_holders, incoming, plan_sends
 from ckpt.restore.reshard import (
     Block,
     Box,
@@ -63,7 +64,7 @@ from ckpt.store.tier import ReadHandle
 __all__ = ["ReadRequest", "ReadsUnreached", "load_arrays", "full_tensor", "Comm"]
 
 log = logging.getLogger("ckpt")
-SEND_ROUND_BYTES = 64 << 20  # chunks sent to ranks that cannot reach them, per round (two in flight)
+SEND_ROUND_BYTES = 64 << 20  # chunks a holder reads for ranks that cannot reach them, per round (two in flight)
 
 
 class Comm(Protocol):
@@ -73,8 +74,9 @@ class Comm(Protocol):
     world: int
 
     def all_gather(self, obj: Any) -> list[Any]: ...
-    def all_gather_few(self, obj: Any, most: int = ...) -> list[Any]: ...
+    def all_to_all(self, parts: Sequence[Any]) -> list[Any]: ...
     def any(self, flag: bool) -> bool: ...
+    def reduce_max(self, values: Sequence[int]) -> list[int]: ...
     def exchange(
         self, sends: Sequence[tuple[int, int, torch.Tensor]], recvs: Sequence[tuple[int, int, torch.Tensor]]
     ) -> None: ...
@@ -514,14 +516,6 @@ def _first_real(failures: Sequence[BaseException]) -> BaseException:
     return next((e for e in failures if not isinstance(e, SourcesUnreachable)), failures[0])
 
 
-class _View(NamedTuple):
-    """One rank's part of a load's exchange, as every rank receives it."""
-
-    needs: list[tuple[str, tuple[int, ...]]]  # chunks it needs and reaches on none of its sources
-    reach: RankRanges  # saved ranks whose chunks it can read (and so send)
-    lost: RankRanges  # saved ranks with a copy on a source it could not reach
-
-
 class ReadsUnreached(SourcesUnreachable):
     """Every read of this rank that failed, failed because sources at `locations` could not
     be reached from it: those reads fill the requests at `requests` (indices into the
@@ -537,6 +531,50 @@ class ReadsUnreached(SourcesUnreachable):
         e.locations = frozenset().union(*(f.locations for f in failures))
         e.requests = tuple(sorted(set(requests)))
         return e
+
+
+def _hand_off(
+    comm: Comm, manifest: Manifest, remote: Sequence[ChunkKey], reach: frozenset[int], lost: frozenset[int]
+) -> tuple[list[Outgoing], list[Incoming], int, BaseException | None]:
+    """Collective: this rank's part of the hand-off (restore.handoff): the chunks it sends and
+    receives, the number of rounds (the same on every rank), and its error (a chunk it
+    needs that no rank reaches). What each rank reaches (a few ranges a rank) goes to every
+    rank; what it asks goes to the holders it asks only."""
+    views: list[tuple[RankRanges, RankRanges]] = comm.all_gather((ranges_of(reach), ranges_of(lost)))
+    holders: dict[int, list[int]] = {}  # per writer: the ranks that reach its chunks
+
+    def holders_of(writer: int) -> list[int]:
+        if writer not in holders:
+            holders[writer] = [r for r, (rch, _) in enumerate(views) if contains(rch, writer)]
+        return holders[writer]
+
+    def writer_of(key: ChunkKey) -> int:
+        return manifest.arrays[key[0]].chunk_at(key[1]).writer
+
+    error: BaseException | None = None
+    asks, unheld = ask_holders(remote, writer_of, holders_of)
+    if unheld:
+        name, index = unheld[0]
+        where = f"{name} chunk {list(index)}" + (f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else "")
+        if any(contains(lo, writer_of(unheld[0])) for _, lo in views):
+            error = TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
+        else:
+            error = CorruptVersionError(f"{where} is on no reachable root")
+    asked = comm.all_to_all([asks.get(r) for r in range(comm.world)])
+    sends: list[Outgoing] = []
+    answers: list[list[tuple[int, int]] | None] = [None] * comm.world
+    try:
+        sends, answers = plan_sends(asked, lambda k: manifest.arrays[k[0]].chunk_at(k[1]).nbytes, SEND_ROUND_BYTES)
+    except Exception as e:  # noqa: BLE001 - this rank still answers (nothing: its askers fail) and joins the rounds
+        error = error or e
+    got = comm.all_to_all(answers)
+    recvs: list[Incoming] = []
+    try:
+        recvs = incoming(asks, got)
+    except Exception as e:  # noqa: BLE001 - as above
+        error = error or e
+    mine = 1 + max([o.round for o in sends] + [i.round for i in recvs], default=-1)
+    return sends, recvs, comm.reduce_max([mine])[0], error
 
 
 def full_tensor(array: ArrayEntry) -> torch.Tensor:
@@ -587,18 +625,13 @@ def load_arrays(
         error, plan = e, []
     reach = (frozenset().union(*(s.writers for s in sources)) if sources else frozenset()) - lost
     remote = sorted((p.name, p.index) for p in plan if p.chunk.inline is None and p.chunk.writer not in reach)
-    views: list[_View] = []
+    by_key = {(p.name, p.index): p for p in plan} if remote else {}
+    sends: list[Outgoing] = []  # chunks this rank reads for ranks that cannot reach them
+    recvs: list[Incoming] = []  # chunks it needs and reaches on none of its sources
+    rounds = 0
     if comm.any(bool(remote)):  # some rank cannot reach a chunk it needs (else: one all-reduce)
-        # What each rank lacks, from the few that lack anything (a replaced node's ranks);
-        # what each reaches (a few ranges), from every rank.
-        needs = comm.all_gather_few(remote or None)
-        ranges = comm.all_gather((ranges_of(reach), ranges_of(lost)))
-        views = [_View(n or [], r, lo) for n, (r, lo) in zip(needs, ranges)]
-    by_key = {(p.name, p.index): p for p in plan} if views else {}  # (only chunks sent between ranks look here)
-    wanted: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-    for r, (needs, _, _) in enumerate(views):
-        for n, idx in needs:
-            wanted.setdefault((n, tuple(idx)), []).append(r)
+        sends, recvs, rounds, unheld = _hand_off(comm, manifest, remote, reach, lost)
+        error = error or unheld
     remote_set = set(remote)
     local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set] if remote else list(plan)
     local.sort(key=lambda p: -p.chunk.nbytes)  # largest first: no lone big read at the end
@@ -637,44 +670,28 @@ def load_arrays(
                 sources, dead, manifest, array, chunk, lambda s, c: _read_from(s, array, c, p.rows, reqs, verify)
             )
 
-        # Chunks some rank cannot reach (a node replaced with empty disks): one rank that reaches
-        # each (taking turns among them) reads it once, verified, and sends it point to point to
-        # the ranks that need it; in rounds of bounded bytes, in one order on every rank. This
-        # rank's own reads go on meanwhile, on their own thread.
+        # Chunks some rank cannot reach (a node replaced with empty disks, a world-size change
+        # with a root per node): the holder each asker picked (restore.handoff) reads it once,
+        # verified, and sends it point to point to the ranks that asked, in its rounds of
+        # bounded bytes; every rank takes part in every round. This rank's own reads go on
+        # meanwhile, on their own thread.
         own: list[tuple[list[Any], list[tuple[int, Exception]]]] = []
         reader = threading.Thread(
             target=lambda: own.append(run_lanes(local, read, max(1, threads), name="ckpt-read", solo=solo))
         )
-        if wanted:
+        if rounds:
             reader.start()
-        batches: list[list[tuple[int, str, tuple[int, ...]]]] = [[]]
-        held = 0
-        holders_of: dict[int, list[int]] = {}  # per writer: the ranks that reach its chunks
-        for pos, (name, index) in enumerate(sorted(wanted)):
-            array = manifest.arrays[name]
-            chunk = array.chunk_at(index)
-            if chunk.writer not in holders_of:
-                holders_of[chunk.writer] = [r for r, v in enumerate(views) if contains(v.reach, chunk.writer)]
-            holders = holders_of[chunk.writer]
-            if not holders:  # alike on every rank: decided from the gathered views
-                where = f"{name} chunk {list(index)}"
-                out_of_reach = any(contains(v.lost, chunk.writer) for v in views)
-                error = error or (
-                    TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
-                    if out_of_reach
-                    else CorruptVersionError(f"{where} is on no reachable root")
-                )
-                continue
-            if held >= SEND_ROUND_BYTES:
-                batches.append([])
-                held = 0
-            batches[-1].append((holders[pos % len(holders)], name, index))
-            held += chunk.nbytes
         # Two rounds in flight: the next one is read while this one is sent.
-        prepare = functools.partial(_prepare_round, comm, sources, manifest, requests, by_key, wanted)
+        sends_in: list[list[Outgoing]] = [[] for _ in range(rounds)]
+        recvs_in: list[list[Incoming]] = [[] for _ in range(rounds)]
+        for o in sends:
+            sends_in[o.round].append(o)
+        for inc in recvs:
+            recvs_in[inc.round].append(inc)
+        prepare = functools.partial(_prepare_round, sources, manifest, requests, by_key)
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-send-ahead") as ahead:
-            nxt = ahead.submit(prepare, batches[0], verify, threads, dead) if batches[0] else None
-            for k in range(len(batches)):
+            nxt = ahead.submit(prepare, sends_in[0], recvs_in[0], verify, threads, dead) if rounds else None
+            for k in range(rounds):
                 if nxt is None:
                     break
                 rnd: _Round | None = None
@@ -682,8 +699,8 @@ def load_arrays(
                     rnd = nxt.result()
                 except Exception as e:  # noqa: BLE001 - outside the read lanes (a buffer not allocated)
                     error = error or e
-                more = rnd is not None and k + 1 < len(batches)
-                nxt = ahead.submit(prepare, batches[k + 1], verify, threads, dead) if more else None
+                more = rnd is not None and k + 1 < rounds
+                nxt = ahead.submit(prepare, sends_in[k + 1], recvs_in[k + 1], verify, threads, dead) if more else None
                 # One all-reduce a round: a rank that has no part to send or receive in it
                 # must not leave the others waiting in the exchange until the timeout. No
                 # rank sends it or any later round; the caller's agreement names the cause.
@@ -696,7 +713,7 @@ def load_arrays(
                     unsent.append(failure)
                 else:
                     error = error or failure
-        if wanted:
+        if rounds:
             reader.join()
         else:
             try:
@@ -737,13 +754,12 @@ class _Round:
 
 
 def _prepare_round(
-    comm: Comm,
     sources: Sequence[Source],
     manifest: Manifest,
     requests: Sequence[ReadRequest],
-    by_key: Mapping[tuple[str, tuple[int, ...]], ChunkRead],
-    wanted: Mapping[tuple[str, tuple[int, ...]], Sequence[int]],
-    batch: Sequence[tuple[int, str, tuple[int, ...]]],
+    by_key: Mapping[ChunkKey, ChunkRead],
+    outgoing: Sequence[Outgoing],
+    arriving: Sequence[Incoming],
     verify: bool,
     threads: int,
     dead: set[str],
@@ -756,26 +772,26 @@ def _prepare_round(
     reads: list[tuple[ArrayEntry, ChunkEntry, range, torch.Tensor]] = []
     recvs: list[tuple[int, int, torch.Tensor]] = []
     places: list[tuple[torch.Tensor, ArrayEntry, ChunkEntry, list[ReadRequest]]] = []
-    for tag, (holder, name, index) in enumerate(batch):
-        array = manifest.arrays[name]
-        chunk = array.chunk_at(index)
+    for out in outgoing:
+        array = manifest.arrays[out.key[0]]
+        chunk = array.chunk_at(out.key[1])
         parts = blocks(array, chunk)
-        size = sum(b.nbytes for b in parts)
-        if comm.rank == holder:
-            buf = torch.empty(size, dtype=torch.uint8)  # every byte read into it, or zeroed below
-            for span in _spans(len(parts), threads):  # a span: read in file order through one open file
-                lo, hi = parts[span[0]], parts[span[-1]]
-                reads.append((array, chunk, span, buf[lo.offset : hi.offset + hi.nbytes]))
-            sends += [(r, tag, buf) for r in wanted[(name, index)]]
-        elif comm.rank in wanted[(name, index)]:
-            mine = [requests[i] for i in by_key[(name, index)].requests]
-            rows = (0, (array.chunk_shape or (1,))[0])
-            if len(mine) == 1 and _direct(array, chunk, mine[0]) == rows:
-                recvs.append((holder, tag, _dest_bytes(mine[0], chunk, rows, row_bytes(array))))
-                continue
-            buf = torch.empty(size, dtype=torch.uint8)
-            recvs.append((holder, tag, buf))
-            places.append((buf, array, chunk, mine))
+        buf = torch.empty(sum(b.nbytes for b in parts), dtype=torch.uint8)  # every byte read into it, or zeroed below
+        for span in _spans(len(parts), threads):  # a span: read in file order through one open file
+            lo, hi = parts[span[0]], parts[span[-1]]
+            reads.append((array, chunk, span, buf[lo.offset : hi.offset + hi.nbytes]))
+        sends += [(r, out.tag, buf) for r in out.to]
+    for inc in arriving:
+        array = manifest.arrays[inc.key[0]]
+        chunk = array.chunk_at(inc.key[1])
+        mine = [requests[i] for i in by_key[inc.key].requests]
+        rows = (0, (array.chunk_shape or (1,))[0])
+        if len(mine) == 1 and _direct(array, chunk, mine[0]) == rows:
+            recvs.append((inc.holder, inc.tag, _dest_bytes(mine[0], chunk, rows, row_bytes(array))))
+            continue
+        buf = torch.empty(sum(b.nbytes for b in blocks(array, chunk)), dtype=torch.uint8)
+        recvs.append((inc.holder, inc.tag, buf))
+        places.append((buf, array, chunk, mine))
 
     def read(item: tuple[ArrayEntry, ChunkEntry, range, torch.Tensor]) -> None:
         array, chunk, span, out = item

@@ -104,41 +104,136 @@ def test_steady_state_save_costs_few_small_collectives(tmp_path: Path, per_node:
         assert Counter(r["relayout"])["all_gather"] == 1, (rank, r["relayout"])
         # A restore all-gathers each rank's listing (its candidates' writers as ranges);
         # only where chunks are then sent point to point (a root per node) what each rank
-        # cannot reach follows (all_gather_few: the sizes, then a broadcast per rank that
-        # lacks chunks) and what each reaches; the pin check and the manifest's holders
-        # are all-reduces.
+        # reaches follows, and two all-to-alls: what each rank asks of the ranks it picked
+        # to send it chunks, and their answers (restore.handoff); the pin check and the
+        # manifest's holders are all-reduces.
         for what in ("restore", "restore_newest"):
             calls = Counter(r[what])
             sent = calls["p2p"] > 0
             assert sent == per_node, (rank, what, calls)
-            assert calls["all_gather"] == 1 + 2 * sent and calls["gather"] == 0, (rank, what, calls)
-            assert 0 < calls["broadcast"] <= 4 if sent else calls["broadcast"] == 0, (rank, what, calls)
+            assert calls["all_gather"] == 1 + sent and calls["gather"] == 0, (rank, what, calls)
+            assert calls["all_to_all"] == 2 * sent, (rank, what, calls)
+            assert calls["broadcast"] == 0, (rank, what, calls)
 
 
-def few_job(ctx: Any) -> dict[str, Any]:
-    from ckpt._dist import make_comms
+def _keys_in(obj: Any, out: set[tuple[str, tuple[int, ...]]]) -> None:
+    """Every (array name, chunk index) pair inside what a collective returned."""
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], tuple):
+        out.add(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _keys_in(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _keys_in(x, out)
 
-    ctl, _ = make_comms(TIMEOUT)
-    said = {"rank": ctx.rank, "asks": [("w", (ctx.rank, 0))] * (100 * ctx.rank)} if ctx.rank in (1, 3) else None
+
+def handoff_job(ctx: Any, base: str) -> dict[str, Any]:
+    import ckpt
+    import ckpt.restore.execute as execute
+
+    arrays, rows = 24, 8
+    full = {
+        f"a{i:02d}": torch.arange(4 * rows * 16, dtype=torch.float32).reshape(4 * rows, 16) + i for i in range(arrays)
+    }
+
+    def part(k: int) -> dict[str, Any]:
+        return {
+            n: ckpt.Shard(t[k * rows : (k + 1) * rows].clone(), tuple(t.shape), (k * rows, 0)) for n, t in full.items()
+        }
+
     out: dict[str, Any] = {}
-    for most in (2, 1):  # two speakers: each broadcasts; more than `most`: one all_gather
-        before = Counter(ctl.calls)
-        got = ctl.all_gather_few(said, most=most)
-        out[str(most)] = dict(ctl.calls - before)
-        want = [{"rank": r, "asks": [("w", (r, 0))] * (100 * r)} if r in (1, 3) else None for r in range(ctx.world)]
-        ctx.check(got == want, f"most={most}: {got!r:.200}")
+    with ckpt.Checkpointer(f"{base}/node{ctx.rank // 2}", timeout=TIMEOUT) as ck:
+        ck.save(1, {"m": part(ctx.rank)})
+        ck.wait()
+        # The ranks of each node take the other node's rows: every rank needs chunks it
+        # cannot reach. One chunk a round a holder: rounds count the hand-off's serial steps.
+        execute.SEND_ROUND_BYTES = 1
+        seen: set[tuple[str, tuple[int, ...]]] = set()
+        for kind in ("all_gather", "all_gather_few", "all_to_all", "broadcast"):
+            real = getattr(ck._ctl, kind, None)
+            if real is None:
+                continue
+
+            def counted(*a: Any, _real: Any = real, **k: Any) -> Any:
+                got = _real(*a, **k)
+                if isinstance(got, list) and len(got) == ctx.world:
+                    _keys_in([x for r, x in enumerate(got) if r != ctx.rank], seen)
+                else:
+                    _keys_in(got, seen)
+                return got
+
+            setattr(ck._ctl, kind, counted)
+        other = (ctx.rank + 2) % 4
+        target = {
+            "m": {n: ckpt.Shard(torch.zeros(rows, 16), tuple(t.shape), (other * rows, 0)) for n, t in full.items()}
+        }
+        before = _calls(ck)
+        ck.restore(target, step=1)
+        out["calls"] = dict(_calls(ck) - before)
+        for n, t in full.items():
+            ctx.check(
+                torch.equal(target["m"][n].local_tensor, t[other * rows : (other + 1) * rows]), f"{n} restored wrong"
+            )
+        # The keys this rank learnt of: chunks it reads for the ranks that asked it (on its node).
+        out["foreign"] = sorted(f"{n}{list(i)}" for n, i in seen if i[0] // 2 != ctx.rank // 2)[:5]
+        out["keys"] = len(seen)
     return out
 
 
-def test_all_gather_few_sends_only_what_the_speakers_say(tmp_path: Path) -> None:
-    """Ranks 1 and 3 of 4 have something to say, the others nothing: every rank gets every
-    part (None for the silent), through the sizes and one broadcast per speaker, or one
-    all_gather where there are more speakers than `most`."""
-    results, failures = launch(THIS, "few_job", 4, tmp_path, timeout=120)
+def test_a_world_change_across_nodes_hands_chunks_over_in_parallel_rounds(tmp_path: Path) -> None:
+    """Four ranks, a root per node of two; on restore each node's ranks take the other
+    node's rows, so every rank needs 24 chunks it cannot reach (96 in all, one a round per
+    holder). Each rank learns only of chunks asked of it (on its own node's disk), never
+    of other ranks' requests; and the holders send side by side: the rounds (one
+    all-reduce each) number about a holder's share, not one per chunk of the whole job.
+    Before, every rank received every needy rank's list and the job sent one round of
+    64 MiB at a time: at 16,384 ranks with a root per node, each rank received ranks x
+    the neediest rank's list, and the job's hand-off ran one holder's read at a time."""
+    results, failures = launch(THIS, "handoff_job", 4, tmp_path, timeout=180, base=str(tmp_path))
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert not r["foreign"], (rank, r["foreign"])
+        assert 0 < r["keys"] <= 48, (rank, r["keys"])
+        # 96 chunks over 4 holders (each chunk held by the 2 ranks of its node): a fair
+        # share is 24 rounds; the rest of the restore's all-reduces are a handful.
+        assert r["calls"]["all_reduce"] <= 24 + 16, (rank, r["calls"])
+
+
+def to_all_job(ctx: Any) -> dict[str, Any]:
+    from ckpt._dist import make_comms
+
+    ctl, _ = make_comms(TIMEOUT)
+    # Rank 1 asks rank 3 for 300 keys and rank 0 for one; rank 3 asks rank 1 for 100; rank 2
+    # addresses only itself (kept, not sent); rank 0 asks nobody.
+    asks = {
+        1: {3: [("w", (i, 1)) for i in range(300)], 0: [("v", (1,))]},
+        2: {2: [("u", (2,))]},
+        3: {1: [("w", (i, 3)) for i in range(100)]},
+    }
+    mine = asks.get(ctx.rank, {})
+    parts = [mine.get(r) for r in range(ctx.world)]
+    before = Counter(ctl.calls)
+    got = ctl.all_to_all(parts)
+    out: dict[str, Any] = {"calls": dict(ctl.calls - before)}
+    want = [asks.get(r, {}).get(ctx.rank) for r in range(ctx.world)]
+    ctx.check(got == want, f"rank {ctx.rank} got {got!r:.200}")
+    try:
+        ctl.all_to_all(parts[:-1])
+    except ValueError as e:
+        out["short"] = str(e)
+    return out
+
+
+def test_all_to_all_hands_each_rank_only_its_parts(tmp_path: Path) -> None:
+    """Each rank receives exactly what the others addressed to it (None from the silent),
+    through one all-to-all of sizes and one point-to-point call; a list of the wrong
+    length is refused before any rank is waited for."""
+    results, failures = launch(THIS, "to_all_job", 4, tmp_path, timeout=120)
     assert not failures, failures
     for r in results:
-        assert r["2"] == {"all_gather": 1, "broadcast": 2}, r
-        assert r["1"] == {"all_gather": 2}, r
+        assert r["calls"] == {"all_to_all": 1, "p2p": 1}, r
+        assert "3 for 4 ranks" in r["short"], r
 
 
 def test_packed_reports_come_back_whole() -> None:
