@@ -568,11 +568,8 @@ def _hand_off(
     except Exception as e:  # noqa: BLE001 - this rank still answers (nothing: its askers fail) and joins the rounds
         error = error or e
     got = comm.all_to_all(answers)
-    recvs: list[Incoming] = []
-    try:
-        recvs = incoming(asks, got)
-    except Exception as e:  # noqa: BLE001 - as above
-        error = error or e
+    recvs, mismatch = incoming(asks, got)
+    error = error or mismatch
     mine = 1 + max([o.round for o in sends] + [i.round for i in recvs], default=-1)
     return sends, recvs, comm.reduce_max([mine])[0], error
 

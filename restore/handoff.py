@@ -93,12 +93,19 @@ def plan_sends(
     return sends, answers
 
 
-def incoming(asks: dict[int, list[ChunkKey]], answers: Sequence[Sequence[tuple[int, int]] | None]) -> list[Incoming]:
-    """What this rank receives: each key it asked of a holder, at the round and tag the holder gave."""
+def incoming(
+    asks: dict[int, list[ChunkKey]], answers: Sequence[Sequence[tuple[int, int]] | None]
+) -> tuple[list[Incoming], CkptError | None]:
+    """What this rank receives: each key it asked of a holder, at the round and tag the holder
+    gave; and an error for a holder whose answer does not match what was asked of it (it
+    sends this rank nothing). The other holders' chunks are still received: they send them
+    whatever this rank's error, and a send with no receive posted waits for the timeout."""
     out: list[Incoming] = []
+    error: CkptError | None = None
     for holder, keys in asks.items():
         got = answers[holder] or ()
         if len(got) != len(keys):
-            raise CkptError(f"rank {holder} answered {len(got)} of the {len(keys)} chunks asked of it")
+            error = error or CkptError(f"rank {holder} answered {len(got)} of the {len(keys)} chunks asked of it")
+            continue
         out += [Incoming(rnd, tag, key, holder) for key, (rnd, tag) in zip(keys, got)]
-    return out
+    return out, error

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from ckpt.restore.handoff import ChunkKey, Incoming, ask_holders, incoming, plan_sends
 from ckpt.store.errors import CkptError
 
@@ -53,7 +51,8 @@ def test_every_asker_picks_the_same_holder_and_each_chunk_is_read_once() -> None
         # Rounds of at most 3000 bytes (3 chunks), tags 0.. in each.
         assert all(tags == list(range(len(tags))) and len(tags) <= 3 for tags in per_round.values())
     for r in range(WORLD):
-        got[r] = incoming(asks[r][0], [answers[h][r] for h in range(WORLD)])
+        got[r], mismatch = incoming(asks[r][0], [answers[h][r] for h in range(WORLD)])
+        assert mismatch is None
         for inc in got[r]:
             assert r in sent[inc.key] and holder_of[inc.key] == inc.holder
     assert {(k, r) for k, to in sent.items() for r in to} == {(i.key, r) for r in range(WORLD) for i in got[r]}
@@ -66,8 +65,11 @@ def test_a_holder_answers_each_key_with_its_round_and_tag() -> None:
     assert answers == [None, [(1, 0), (0, 0)], [(0, 0)], None]
 
 
-def test_an_answer_that_does_not_match_the_asks_is_an_error() -> None:
-    with pytest.raises(CkptError, match="answered 1 of the 2"):
-        incoming({3: [("a", (0,)), ("a", (1,))]}, [None, None, None, [(0, 0)]])
-    with pytest.raises(CkptError, match="answered 0 of the 1"):
-        incoming({1: [("a", (0,))]}, [None, None])
+def test_an_answer_that_does_not_match_the_asks_is_an_error_for_that_holder_only() -> None:
+    """The other holders send their chunks whatever this rank's error: it still receives them
+    (a send with no receive posted would wait for the group's timeout)."""
+    got, error = incoming({3: [("a", (0,)), ("a", (1,))], 1: [("b", (0,))]}, [None, [(0, 0)], None, [(0, 0)]])
+    assert isinstance(error, CkptError) and "answered 1 of the 2" in str(error)
+    assert got == [Incoming(0, 0, ("b", (0,)), 1)]
+    got, error = incoming({1: [("a", (0,))]}, [None, None])
+    assert got == [] and error is not None and "answered 0 of the 1" in str(error)
