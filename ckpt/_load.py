@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 
@@ -32,18 +32,12 @@ from ckpt.rng import check_rng, restore_rng, seed_new_rank
 from ckpt.store.errors import CkptError, CorruptVersionError, RankFailures, StateMismatchError, TierUnavailableError
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
+from ckpt.store.rank_ranges import RankRanges, contains, ranges_of
 
 __all__ = ["load_version", "agreed_manifest", "read_agreed", "saved_rank_of"]
 
 _RANK_FILE_HOLDERS = 3  # ranks tried in turn for a rank file the asking rank cannot read
 _Outcome = Literal["ok", "unreachable", "damaged", "failed"]  # of a holder's read of a rank file
-
-
-class _Ask(NamedTuple):
-    """A rank's request for a rank file it could not read, as every rank receives it."""
-
-    rank: int  # the saved rank
-    out_of_reach: bool  # a copy is on a source the asking rank could not reach
 
 
 log = logging.getLogger("ckpt")
@@ -88,10 +82,12 @@ def saved_rank_of(ctl: Comm, manifest: Manifest, located: Located, want: int | N
     chunks; a rank on another node, or a new one, may see none)."""
     found: SavedRank | None = None
     error: BaseException | None = None
+    here: CorruptVersionError | None = None  # none here, or damaged here: another rank may hold a good copy
     try:
         if want is not None:
             found = saved_rank(manifest, _live(located), want)
-    except CorruptVersionError as e:  # none here, or damaged here: another rank may hold a good copy
+    except CorruptVersionError as e:
+        here = e
         log.info("rank %d: the rank file of saved rank %s is not on this rank's tiers: %s", ctl.rank, want, e)
     except SourcesUnreachable as e:  # a rank that reaches them sends it; the reads leave them out too
         log.warning("rank %d: %s; asking the other ranks", ctl.rank, e)
@@ -101,46 +97,72 @@ def saved_rank_of(ctl: Comm, manifest: Manifest, located: Located, want: int | N
     ctl.agree(error)
     if not ctl.any(want is not None and found is None):  # the usual case: one all-reduce
         return found
+    # The rank files some ranks lack (a node replaced with empty disks, a world-size change or
+    # a new order of the nodes with a root per node): each such rank asks one rank that reaches
+    # its file, point to point (an all-to-all), never every rank. Not from a rank with a copy
+    # out of its reach: its other copy may be the bad one.
     lost = _lost(located)
-    asks = [_Ask(*a) for a in ctl.all_gather(None if found is not None else (want, want in lost)) if a is not None]
-    wanted = sorted({a.rank for a in asks if a.rank is not None})
-    out_of_reach = {a.rank for a in asks if a.out_of_reach}
-    # Not from a rank with a copy out of its reach: its other copy may be the bad one.
-    servable = [w for w in wanted if w not in lost and any(w in s.writers for s in _live(located))]
-    offers = ctl.all_gather(servable)
-    for w in wanted:
-        holders = [r for r, offer in enumerate(offers) if w in offer]
-        what = f"the rank file of saved rank {w} of step {located.step}"
-        if not holders:  # alike on every rank: decided from what they all gathered
-            if w in out_of_reach:  # not damage: a copy no rank reaches now
-                raise TierUnavailableError(errno.EHOSTUNREACH, f"{what}: no rank reaches a copy")
-            raise CorruptVersionError(f"no rank holds {what}")
-        # A holder that finds it cannot reach its copy (a store rank 0 listed for it) hands
-        # over to the next; a few at most, each costs a retry budget.
-        for holder in holders[:_RANK_FILE_HOLDERS]:
-            sent: tuple[_Outcome, bytes | str] | None = None
-            if ctl.rank == holder:
-                try:
-                    sent = ("ok", rank_file_bytes_from(_live(located), manifest, w))
-                except SourcesUnreachable as e:
-                    located.unreachable.update(e.locations)
-                    sent = ("unreachable", f"rank {holder}: {describe_error(e)}")
-                except Exception as e:  # noqa: BLE001 - every rank must still join the broadcast
-                    bad = isinstance(e, CorruptVersionError)
-                    sent = ("damaged" if bad else "failed", f"rank {holder}: {describe_error(e)}")
-            kind, body = ctl.broadcast(sent, src=holder)
-            if kind != "unreachable":
-                break
-        if isinstance(body, str):  # every rank raises alike: damage falls back, the rest does not
-            if kind == "damaged":
-                raise CorruptVersionError(body)
-            if kind == "unreachable":
-                raise TierUnavailableError(errno.EHOSTUNREACH, f"{what}: no rank tried reaches a copy ({body})")
-            raise RankFailures({holder: body})
-        if w == want and found is None:  # the holder verified it against the manifest
-            got = parse_rank_file(body, manifest, w)
-            found = SavedRank(got.tree, got.rng)
+    reach = frozenset().union(*(s.writers for s in _live(located))) - lost
+    views: list[tuple[RankRanges, RankRanges]] = ctl.all_gather((ranges_of(reach), ranges_of(lost)))
+    holders: list[int] = []
+    if want is not None and found is None:
+        # Not itself: it reaches the file only where its copy is damaged.
+        holders = [r for r, (rch, _) in enumerate(views) if contains(rch, want) and r != ctl.rank]
+        at = want % len(holders) if holders else 0  # the askers of one file ask the same holder, each file another
+        holders = (holders[at:] + holders[:at])[:_RANK_FILE_HOLDERS]
+    what = f"the rank file of saved rank {want} of step {located.step}"
+    if want is not None and found is None and not holders:
+        if any(contains(lo, want) for _, lo in views):  # not damage: a copy no rank reaches now
+            error = TierUnavailableError(errno.EHOSTUNREACH, f"{what}: no rank reaches a copy")
+        else:
+            error = here if here is not None and want in reach else CorruptVersionError(f"no rank holds {what}")
+    # A holder that finds it cannot reach its copy (a store rank 0 listed for it) hands over
+    # to the next; a few at most, each costs a retry budget.
+    tried: list[str] = []
+    for turn in range(_RANK_FILE_HOLDERS):
+        ask = holders[turn] if turn < len(holders) and found is None and error is None else None
+        asked = ctl.all_to_all([want if r == ask else None for r in range(ctl.world)])
+        served: dict[int, tuple[_Outcome, bytes | str]] = {}
+        answers: list[tuple[_Outcome, bytes | str] | None] = [None] * ctl.world
+        for asker, w in enumerate(asked):
+            if w is None:
+                continue
+            if w not in served:
+                served[w] = _serve(ctl, located, manifest, w)
+            answers[asker] = served[w]
+        replies = ctl.all_to_all(answers)  # every rank, asking or not
+        if ask is not None and want is not None:
+            kind, body = replies[ask] or ("failed", f"rank {ask} did not answer")
+            if kind == "ok" and isinstance(body, bytes):
+                try:  # the holder verified it against the manifest
+                    got = parse_rank_file(body, manifest, want)
+                    found = SavedRank(got.tree, got.rng)
+                except Exception as e:  # noqa: BLE001 - every rank still joins the collectives below
+                    error = e
+            elif kind == "unreachable":
+                tried.append(str(body))
+            elif kind == "damaged":  # damage falls back (on every rank: agree), the rest does not
+                error = CorruptVersionError(str(body))
+            else:
+                error = RankFailures({ask: str(body)})
+        if not ctl.any(found is None and error is None and want is not None and turn + 1 < len(holders)):
+            break
+    if want is not None and found is None and error is None:
+        error = TierUnavailableError(errno.EHOSTUNREACH, f"{what}: no rank tried reaches a copy ({'; '.join(tried)})")
+    ctl.agree(error)
     return found
+
+
+def _serve(ctl: Comm, located: Located, manifest: Manifest, w: int) -> tuple[_Outcome, bytes | str]:
+    """This rank's read of saved rank `w`'s file for a rank that asked it: the verified bytes,
+    or what went wrong, as the asking rank learns it."""
+    try:
+        return "ok", rank_file_bytes_from(_live(located), manifest, w)
+    except SourcesUnreachable as e:
+        located.unreachable.update(e.locations)
+        return "unreachable", f"rank {ctl.rank}: {describe_error(e)}"
+    except Exception as e:  # noqa: BLE001 - the asking rank must still get an answer
+        return ("damaged" if isinstance(e, CorruptVersionError) else "failed"), f"rank {ctl.rank}: {describe_error(e)}"
 
 
 def _live(located: Located) -> list[Source]:

@@ -200,6 +200,48 @@ def test_a_world_change_across_nodes_hands_chunks_over_in_parallel_rounds(tmp_pa
         assert r["calls"]["all_reduce"] <= 24 + 16, (rank, r["calls"])
 
 
+def swapped_nodes_job(ctx: Any, base: str) -> dict[str, Any]:
+    import ckpt
+
+    full = torch.arange(4 * 8 * 16, dtype=torch.float32).reshape(32, 16)
+    with ckpt.Checkpointer(f"{base}/node{ctx.rank // 2}", timeout=TIMEOUT) as ck:
+        ck.save(1, {"w": ckpt.Shard(full[ctx.rank * 8 : ctx.rank * 8 + 8].clone(), (32, 16), (ctx.rank * 8, 0))})
+        ck.wait()
+    out: dict[str, Any] = {"files": 0}
+    # The job comes back with its nodes in the other order: each rank's part (chunks and
+    # rank file) is on the other node's disk.
+    with ckpt.Checkpointer(f"{base}/node{1 - ctx.rank // 2}", timeout=TIMEOUT) as ck:
+        for kind in ("all_gather", "all_to_all", "broadcast"):
+            real = getattr(ck._ctl, kind)
+
+            def counted(*a: Any, _real: Any = real, **k: Any) -> Any:
+                got = _real(*a, **k)
+                parts = [x for r, x in enumerate(got) if r != ctx.rank] if isinstance(got, list) else [got]
+                out["files"] += sum(1 for x in parts if isinstance(x, tuple) and any(isinstance(y, bytes) for y in x))
+                return got
+
+            setattr(ck._ctl, kind, counted)
+        target = {"w": ckpt.Shard(torch.zeros(8, 16), (32, 16), (ctx.rank * 8, 0))}
+        before = _calls(ck)
+        ck.restore(target, step=1)
+        out["calls"] = dict(_calls(ck) - before)
+        ctx.check(torch.equal(target["w"].local_tensor, full[ctx.rank * 8 : ctx.rank * 8 + 8]), "w restored wrong")
+    return out
+
+
+def test_a_rank_file_on_another_node_reaches_only_the_rank_that_needs_it(tmp_path: Path) -> None:
+    """Four ranks, a root per node of two, resumed with the nodes in the other order: each
+    rank's rank file (its tree and RNG) and chunks are on the other node's disk. Each rank
+    receives its own rank file only, from a rank that reaches it, point to point. Before,
+    each file a rank lacked was broadcast to every rank, one broadcast a file: at 16,384
+    ranks, every rank received all 16,384 files."""
+    results, failures = launch(THIS, "swapped_nodes_job", 4, tmp_path, timeout=180, base=str(tmp_path))
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert r["files"] == 1, (rank, r)
+        assert r["calls"].get("broadcast", 0) == 0, (rank, r)
+
+
 def to_all_job(ctx: Any) -> dict[str, Any]:
     from ckpt._dist import make_comms
 
