@@ -8,7 +8,9 @@ its own chunks (`chunks_of`) and its sliver schedule. Every save: rank 0's commi
 the bytes rank 0 and a root's leader receive (ckpt._reports packs), and on restore
 `parse_manifest`, `plan_reads` and the rank files a restoring rank reads, and the
 restore's one all-gather (each rank's listing, restore.locate.Listing) with the choice
-every rank makes from all of them. Each (layout, world) runs in its own process, with an address-space
+every rank makes from all of them, and the hand-off where ranks lack their part (the
+nodes in a new order: restore.handoff's plans, the asks and answers each rank receives,
+the rank files). Each (layout, world) runs in its own process, with an address-space
 limit, so its peak RSS is its own; a case over the time or memory budget is recorded
 as such and the larger worlds of that layout are not run.
 
@@ -240,7 +242,51 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
 
     out["restore_meta_s"], out["restore_meta_bytes"], _ = _cost(restore_meta)
     out.update(measure_listing(world))
+    out.update(measure_handoff(world, arrays, size0))
     return out
+
+
+def measure_handoff(world: int, arrays: int, rank_file_bytes: int) -> dict[str, Any]:
+    """A restore's hand-off (restore.handoff) when the job comes back with its nodes in a new
+    order, a root per node of 8 ranks: every rank lacks its own part (a chunk of each array,
+    and its rank file), which the 8 ranks now on its old node hold. The real planning code
+    and the pickled parts Comm.all_to_all sends: what a rank (both asker and holder here)
+    receives, against the all-gather of every rank's list that it replaced (padded to the
+    longest) and the broadcast of every rank file a rank lacked."""
+    from ckpt.restore.execute import SEND_ROUND_BYTES
+    from ckpt.restore.handoff import Ask, ask_holders, incoming, plan_sends
+    from ckpt.store.rank_ranges import ranges_of
+
+    def dumps(obj: Any) -> int:
+        return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) if obj is not None else 0
+
+    per_node = 8
+    nodes = -(-world // per_node)
+    node_ranks = list(range(min(per_node, world)))  # node 0's ranks, whose disk node 1's ranks now hold
+    holders = [(r + per_node) % world for r in node_ranks] if nodes > 1 else node_ranks[1:] or node_ranks
+    needs = {r: [(f"layers.{i}.w", (r, 0)) for i in range(arrays)] for r in node_ranks}
+    asks = {r: ask_holders(needs[r], lambda k: k[1][0], lambda w: holders, r)[0] for r in node_ranks}
+    parts = {r: {x: Ask(SEND_ROUND_BYTES // len(by), keys) for x, keys in by.items()} for r, by in asks.items()}
+    planned = {}  # per holder rank 0 asks: (its sends, its answers), from what node 0's ranks ask of it
+    for x in asks[0]:
+        asked = [parts[r].get(x) if r in parts else None for r in range(world)]
+        planned[x] = (asked, *plan_sends(asked, lambda k: 1 << 20, SEND_ROUND_BYTES))
+    got, error = incoming(asks[0], [planned[x][2][0] if x in planned else None for x in range(world)])
+    sizes = 8 * world  # an int64 a rank pair, in each of the two all-to-alls
+    reach = dumps((ranges_of(range(per_node)), ranges_of(())))
+    h = next(iter(planned))  # rank 0 as an asker receives its holders' answers; holder h, the asks
+    answers_in = sum(dumps(p[2][0]) for p in planned.values())
+    asks_in = sum(dumps(a) for a in planned[h][0])
+    sends = planned[h][1]
+    return {
+        "handoff_asks_sent_bytes": sum(dumps(v) for v in parts[0].values()),
+        "handoff_received_bytes": asks_in + answers_in + 2 * sizes + world * reach,
+        "handoff_received_bytes_before": world * dumps(needs[0]) + world * reach,
+        "handoff_holder_sends": len(sends),
+        "handoff_rank_files_received_bytes": rank_file_bytes,
+        "handoff_rank_files_received_bytes_before": world * rank_file_bytes,
+        "handoff_answers_ok": error is None and sorted(i.key for i in got) == sorted(needs[0]),
+    }
 
 
 def measure_listing(world: int) -> dict[str, Any]:
@@ -502,6 +548,14 @@ def targets(cases: list[dict[str, Any]], real: dict[str, Any] | None, top: int) 
             "<= 1 s",
             listed["listing_choice_s"] <= 1,
         )
+        if "handoff_received_bytes" in listed:
+            mb = listed["handoff_received_bytes"] / MiB
+            add(
+                f"restore hand-off, nodes in a new order @ {top} ranks: MB each rank receives",
+                round(mb, 2),
+                "<= 4 MB",
+                mb <= 4 and listed["handoff_answers_ok"],
+            )
     zero = [c for c in cases if c["layout"] == "zero1" and "failed" not in c]
     if zero:
         worst = max(c["chunks_over_bound"] for c in zero)
@@ -561,6 +615,29 @@ def markdown(cases: list[dict[str, Any]], tg: list[dict[str, Any]], real: dict[s
             f"| {c['world']} | {c['listing_rank_bytes']} | {c['listing_received_bytes'] / MiB:.1f} | "
             f"{c['listing_rank_bytes_before']} | {c['listing_received_bytes_before'] / MiB:.1f} | "
             f"{c['listing_choice_s']:.2f} | {c['listing_choice_bytes'] / MiB:.0f} |"
+        )
+    lines += [
+        "",
+        "## A restore's hand-off",
+        "",
+        "The job resumed with its nodes in a new order, a root per node of 8 ranks: every rank lacks its",
+        "part (a chunk of each array, the arrays of the case, and its rank file), held by the 8 ranks now",
+        "on its old node (restore.handoff's real planning; the parts pickled as Comm.all_to_all sends them).",
+        "A rank both asks and holds. Before: every rank's list all-gathered (padded to the longest), and",
+        "every rank file a rank lacked broadcast to every rank.",
+        "",
+        "| ranks | asks a rank sends KB | MB each rank receives | before: MB | rank files received MB | before: MB |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    seen = set()
+    for c in sorted(cases, key=lambda c: c["world"]):
+        if "failed" in c or c["world"] in seen or "handoff_received_bytes" not in c:
+            continue
+        seen.add(c["world"])
+        lines.append(
+            f"| {c['world']} | {c['handoff_asks_sent_bytes'] / 1024:.0f} | {c['handoff_received_bytes'] / MiB:.2f} | "
+            f"{c['handoff_received_bytes_before'] / MiB:.0f} | {c['handoff_rank_files_received_bytes'] / MiB:.2f} | "
+            f"{c['handoff_rank_files_received_bytes_before'] / MiB:.0f} |"
         )
     lines += ["", "## Targets", "", "| target | value | goal | pass |", "| --- | --- | --- | --- |"]
     lines += [f"| {t['name']} | {t['value']} | {t['target']} | {'yes' if t['pass'] else 'NO'} |" for t in tg]

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ckpt.restore.handoff import ChunkKey, Incoming, Outgoing, ask_holders, incoming, plan_sends
+from ckpt.restore.handoff import Ask, ChunkKey, Incoming, Outgoing, ask_holders, incoming, plan_sends
 from ckpt.restore.reshard import (
     Block,
     Box,
@@ -64,7 +64,7 @@ from ckpt.store.tier import ReadHandle
 __all__ = ["ReadRequest", "ReadsUnreached", "load_arrays", "full_tensor", "Comm"]
 
 log = logging.getLogger("ckpt")
-SEND_ROUND_BYTES = 64 << 20  # chunks a holder reads for ranks that cannot reach them, per round (two in flight)
+SEND_ROUND_BYTES = 64 << 20  # chunks a holder reads, and a rank receives, per round of the hand-off (two in flight)
 
 
 class Comm(Protocol):
@@ -552,7 +552,7 @@ def _hand_off(
         return manifest.arrays[key[0]].chunk_at(key[1]).writer
 
     error: BaseException | None = None
-    asks, unheld = ask_holders(remote, writer_of, holders_of)
+    asks, unheld = ask_holders(remote, writer_of, holders_of, comm.rank)
     if unheld:
         name, index = unheld[0]
         where = f"{name} chunk {list(index)}" + (f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else "")
@@ -560,7 +560,8 @@ def _hand_off(
             error = TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
         else:
             error = CorruptVersionError(f"{where} is on no reachable root")
-    asked = comm.all_to_all([asks.get(r) for r in range(comm.world)])
+    budget = max(1, SEND_ROUND_BYTES // max(1, len(asks)))  # its receive buffers: one round's bytes in all
+    asked = comm.all_to_all([Ask(budget, asks[r]) if r in asks else None for r in range(comm.world)])
     sends: list[Outgoing] = []
     answers: list[list[tuple[int, int]] | None] = [None] * comm.world
     try:

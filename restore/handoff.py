@@ -4,15 +4,18 @@ restore's hand-off (restore.execute runs it).
 A rank that needs chunks on no source it reaches (a node replaced with empty disks, or a
 world-size change where each node's disk holds only its own ranks' chunks) picks, for each,
 one rank that reaches the chunk's writer (`ask_holders`) and sends it the keys (an
-all-to-all: each rank receives only what is asked of it). The holder reads each distinct
-chunk once, for every rank that asked, in rounds of at most `round_bytes` (`plan_sends`),
-and answers each asker with the round and tag of every key it asked for. No rank handles
+all-to-all: each rank receives only what is asked of it), with the bytes it takes from
+that holder in one round: the round's bytes over the number of holders it asks, so that
+its receive buffers stay within one round's bytes. The holder reads each distinct chunk
+once, for every rank that asked, in rounds within its own bound and each asker's
+(`plan_sends`), and answers each asker with the round and tag of every key it asked for. No rank handles
 another pair's requests: a rank's work and bytes grow with what it needs and what is asked
 of it, not with the world size times the neediest rank's list.
 
-Every rank that asks for a chunk picks the same holder (a hash of the key among the ranks
-that reach its writer), so a chunk many ranks need is read once and the reading is spread
-over its holders.
+The ranks that ask for a chunk pick the same holder (a hash of the key among the ranks that
+reach its writer), so a chunk several ranks need is read once and the reading is spread
+over its holders; groups of ASKERS_PER_READ ranks pick apart, so that a chunk thousands of
+ranks need is sent by several holders.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt.store.errors import CkptError
 
-__all__ = ["ChunkKey", "Outgoing", "Incoming", "ask_holders", "plan_sends", "incoming"]
+__all__ = ["ChunkKey", "Ask", "Outgoing", "Incoming", "ask_holders", "plan_sends", "incoming"]
 
 ChunkKey = tuple[str, tuple[int, ...]]  # (array name, chunk index)
 
@@ -48,48 +52,78 @@ class Incoming:
     holder: int
 
 
-def pick(key: ChunkKey, holders: Sequence[int]) -> int:
-    """The holder every rank picks for `key`: stable across processes (Python's str hash is not)."""
+ASKERS_PER_READ = 64
+"""Ranks (consecutive) that pick the same holder for a chunk: a chunk that thousands of ranks
+lack (a replicated tensor, written once) is read by up to one holder per group of them and
+sent by each to its group, not by one holder to every rank; a chunk few ranks lack (the
+usual reshard: neighbouring ranks) is read once."""
+
+
+def pick(key: ChunkKey, holders: Sequence[int], asker: int) -> int:
+    """The holder `asker` asks for `key`: the same for every asker of its group, stable across
+    processes (Python's str hash is not)."""
     name, index = key
-    return holders[zlib.crc32(f"{name}\0{','.join(map(str, index))}".encode()) % len(holders)]
+    salt = asker // ASKERS_PER_READ
+    return holders[zlib.crc32(f"{name}\0{','.join(map(str, index))}\0{salt}".encode()) % len(holders)]
 
 
 def ask_holders(
-    needs: Sequence[ChunkKey], writer_of: Callable[[ChunkKey], int], holders_of: Callable[[int], Sequence[int]]
+    needs: Sequence[ChunkKey],
+    writer_of: Callable[[ChunkKey], int],
+    holders_of: Callable[[int], Sequence[int]],
+    asker: int,
 ) -> tuple[dict[int, list[ChunkKey]], list[ChunkKey]]:
-    """The keys to ask of each holder (in `needs`' order), and the keys no rank reaches."""
+    """The keys `asker` asks of each holder (in `needs`' order), and the keys no rank reaches."""
     asks: dict[int, list[ChunkKey]] = {}
     unheld: list[ChunkKey] = []
     for key in needs:
         holders = holders_of(writer_of(key))
         if holders:
-            asks.setdefault(pick(key, holders), []).append(key)
+            asks.setdefault(pick(key, holders, asker), []).append(key)
         else:
             unheld.append(key)
     return asks, unheld
 
 
+class Ask(NamedTuple):
+    """What a rank asks of one holder: the chunks, and how many of their bytes it takes in one
+    round (its receive buffers are bounded by the round bytes over all its holders)."""
+
+    budget: int
+    keys: list[ChunkKey]
+
+
 def plan_sends(
-    asked: Sequence[Sequence[ChunkKey] | None], nbytes: Callable[[ChunkKey], int], round_bytes: int
+    asked: Sequence[Ask | None], nbytes: Callable[[ChunkKey], int], round_bytes: int
 ) -> tuple[list[Outgoing], list[list[tuple[int, int]] | None]]:
-    """This holder's sends (each distinct chunk asked of it once, in key order, in rounds
-    that hold at least one chunk and reach `round_bytes` at most by their last), and for
-    each rank that asked, the (round, tag) of each key it asked for, in its order."""
+    """This holder's sends (each distinct chunk asked of it once, in key order, in rounds of
+    at most `round_bytes`, and at most each asker's budget of bytes for it, unless a round
+    holds one chunk only), and for each rank that asked, the (round, tag) of each key it
+    asked for, in its order."""
     askers: dict[ChunkKey, list[int]] = {}
-    for rank, keys in enumerate(asked):
-        for key in keys or ():
-            askers.setdefault(key, []).append(rank)
+    budget: dict[int, int] = {}
+    for rank, ask in enumerate(asked):
+        if ask is not None:
+            budget[rank] = ask.budget
+            for key in ask.keys:
+                askers.setdefault(key, []).append(rank)
     sends: list[Outgoing] = []
     where: dict[ChunkKey, tuple[int, int]] = {}
     rnd, tag, held = 0, 0, 0
+    taken: dict[int, int] = {}  # bytes of this round, per asker
     for key in sorted(askers):
-        if held >= round_bytes:
+        n, to = nbytes(key), askers[key]
+        full = held + n > round_bytes or any(taken.get(r, 0) + n > budget[r] for r in to)
+        if tag and full:
             rnd, tag, held = rnd + 1, 0, 0
-        sends.append(Outgoing(rnd, tag, key, tuple(askers[key])))
+            taken.clear()
+        sends.append(Outgoing(rnd, tag, key, tuple(to)))
         where[key] = (rnd, tag)
         tag += 1
-        held += nbytes(key)
-    answers = [None if not keys else [where[k] for k in keys] for keys in asked]
+        held += n
+        for r in to:
+            taken[r] = taken.get(r, 0) + n
+    answers = [None if ask is None or not ask.keys else [where[k] for k in ask.keys] for ask in asked]
     return sends, answers
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpt.restore.handoff import ChunkKey, Incoming, ask_holders, incoming, plan_sends
+from ckpt.restore.handoff import Ask, ChunkKey, Incoming, ask_holders, incoming, plan_sends
 from ckpt.store.errors import CkptError
 
 WORLD = 64
@@ -26,8 +26,11 @@ def _needs(rank: int) -> list[ChunkKey]:
 
 
 def test_every_asker_picks_the_same_holder_and_each_chunk_is_read_once() -> None:
-    asks = {r: ask_holders(_needs(r), _writer, _holders) for r in range(WORLD)}
-    asked_of = [[asks[r][0].get(h) for r in range(WORLD)] for h in range(WORLD)]
+    asks = {r: ask_holders(_needs(r), _writer, _holders, r) for r in range(WORLD)}
+    budget = {r: 3000 // max(1, len(asks[r][0])) for r in range(WORLD)}  # as restore.execute asks
+    asked_of = [
+        [Ask(budget[r], asks[r][0][h]) if h in asks[r][0] else None for r in range(WORLD)] for h in range(WORLD)
+    ]
     holder_of: dict[ChunkKey, int] = {}
     for r, (by_holder, unheld) in asks.items():
         assert sorted([k for ks in by_holder.values() for k in ks] + unheld) == _needs(r)
@@ -46,10 +49,15 @@ def test_every_asker_picks_the_same_holder_and_each_chunk_is_read_once() -> None
             assert o.key not in sent  # one read a chunk, sent to every rank that asked
             sent[o.key] = o.to
         per_round: dict[int, list[int]] = {}
+        taken: dict[tuple[int, int], int] = {}
         for o in sends:
             per_round.setdefault(o.round, []).append(o.tag)
-        # Rounds of at most 3000 bytes (3 chunks), tags 0.. in each.
+            for r in o.to:
+                taken[(o.round, r)] = taken.get((o.round, r), 0) + 1000
+        # Rounds of at most 3000 bytes (3 chunks), tags 0.. in each; an asker gets at most its
+        # budget from this holder in a round, or one chunk.
         assert all(tags == list(range(len(tags))) and len(tags) <= 3 for tags in per_round.values())
+        assert all(n <= max(budget[r], 1000) for (_, r), n in taken.items())
     for r in range(WORLD):
         got[r], mismatch = incoming(asks[r][0], [answers[h][r] for h in range(WORLD)])
         assert mismatch is None
@@ -59,7 +67,7 @@ def test_every_asker_picks_the_same_holder_and_each_chunk_is_read_once() -> None
 
 
 def test_a_holder_answers_each_key_with_its_round_and_tag() -> None:
-    asked = [None, [("b", (1,)), ("a", (0,))], [("a", (0,))], []]
+    asked = [None, Ask(100, [("b", (1,)), ("a", (0,))]), Ask(100, [("a", (0,))]), Ask(100, [])]
     sends, answers = plan_sends(asked, lambda k: 10, 10)
     assert [(o.round, o.tag, o.key, o.to) for o in sends] == [(0, 0, ("a", (0,)), (1, 2)), (1, 0, ("b", (1,)), (1,))]
     assert answers == [None, [(1, 0), (0, 0)], [(0, 0)], None]
@@ -73,3 +81,36 @@ def test_an_answer_that_does_not_match_the_asks_is_an_error_for_that_holder_only
     assert got == [Incoming(0, 0, ("b", (0,)), 1)]
     got, error = incoming({1: [("a", (0,))]}, [None, None])
     assert got == [] and error is not None and "answered 0 of the 1" in str(error)
+
+
+def test_a_round_holds_no_more_than_an_askers_budget() -> None:
+    """Rank 1 asks 4 chunks of 10 bytes with a budget of 20 (it asks other holders too);
+    rank 2 asks 2 others with a budget of 100: rounds of 20 bytes for rank 1, though the
+    holder's own bound (100) would take all six chunks in one."""
+    asked = [None, Ask(20, [("a", (i,)) for i in range(4)]), Ask(100, [("b", (0,)), ("b", (1,))])]
+    sends, answers = plan_sends(asked, lambda k: 10, 100)
+    rounds = {o.key: o.round for o in sends}
+    assert [rounds[("a", (i,))] for i in range(4)] == [0, 0, 1, 1]
+    assert answers[1] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert rounds[("b", (0,))] == rounds[("b", (1,))] == 1  # with rank 1's last two: 40 bytes, its 20
+    big = plan_sends([Ask(5, [("c", (0,)), ("c", (1,))])], lambda k: 10, 100)[0]
+    assert [o.round for o in big] == [0, 1]  # a chunk over the budget goes alone
+
+
+def test_a_chunk_thousands_of_ranks_lack_is_sent_by_several_holders() -> None:
+    """A replicated tensor written once by rank 0, the job resumed on other nodes: 4,096
+    ranks lack its chunk and the 8 ranks of rank 0's old node hold it. Each group of 64
+    consecutive askers picks one holder: every holder sends, none to more than a few
+    groups; a chunk only neighbouring ranks lack is still read once."""
+    key = ("norm.weight", (0,))
+    holders = list(range(8))
+    picked = {r: ask_holders([key], _writer, lambda w: holders, r)[0] for r in range(8, 4096 + 8)}
+    fan: dict[int, int] = {}
+    for r, by in picked.items():
+        (h,) = by
+        fan[h] = fan.get(h, 0) + 1
+        assert h == next(iter(picked[r - r % 64 if r - r % 64 >= 8 else 8])), r  # one holder a group
+    assert set(fan) == set(holders), fan
+    assert max(fan.values()) <= 4096 // 8 * 2, fan
+    near = {next(iter(ask_holders([key], _writer, lambda w: holders, r)[0])) for r in range(64, 128)}
+    assert len(near) == 1
