@@ -25,6 +25,7 @@ class Checked:
     problems: tuple[str, ...]  # one line per bad chunk, or the bad manifest: damage
     summary: str  # "ok (N chunks, SIZE)" when there is no problem
     unreadable: tuple[str, ...] = ()  # one line per file no read of which succeeded (an I/O error)
+    whole: bool = False  # the problem is the version itself (its manifest or directory), not chunks
 
 
 def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
@@ -37,7 +38,7 @@ def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
     except TierUnavailableError:
         raise  # the disk fails (I/O error): one error line and exit 3, not a bad chunk
     except CkptError as e:
-        return Checked(step, (f"BAD manifest: {e}",), "")
+        return Checked(step, (f"BAD manifest: {e}",), "", whole=True)
     info = read_root_info(tier, step)
     held = set(info.writers) if info is not None else None
     found = list(verify_chunks(tier, step, manifest, held))
@@ -57,7 +58,7 @@ def verify_tier(tier: Tier, step: int | None = None) -> Iterator[Checked]:
     if not steps and not damaged:
         raise CkptError(f"no committed versions in {tier.location}")
     for d in sorted(damaged.values(), key=lambda d: d.step):
-        yield Checked(d.step, (f"BAD {d.name}: {d.why}",), "")
+        yield Checked(d.step, (f"BAD {d.name}: {d.why}",), "", whole=True)
     for s in steps:
         with pin_version(tier, s) as held:  # GC leaves it alone while it is checked
             there = held and tier.exists(join_key(version_dirname(s), MANIFEST_NAME))  # or a GC deleted it meanwhile

@@ -175,18 +175,24 @@ def ls_cmd(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
 def verify_cmd(root: str, step: int | None, storage_options: tuple[str, ...]) -> None:
     """Recompute every chunk's xxh3 (ROOT: a path or a URL); exit 1 naming each bad chunk,
     else 3 naming each file that failed every read with an I/O error (no proof of damage)."""
-    bad = unreadable = 0
+    bad = damaged = unreadable = 0
     for checked in verify_tier(_root(root, _options(storage_options)), step):
         for line in (*checked.problems, *checked.unreadable):
             click.echo(f"step {checked.step}: {line}")
         if not checked.problems and not checked.unreadable:
             click.echo(f"step {checked.step}: {checked.summary}")
-        bad += len(checked.problems)
+        if checked.whole:
+            damaged += 1
+        else:
+            bad += len(checked.problems)
         unreadable += len(checked.unreadable)
     if unreadable:
         click.echo(f"{unreadable} unreadable file{'s' if unreadable != 1 else ''} (I/O errors: run it again)", err=True)
-    if bad:
-        click.echo(f"{bad} bad chunk{'s' if bad != 1 else ''}", err=True)
+    if bad or damaged:
+        found = [
+            f"{n} {what}{'s' if n != 1 else ''}" for n, what in ((bad, "bad chunk"), (damaged, "damaged version")) if n
+        ]
+        click.echo(", ".join(found), err=True)
         sys.exit(EXIT_BAD_CHUNKS)
     if unreadable:
         sys.exit(EXIT_CKPT_ERROR)  # not damage: a disk that fails reads now may read later

@@ -316,6 +316,8 @@ def test_array_name_leaving_the_version_is_refused(tmp_path: Path, name: str) ->
         assert_bitwise(got["w"], old["w"], "w")
     result = cli_run("verify", str(root))
     assert result.exit_code == 1 and "step 2: BAD manifest" in result.output, result.output
+    # The summary names a damaged version, not a bad chunk (a manifest is no chunk).
+    assert "1 damaged version" in result.output and "bad chunk" not in result.output, result.output
     assert tree_outside(tmp_path, root) == before  # nothing outside opened for reading, created or changed
 
 
