@@ -32,7 +32,7 @@ from ckpt._render import human, inspect_lines, inspect_rows, ls_lines
 from ckpt._verify import verify_tier
 from ckpt.store.errors import CkptError, CorruptVersionError
 from ckpt.store.storage_options import parse_storage_options, redact
-from ckpt.store.tier import Tier, is_url, open_tier
+from ckpt.store.tier import Tier, is_url, local_location, open_tier
 from ckpt.store.versions import MAX_STEP, committed_steps
 
 if TYPE_CHECKING:
@@ -551,6 +551,10 @@ def replicate_cmd(
     if not os.path.isdir(root):
         raise CkptError(f"{root} is not a directory")
     check_writable_root(root)
+    for where in (remote, *replica_roots):  # where copies go: never into an ordinary directory
+        local = local_location(where) if where else None
+        if local is not None:
+            check_writable_root(local, where)
     options = _options(storage_options)
     if metrics_port is not None:
         from ckpt.store.metrics import serve

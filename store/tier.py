@@ -189,6 +189,13 @@ class Tier(ABC):
         return False
 
 
+def local_location(location: str) -> str | None:
+    """The directory a local path or `file://` URL names; None for any other URL."""
+    if location.startswith("file://"):
+        return location[len("file://") :]
+    return None if is_url(location) else location
+
+
 def open_tier(
     location: str,
     storage_options: Mapping[str, Any] | None = None,
@@ -198,10 +205,11 @@ def open_tier(
     """A tier for a local path or `file://` URL (a directory of this machine's filesystem,
     which need not exist yet), or for any other fsspec URL (`s3://bucket/prefix`),
     configured by `storage_options` or, for S3, the standard AWS_* variables and files."""
-    if not is_url(location) or location.startswith("file://"):
+    local = local_location(location)
+    if local is not None:
         from ckpt.store._local import LocalTier
 
-        return LocalTier(location[len("file://") :] if location.startswith("file://") else location)
+        return LocalTier(local)
     from ckpt.store._fsspec import FsspecTier
 
     return FsspecTier(location, storage_options, retry=retry)

@@ -187,6 +187,12 @@ def test_commands_that_write_refuse_an_ordinary_directory(root: Path, tmp_path: 
     one_line_error(run("replicate", ordinary, "--once"), 3, "neither empty nor a checkpoint root")
     one_line_error(run("restore", root, "--to", ordinary), 3, "neither empty nor a checkpoint root")
     one_line_error(run("gc", ordinary, "--keep-last", "1"), 3, "neither empty nor a checkpoint root")
+    # Where copies go: the remote as a path or a file:// URL, a replica root.
+    one_line_error(run("replicate", root, "--once", "--to", ordinary), 3, "neither empty nor a checkpoint root")
+    one_line_error(run("replicate", root, "--once", "--to", f"file://{ordinary}"), 3, "neither empty nor")
+    one_line_error(
+        run("replicate", root, "--once", "--replicas", "2", "--replica-root", ordinary), 3, "neither empty nor"
+    )
     assert [p.name for p in ordinary.iterdir()] == ["notes.txt"]  # nothing written: no .replicator, no lock
     empty = tmp_path / "empty"
     empty.mkdir()
