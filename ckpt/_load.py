@@ -103,13 +103,22 @@ def saved_rank_of(ctl: Comm, manifest: Manifest, located: Located, want: int | N
     # out of its reach: its other copy may be the bad one.
     lost = _lost(located)
     reach = frozenset().union(*(s.writers for s in _live(located))) - lost
-    views: list[tuple[RankRanges, RankRanges]] = ctl.all_gather((ranges_of(reach), ranges_of(lost)))
+    # A file found damaged here is offered to no one: another holder's copy may be good.
+    offered = reach - {want} if here is not None and want is not None else reach
+    views: list[tuple[RankRanges, RankRanges]] = ctl.all_gather((ranges_of(offered), ranges_of(lost)))
     holders: list[int] = []
     if want is not None and found is None:
         # Not itself: it reaches the file only where its copy is damaged.
         holders = [r for r, (rch, _) in enumerate(views) if contains(rch, want) and r != ctl.rank]
         at = want % len(holders) if holders else 0  # the askers of one file ask the same holder, each file another
-        holders = (holders[at:] + holders[:at])[:_RANK_FILE_HOLDERS]
+        # The last try is the lowest holder, as before the all-to-all: rank 0 where it holds
+        # the file, which listed the store, so reaches it. The rotation alone tried ranks of
+        # one node (consecutive ranks), which a broken network path cuts off together.
+        rotated = holders[at:] + holders[:at]
+        picks = rotated[: _RANK_FILE_HOLDERS - 1]
+        holders = picks + (
+            [holders[0]] if holders and holders[0] not in picks else rotated[len(picks) : _RANK_FILE_HOLDERS]
+        )
     what = f"the rank file of saved rank {want} of step {located.step}"
     if want is not None and found is None and not holders:
         if any(contains(lo, want) for _, lo in views):  # not damage: a copy no rank reaches now
@@ -162,6 +171,11 @@ def _serve(ctl: Comm, located: Located, manifest: Manifest, w: int) -> tuple[_Ou
         located.unreachable.update(e.locations)
         return "unreachable", f"rank {ctl.rank}: {describe_error(e)}"
     except Exception as e:  # noqa: BLE001 - the asking rank must still get an answer
+        if isinstance(e, CorruptVersionError) and w in _lost(located):
+            # A copy is on a source this rank found out of its reach since it offered the
+            # file (serving another ask, this turn or an earlier one): no proof of damage,
+            # as first_good says where one copy could not be reached; the asker tries the next.
+            return "unreachable", f"rank {ctl.rank}: {describe_error(e)} (a copy is out of its reach)"
         return ("damaged" if isinstance(e, CorruptVersionError) else "failed"), f"rank {ctl.rank}: {describe_error(e)}"
 
 
