@@ -128,24 +128,43 @@ def _keys_in(obj: Any, out: set[tuple[str, tuple[int, ...]]]) -> None:
             _keys_in(x, out)
 
 
-def handoff_job(ctx: Any, base: str) -> dict[str, Any]:
-    import ckpt
-    import ckpt.restore.execute as execute
+ARRAYS, ROWS = 24, 8  # the hand-off jobs' state: 24 arrays of 4 x 8 rows, a rank's rows a chunk
 
-    arrays, rows = 24, 8
-    full = {
-        f"a{i:02d}": torch.arange(4 * rows * 16, dtype=torch.float32).reshape(4 * rows, 16) + i for i in range(arrays)
+
+def _full() -> dict[str, torch.Tensor]:
+    return {
+        f"a{i:02d}": torch.arange(4 * ROWS * 16, dtype=torch.float32).reshape(4 * ROWS, 16) + i for i in range(ARRAYS)
     }
 
-    def part(k: int) -> dict[str, Any]:
-        return {
-            n: ckpt.Shard(t[k * rows : (k + 1) * rows].clone(), tuple(t.shape), (k * rows, 0)) for n, t in full.items()
-        }
 
+def _rows(k: int, fill: bool = True) -> dict[str, Any]:
+    """Rank k's rows of every array (zeros where not `fill`), as ckpt.Shards."""
+    import ckpt
+
+    return {
+        n: ckpt.Shard(
+            t[k * ROWS : (k + 1) * ROWS].clone() if fill else torch.zeros(ROWS, 16), tuple(t.shape), (k * ROWS, 0)
+        )
+        for n, t in _full().items()
+    }
+
+
+def _saved_by_nodes(ctx: Any, base: str, timeout: datetime.timedelta = TIMEOUT) -> Any:
+    """A Checkpointer on this rank's node's root (2 ranks a node), with step 1 of its rows saved."""
+    import ckpt
+
+    ck = ckpt.Checkpointer(f"{base}/node{ctx.rank // 2}", timeout=timeout)
+    ck.save(1, {"m": _rows(ctx.rank)})
+    ck.wait()
+    return ck
+
+
+def handoff_job(ctx: Any, base: str) -> dict[str, Any]:
+    import ckpt.restore.execute as execute
+
+    full = _full()
     out: dict[str, Any] = {}
-    with ckpt.Checkpointer(f"{base}/node{ctx.rank // 2}", timeout=TIMEOUT) as ck:
-        ck.save(1, {"m": part(ctx.rank)})
-        ck.wait()
+    with _saved_by_nodes(ctx, base) as ck:
         # The ranks of each node take the other node's rows: every rank needs chunks it
         # cannot reach. One chunk a round a holder: rounds count the hand-off's serial steps.
         execute.SEND_ROUND_BYTES = 1
@@ -165,15 +184,13 @@ def handoff_job(ctx: Any, base: str) -> dict[str, Any]:
 
             setattr(ck._ctl, kind, counted)
         other = (ctx.rank + 2) % 4
-        target = {
-            "m": {n: ckpt.Shard(torch.zeros(rows, 16), tuple(t.shape), (other * rows, 0)) for n, t in full.items()}
-        }
+        target = {"m": _rows(other, fill=False)}
         before = _calls(ck)
         ck.restore(target, step=1)
         out["calls"] = dict(_calls(ck) - before)
         for n, t in full.items():
             ctx.check(
-                torch.equal(target["m"][n].local_tensor, t[other * rows : (other + 1) * rows]), f"{n} restored wrong"
+                torch.equal(target["m"][n].local_tensor, t[other * ROWS : (other + 1) * ROWS]), f"{n} restored wrong"
             )
         # The keys this rank learnt of: chunks it reads for the ranks that asked it (on its node).
         out["foreign"] = sorted(f"{n}{list(i)}" for n, i in seen if i[0] // 2 != ctx.rank // 2)[:5]
@@ -198,6 +215,42 @@ def test_a_world_change_across_nodes_hands_chunks_over_in_parallel_rounds(tmp_pa
         # 96 chunks over 4 holders (each chunk held by the 2 ranks of its node): a fair
         # share is 24 rounds; the rest of the restore's all-reduces are a handful.
         assert r["calls"]["all_reduce"] <= 24 + 16, (rank, r["calls"])
+
+
+def failing_holder_job(ctx: Any, base: str) -> dict[str, Any]:
+    import time
+
+    import ckpt.restore.execute as execute
+
+    out: dict[str, Any] = {}
+    with _saved_by_nodes(ctx, base, timeout=datetime.timedelta(seconds=20)) as ck:
+        if ctx.rank == 3:  # this holder cannot plan its sends (e.g. MemoryError): it answers nothing
+
+            def boom(*a: Any, **k: Any) -> Any:
+                raise MemoryError("planning the sends")
+
+            execute.plan_sends = boom
+        t0 = time.monotonic()
+        try:  # each rank takes the other node's rows: it asks ranks 2 and 3 (or 0 and 1)
+            ck.restore({"m": _rows((ctx.rank + 2) % 4, fill=False)}, step=1)
+            out["err"] = None
+        except Exception as e:  # noqa: BLE001
+            out["err"] = f"{type(e).__name__}: {e}"[:300]
+        out["seconds"] = time.monotonic() - t0
+    return out
+
+
+def test_a_holder_that_cannot_plan_fails_the_restore_promptly_on_every_rank(tmp_path: Path) -> None:
+    """A holder whose hand-off plan fails (restore.handoff.plan_sends raising) answers its
+    askers nothing; they still receive what the other holders send them, so every rank
+    fails at once. Before, the askers dropped every chunk they had asked of any holder,
+    and the other holders' sends waited for the group's timeout (20 s here)."""
+    results, failures = launch(THIS, "failing_holder_job", 4, tmp_path, timeout=240, base=str(tmp_path))
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert r["err"] is not None, (rank, r)
+        assert r["seconds"] < 10, (rank, r)  # well under the group's timeout
+        assert "Timed out" not in r["err"] and "timeout" not in r["err"].lower(), (rank, r)
 
 
 def swapped_nodes_job(ctx: Any, base: str) -> dict[str, Any]:
