@@ -293,7 +293,11 @@ def test_server_killed_mid_upload_daemon_retries(s3: S3Place, moto_server: MotoS
     rc, took = stop_daemon(daemon)
     out, err = s3.output("daemon")
     assert rc == 0, err
-    assert "retrying" in err or "are gone" in err, err  # it did notice the outage
+    # It did notice the outage: a request tried again, files verified before and gone after
+    # the restart, or (the server down through every try of a request) the copy failed and
+    # the next pass made it again.
+    noticed = ("trying again", "are gone", "failed (the other copies go on)")
+    assert any(s in err for s in noticed), err
     assert watch.polls >= 5
     assert watch.problems == [], watch.problems
     assert {k: v["size"] for k, v in chunk_objects(s3, 1).items()} == want
