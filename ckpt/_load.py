@@ -25,6 +25,7 @@ from ckpt._tensors import describe
 from ckpt._tree import bind
 from ckpt.config import CheckpointerConfig
 from ckpt.restore.execute import ReadRequest, ReadsUnreached, full_tensor, load_arrays
+from ckpt.restore.handoff import Holders
 from ckpt.restore.locate import Located, first_manifest
 from ckpt.restore.saved_ranks import SavedRank, saved_rank
 from ckpt.restore.sources import Source, SourcesUnreachable, rank_file_bytes_from
@@ -32,7 +33,6 @@ from ckpt.rng import check_rng, restore_rng, seed_new_rank
 from ckpt.store.errors import CkptError, CorruptVersionError, RankFailures, StateMismatchError, TierUnavailableError
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
-from ckpt.store.rank_ranges import RankRanges, contains, ranges_of
 
 __all__ = ["load_version", "agreed_manifest", "read_agreed", "saved_rank_of"]
 
@@ -105,11 +105,11 @@ def saved_rank_of(ctl: Comm, manifest: Manifest, located: Located, want: int | N
     reach = frozenset().union(*(s.writers for s in _live(located))) - lost
     # A file found damaged here is offered to no one: another holder's copy may be good.
     offered = reach - {want} if here is not None and want is not None else reach
-    views: list[tuple[RankRanges, RankRanges]] = ctl.all_gather((ranges_of(offered), ranges_of(lost)))
+    index = Holders.gather(ctl, offered, lost)
     holders: list[int] = []
     if want is not None and found is None:
         # Not itself: it reaches the file only where its copy is damaged.
-        holders = [r for r, (rch, _) in enumerate(views) if contains(rch, want) and r != ctl.rank]
+        holders = [r for r in index.of(want) if r != ctl.rank]
         at = want % len(holders) if holders else 0  # the askers of one file ask the same holder, each file another
         # The last try is the lowest holder, as before the all-to-all: rank 0 where it holds
         # the file, which listed the store, so reaches it. The rotation alone tried ranks of
@@ -121,7 +121,7 @@ def saved_rank_of(ctl: Comm, manifest: Manifest, located: Located, want: int | N
         )
     what = f"the rank file of saved rank {want} of step {located.step}"
     if want is not None and found is None and not holders:
-        if any(contains(lo, want) for _, lo in views):  # not damage: a copy no rank reaches now
+        if index.lost_by_any(want):  # not damage: a copy no rank reaches now
             error = TierUnavailableError(errno.EHOSTUNREACH, f"{what}: no rank reaches a copy")
         else:
             error = here if here is not None and want in reach else CorruptVersionError(f"no rank holds {what}")

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ckpt.restore.handoff import Ask, ChunkKey, Incoming, Outgoing, ask_holders, incoming, plan_sends
+from ckpt.restore.handoff import Ask, ChunkKey, Holders, Incoming, Outgoing, ask_holders, incoming, plan_sends
 from ckpt.restore.reshard import (
     Block,
     Box,
@@ -58,7 +58,6 @@ from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from ckpt.store.host_arrays import host_array, host_bytes
 from ckpt.store.lanes import LIGHT_BYTES, run_lanes
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
-from ckpt.store.rank_ranges import RankRanges, contains, ranges_of
 from ckpt.store.tier import ReadHandle
 
 __all__ = ["ReadRequest", "ReadsUnreached", "load_arrays", "full_tensor", "Comm"]
@@ -540,23 +539,17 @@ def _hand_off(
     receives, the number of rounds (the same on every rank), and its error (a chunk it
     needs that no rank reaches). What each rank reaches (a few ranges a rank) goes to every
     rank; what it asks goes to the holders it asks only."""
-    views: list[tuple[RankRanges, RankRanges]] = comm.all_gather((ranges_of(reach), ranges_of(lost)))
-    holders: dict[int, list[int]] = {}  # per writer: the ranks that reach its chunks
-
-    def holders_of(writer: int) -> list[int]:
-        if writer not in holders:
-            holders[writer] = [r for r, (rch, _) in enumerate(views) if contains(rch, writer)]
-        return holders[writer]
+    holders = Holders.gather(comm, reach, lost)
 
     def writer_of(key: ChunkKey) -> int:
         return manifest.arrays[key[0]].chunk_at(key[1]).writer
 
     error: BaseException | None = None
-    asks, unheld = ask_holders(remote, writer_of, holders_of, comm.rank)
+    asks, unheld = ask_holders(remote, writer_of, holders.of, comm.rank)
     if unheld:
         name, index = unheld[0]
         where = f"{name} chunk {list(index)}" + (f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else "")
-        if any(contains(lo, writer_of(unheld[0])) for _, lo in views):
+        if holders.lost_by_any(writer_of(unheld[0])):
             error = TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
         else:
             error = CorruptVersionError(f"{where} is on no reachable root")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from ckpt.restore.handoff import Ask, ChunkKey, Incoming, ask_holders, incoming, plan_sends
+import random
+
+from ckpt.restore.handoff import Ask, ChunkKey, Holders, Incoming, ask_holders, incoming, plan_sends
 from ckpt.store.errors import CkptError
+from ckpt.store.rank_ranges import RankRanges, contains, ranges_of
 
 WORLD = 64
 PER_NODE = 8
@@ -114,3 +117,36 @@ def test_a_chunk_thousands_of_ranks_lack_is_sent_by_several_holders() -> None:
     assert max(fan.values()) <= 4096 // 8 * 2, fan
     near = {next(iter(ask_holders([key], _writer, lambda w: holders, r)[0])) for r in range(64, 128)}
     assert len(near) == 1
+
+
+def _scan(views: list[tuple[RankRanges, RankRanges]], writer: int, which: int) -> list[int]:
+    """Every rank whose ranges hold `writer`, one by one (what Holders replaces)."""
+    return [r for r, v in enumerate(views) if contains(v[which], writer)]
+
+
+def test_holders_match_a_scan_of_every_rank() -> None:
+    rng = random.Random(7)
+    world = 96
+    # A root per node of 8 in a new order, peer copies of the next node, a remote that a few
+    # ranks list, ranks that lost a source, and ranks that reach nothing at all.
+    views: list[tuple[RankRanges, RankRanges]] = []
+    for r in range(world):
+        node = (r // PER_NODE + 3) % (world // PER_NODE)
+        reach = set(range(node * PER_NODE, node * PER_NODE + PER_NODE))
+        if r % 3 == 0:
+            reach |= {(w + PER_NODE) % world for w in reach}
+        if r % 17 == 0:
+            reach = set(range(world)) - {rng.randrange(world) for _ in range(5)}
+        if r % 23 == 5:
+            reach = set()
+        lost = {rng.randrange(world) for _ in range(rng.choice((0, 0, 2, 9)))}
+        views.append((ranges_of(reach - lost), ranges_of(lost)))
+    holders = Holders(views)
+    for writer in [*range(-2, world + 3), 10**6]:
+        assert holders.of(writer) == _scan(views, writer, 0), writer
+        assert holders.lost_by_any(writer) == bool(_scan(views, writer, 1)), writer
+
+
+def test_holders_of_a_world_that_reaches_nothing() -> None:
+    holders = Holders([((), ())] * 5)
+    assert holders.of(0) == [] and not holders.lost_by_any(3)
