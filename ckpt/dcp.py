@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
+import threading
 import urllib.parse
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,7 +69,13 @@ from ckpt.restore.execute import ReadRequest, full_tensor
 from ckpt.restore.locate import Located
 from ckpt.restore.torch_dtypes import ZARR_TO_TORCH
 from ckpt.shard import Shard
-from ckpt.store.errors import CorruptVersionError, StateMismatchError, UnsupportedStateError, VersionNotFoundError
+from ckpt.store.errors import (
+    CorruptVersionError,
+    RootLockedError,
+    StateMismatchError,
+    UnsupportedStateError,
+    VersionNotFoundError,
+)
 from ckpt.store.manifest import MAX_COMPONENT, ArrayEntry, Manifest, escape_component
 from ckpt.store.versions import check_step
 
@@ -118,6 +127,37 @@ def _checkpointer(root: RootSpec, checkpointer: Checkpointer | None, options: di
     return Checkpointer(root, **options)
 
 
+@dataclass(slots=True)
+class _Unwritten:
+    """A Checkpointer a StorageWriter opened, before DCP reached its write_data, and the
+    thread DCP last used the writer on."""
+
+    ck: Checkpointer
+    thread: int
+
+
+# DCP calls nothing more on a storage writer once its planning fails, so the Checkpointer
+# the writer opened would hold the root's lock for the rest of the process (the retry: a
+# RootLockedError). Keyed by the writer's token, removed once DCP writes or resets it.
+_unwritten: dict[int, _Unwritten] = {}
+_unwritten_lock = threading.Lock()
+_tokens = itertools.count()
+
+
+def _close_abandoned() -> bool:
+    """Close the Checkpointers of writers whose DCP save ended before writing: those DCP
+    last used on this thread, which is now making a new writer, so their dcp.save call has
+    returned (a writer an async_save uses is on its executor's thread: left alone).
+    Whether it closed any."""
+    me = threading.get_ident()
+    with _unwritten_lock:
+        gone = [k for k, u in _unwritten.items() if u.thread == me]
+        abandoned = [_unwritten.pop(k).ck for k in gone]
+    for ck in abandoned:
+        ck.close()
+    return bool(abandoned)
+
+
 def _no_checkpoint_id(checkpoint_id: Any) -> None:
     if checkpoint_id is not None:
         raise ValueError("ckpt.dcp takes its root (and step) in its constructor, not as DCP's checkpoint_id")
@@ -146,10 +186,34 @@ class StorageWriter(_StorageWriter):
         self.step = step
         self._overwrite, self._milestone = overwrite, milestone
         self._owned = checkpointer is None
-        self._ck = _checkpointer(root, checkpointer, options)
+        try:
+            self._ck = _checkpointer(root, checkpointer, options)
+        except RootLockedError:
+            # Every rank: the lock is agreed, and DCP's failure reached every rank alike.
+            if not (self._owned and _close_abandoned()):
+                raise
+            self._ck = _checkpointer(root, checkpointer, options)
+        self._token = next(_tokens)
+        if self._owned:
+            with _unwritten_lock:
+                _unwritten[self._token] = _Unwritten(self._ck, threading.get_ident())
+
+    def close(self) -> None:
+        """Release the Checkpointer this writer opened (not one passed in), when DCP will not
+        reach write_data: an async_save whose planning failed (its save ran on DCP's executor
+        thread, so a new writer does not close it as abandoned). write_data closes it itself."""
+        if self._owned:
+            self._written()
+            self._ck.close()
+
+    def _written(self) -> None:
+        """DCP reached write_data, or reset() closed the Checkpointer: not abandoned."""
+        with _unwritten_lock:
+            _unwritten.pop(self._token, None)
 
     def reset(self, checkpoint_id: str | os.PathLike[Any] | None = None) -> None:
         if checkpoint_id is not None and self._owned:
+            self._written()
             self._ck.close()  # DCP calls nothing more on this writer: its root must not stay locked
         _no_checkpoint_id(checkpoint_id)
 
@@ -158,7 +222,9 @@ class StorageWriter(_StorageWriter):
         return False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        return None
+        with _unwritten_lock:  # the thread DCP saves on (async_save: its executor's)
+            if self._token in _unwritten:
+                _unwritten[self._token].thread = threading.get_ident()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -170,6 +236,7 @@ class StorageWriter(_StorageWriter):
         """Collective: this rank's items saved as version `step`, committed on every rank."""
         state: dict[str, Any] = {TENSORS: {}, BYTES: {}}
         results: list[WriteResult] = []
+        self._written()
         try:
             self._ck._ctl.agree(self._describe(plan, planner, state, results))  # raises alike on every rank
             self._ck.save(self.step, state, overwrite=self._overwrite, milestone=self._milestone)

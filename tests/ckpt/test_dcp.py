@@ -176,6 +176,65 @@ def test_a_failed_load_or_save_leaves_the_root_usable(tmp_path: Path) -> None:
         assert _same(target, again)
 
 
+class _FailsToPlan(dcp.DefaultSavePlanner):
+    """A save planner that fails on the ranks named: DCP then fails the save on every rank
+    and calls nothing more on the storage writer."""
+
+    def __init__(self, ranks: tuple[int, ...] = (0,)) -> None:
+        super().__init__()
+        self.ranks = ranks
+
+    def create_local_plan(self) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank in self.ranks:
+            raise RuntimeError("the planner broke")
+        return super().create_local_plan()
+
+
+def test_a_save_whose_planning_failed_does_not_hold_the_root(tmp_path: Path) -> None:
+    """Before, the writer's Checkpointer stayed open after DCP's planning failed, so the retry
+    raised RootLockedError for the rest of the process."""
+    root = tmp_path / "root"
+    saved = _state(*_trained(7), epoch=4)
+    with pytest.raises(CheckpointException, match="the planner broke"):
+        dcp.save(saved, storage_writer=ckpt.dcp.StorageWriter(str(root), 1), planner=_FailsToPlan(), no_dist=True)
+    dcp.save(saved, storage_writer=ckpt.dcp.StorageWriter(str(root), 1), no_dist=True)  # the retry
+    _verify(root)
+    target = _state(*_trained(8), epoch=0)
+    dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root)), no_dist=True)
+    assert _same(target, saved)
+    # An async_save plans on DCP's executor thread: close() releases what its writer opened.
+    writer = ckpt.dcp.StorageWriter(str(root), 2)
+    fut = dcp.async_save(saved, storage_writer=writer, planner=_FailsToPlan(), no_dist=True)
+    with pytest.raises(CheckpointException, match="the planner broke"):
+        fut.result(timeout=120)
+    writer.close()
+    dcp.save(saved, storage_writer=ckpt.dcp.StorageWriter(str(root), 2), no_dist=True)
+    with Checkpointer(str(root)) as ck:
+        assert ck.steps() == [1, 2]
+
+
+def planning_fails_on_one_rank(ctx: Any, root: str) -> dict[str, Any]:
+    """Rank 1's planner fails; both ranks then save again with new writers."""
+    state = {"w": _full(f"w{ctx.rank}", (4, 3)), "step": 3}
+    try:
+        dcp.save(state, storage_writer=ckpt.dcp.StorageWriter(root, 3, timeout=TIMEOUT), planner=_FailsToPlan((1,)))
+        ctx.check(False, "the save went through")
+    except CheckpointException as e:
+        ctx.check("the planner broke" in str(e), f"raised {e}")
+    dcp.save(state, storage_writer=ckpt.dcp.StorageWriter(root, 3, timeout=TIMEOUT))
+    return {}
+
+
+def test_a_save_whose_planning_failed_on_one_rank_is_retried_on_two(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    _, failures = launch(THIS, "planning_fails_on_one_rank", 2, tmp_path / "job", timeout=180, root=root)
+    assert not failures, failures
+    _verify(Path(root))
+    with Checkpointer(root) as ck:
+        assert ck.steps() == [3]
+
+
 def _damage_a_chunk(root: Path, step: int, tensor: str) -> None:
     """Flip one bit in the middle of the largest chunk file of `tensor` (a path under tensors/)."""
     pattern = str(root / f"v{step:012d}" / "state" / "tensors" / tensor / "c*")
