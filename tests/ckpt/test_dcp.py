@@ -287,6 +287,73 @@ def two_ranks(ctx: Any, root: str) -> dict[str, Any]:
     return {}
 
 
+class _Doubles(dcp.DefaultSavePlanner):
+    """A planner that hands DCP other data than the state's tensors: twice their values."""
+
+    def transform_object(self, write_item: Any, object: Any) -> Any:
+        out = super().transform_object(write_item, object)
+        return out * 2 if isinstance(out, torch.Tensor) else out
+
+
+def dtensors_by_their_mesh(ctx: Any, root: str) -> dict[str, Any]:
+    """What each rank announces on the first save of a layout, through DCP: a DTensor's
+    pieces follow from its mesh, so no rank lists a region of one (before, every rank listed
+    its piece of every DTensor, ranks x tensors at rank 0). A planner that transforms the
+    data makes every rank store the pieces as DCP planned them."""
+    import ckpt._plan
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    announced: list[tuple[int, int]] = []  # (listed regions, meshed arrays) per first save
+    announce = ckpt._plan.announce
+
+    def counting(rank: int, pieces: Any, speaks: bool) -> Any:
+        got = announce(rank, pieces, speaks)
+        announced.append((len(got.listed), len(got.meshed)))
+        return got
+
+    ckpt._plan.announce = counting  # type: ignore[assignment]
+
+    def state(tag: str) -> dict[str, Any]:
+        def make(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return _full(name + tag, shape) if tag else torch.zeros(shape)
+
+        return {
+            "w": distribute_tensor(make("w", (11, 4)), mesh, [Shard(0)], src_data_rank=None),
+            "v": distribute_tensor(make("v", (3, 9)), mesh, [Shard(1)], src_data_rank=None),
+            "r": distribute_tensor(make("r", (6,)), mesh, [Replicate()], src_data_rank=None),
+        }
+
+    saved = state("1")
+    dcp.save(saved, storage_writer=ckpt.dcp.StorageWriter(root, 1, timeout=TIMEOUT))
+    later = state("3")  # async_save stages a copy of the state first: still DTensors, the same layout
+    dcp.async_save(later, storage_writer=ckpt.dcp.StorageWriter(root, 3, timeout=TIMEOUT)).result(timeout=120)
+    doubled = state("2")
+    dcp.save(doubled, storage_writer=ckpt.dcp.StorageWriter(root, 2, timeout=TIMEOUT), planner=_Doubles())
+    for step, want, factor in ((1, saved, 1), (3, later, 1), (2, doubled, 2)):
+        got = state("")
+        dcp.load(got, storage_reader=ckpt.dcp.StorageReader(root, step=step, timeout=TIMEOUT))
+        for key in want:
+            ctx.check(
+                torch.equal(_bits(got[key].to_local()), _bits(want[key].to_local() * factor)), f"step {step} {key}"
+            )
+    return {"announced": announced}
+
+
+def test_dtensors_saved_through_dcp_are_planned_from_their_mesh(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    results, failures = launch(THIS, "dtensors_by_their_mesh", 2, tmp_path / "job", timeout=180, root=root)
+    assert not failures, failures
+    first, staged, doubled = zip(*(r["announced"] for r in results))
+    assert [tuple(x) for x in first] == [(0, 3), (0, 0)]  # rank 0 leads the mesh of the 3 DTensors
+    assert [tuple(x) for x in staged] == [(0, 3), (0, 0)]  # async_save's staged copy: still DTensors
+    # The doubling planner's save: each rank lists its pieces of w and v, and one of them r's
+    # (DCP has one rank write a replicated piece).
+    assert sorted(tuple(x) for x in doubled) == [(2, 0), (3, 0)]
+    _verify(Path(root))
+
+
 def test_two_ranks_then_resharded_to_one(tmp_path: Path) -> None:
     """2 gloo ranks save DTensors (uneven rows, columns), a replicated tensor and plain
     values through DCP; they load it back bitwise; one process then loads it through
