@@ -300,9 +300,10 @@ def dtensors_by_their_mesh(ctx: Any, root: str) -> dict[str, Any]:
     pieces follow from its mesh, so no rank lists a region of one (before, every rank listed
     its piece of every DTensor, ranks x tensors at rank 0). A planner that transforms the
     data makes every rank store the pieces as DCP planned them."""
-    import ckpt._plan
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import ckpt._plan
 
     mesh = init_device_mesh("cpu", (ctx.world,))
     announced: list[tuple[int, int]] = []  # (listed regions, meshed arrays) per first save
