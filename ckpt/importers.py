@@ -10,6 +10,7 @@ imported becomes an ordinary ckpt version, which holds no pickle.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from ckpt._roots import RootSpec
 from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
 from ckpt.store.errors import UnsupportedStateError
+from ckpt.store.root import LOCK_NAME, ROOT_ID_NAME
 
 __all__ = ["UntrustedSourceError", "read_foreign", "import_checkpoint"]
 
@@ -95,7 +97,37 @@ def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
 def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, overwrite: bool = False) -> int:
     """Save what `path` holds as version `step` under `root` (one process); its byte count."""
     state = read_foreign(path, trust=trust)
-    with Checkpointer(root, config=CheckpointerConfig(capture_rng=False)) as ck:
-        ck.save(step, state, overwrite=overwrite)
-        ck.wait()
-        return ck.stats()[-1].bytes_written
+    made = _first_missing(root)
+    try:
+        with Checkpointer(root, config=CheckpointerConfig(capture_rng=False)) as ck:
+            ck.save(step, state, overwrite=overwrite)
+            ck.wait()
+            return ck.stats()[-1].bytes_written
+    except BaseException:
+        # The directories this import made hold a root with no version: not left behind
+        # for the next command to take as a checkpoint root.
+        if made is not None and isinstance(root, str) and _holds_nothing(root):
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _holds_nothing(root: str) -> bool:
+    """Whether `root` holds only the files every root has (its identity and lock)."""
+    try:
+        return set(os.listdir(root)) <= {ROOT_ID_NAME, LOCK_NAME}
+    except OSError:
+        return False
+
+
+def _first_missing(root: RootSpec) -> str | None:
+    """The outermost directory of a local `root` path that does not exist yet (None: it
+    exists, or the root is no local path)."""
+    if not isinstance(root, str) or "://" in root:
+        return None
+    here, missing = os.path.abspath(root), None
+    while not os.path.lexists(here):
+        missing, parent = here, os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    return missing

@@ -186,3 +186,25 @@ def test_import_refuses_an_empty_root_an_ordinary_directory_and_a_version(tmp_pa
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
     assert [p.name for p in home.iterdir()] == ["notes.txt"]
     assert CliRunner().invoke(cli, ["verify", str(root)]).exit_code == 0
+
+
+def test_an_import_that_fails_to_save_leaves_no_root_behind(tmp_path: Path) -> None:
+    """A torch.save file read, then refused by the save (a sparse tensor): before, ROOT was
+    left behind as a root with no version (its identity and lock files)."""
+    src = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(3), "sparse": torch.ones(3).to_sparse()}, src)
+    root = tmp_path / "new" / "root"
+    out = CliRunner().invoke(cli, ["import", str(src), str(root), "--step", "1", "--trust"])
+    assert out.exit_code == 3 and "sparse" in out.output, out.output
+    assert not root.exists()
+    # A root that was there before keeps what it held.
+    torch.save(_state(1), tmp_path / "good.pt")
+    assert (
+        CliRunner().invoke(cli, ["import", str(tmp_path / "good.pt"), str(root), "--step", "1", "--trust"]).exit_code
+        == 0
+    )
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name != "lock")
+    out = CliRunner().invoke(cli, ["import", str(src), str(root), "--step", "2", "--trust"])
+    assert out.exit_code == 3, out.output
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name != "lock") == before
+    assert CliRunner().invoke(cli, ["verify", str(root)]).exit_code == 0
