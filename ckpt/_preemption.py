@@ -36,7 +36,9 @@ class PreemptionWatch:
         self._signum: int | None = None
         self._reached = False
         self._closed = False
+        self._forward = True
         self._previous: dict[int, _Handler] = {}
+        self._above: dict[int, _Handler] = {}  # handlers installed after this one (take_over)
         try:
             for sig in signals:
                 self._previous[sig] = signal.getsignal(sig)
@@ -61,8 +63,21 @@ class PreemptionWatch:
             return
         if self.noticed_at is None:
             self.noticed_at, self._signum = time.monotonic(), signum
-        if callable(previous):
+        if callable(previous) and self._forward:
             previous(signum, frame)
+
+    def take_over(self) -> None:
+        """Install this watch's handler again, over any installed since, and stop passing a
+        notice on: the ranks' agreement (reached()) alone acts on it. For a framework whose
+        own handler acts on the signal on the rank that got it (Lightning's SIGTERM handler
+        starts a collective from inside the handler: with the notice on one rank only, the
+        ranks' collectives no longer match). From the main thread."""
+        for sig in self._previous:
+            installed = signal.getsignal(sig)
+            if installed != self._handle:
+                self._above[sig] = installed
+                signal.signal(sig, self._handle)
+        self._forward = False
 
     def reached(self, comm: Comm) -> bool:
         """Collective (every rank, at the same point of each step): True on every rank from
@@ -83,5 +98,6 @@ class PreemptionWatch:
         self._closed = True
         main = threading.current_thread() is threading.main_thread()
         for sig, previous in list(self._previous.items()):
+            back = self._above.get(sig, previous)  # a handler take_over covered comes back first
             if main and signal.getsignal(sig) == self._handle:
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+                signal.signal(sig, back if back is not None else signal.SIG_DFL)

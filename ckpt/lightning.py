@@ -43,8 +43,11 @@ too, and an error of the pending save is logged rather than raised over the exce
 With `preemption_signals` among the Checkpointer options, `on_train_batch_end` asks
 `reached_preemption()` after every batch (on every rank: it is collective); once the ranks
 agree, the callback saves the first state Lightning resumes exactly (the rule above, and
-right after an optimizer step), holding off Lightning's own stop on SIGTERM until then,
-waits for the commit and sets `trainer.should_stop`.
+right after an optimizer step), waits for the commit and sets `trainer.should_stop`: fit
+returns. From on_train_start, ckpt's handler keeps the signal from Lightning's, which
+under DDP broadcasts from inside the handler, so that a notice reaching some ranks only
+leaves the ranks' collectives mismatched (with Lightning alone too: DDP's next gradient
+all-reduce waits for the group's timeout).
 
 Strategies: single-device and DDP (`SingleDeviceStrategy`, `DDPStrategy`), whose module and
 optimizer states are whole tensors, alike on every rank: ckpt writes each once (a tensor
@@ -178,6 +181,14 @@ class CkptCallback(Callback):
         return self._saved_world_size is not None and self._saved_world_size != trainer.world_size
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watch = self.checkpointer._preemption if self.checkpointer is not None else None
+        if watch is not None:
+            # Lightning installed its SIGTERM handler after on_fit_start, over ckpt's. Under
+            # DDP that handler broadcasts on the default group from inside the handler, so a
+            # notice reaching some ranks only leaves the ranks' collectives mismatched (DDP's
+            # gradient all-reduce waits until its timeout). ckpt's handler goes back on top
+            # and keeps the notice: the ranks agree on it in on_train_batch_end.
+            watch.take_over()
         if self._rng_after_restore is not None:
             restore_rng(self._rng_after_restore)
             self._rng_after_restore = None

@@ -212,8 +212,11 @@ class AwaitSigterm(pl.Callback):
         if trainer.global_step != self.step or self.ready.exists():
             return
         self.ready.write_text(str(os.getpid()))
+        cb = next(c for c in trainer.callbacks if isinstance(c, CkptCallback))
+        watch = cb.checkpointer._preemption if cb.checkpointer is not None else None
+        assert watch is not None
         deadline = time.monotonic() + 60
-        while not trainer.received_sigterm:  # Lightning's handler, which ckpt's passes the signal to
+        while watch.noticed_at is None:  # ckpt's handler, which keeps the signal from Lightning's
             assert time.monotonic() < deadline, "no SIGTERM"
             time.sleep(0.01)
 
@@ -325,9 +328,10 @@ def test_every_n_steps_is_checked() -> None:
 # -- DDP: 2 gloo processes -------------------------------------------------------------
 
 DDP_STEPS, DDP_EVERY, DDP_KILL, DDP_RESUME = 24, 4, 14, 12  # 5 batches per rank and epoch
+DDP_SIGTERM = 6  # the global_step in whose first batch the preemption notice comes
 
 
-def _ddp_fit(ctx: Any, root: str | None, seed: int, callbacks: list[pl.Callback]) -> Net:
+def _ddp_fit(ctx: Any, root: str | None, seed: int, callbacks: list[pl.Callback], preemption: bool = False) -> Net:
     _quiet()
     # Processes launched from outside (LOCAL_RANK set): Lightning starts none and joins the
     # process group that exists.
@@ -335,7 +339,10 @@ def _ddp_fit(ctx: Any, root: str | None, seed: int, callbacks: list[pl.Callback]
     torch.manual_seed(seed)
     model = Net(sampler="ckpt")
     torch.manual_seed(seed * 100 + ctx.rank)  # each rank its own dropout
-    cbs: list[pl.Callback] = [CkptCallback(root, every_n_steps=DDP_EVERY)] if root is not None else []
+    signals = (signal.SIGTERM,) if preemption else ()
+    cbs: list[pl.Callback] = (
+        [CkptCallback(root, every_n_steps=DDP_EVERY, preemption_signals=signals)] if root is not None else []
+    )
     trainer = _trainer(
         cbs + callbacks,
         DDP_STEPS,
@@ -406,6 +413,72 @@ def test_ddp_two_ranks_killed_and_resumed_bitwise(tmp_path: Path) -> None:
         assert got["losses"] == want, f"rank {rank}"  # JSON floats round-trip exactly
         assert got["params"] == ref["params"], f"rank {rank}"
     assert results[0]["losses"] != results[1]["losses"]  # the ranks saw different data and dropout
+
+
+class SigtermAt(pl.Callback):
+    """A real SIGTERM to this process in the first batch of global_step `step` (as a
+    scheduler's preemption notice), on the ranks named."""
+
+    def __init__(self, step: int, ranks: frozenset[int]) -> None:
+        self.step, self.ranks, self.sent = step, ranks, False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank in self.ranks and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def ddp_preempted(ctx: Any, root: str, signalled: list[int]) -> dict[str, Any]:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    ref = _ddp_fit(ctx, None, 0, [])
+    ended = "returned"
+    holder: list[Net] = []
+    try:
+        _ddp_fit(ctx, root, 0, [SigtermAt(DDP_SIGTERM, frozenset(signalled)), Keep(holder)], preemption=True)
+    except SIGTERMException:  # Lightning's end of fit on SIGTERM (a SystemExit: exit status 0)
+        ended = "SIGTERMException"
+    model = holder[0]
+    return {
+        "ref": ref.losses,
+        "ref_params": _digest(ref),
+        "losses": model.losses,
+        "step": model.trainer.global_step,
+        "ended": ended,
+    }
+
+
+class Keep(pl.Callback):
+    """Keeps the module of the fit, which may end in an exception."""
+
+    def __init__(self, into: list[Net]) -> None:
+        self.into = into
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert isinstance(pl_module, Net)
+        self.into.append(pl_module)
+
+
+@pytest.mark.parametrize("signalled", [[0, 1], [1]], ids=["every_rank", "rank_1_only"])
+def test_ddp_a_sigterm_saves_on_every_rank_and_the_resume_is_bitwise(tmp_path: Path, signalled: list[int]) -> None:
+    """Lightning DDP on 2 gloo ranks with preemption_signals=(SIGTERM,): a real SIGTERM in
+    the first batch of step 7 (batch 1 of epoch 1), to every rank or to rank 1 alone. The
+    ranks agree on it, save step 7 together and end fit; fresh processes resume it, and every
+    rank's losses and the final parameters equal an uninterrupted run's."""
+    root = str(tmp_path / "root")
+    job = tmp_path / "job"
+    results, failures = launch(THIS, "ddp_preempted", 2, job, timeout=180, root=root, signalled=signalled)
+    assert not failures, failures
+    assert _steps(Path(root)) == [4, DDP_SIGTERM + 1]
+    for got in results:
+        assert got["step"] == DDP_SIGTERM + 1 and got["losses"] == got["ref"][: DDP_SIGTERM + 1]
+    assert [got["ended"] for got in results] == ["returned"] * 2  # fit stopped; no SIGTERMException
+    resumed, failures = launch(THIS, "ddp_resumed", 2, job, timeout=180, root=root)
+    assert not failures, failures
+    for rank, got in enumerate(resumed):
+        assert got["restored"] == DDP_SIGTERM + 1
+        assert got["losses"] == [r for r in results[rank]["ref"] if r[0] >= DDP_SIGTERM + 1], f"rank {rank}"
+        assert got["params"] == results[rank]["ref_params"], f"rank {rank}"
 
 
 # -- another world size: 2 gloo ranks save, 1 or 3 resume --------------------------------
