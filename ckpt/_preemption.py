@@ -36,7 +36,7 @@ class PreemptionWatch:
         self._signum: int | None = None
         self._reached = False
         self._closed = False
-        self._forward = True
+        self._kept: set[int] = set()  # signals no longer passed on (take_over)
         self._previous: dict[int, _Handler] = {}
         self._above: dict[int, _Handler] = {}  # handlers installed after this one (take_over)
         try:
@@ -63,21 +63,23 @@ class PreemptionWatch:
             return
         if self.noticed_at is None:
             self.noticed_at, self._signum = time.monotonic(), signum
-        if callable(previous) and self._forward:
+        if callable(previous) and signum not in self._kept:
             previous(signum, frame)
 
-    def take_over(self) -> None:
-        """Install this watch's handler again, over any installed since, and stop passing a
-        notice on: the ranks' agreement (reached()) alone acts on it. For a framework whose
-        own handler acts on the signal on the rank that got it (Lightning's SIGTERM handler
-        starts a collective from inside the handler: with the notice on one rank only, the
-        ranks' collectives no longer match). From the main thread."""
-        for sig in self._previous:
-            installed = signal.getsignal(sig)
-            if installed != self._handle:
-                self._above[sig] = installed
-                signal.signal(sig, self._handle)
-        self._forward = False
+    def take_over(self, sig: int) -> None:
+        """Install this watch's handler for `sig` again, over any installed since, and stop
+        passing that signal on: the ranks' agreement (reached()) alone acts on it. For a
+        framework whose own handler acts on the signal on the rank that got it (Lightning's
+        SIGTERM handler starts a collective from inside the handler: with the notice on one
+        rank only, the ranks' collectives no longer match). No-op for a signal this watch
+        does not handle. From the main thread."""
+        if sig not in self._previous:
+            return
+        installed = signal.getsignal(sig)
+        if installed != self._handle:
+            self._above[sig] = installed
+            signal.signal(sig, self._handle)
+        self._kept.add(sig)
 
     def reached(self, comm: Comm) -> bool:
         """Collective (every rank, at the same point of each step): True on every rank from

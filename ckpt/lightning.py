@@ -65,6 +65,7 @@ through DCP with `ckpt.dcp`.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Mapping
 from typing import Any
 
@@ -188,7 +189,7 @@ class CkptCallback(Callback):
             # notice reaching some ranks only leaves the ranks' collectives mismatched (DDP's
             # gradient all-reduce waits until its timeout). ckpt's handler goes back on top
             # and keeps the notice: the ranks agree on it in on_train_batch_end.
-            watch.take_over()
+            watch.take_over(signal.SIGTERM)  # not SIGUSR1: Lightning's requeues a SLURM job
         if self._rng_after_restore is not None:
             restore_rng(self._rng_after_restore)
             self._rng_after_restore = None
