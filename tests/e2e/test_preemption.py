@@ -162,3 +162,37 @@ def test_a_closed_watch_under_an_open_one_does_not_kill_the_process(tmp_path: Pa
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
     )
     assert out.returncode == 0 and "reached True" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+def test_take_over_keeps_the_signal_from_a_handler_installed_later_and_close_puts_it_back(tmp_path: Path) -> None:
+    """A framework's handler installed over ckpt's (as Lightning's SIGTERM handler is):
+    after take_over, the signal is ckpt's notice only; after close, the framework's handler
+    is the one installed again."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from ckpt import Checkpointer
+        calls = []
+        ck = Checkpointer({str(tmp_path / "a")!r}, preemption_signals=(signal.SIGUSR1, signal.SIGUSR2))
+        under = signal.getsignal(signal.SIGUSR1)
+        def framework(signum, frame):
+            calls.append(signum)
+            under(signum, frame)
+        signal.signal(signal.SIGUSR1, framework)
+        ck._preemption.take_over(signal.SIGUSR1)
+        ck._preemption.take_over(signal.SIGINT)  # not one it handles: nothing changes
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print("calls", calls, "reached", ck.reached_preemption())
+        ck.close()
+        print("back", signal.getsignal(signal.SIGUSR1) is framework, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
+    )
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert "calls [] reached True" in out.stdout and "back True True" in out.stdout, out.stdout
