@@ -360,6 +360,26 @@ def _check_inert(data: bytes, fqn: str) -> None:
         ) from None
 
 
+class _Unread(Metadata):
+    """What StorageReader.read_metadata returns where it could describe no version. DCP's
+    load catches an error of read_metadata and raises an AssertionError holding only its
+    message (with a logged traceback of its search for other metadata); this carries the
+    error to DCP's planning step (set_up_storage_reader), whose failures DCP reports as
+    they are, so `CheckpointException.failures` holds the documented ckpt type. Any other
+    use of it raises that error too."""
+
+    def __init__(self, error: Exception) -> None:  # not the dataclass's: no fields to give
+        self.error = error
+        self.planner_data = self.storage_data = self.storage_meta = None
+
+    @property
+    def state_dict_metadata(self) -> Any:  # type: ignore[override]
+        raise self.error
+
+    def __repr__(self) -> str:
+        return f"_Unread({self.error!r})"
+
+
 def metadata_of(manifest: Manifest) -> Metadata:
     """DCP's Metadata of a version saved through StorageWriter: every tensor one chunk."""
     found: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
@@ -432,17 +452,23 @@ class StorageReader(_StorageReader):
         return VersionNotFoundError(f"no committed version under {where}")
 
     def read_metadata(self) -> Metadata:
-        """Collective (DCP calls it on every rank): choose the version, describe it."""
-        with self._opened() as ck:
-            found = ck._locate(self._asked)
-        if found is None:
-            raise self._nothing()
+        """Collective (DCP calls it on every rank): choose the version, describe it. Where
+        none can be (no version, every one damaged, a tier out of reach), the error comes
+        from the first use of what this returns (see _Unread)."""
+        try:
+            with self._opened() as ck:
+                found = ck._locate(self._asked)
+            if found is None:
+                raise self._nothing()
+        except Exception as e:  # noqa: BLE001 - raised from set_up_storage_reader, which DCP keeps
+            return _Unread(e)
         self.step = found[0].step
         self._planned = metadata_of(found[0])
         return self._planned
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        return None
+        if isinstance(metadata, _Unread):
+            raise metadata.error
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

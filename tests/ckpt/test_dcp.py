@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckpt.dcp
 from ckpt import Checkpointer
 from ckpt.cli import main as cli
-from ckpt.store.errors import CorruptVersionError, UnsupportedStateError
+from ckpt.store.errors import CorruptVersionError, UnsupportedStateError, VersionNotFoundError
 from ckpt.store.pins import pinned_steps
 from ckpt.store.versions import as_tier
 from tests._dist import launch
@@ -125,6 +125,27 @@ def test_a_non_tensor_item_that_would_run_code_loads_only_when_trusted(tmp_path:
     assert all(torch.equal(before[k], v) for k, v in target["model"].items())  # untouched
     dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root), trust=True), no_dist=True)
     assert marker.exists() and _same(target["model"], saved["model"])  # trusted: DCP's own unpickling ran it
+
+
+def _failures(e: CheckpointException) -> list[BaseException]:
+    return [x[0] if isinstance(x, tuple) else x for x in e.failures.values()]  # (error, its traceback)
+
+
+def test_a_load_with_no_version_to_read_fails_with_ckpts_type(tmp_path: Path) -> None:
+    """DCP catches an error of read_metadata and raises an AssertionError with its message:
+    before, a load from a root with no version (or without the step asked for) failed with
+    AssertionError in CheckpointException.failures; now with VersionNotFoundError."""
+    root = tmp_path / "root"
+    root.mkdir()
+    target = _state(*_trained(8), epoch=0)
+    with pytest.raises(CheckpointException) as empty:
+        dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root)), no_dist=True)
+    assert [type(x) for x in _failures(empty.value)] == [VersionNotFoundError], _failures(empty.value)
+    dcp.save(_state(*_trained(7), epoch=4), storage_writer=ckpt.dcp.StorageWriter(str(root), 1), no_dist=True)
+    with pytest.raises(CheckpointException) as missing:
+        dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root), step=2), no_dist=True)
+    assert [type(x) for x in _failures(missing.value)] == [VersionNotFoundError], _failures(missing.value)
+    assert "step 2" in str(_failures(missing.value)[0])
 
 
 def test_reader_takes_the_newest_intact_version(tmp_path: Path) -> None:
