@@ -38,7 +38,6 @@ class PreemptionWatch:
         self._closed = False
         self._kept: set[int] = set()  # signals no longer passed on (take_over)
         self._previous: dict[int, _Handler] = {}
-        self._above: dict[int, _Handler] = {}  # handlers installed after this one (take_over)
         try:
             for sig in signals:
                 self._previous[sig] = signal.getsignal(sig)
@@ -71,13 +70,13 @@ class PreemptionWatch:
         passing that signal on: the ranks' agreement (reached()) alone acts on it. For a
         framework whose own handler acts on the signal on the rank that got it (Lightning's
         SIGTERM handler starts a collective from inside the handler: with the notice on one
-        rank only, the ranks' collectives no longer match). No-op for a signal this watch
-        does not handle. From the main thread."""
+        rank only, the ranks' collectives no longer match). close() puts back the handler
+        from before this watch, as without take_over: the one it covered is its owner's to
+        put back (Lightning's teardown puts back what it found, this watch's). No-op for a
+        signal this watch does not handle. From the main thread."""
         if sig not in self._previous:
             return
-        installed = signal.getsignal(sig)
-        if installed != self._handle:
-            self._above[sig] = installed
+        if signal.getsignal(sig) != self._handle:
             signal.signal(sig, self._handle)
         self._kept.add(sig)
 
@@ -100,6 +99,5 @@ class PreemptionWatch:
         self._closed = True
         main = threading.current_thread() is threading.main_thread()
         for sig, previous in list(self._previous.items()):
-            back = self._above.get(sig, previous)  # a handler take_over covered comes back first
             if main and signal.getsignal(sig) == self._handle:
-                signal.signal(sig, back if back is not None else signal.SIG_DFL)
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)

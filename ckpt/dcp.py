@@ -41,10 +41,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -132,10 +134,10 @@ def _checkpointer(root: RootSpec, checkpointer: Checkpointer | None, options: di
 @dataclass(slots=True)
 class _Unwritten:
     """A Checkpointer a StorageWriter opened, before DCP reached its write_data, and the
-    thread DCP last used the writer on."""
+    thread DCP's save ran on (None until DCP's save calls the writer: storage_meta)."""
 
     ck: Checkpointer
-    thread: int
+    thread: int | None = None
 
 
 # DCP calls nothing more on a storage writer once its planning fails, so the Checkpointer
@@ -147,10 +149,10 @@ _tokens = itertools.count()
 
 
 def _close_abandoned() -> bool:
-    """Close the Checkpointers of writers whose DCP save ended before writing: those DCP
-    last used on this thread, which is now making a new writer, so their dcp.save call has
-    returned (a writer an async_save uses is on its executor's thread: left alone).
-    Whether it closed any."""
+    """Close the Checkpointers of writers whose DCP save ended before writing: those whose
+    save ran on this thread, which is now making a new writer, so their dcp.save call has
+    returned. A writer no save has called yet, or one an async_save runs on its executor's
+    thread, is left alone. Whether it closed any."""
     me = threading.get_ident()
     with _unwritten_lock:
         gone = [k for k, u in _unwritten.items() if u.thread == me]
@@ -168,7 +170,12 @@ def _meshed(planner: SavePlanner) -> dict[str, DTensor]:
     holds every DTensor of the state, so each rank passes the same ones, also those whose
     replicated piece DCP's plan gives another rank."""
     found = getattr(planner, "state_dict", None)
-    if not isinstance(found, dict):
+    # Only where the local plan holds every item of that state_dict (DefaultSavePlanner's
+    # own create_local_plan): a planner that leaves items out plans them itself, as pieces.
+    own = isinstance(planner, DefaultSavePlanner) and (
+        type(planner).create_local_plan is DefaultSavePlanner.create_local_plan
+    )
+    if not own or not isinstance(found, dict):
         return {}
     out: dict[str, DTensor] = {}
     for fqn, value in found.items():
@@ -234,7 +241,7 @@ class StorageWriter(_StorageWriter):
         self._token = next(_tokens)
         if self._owned:
             with _unwritten_lock:
-                _unwritten[self._token] = _Unwritten(self._ck, threading.get_ident())
+                _unwritten[self._token] = _Unwritten(self._ck)
 
     def close(self) -> None:
         """Release the Checkpointer this writer opened (not one passed in), when DCP will not
@@ -259,10 +266,15 @@ class StorageWriter(_StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        with _unwritten_lock:  # the thread DCP saves on (async_save: its executor's)
+    def storage_meta(self) -> StorageMeta | None:
+        # DCP's save calls this first, on the thread it saves on (async_save: its executor's).
+        with _unwritten_lock:
             if self._token in _unwritten:
                 _unwritten[self._token].thread = threading.get_ident()
+        return None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        return None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

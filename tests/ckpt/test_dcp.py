@@ -456,3 +456,67 @@ def test_a_damaged_newest_version_is_passed_over(tmp_path: Path) -> None:
     for key, shape in (("w", (64, 16)), ("b", (5,))):
         assert torch.equal(_bits(whole["model"][key]), _bits(_full(key + "3", shape))), key
     assert whole["meta"] == {"epoch": 3}
+
+
+class _SlowSetUp(dcp.DefaultSavePlanner):
+    """A planner whose set_up_planner takes a while (a big state to flatten): DCP calls it
+    on async_save's executor thread before set_up_storage_writer."""
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        import time
+
+        time.sleep(2)
+        super().set_up_planner(*args, **kwargs)
+
+
+def test_a_new_writer_does_not_close_the_writer_of_an_async_save_in_flight(tmp_path: Path) -> None:
+    """While an async_save's writer is still in DCP's set_up_planner, a writer made for the
+    same root on the caller's thread raises RootLockedError, and the save in flight commits.
+    Before, the new writer took the writer of the save in flight for abandoned (it was
+    registered under the thread that made it) and closed its Checkpointer."""
+    from ckpt.store.errors import RootLockedError
+
+    root = tmp_path / "root"
+    saved = _state(*_trained(7), epoch=4)
+    writer = ckpt.dcp.StorageWriter(str(root), 1)
+    fut = dcp.async_save(saved, storage_writer=writer, planner=_SlowSetUp(), no_dist=True)
+    try:
+        with pytest.raises(RootLockedError):
+            ckpt.dcp.StorageWriter(str(root), 2).close()
+    finally:
+        fut.result(timeout=120)  # the save in flight commits
+    with Checkpointer(str(root)) as ck:
+        assert ck.steps() == [1]
+
+
+class _SkipsFrozen(dcp.DefaultSavePlanner):
+    """A planner that leaves one tensor out of the save (as one saving trainable params only)."""
+
+    def create_local_plan(self) -> Any:
+        import dataclasses
+
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, items=[i for i in plan.items if i.index.fqn != "frozen"])
+
+
+def planner_leaves_a_dtensor_out(ctx: Any, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    state = {
+        "w": distribute_tensor(_full("w", (4, 2)), mesh, [Shard(0)], src_data_rank=None),
+        "frozen": distribute_tensor(_full("f", (6, 2)), mesh, [Shard(0)], src_data_rank=None),
+    }
+    dcp.save(state, storage_writer=ckpt.dcp.StorageWriter(root, 1, timeout=TIMEOUT), planner=_SkipsFrozen())
+    md = ckpt.dcp.StorageReader(root, timeout=TIMEOUT).read_metadata()
+    return {"keys": sorted(md.state_dict_metadata)}
+
+
+def test_a_dtensor_the_planner_leaves_out_is_not_saved(tmp_path: Path) -> None:
+    """A planner that leaves a DTensor out of its plan: the DTensor is not saved. Before, every
+    DTensor of the planner's state_dict went to ckpt as a DTensor, planned or not."""
+    root = str(tmp_path / "root")
+    results, failures = launch(THIS, "planner_leaves_a_dtensor_out", 2, tmp_path / "job", timeout=180, root=root)
+    assert not failures, failures
+    assert [r["keys"] for r in results] == [["w"], ["w"]]

@@ -561,3 +561,26 @@ def test_ddp_resumed_on_another_world_size_sees_every_sample_once_per_epoch(
         want += [(1, i, SEEN_EVERY + left + i) for i in range(full)]
         assert got == want
         assert (r["step"], r["epoch"]) == (SEEN_EVERY + left + full, 2)
+
+
+def test_after_fit_sigterm_is_handled_as_before_fit(tmp_path: Path) -> None:
+    """After a fit with preemption_signals=(SIGTERM,), the SIGTERM handler is the one
+    installed before fit (here SIG_DFL: the process dies of a SIGTERM). Before, close()
+    put back the Lightning handler take_over had covered, after Lightning's teardown had
+    put back ckpt's: the finished trainer's handler then swallowed every SIGTERM."""
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+from tests.ckpt.test_lightning import Net, _trainer, _quiet
+from ckpt.lightning import CkptCallback
+_quiet()
+before = signal.getsignal(signal.SIGTERM)
+trainer = _trainer([CkptCallback({str(tmp_path / "root")!r}, every_n_steps=2, preemption_signals=(signal.SIGTERM,))], 3)
+trainer.fit(Net())
+after = signal.getsignal(signal.SIGTERM)
+print("handler", before, after, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("survived SIGTERM", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
