@@ -245,8 +245,9 @@ class StorageWriter(_StorageWriter):
 
     def close(self) -> None:
         """Release the Checkpointer this writer opened (not one passed in), when DCP will not
-        reach write_data: an async_save whose planning failed (its save ran on DCP's executor
-        thread, so a new writer does not close it as abandoned). write_data closes it itself."""
+        reach write_data and a new writer does not take it for abandoned: an async_save that
+        failed on DCP's executor thread, or a save that failed before DCP called the writer
+        (a Stateful's state_dict() raising). write_data closes it itself."""
         if self._owned:
             self._written()
             self._ck.close()
