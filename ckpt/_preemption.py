@@ -26,6 +26,11 @@ __all__ = ["PreemptionWatch"]
 log = logging.getLogger("ckpt")
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
+# Signals a closed watch's handler, installed, is passing to the handlers before it: a
+# closed watch among them acts as the installed one (two fits that raised leave closed
+# watches chained). Handlers run on the main thread only.
+_standing_in: set[int] = set()
+
 
 class PreemptionWatch:
     def __init__(self, signals: Sequence[int]) -> None:
@@ -51,14 +56,23 @@ class PreemptionWatch:
         if self._closed:
             # Still installed after close() (another handler was put on top, or close() ran
             # off the main thread): behave as the handler before this one would. Called by
-            # a handler chained on top (an open watch's), only forward: that one is handling
-            # the signal, as if this one were gone, so the default action is not taken.
-            installed = signal.getsignal(signum) == self._handle
+            # another handler chained on top (an open watch's, a framework's), only forward:
+            # that one is handling the signal, as if this one were gone, so the default
+            # action is not taken. Called by a closed watch's standing in for the installed
+            # handler, it stands in too.
+            installed = signal.getsignal(signum) == self._handle or signum in _standing_in
             if installed and (previous == signal.SIG_DFL or previous is None):
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             elif callable(previous):
-                previous(signum, frame)
+                standing = signum in _standing_in
+                if installed:
+                    _standing_in.add(signum)
+                try:
+                    previous(signum, frame)
+                finally:
+                    if not standing:
+                        _standing_in.discard(signum)
             return
         if self.noticed_at is None:
             self.noticed_at, self._signum = time.monotonic(), signum

@@ -196,3 +196,39 @@ def test_take_over_keeps_the_signal_from_a_handler_installed_later_and_close_put
     )
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
     assert "calls [] reached True" in out.stdout and "back True True" in out.stdout, out.stdout
+
+
+def test_two_fits_that_raise_leave_a_sigterm_deadly(tmp_path: Path) -> None:
+    """Lightning's order, twice in one process (each fit raising): ckpt's watch installed,
+    Lightning's handler over it, take_over, close() on the exception, Lightning's teardown
+    putting back ckpt's closed handler. Before, the second fit's closed handler passed the
+    signal to the first's, which took the call for an open watch's chain and only passed it
+    on: every later SIGTERM was swallowed."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, signal, time
+        from ckpt._preemption import PreemptionWatch
+
+        def fit_that_raises():
+            watch = PreemptionWatch([signal.SIGTERM])  # on_fit_start
+            found = signal.getsignal(signal.SIGTERM)  # Lightning registers its handler over it
+            signal.signal(signal.SIGTERM, lambda s, f: found(s, f) if callable(found) else None)
+            watch.take_over(signal.SIGTERM)  # on_train_start
+            watch.close()  # on_exception
+            signal.signal(signal.SIGTERM, found)  # Lightning's teardown
+
+        fit_that_raises()
+        fit_that_raises()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+        print("survived")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
+    )
+    assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
