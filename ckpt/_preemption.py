@@ -109,9 +109,15 @@ class PreemptionWatch:
 
     def close(self) -> None:
         """Put the previous handlers back where ours is still the one installed (from the
-        main thread); where it cannot be, ours forwards to them from now on."""
+        main thread); where it cannot be, ours forwards to them from now on. A notice no
+        agreement acted on (it came after the last reached(), as while close() waited for
+        the last save) is then sent again, to those handlers: the signal does what it
+        would have done without this watch (SIGTERM's default: the process ends)."""
         self._closed = True
         main = threading.current_thread() is threading.main_thread()
         for sig, previous in list(self._previous.items()):
             if main and signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        if self._signum is not None and not self._reached:
+            log.warning("preemption notice (%s) after the last check: passed on", signal.Signals(self._signum).name)
+            os.kill(os.getpid(), self._signum)

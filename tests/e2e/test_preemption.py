@@ -232,3 +232,32 @@ def test_two_fits_that_raise_leave_a_sigterm_deadly(tmp_path: Path) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
     )
     assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+def test_a_notice_after_the_last_check_is_passed_on_at_close(tmp_path: Path) -> None:
+    """A SIGTERM noted after the last reached_preemption() (as while close() waits for the
+    last save): close() sends it on to the handler before ckpt's, here the default, so the
+    process ends as it would have without ckpt. Before, the notice was dropped and the
+    process went on."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        import torch
+        from ckpt import Checkpointer
+        ck = Checkpointer({str(tmp_path / "a")!r}, preemption_signals=(signal.SIGTERM,))
+        ck.save(1, {{"w": torch.ones(3)}})
+        os.kill(os.getpid(), signal.SIGTERM)  # noted; no reached_preemption() follows
+        ck.close()
+        time.sleep(1)
+        print("survived")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
+    )
+    assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert (tmp_path / "a" / "v000000000001" / "manifest.json").exists()  # the save before it committed
