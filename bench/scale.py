@@ -88,7 +88,7 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
     from ckpt._commit import RootContext, _decide
     from ckpt._exchange import schedule
     from ckpt._job import RankReport, RankTimings, SaveJob, SaveRequest
-    from ckpt._plan import announce, merge
+    from ckpt._plan import Announcement, ListedEntry, announce, merge, owner_of, plan_owned, plans_of
     from ckpt._reports import pack
     from ckpt.provenance import rank_provenance
     from ckpt.restore.reshard import Box, Request, plan_reads
@@ -106,12 +106,29 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
         real = announce(r, lay.pieces(world, arrays, r), sigs.index(sigs[r]) == r)
         if real != anns[r]:
             raise AssertionError(f"{layout}: the simulated announcement of rank {r} is not what announce() gives")
-    # First save of a layout (ckpt._plan): rank 0 gathers the announcements, plans, and
-    # broadcasts the plans; every rank takes its own chunks and its sliver schedule.
-    out["announce_gather_bytes"] = sum(len(pickle.dumps(a, protocol=pickle.HIGHEST_PROTOCOL)) for a in anns)
+    # First save of a layout (ckpt._plan): each rank's listed regions go to their arrays'
+    # owners (an all-to-all), which plan them; rank 0 gathers the announcements and the
+    # owners' plans, plans the rest, and broadcasts the plans; every rank takes its own
+    # chunks and its sliver schedule.
+    inbox: dict[int, dict[int, list[ListedEntry]]] = {}
+    for a in anns:
+        for entry in a.listed:
+            inbox.setdefault(owner_of(entry[0], world), {}).setdefault(a.rank, []).append(entry)
+    owned, owner_s, owner_bytes = {}, 0.0, 0
+    for o, by in inbox.items():  # each owner on its own rank: the slowest one counts
+        seconds, peak, owned[o] = _cost(lambda by=by: plan_owned(sorted(by.items()), 64 << 20))
+        owner_s, owner_bytes = max(owner_s, seconds), max(owner_bytes, peak)
+    out["owner_plan_s"], out["owner_plan_bytes"] = owner_s, owner_bytes
+    out["owner_received_bytes"] = max(
+        (sum(len(pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)) for e in by.values()) for by in inbox.values()),
+        default=0,
+    )
+    gathered = [Announcement(a.rank, a.meshed, (), a.plain, a.error, owned.get(a.rank)) for a in anns]
+    out["announce_gather_bytes"] = sum(len(pickle.dumps(a, protocol=pickle.HIGHEST_PROTOCOL)) for a in gathered)
+    out["announce_gather_bytes_before"] = sum(len(pickle.dumps(a, protocol=pickle.HIGHEST_PROTOCOL)) for a in anns)
 
     def rank0_plan() -> bytes:
-        plans = plan_arrays(merge(anns, sigs))
+        plans = plans_of(gathered, sigs, 64 << 20)
         return pickle.dumps((plans, None), protocol=pickle.HIGHEST_PROTOCOL)
 
     out["rank0_plan_s"], out["rank0_plan_bytes"], sent = _cost(rank0_plan)
@@ -125,8 +142,8 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
         return plans
 
     out["rank_plan_s"], out["rank_plan_bytes"], plans = _cost(rank_plan)
-    out["plan_s"] = max(out["rank0_plan_s"], out["rank_plan_s"])
-    out["plan_bytes"] = max(out["rank0_plan_bytes"], out["rank_plan_bytes"])
+    out["plan_s"] = max(out["rank0_plan_s"], out["rank_plan_s"], out["owner_plan_s"])
+    out["plan_bytes"] = max(out["rank0_plan_bytes"], out["rank_plan_bytes"], out["owner_plan_bytes"])
     out["chunks"] = sum(p.chunk_count for p in plans)
     out["writer_runs"] = sum(len(p.runs) for p in plans)
     worst = 0.0
@@ -243,7 +260,51 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
     out["restore_meta_s"], out["restore_meta_bytes"], _ = _cost(restore_meta)
     out.update(measure_listing(world))
     out.update(measure_handoff(world, arrays, size0))
+    out.update(measure_handmade(world, arrays))
     return out
+
+
+def measure_handmade(world: int, arrays: int) -> dict[str, Any]:
+    """The first save of a layout where every rank hands over a `ckpt.Shard` of every array
+    (equal row ranges, as hand-sharded tensor-parallel code makes): each rank's regions go
+    to their arrays' owners (ckpt._plan), which plan them, and rank 0 receives the owners'
+    plans. The real
+    announce, plan_owned and plans_of: one rank's announcement (every rank's is alike in
+    size), the busiest owner's regions and planning, and what rank 0 receives; before, every
+    rank's regions went to rank 0."""
+    import torch
+
+    from ckpt._plan import Announcement, announce, owner_of, plan_owned
+    from ckpt._tensors import LocalPiece
+
+    names = [f"layers.{i}.w" for i in range(arrays)]
+    rows = 4 * world
+
+    def piece(r: int) -> LocalPiece:
+        return LocalPiece(torch.empty((4, 8), device="meta"), "float32", (rows, 8), (4 * r, 0), (4, 8), "listed")
+
+    def dumps(obj: Any) -> int:
+        return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    one = announce(world - 1, {n: piece(world - 1) for n in names}, False)
+    owners: dict[int, list[str]] = {}
+    for n in names:
+        owners.setdefault(owner_of(n, world), []).append(n)
+    busiest, owned_names = max(owners.items(), key=lambda kv: len(kv[1]))
+    inbox = [
+        (r, [(n, "float32", (rows, 8), piece(r).offsets, piece(r).shape) for n in owned_names]) for r in range(world)
+    ]
+    seconds, peak, owned = _cost(lambda: plan_owned(inbox, 64 << 20))
+    assert owned.error is None, owned.error
+    per_array = dumps(owned.plans[0]) + dumps(owned.claims[0])  # an owner's result, per array it owns
+    return {
+        "handmade_rank0_received_bytes": world * dumps(Announcement(0, (), (), None)) + arrays * per_array,
+        "handmade_rank0_received_bytes_before": world * dumps(one),
+        "handmade_owner_arrays": len(owned_names),
+        "handmade_owner_received_bytes": sum(dumps(e) for _, e in inbox),
+        "handmade_owner_plan_s": seconds,
+        "handmade_owner_plan_bytes": peak,
+    }
 
 
 def measure_handoff(world: int, arrays: int, rank_file_bytes: int) -> dict[str, Any]:
@@ -582,6 +643,18 @@ def targets(cases: list[dict[str, Any]], real: dict[str, Any] | None, top: int) 
                 "<= 4 MB",
                 mb <= 4 and listed["handoff_answers_ok"],
             )
+        if "handmade_rank0_received_bytes" in listed:
+            mb = listed["handmade_rank0_received_bytes"] / MiB
+            add(
+                f"hand-made shards of every array @ {top} ranks: MB rank 0 receives", round(mb, 1), "<= 32 MB", mb <= 32
+            )
+            add(
+                f"hand-made shards of every array @ {top} ranks: the busiest owner's planning s",
+                round(listed["handmade_owner_plan_s"], 2),
+                "<= 2 s",
+                listed["handmade_owner_plan_s"] <= 2,
+            )
+        if "handoff_holders_s" in listed:
             add(
                 f"restore hand-off @ {top} ranks: CPU s to find the holders of every writer",
                 round(listed["handoff_holders_s"], 3),

@@ -5,21 +5,27 @@ Three collectives, only when some rank's layout changed since its last save:
    tensors, held alike by every rank of a group: data-parallel replicas, a pipeline
    stage). Ranks with equal signatures hold the same plain arrays; the lowest of them
    speaks for its group.
-2. a gather to rank 0 of each rank's `Announcement`: the mesh arrays whose mesh it leads
+2. an all-to-all of each rank's listed regions (hand-made shards: only their holder knows
+   them) to the owner of their array (a hash of its name over the ranks), which checks and
+   plans the arrays it owns (`plan_owned`);
+3. a gather to rank 0 of each rank's `Announcement`: the mesh arrays whose mesh it leads
    (a DTensor's pieces follow from its mesh and placements, so one rank describes it for
-   all), its listed regions (hand-made shards: only their holder knows them), and its
-   group's plain arrays if it speaks for the group.
-3. a broadcast of rank 0's plans (store.layout: O(arrays), writers as runs), or of the
+   all), its group's plain arrays if it speaks for the group, and the plans of the listed
+   arrays it owns (`Owned`);
+4. a broadcast of rank 0's plans (store.layout: O(arrays), writers as runs), or of the
    error that stopped it, which every rank then raises.
 
-Rank 0 handles O(arrays + ranks + listed regions); every other rank O(arrays), and its
-own chunks come from the plans' runs (`ArrayPlan.chunks_of`).
+Rank 0 handles O(arrays + ranks); an owner the regions of its arrays (O(ranks) for an
+array every rank holds a piece of); every rank O(arrays), and its own chunks come from
+the plans' runs (`ArrayPlan.chunks_of`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -39,10 +45,33 @@ from ckpt.store.layout import (
 )
 from ckpt.store.zarr_meta import DOCUMENT_FORMAT
 
-__all__ = ["Announcement", "announce", "merge", "plain_signature", "agree_plans"]
+__all__ = [
+    "Announcement",
+    "Owned",
+    "announce",
+    "merge",
+    "owner_of",
+    "plan_owned",
+    "plans_of",
+    "plain_signature",
+    "agree_plans",
+]
 
 PlainEntry = tuple[str, str, tuple[int, ...]]  # name, dtype, shape
 ListedEntry = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # name, dtype, shape, offsets, local
+
+
+Claim = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, the first rank that holds it
+
+
+@dataclass(frozen=True, slots=True)
+class Owned:
+    """What the owner of some listed arrays tells rank 0: each array's claim (rank 0 checks
+    it against the other kinds), their plans, or why they cannot be planned."""
+
+    claims: tuple[Claim, ...] = ()
+    plans: tuple[ArrayPlan, ...] = ()
+    error: tuple[str, str] | None = None  # (error type, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +80,40 @@ class Announcement:
 
     rank: int
     meshed: tuple[MeshSpec, ...]  # the mesh arrays whose mesh this rank leads (its lowest rank)
-    listed: tuple[ListedEntry, ...]  # this rank's listed regions
+    listed: tuple[ListedEntry, ...]  # this rank's listed regions (sent to their owners, not to rank 0)
     plain: tuple[PlainEntry, ...] | None  # its group's plain arrays, when it speaks for the group
     error: str | None = None  # why this rank cannot describe its state
+    owned: Owned | None = None  # the listed arrays this rank owns
+
+
+def owner_of(name: str, world: int) -> int:
+    """The rank that plans listed array `name`: the same on every rank, spread over the ranks."""
+    return zlib.crc32(name.encode()) % world
+
+
+def plan_owned(received: Iterable[tuple[int, Sequence[ListedEntry]]], split_bytes: int) -> Owned:
+    """An owner's plans of the listed arrays whose regions it received ((sender, its
+    entries), senders ascending), with each array's claim; a disagreement or a failed plan
+    as the error."""
+    claims = _Claims()
+    held: dict[str, list[HeldRegion]] = {}
+
+    def claimed() -> tuple[Claim, ...]:
+        return tuple((n, *claims.first[n][1:3], claims.first[n][3]) for n in held)
+
+    for rank, entries in received:
+        for name, dtype, shape, offsets, local in entries:
+            try:
+                claims.claim(name, "listed", dtype, shape, rank)
+            except CkptError as e:
+                return Owned(claimed(), (), (type(e).__name__, str(e)))
+            held.setdefault(name, []).append(HeldRegion(rank, offsets, local))
+    try:
+        specs = [ArraySpec(n, claims.first[n][1], claims.first[n][2], tuple(regions)) for n, regions in held.items()]
+        plans = plan_arrays(specs, split_bytes=split_bytes)
+    except Exception as e:  # noqa: BLE001 - every rank raises it (a bug as a CkptError)
+        return Owned(claimed(), (), (type(e).__name__ if isinstance(e, CkptError) else "CkptError", str(e)))
+    return Owned(claimed(), tuple(plans))
 
 
 def plain_signature(pieces: Mapping[str, LocalPiece]) -> int:
@@ -136,7 +196,9 @@ class _Claims:
 
 
 def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> list[ArraySpec | MeshSpec]:
-    """Rank 0: every array of the job, from the announcements and the plain signatures."""
+    """Rank 0: every array of the job to plan here, from the announcements and the plain
+    signatures (not those their owners planned: their claims are checked against the
+    others)."""
     failures = [a for a in announcements if a.error]
     if failures:
         raise StateMismatchError("; ".join(str(a.error) for a in failures))
@@ -163,6 +225,14 @@ def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> l
             claims.claim(name, "plain", dtype, shape, a.rank)
             plain.setdefault(name, []).append(signatures[a.rank])
             specs.setdefault(name, ArraySpec(name, dtype, shape, ()))
+        for name, dtype, shape, first in a.owned.claims if a.owned is not None else ():
+            claims.claim(name, "listed", dtype, shape, first)
+    # An owner's error after every claim: an array held as two kinds is named as such, not
+    # as the gaps its listed regions alone leave.
+    for a in announcements:
+        if a.owned is not None and a.owned.error is not None:
+            kind = getattr(errors, a.owned.error[0], CkptError)
+            raise (kind if isinstance(kind, type) and issubclass(kind, CkptError) else CkptError)(a.owned.error[1])
     meshes: dict[tuple[int, ...], Mesh] = {}  # one object per holder set: sent once
     out: list[ArraySpec | MeshSpec] = []
     for name, spec in specs.items():
@@ -183,6 +253,13 @@ def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> l
 Outcome = tuple[list[ArrayPlan] | None, tuple[str, str] | None]  # (plans, (error type, message))
 
 
+def plans_of(announcements: Sequence[Announcement], signatures: Sequence[int], split_bytes: int) -> list[ArrayPlan]:
+    """Rank 0: the plans of every array, sorted by name: those it plans and its owners'."""
+    plans = plan_arrays(merge(announcements, signatures), split_bytes=split_bytes)
+    plans += [p for a in announcements if a.owned is not None for p in a.owned.plans]
+    return sorted(plans, key=lambda p: p.spec.name)
+
+
 def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -> list[ArrayPlan]:
     """Collective: the plans of the job's layout, the same on every rank; raises alike on every rank."""
     sig = plain_signature(pieces)
@@ -191,11 +268,18 @@ def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -
         mine = announce(ctl.rank, pieces, signatures.index(sig) == ctl.rank)
     except Exception as e:  # noqa: BLE001 - rank 0 reports it to every rank
         mine = Announcement(ctl.rank, (), (), None, f"rank {ctl.rank}: {type(e).__name__}: {e}")
-    got = ctl.gather(mine)
+    # Hand-made shards: each region to its array's owner, never to rank 0 (16,384 ranks
+    # x 1,000 tensors would be 16 million regions there).
+    by_owner: dict[int, list[ListedEntry]] = {}
+    for entry in mine.listed:
+        by_owner.setdefault(owner_of(entry[0], ctl.world), []).append(entry)
+    received = ctl.all_to_all([by_owner.get(r) for r in range(ctl.world)])
+    owned = plan_owned(((r, e) for r, e in enumerate(received) if e), split_bytes)
+    got = ctl.gather(dataclasses.replace(mine, listed=(), owned=owned))
     outcome: Outcome = (None, None)
     if got is not None:
         try:
-            outcome = (plan_arrays(merge(got, signatures), split_bytes=split_bytes), None)
+            outcome = (plans_of(got, signatures, split_bytes), None)
         except Exception as e:  # noqa: BLE001 - every rank raises it (a bug as a CkptError)
             outcome = (None, (type(e).__name__ if isinstance(e, CkptError) else "CkptError", str(e)))
     plans: list[ArrayPlan] | None
