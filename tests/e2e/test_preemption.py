@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,19 @@ from tests._dist import launch
 from tests._states import bitwise_diff
 
 THIS = os.path.abspath(__file__)
+
+
+def _python(script: str) -> subprocess.CompletedProcess[str]:
+    """`script` (dedented) run by a fresh interpreter in the repository: its own signal handlers."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(THIS).parents[2]),
+    )
+
+
 STEPS = 400  # the signal comes at step 5; a job that missed it would train on to the end
 
 
@@ -114,11 +130,7 @@ def test_a_handler_left_installed_after_close_passes_the_signal_on(tmp_path: Pat
     """Two Checkpointers closed out of order: the first one's handler cannot be taken off
     (the second's is on top) and is put back by the second's close(). It must not swallow
     the signal: the process dies of it, as it would without ckpt."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
+    out = _python(
         f"""
         import os, signal
         from ckpt import Checkpointer
@@ -131,9 +143,6 @@ def test_a_handler_left_installed_after_close_passes_the_signal_on(tmp_path: Pat
         print("survived")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
-    )
     assert out.returncode == -signal.SIGUSR1, (out.returncode, out.stdout, out.stderr[-2000:])
 
 
@@ -142,11 +151,7 @@ def test_a_closed_watch_under_an_open_one_does_not_kill_the_process(tmp_path: Pa
     on: the second's handler chains to the first's, still installed beneath it. The signal
     is the second's notice (the job saves and exits); the first, closed, must not turn it
     into the default action and kill the process before reached_preemption() sees it."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
+    out = _python(
         f"""
         import os, signal
         from ckpt import Checkpointer
@@ -158,9 +163,6 @@ def test_a_closed_watch_under_an_open_one_does_not_kill_the_process(tmp_path: Pa
         b.close()
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
-    )
     assert out.returncode == 0 and "reached True" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
 
 
@@ -168,11 +170,7 @@ def test_take_over_keeps_the_signal_from_a_handler_installed_later_and_close_put
     """A framework's handler installed over ckpt's (as Lightning's SIGTERM handler is):
     after take_over, the signal is ckpt's notice only; close() puts back the handler from
     before ckpt's (the framework's is the framework's to put back)."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
+    out = _python(
         f"""
         import os, signal
         from ckpt import Checkpointer
@@ -191,9 +189,6 @@ def test_take_over_keeps_the_signal_from_a_handler_installed_later_and_close_put
         print("back", signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
-    )
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
     assert "calls [] reached True" in out.stdout and "back True True" in out.stdout, out.stdout
 
@@ -204,11 +199,7 @@ def test_two_fits_that_raise_leave_a_sigterm_deadly(tmp_path: Path) -> None:
     putting back ckpt's closed handler. Before, the second fit's closed handler passed the
     signal to the first's, which took the call for an open watch's chain and only passed it
     on: every later SIGTERM was swallowed."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
+    out = _python(
         """
         import os, signal, time
         from ckpt._preemption import PreemptionWatch
@@ -228,9 +219,6 @@ def test_two_fits_that_raise_leave_a_sigterm_deadly(tmp_path: Path) -> None:
         print("survived")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
-    )
     assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
 
 
@@ -239,11 +227,7 @@ def test_a_notice_after_the_last_check_is_passed_on_at_close(tmp_path: Path) -> 
     last save): close() sends it on to the handler before ckpt's, here the default, so the
     process ends as it would have without ckpt. Before, the notice was dropped and the
     process went on."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
+    out = _python(
         f"""
         import os, signal, time
         import torch
@@ -255,9 +239,6 @@ def test_a_notice_after_the_last_check_is_passed_on_at_close(tmp_path: Path) -> 
         time.sleep(1)
         print("survived")
         """
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(Path(THIS).parents[2])
     )
     assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
     assert (tmp_path / "a" / "v000000000001" / "manifest.json").exists()  # the save before it committed
