@@ -1,9 +1,10 @@
 """Scale of ckpt's metadata path from 8 to 16,384 ranks, and a real 16-process gloo job.
 
 The simulation drives the real code with synthetic layouts (bench/_scale_layouts.py).
-First save of a layout (ckpt._plan): the announcements rank 0 gathers, `merge` and
-`plan_arrays` on rank 0, the plans it broadcasts, and on another rank their unpickling,
-its own chunks (`chunks_of`) and its sliver schedule. Every save: rank 0's commit work
+First save of a layout (ckpt._plan): the hand-made regions each owner receives and plans
+(`plan_owned`), the announcements rank 0 gathers, `plans_of` on rank 0, the plans it
+broadcasts, and on another rank their unpickling, its own chunks (`chunks_of`) and its
+sliver schedule; and a job whose every rank holds a `ckpt.Shard` of every array. Every save: rank 0's commit work
 (`ckpt._commit._decide`: the manifest built from every rank's report and serialized),
 the bytes rank 0 and a root's leader receive (ckpt._reports packs), and on restore
 `parse_manifest`, `plan_reads` and the rank files a restoring rank reads, and the

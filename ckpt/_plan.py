@@ -101,14 +101,12 @@ def plan_owned(received: Iterable[tuple[int, Sequence[ListedEntry]]], split_byte
     def claimed() -> tuple[Claim, ...]:
         return tuple((n, *claims.first[n][1:3], claims.first[n][3]) for n in held)
 
-    for rank, entries in received:
-        for name, dtype, shape, offsets, local in entries:
-            try:
-                claims.claim(name, "listed", dtype, shape, rank)
-            except CkptError as e:
-                return Owned(claimed(), (), (type(e).__name__, str(e)))
-            held.setdefault(name, []).append(HeldRegion(rank, offsets, local))
+    # Every failure goes to rank 0 in the Owned: this rank must reach the gather.
     try:
+        for rank, entries in received:
+            for name, dtype, shape, offsets, local in entries:
+                claims.claim(name, "listed", dtype, shape, rank)
+                held.setdefault(name, []).append(HeldRegion(rank, offsets, local))
         specs = [ArraySpec(n, claims.first[n][1], claims.first[n][2], tuple(regions)) for n, regions in held.items()]
         plans = plan_arrays(specs, split_bytes=split_bytes)
     except Exception as e:  # noqa: BLE001 - every rank raises it (a bug as a CkptError)
