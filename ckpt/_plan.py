@@ -1,6 +1,6 @@
 """The first save of a layout: who holds what, agreed without any rank learning ranks x arrays.
 
-Three collectives, only when some rank's layout changed since its last save:
+Four collectives, only when some rank's layout changed since its last save:
 1. an all-gather of one int64 per rank: the signature of the rank's plain arrays (whole
    tensors, held alike by every rank of a group: data-parallel replicas, a pipeline
    stage). Ranks with equal signatures hold the same plain arrays; the lowest of them
@@ -229,8 +229,7 @@ def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> l
     # as the gaps its listed regions alone leave.
     for a in announcements:
         if a.owned is not None and a.owned.error is not None:
-            kind = getattr(errors, a.owned.error[0], CkptError)
-            raise (kind if isinstance(kind, type) and issubclass(kind, CkptError) else CkptError)(a.owned.error[1])
+            raise _error(a.owned.error)
     meshes: dict[tuple[int, ...], Mesh] = {}  # one object per holder set: sent once
     out: list[ArraySpec | MeshSpec] = []
     for name, spec in specs.items():
@@ -249,6 +248,12 @@ def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> l
 
 
 Outcome = tuple[list[ArrayPlan] | None, tuple[str, str] | None]  # (plans, (error type, message))
+
+
+def _error(sent: tuple[str, str]) -> CkptError:
+    """An error another rank sent as (type name, message): its ckpt type, else CkptError."""
+    kind = getattr(errors, sent[0], CkptError)
+    return (kind if isinstance(kind, type) and issubclass(kind, CkptError) else CkptError)(sent[1])
 
 
 def plans_of(announcements: Sequence[Announcement], signatures: Sequence[int], split_bytes: int) -> list[ArrayPlan]:
@@ -283,8 +288,7 @@ def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -
     plans: list[ArrayPlan] | None
     plans, error = ctl.broadcast(outcome)
     if error is not None:
-        kind = getattr(errors, error[0], CkptError)
-        raise (kind if isinstance(kind, type) and issubclass(kind, CkptError) else CkptError)(error[1])
+        raise _error(error)
     assert plans is not None
     return plans
 
