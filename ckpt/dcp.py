@@ -165,8 +165,8 @@ def _close_abandoned() -> bool:
 def _meshed(planner: SavePlanner) -> dict[str, DTensor]:
     """The DTensors of the state DCP saves (DefaultSavePlanner's flattened state_dict) that
     ckpt plans from their mesh and placements, passed to ckpt as themselves: their layout is
-    then announced by one rank per mesh, not by every rank for every tensor as hand-made
-    shards (at 16,384 ranks and 1,000 tensors, 16 million regions at rank 0). Every rank
+    then announced by one rank per mesh, not as hand-made shards, which every rank lists
+    for every tensor (to the arrays' owners: ckpt._plan). Every rank
     holds every DTensor of the state, so each rank passes the same ones, also those whose
     replicated piece DCP's plan gives another rank."""
     found = getattr(planner, "state_dict", None)
