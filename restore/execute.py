@@ -318,7 +318,7 @@ def _read_from(
                 for r in reqs:
                     _place(typed, _origin(chunk, block.rows[0]), r)
 
-            _read_windows(handle, todo, where, land)
+            _read_windows(handle, todo, where, land, functools.partial(_partly_needed, chunk, reqs))
             return
         if direct is not None and direct[0] <= todo[0].rows[0] and todo[-1].rows[1] <= direct[1]:
             _read_checked(handle, todo, _dest_view(reqs[0], chunk, (todo[0].rows[0], todo[-1].rows[1]), rb), where)
@@ -407,25 +407,62 @@ def _read_checked(handle: ReadHandle, todo: Sequence[Block], out: memoryview, wh
         _check_block(xxhash.xxh3_64_hexdigest(piece), block, where)
 
 
+def _partly_needed(chunk: ChunkEntry, reqs: list[ReadRequest], block: Block) -> bool:
+    """Whether no one of `reqs` needs every byte of the block (its rows of the chunk's
+    extent, across the whole chunk in the other dimensions): the rest is some other
+    rank's, on a reshard."""
+    if not chunk.offsets:
+        return False
+    lo, hi = chunk.offsets[0] + block.rows[0], chunk.offsets[0] + min(block.rows[1], chunk.shape[0])
+    for r in reqs:
+        box = r.box
+        if box.lo[0] <= lo and hi <= box.hi[0]:
+            if all(
+                b_lo <= o and o + n <= b_hi
+                for b_lo, b_hi, o, n in zip(box.lo[1:], box.hi[1:], chunk.offsets[1:], chunk.shape[1:])
+            ):
+                return False
+    return True
+
+
 def _inside(block: Block, direct: tuple[int, int] | None) -> bool:
     """Whether the whole block lands contiguously in the destination (rows `direct`, see _direct)."""
     return direct is not None and direct[0] <= block.rows[0] and block.rows[1] <= direct[1]
 
 
 def _read_windows(
-    handle: ReadHandle, todo: list[Block], where: str, land: Callable[[Block, torch.Tensor], None]
+    handle: ReadHandle,
+    todo: list[Block],
+    where: str,
+    land: Callable[[Block, torch.Tensor], None],
+    shared: Callable[[Block], bool] | None = None,
 ) -> None:
     """Blocks (each at most _WINDOW bytes) read with O_DIRECT, in windows of consecutive ones,
     into the reader's aligned buffer; each checked there, then given to land(block, its
     bytes) to copy out. A disk read so moves no page-cache pages: a buffered read allocates
     one per 4 KiB and copies it again: 2.9 GB cold took 0.8-1.3 CPU s so, 2.2-3.8 buffered
-    (the dev machine)."""
+    (the dev machine).
+
+    A block that `shared` names (one this rank needs only part of, whose other rows
+    another rank of the machine reads too) is read through the page cache instead, so
+    that the device gives its bytes once to both."""
     buf, view = _window.get()
     i = 0
     while i < len(todo):
+        if shared is not None and shared(todo[i]):
+            block = todo[i]
+            read_exact(handle, view[: block.nbytes], block.offset, where, shared=True)
+            _check_block(xxhash.xxh3_64_hexdigest(view[: block.nbytes]), block, where)
+            land(block, buf[: block.nbytes])
+            i += 1
+            continue
         start = todo[i].offset // DIRECT_ALIGN * DIRECT_ALIGN
         j = i + 1
-        while j < len(todo) and _align_up(todo[j].offset + todo[j].nbytes) - start <= len(view):
+        while (
+            j < len(todo)
+            and _align_up(todo[j].offset + todo[j].nbytes) - start <= len(view)
+            and not (shared is not None and shared(todo[j]))
+        ):
             j += 1
         need = todo[j - 1].offset + todo[j - 1].nbytes - start
         read_direct_exact(handle, view[: _align_up(need + start) - start], start, need, where)

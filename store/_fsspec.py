@@ -80,6 +80,9 @@ class _RangeHandle:
         start = offset - self._at
         view[:] = self._buf[start : start + len(view)]
 
+    def read_shared(self, offset: int, out: memoryview) -> None:
+        self.read_into(offset, out)
+
     def read_direct(self, offset: int, out: memoryview) -> int:
         n = max(0, min(len(out), self.size - offset))
         self.read_into(offset, out[:n])

@@ -161,21 +161,22 @@ class _HeldDir:
 
 
 class _FileHandle:
-    __slots__ = ("_fd", "_root", "_key", "size", "_direct")
+    __slots__ = ("_fd", "_root", "_key", "size", "_direct", "_on", "_random")
 
     def __init__(self, fd: int, size: int, root: str, key: str) -> None:
         self._fd = fd
         self._root, self._key = root, key  # the path is joined only for an error: a restore opens thousands
         self.size = size
-        self._direct: bool | None = None  # O_DIRECT on the fd: unknown until read_direct asks
+        self._direct: bool | None = None  # whether the filesystem takes O_DIRECT: unknown until read_direct asks
+        self._on = False  # O_DIRECT is set on the fd now
+        self._random = False  # readahead is off for the fd (read_shared)
 
     @property
     def path(self) -> str:
         return os.path.join(self._root, self._key)
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        if self._direct:
-            self._buffered()
+        self._through_cache()
         view = out.cast("B")
         done = 0
         while done < len(view):
@@ -184,25 +185,33 @@ class _FileHandle:
                 raise EOFError(f"{self.path} ends at {offset + done}, before {offset + len(view)}")
             done += n
 
+    def read_shared(self, offset: int, out: memoryview) -> None:
+        if not self._random:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._random = True
+        self.read_into(offset, out)
+
     def read_direct(self, offset: int, out: memoryview) -> int:
         """O_DIRECT reads where the filesystem takes them, each the whole of what is left (a
         large one keeps several device requests in flight); buffered ones after a refusal,
         and after a read that ended off a DIRECT_ALIGN boundary (the file's end)."""
         view = out.cast("B")
         if self._direct is None:
-            self._direct = set_direct(self._fd, True)
+            self._direct = self._on = set_direct(self._fd, True)
+        elif self._direct and not self._on:  # back from a buffered read
+            set_direct(self._fd, True)
+            self._on = True
         done = 0
         while done < len(view):
-            if self._direct and done % DIRECT_ALIGN:
-                self._buffered()
+            if self._on and done % DIRECT_ALIGN:
+                self._through_cache()
             try:
-                n = os.preadv(
-                    self._fd, [view[done:] if self._direct else view[done : done + READ_PIECE]], offset + done
-                )
+                n = os.preadv(self._fd, [view[done:] if self._on else view[done : done + READ_PIECE]], offset + done)
             except OSError as e:
-                if not (self._direct and e.errno == errno.EINVAL):
+                if not (self._on and e.errno == errno.EINVAL):
                     raise
-                self._buffered()  # a device that wants more alignment than DIRECT_ALIGN
+                self._through_cache()  # a device that wants more alignment than DIRECT_ALIGN
+                self._direct = False
                 continue
             if n <= 0:
                 break
@@ -211,9 +220,10 @@ class _FileHandle:
                 break
         return done
 
-    def _buffered(self) -> None:
-        set_direct(self._fd, False)
-        self._direct = False
+    def _through_cache(self) -> None:
+        if self._on:
+            set_direct(self._fd, False)
+            self._on = False
 
     def close(self) -> None:
         os.close(self._fd)

@@ -97,10 +97,14 @@ def open_checked(tier: Tier, key: str, nbytes: int, expected: str, what: str = "
     return handle
 
 
-def read_exact(handle: ReadHandle, out: memoryview, offset: int, where: str) -> None:
-    """Fill `out` from `offset`; an object that ends first, or a local I/O error, is damage."""
+def read_exact(handle: ReadHandle, out: memoryview, offset: int, where: str, shared: bool = False) -> None:
+    """Fill `out` from `offset` (with `shared`, by ReadHandle.read_shared); an object that
+    ends first, or a local I/O error, is damage."""
     try:
-        handle.read_into(offset, out)
+        if shared:
+            handle.read_shared(offset, out)
+        else:
+            handle.read_into(offset, out)
     except (EOFError, OSError) as e:
         raise _read_error(e, where) from None
 

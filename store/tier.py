@@ -81,6 +81,12 @@ class ReadHandle(Protocol):
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill `out` from `offset`; an object that ends first is an EOFError."""
 
+    def read_shared(self, offset: int, out: memoryview) -> None:
+        """read_into, for bytes that other readers of this machine read too (a block that
+        two ranks of a resharded restore each need part of): a local file is read through
+        the page cache, where the first reader's read from the device serves the others,
+        with no readahead past `out` (the rest of the file may be read with O_DIRECT)."""
+
     def read_direct(self, offset: int, out: memoryview) -> int:
         """Fill `out` from `offset` up to the object's end; how many bytes that is. `out`
         starts on a DIRECT_ALIGN boundary of memory, and `offset` and len(out) are

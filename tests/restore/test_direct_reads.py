@@ -17,6 +17,7 @@ import ckpt
 from ckpt import Checkpointer
 from ckpt.store._local import LocalTier
 from ckpt.store.fsio import DIRECT_ALIGN, in_ram
+from ckpt.store.layout import block_rows
 from tests._states import assert_bitwise, blank
 
 MiB = 1 << 20
@@ -41,6 +42,11 @@ def _state(seed: int = 0) -> dict[str, Any]:
 
 def _resident_pages(path: Path) -> int:
     """Pages of the file in the page cache (mincore)."""
+    return sum(_resident(path))
+
+
+def _resident(path: Path) -> list[bool]:
+    """Whether each page of the file is in the page cache (mincore)."""
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -52,7 +58,7 @@ def _resident_pages(path: Path) -> int:
             assert _libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
         finally:
             _libc.munmap(addr, size)
-        return sum(v & 1 for v in vec)
+        return [bool(v & 1) for v in vec]
     finally:
         os.close(fd)
 
@@ -114,8 +120,18 @@ def test_a_resharded_read_takes_only_its_blocks_and_lands_bitwise(disk_root: Pat
         assert ck.restore(got) == 1
     assert torch.equal(piece.local_tensor.view(torch.int32), big[rows[0] : rows[1]].view(torch.int32))
     assert_bitwise(got["model"]["odd"], want["model"]["odd"])
+    # The two blocks at the edges of the rows, which the ranks that hold the rows beside
+    # them read too, came through the page cache (so the disk gives their bytes once to
+    # both); the blocks inside them did not.
     (big_file,) = [p for n, p in files.items() if n.startswith("model/big/")]
-    assert _resident_pages(big_file) <= 1
+    rb = big.shape[1] * 4
+    k = block_rows(big.shape, 4)
+    edges = [(r // k * k, min(big.shape[0], (r // k + 1) * k)) for r in rows]
+    assert all(lo < r < hi for r, (lo, hi) in zip(rows, edges))  # (the test's premise)
+    cached = {p for lo, hi in edges for p in range(lo * rb // mmap.PAGESIZE, -(-hi * rb // mmap.PAGESIZE))}
+    resident = {i for i, r in enumerate(_resident(big_file)) if r}
+    assert resident - cached == set(), "a block this rank needs whole came through the page cache"
+    assert cached - resident == set(), "an edge block did not come through the page cache"
 
 
 def test_a_flipped_byte_in_a_large_chunk_is_caught(disk_root: Path) -> None:
