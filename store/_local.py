@@ -187,7 +187,8 @@ class _FileHandle:
 
     def read_shared(self, offset: int, out: memoryview) -> None:
         if not self._random:
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+            with contextlib.suppress(OSError):  # advice: a filesystem may not take it
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._random = True
         self.read_into(offset, out)
 
@@ -199,8 +200,7 @@ class _FileHandle:
         if self._direct is None:
             self._direct = self._on = set_direct(self._fd, True)
         elif self._direct and not self._on:  # back from a buffered read
-            set_direct(self._fd, True)
-            self._on = True
+            self._on = self._direct = set_direct(self._fd, True)
         done = 0
         while done < len(view):
             if self._on and done % DIRECT_ALIGN:
