@@ -248,6 +248,18 @@ class Checkpointer:
         self._check_open()
         return self._preemption is not None and self._preemption.reached(self._ctl)
 
+    def take_over_signal(self, sig: int) -> None:
+        """Put this Checkpointer's handler for `sig` (one of `preemption_signals`) back over
+        any installed since, which then no longer receive that signal: only the ranks'
+        agreement in reached_preemption() acts on it. For a framework whose own handler acts
+        on the rank that got the signal (Lightning's SIGTERM handler broadcasts from inside
+        the handler under DDP: a notice on some ranks only leaves the ranks' collectives
+        mismatched). close() puts back the handler from before this Checkpointer's. From the
+        main thread; a no-op for another signal."""
+        self._check_open()
+        if self._preemption is not None:
+            self._preemption.take_over(sig)
+
     def wait_staged(self) -> float:
         """Block until the last save's tensors are copied (deferred staging), after which
         the state may change; returns the seconds waited. Optimizers in the state do this

@@ -182,14 +182,13 @@ class CkptCallback(Callback):
         return self._saved_world_size is not None and self._saved_world_size != trainer.world_size
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        watch = self.checkpointer._preemption if self.checkpointer is not None else None
-        if watch is not None:
+        if self.checkpointer is not None:
             # Lightning installed its SIGTERM handler after on_fit_start, over ckpt's. Under
             # DDP that handler broadcasts on the default group from inside the handler, so a
             # notice reaching some ranks only leaves the ranks' collectives mismatched (DDP's
             # gradient all-reduce waits until its timeout). ckpt's handler goes back on top
             # and keeps the notice: the ranks agree on it in on_train_batch_end.
-            watch.take_over(signal.SIGTERM)  # not SIGUSR1: Lightning's requeues a SLURM job
+            self.checkpointer.take_over_signal(signal.SIGTERM)  # not SIGUSR1: Lightning's requeues a SLURM job
         if self._rng_after_restore is not None:
             restore_rng(self._rng_after_restore)
             self._rng_after_restore = None

@@ -168,7 +168,7 @@ def test_a_closed_watch_under_an_open_one_does_not_kill_the_process(tmp_path: Pa
 
 def test_take_over_keeps_the_signal_from_a_handler_installed_later_and_close_puts_it_back(tmp_path: Path) -> None:
     """A framework's handler installed over ckpt's (as Lightning's SIGTERM handler is):
-    after take_over, the signal is ckpt's notice only; close() puts back the handler from
+    after Checkpointer.take_over_signal, the signal is ckpt's notice only; close() puts back the handler from
     before ckpt's (the framework's is the framework's to put back)."""
     out = _python(
         f"""
@@ -181,8 +181,8 @@ def test_take_over_keeps_the_signal_from_a_handler_installed_later_and_close_put
             calls.append(signum)
             under(signum, frame)
         signal.signal(signal.SIGUSR1, framework)
-        ck._preemption.take_over(signal.SIGUSR1)
-        ck._preemption.take_over(signal.SIGINT)  # not one it handles: nothing changes
+        ck.take_over_signal(signal.SIGUSR1)
+        ck.take_over_signal(signal.SIGINT)  # not one it handles: nothing changes
         os.kill(os.getpid(), signal.SIGUSR1)
         print("calls", calls, "reached", ck.reached_preemption())
         ck.close()
