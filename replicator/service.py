@@ -56,7 +56,13 @@ from ckpt.replicator.status import (
 )
 from ckpt.replicator.transfer import Transfer, copy_files, journal_for, missing_files, part_sizes
 from ckpt.store import metrics
-from ckpt.store.errors import CkptError, CorruptVersionError, StoppedError, VersionExistsError
+from ckpt.store.errors import (
+    CkptError,
+    CorruptVersionError,
+    StoppedError,
+    UnsupportedStateError,
+    VersionExistsError,
+)
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import deleting
 from ckpt.store.retry import RetryPolicy
@@ -572,10 +578,10 @@ def _holds(dest: Destination, step: int, save_id: str) -> bool:
 
 
 def _of_the_version(e: Exception) -> bool:
-    """Whether a failed copy is this version's own (its source damaged, or the remote
-    holding another save of its step), not its destination's: the other versions are
-    still copied there in the same pass."""
-    return isinstance(e, (CorruptVersionError, VersionExistsError))
+    """Whether a failed copy is this version's own (its source damaged, the remote holding
+    another save of its step, or keys longer than the remote takes), not its destination's:
+    the other versions are still copied there in the same pass."""
+    return isinstance(e, (CorruptVersionError, VersionExistsError, UnsupportedStateError))
 
 
 def _last_status(source: str) -> Status:

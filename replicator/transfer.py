@@ -30,7 +30,7 @@ from ckpt.replicator.placement import Destination
 from ckpt.replicator.ratelimit import RateLimiter
 from ckpt.store.chunk_read import READ_BLOCK
 from ckpt.store.digest import ChunkHasher
-from ckpt.store.errors import CorruptVersionError, StoppedError, TierUnavailableError
+from ckpt.store.errors import CorruptVersionError, StoppedError, TierUnavailableError, UnsupportedStateError
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
 from ckpt.store.rank_file import RankFiles, rank_file_path
 from ckpt.store.tier import Tier, join_key
@@ -186,6 +186,21 @@ def missing_files(tier: Tier, step: int, sizes: dict[str, int]) -> list[str]:
     return sorted(rel for rel, size in sizes.items() if held.get(rel) != size)
 
 
+def _check_keys(t: Transfer, sizes: dict[str, int]) -> None:
+    """UnsupportedStateError, before anything is sent, where a file's key would be longer
+    than the destination's store takes: the version cannot be copied there (the state's
+    keys make its array names), while its other versions can."""
+    room = t.dest.tier.key_room
+    if room is None or not sizes:
+        return
+    key = max((join_key(t.name, rel) for rel in sizes), key=lambda k: len(k.encode()))
+    if len(key.encode()) > room:
+        raise UnsupportedStateError(
+            f"{t.where()}: the key {key!r} has {len(key.encode())} bytes, and this store takes {room} below "
+            "that prefix; the state's keys (its array names) are too long to copy this version there"
+        )
+
+
 def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) -> dict[str, int]:
     """Copy and verify every file of the part (not the manifest or root info); returns the
     files copied (relative path -> size). Raises what stopped it (TierUnavailableError,
@@ -194,6 +209,7 @@ def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) ->
     rank_files = {rank_file_path(r): ref.xxh3 for r, ref in enumerate(t.manifest.rank_files)}
     book = RankFiles(t.source)  # schema 3: the chunks' digests, from the rank files of the source
     sizes = part_sizes(t.source, t.step)
+    _check_keys(t, sizes)
     done = set(t.journal.done)
     held = {o.key[len(t.name) + 1 :]: o.size for o in t.dest.tier.find(t.name)} if done else {}
     todo = sorted((rel for rel in sizes if not (rel in done and held.get(rel) == sizes[rel])), key=lambda r: -sizes[r])

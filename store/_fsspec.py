@@ -131,6 +131,12 @@ class _Md5Parts:
         return len(got) == len(etags) == len(mine) and got == [m.hex() for m in mine]
 
 
+# The longest object key (bytes, below the bucket) of the stores whose protocols these are:
+# S3 refuses a longer one (KeyTooLongError), as do GCS and Azure Blob Storage.
+OBJECT_KEY_BYTES = 1024
+_OBJECT_KEY_BYTES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
 class FsspecTier(Tier):
     capabilities = _CAPABILITIES
 
@@ -168,6 +174,14 @@ class FsspecTier(Tier):
     @property
     def store_id(self) -> str:
         return self._store_id
+
+    @property
+    def key_room(self) -> int | None:
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if _OBJECT_KEY_BYTES.isdisjoint(protocols):
+            return None
+        _, _, below_bucket = self.prefix.partition("/")
+        return OBJECT_KEY_BYTES - (len(below_bucket.encode()) + 1 if below_bucket else 0)
 
     def _path(self, key: str) -> str:
         return join_key(self.prefix, key) if key else self.prefix

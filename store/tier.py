@@ -108,6 +108,14 @@ class Tier(ABC):
         shared) with one id reach the same objects. The location (FsspecTier adds the S3 endpoint)."""
         return self.location
 
+    @property
+    def key_room(self) -> int | None:
+        """The most bytes a key below this tier may have, where its store limits the length
+        of an object's key (S3, GCS and Azure: 1,024 bytes, this tier's own prefix in its
+        bucket included); None where it does not (a path's own limits are checked where a
+        name is made: store.manifest)."""
+        return None
+
     @abstractmethod
     def get(self, key: str) -> bytes:
         """The whole object."""

@@ -244,6 +244,31 @@ def test_cli_replicate_ls_verify_restore_from_s3(s3: S3Place, tmp_path: Path) ->
     assert f"step 2: BAD {rel}" in r.output and "step 3: ok" in r.output
 
 
+def test_a_version_whose_keys_the_remote_cannot_take_fails_alone(s3: S3Place, tmp_path: Path) -> None:
+    """S3 takes object keys of at most 1,024 bytes (moto takes longer ones). A version whose
+    array names make a longer key below the remote's prefix is recorded failed, naming the
+    key, and nothing of it is sent; the version after it is copied in the same pass. Before,
+    S3's refusal of one version failed the remote for the pass, and each pass met it first."""
+    root = tmp_path / "root"
+    deep: dict[str, Any] = {}
+    node = deep
+    for i in range(8):  # 8 levels of 125-byte keys: array names of ~1,010 bytes
+        node = node.setdefault(f"{i}" + "k" * 124, {})
+    node["w"] = torch.arange(4.0)
+    save_steps(root, {1: {"deep": deep}, 2: small_state(2)})
+
+    r = cli("replicate", root, "--to", s3.url, "--once", *s3.cli_options)
+    assert r.exit_code == 3, r.output  # a copy failed
+    assert "k" * 124 in r.output and "bytes, and this store takes" in r.output, r.output
+    assert remote_steps(s3) == [2]
+    assert not [k for k in s3.objects() if k.startswith(f"{s3.prefix}/{vname(1)}/")]
+    status = read_status(str(root))
+    failed, copied = status.versions[1].remote, status.versions[2].remote
+    assert failed is not None and failed.state == "failed", failed
+    assert "bytes, and this store takes" in (failed.error or "") and "k" * 124 in (failed.error or ""), failed
+    assert copied is not None and copied.state == "verified", copied
+
+
 def test_endpoint_from_aws_endpoint_url(s3: S3Place, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No storage option at all: AWS_ENDPOINT_URL (and the AWS_* credentials) reach the server."""
     import s3fs

@@ -205,3 +205,14 @@ def test_a_bucket_that_does_not_exist_is_no_empty_store(s3: S3Place, tmp_path: P
             ck.restore({"w": torch.zeros(2)})
     r = CliRunner().invoke(cli_main, ["ls", typo, "--storage-option", f"endpoint_url={s3.server.endpoint}"])
     assert r.exit_code == 3 and "does not exist" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_the_key_room_of_each_store(s3: S3Place, tmp_path: Path) -> None:
+    """S3's keys stop at 1,024 bytes, counted below the bucket: a tier's prefix takes its
+    share. A path or an in-memory store has no such limit."""
+    opts = s3.options
+    assert FsspecTier(f"s3://{s3.server.bucket}", opts).key_room == 1024
+    assert FsspecTier(f"s3://{s3.server.bucket}/a/bc", opts).key_room == 1024 - len("a/bc/")
+    assert FsspecTier(f"s3://{s3.server.bucket}/ä", opts).key_room == 1024 - len("ä/".encode())
+    assert FsspecTier("memory://ckpt-room/a").key_room is None
+    assert open_tier(str(tmp_path)).key_room is None
