@@ -118,6 +118,20 @@ def _named(key: KeyPath | tuple[Any, ...] | str) -> str:
     return str(KeyPath(key)) if type(key) is tuple else str(key)
 
 
+# Subclasses wrapping other tensors whose value is one of them, by (module, class name) ->
+# its attribute: the rest is derived from it. torchao's float8 training keeps a weight so
+# (the local shard of an FSDP2 parameter's DTensor), with a scale recomputed from it.
+_VALUE_INSIDE = {("torchao.float8.fsdp_utils", "WeightWithDynamicFloat8CastTensor"): "_tensor"}
+
+
+def _value_of(data: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a wrapper's value (_VALUE_INSIDE), saved and restored in its place;
+    `data` itself otherwise."""
+    attr = _VALUE_INSIDE.get((type(data).__module__, type(data).__qualname__))
+    inner = getattr(data, attr, None) if attr is not None else None
+    return inner if isinstance(inner, torch.Tensor) and inner.shape == data.shape else data
+
+
 def _refuse_unusual(data: torch.Tensor, key: KeyPath | tuple[Any, ...] | str) -> None:
     if data.is_nested:
         raise UnsupportedStateError(f"{_named(key)}: nested tensors cannot be checkpointed; save their components")
@@ -129,6 +143,14 @@ def _refuse_unusual(data: torch.Tensor, key: KeyPath | tuple[Any, ...] | str) ->
         )
     if data.is_meta:
         raise UnsupportedStateError(f"{_named(key)}: a meta tensor has no data to checkpoint")
+    if type(data) is not torch.Tensor and data.numel() and not data.data_ptr():
+        # A subclass wrapping other tensors (torchao's, a DTensor's wrapped local shard): its
+        # copy into plain memory is whatever its __torch_dispatch__ makes of copy_ (one inner
+        # tensor, a dequantized value), which a restore could not put back bitwise.
+        raise UnsupportedStateError(
+            f"{_named(key)}: a {type(data).__qualname__} wraps other tensors and has no memory of its own; "
+            "checkpoint its inner tensors (or a plain copy of its value) instead"
+        )
 
 
 _ZEROS = tuple((0,) * n for n in range(16))  # a plain tensor's offsets, shared (not one tuple per save)
@@ -150,8 +172,9 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
     mesh: Mesh | None = None
     placed: tuple[int, ...] = ()
     if isinstance(value, torch.Tensor) and not (DTensor is not None and isinstance(value, DTensor)):
-        _refuse_unusual(value, key)  # before .shape, which a nested tensor does not have
-        data, shape = value, tuple(value.shape)
+        data = _value_of(value)
+        _refuse_unusual(data, key)  # before .shape, which a nested tensor does not have
+        shape = tuple(data.shape)
         offsets = (0,) * len(shape)
     elif isinstance(value, Shard):
         data, shape, offsets = value.local_tensor, tuple(value.global_shape), tuple(value.offsets)
@@ -160,7 +183,7 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
         # The local tensor without to_local(): an autograd op per call, and describe() runs for
         # every tensor of every save.
         local = getattr(value, "_local_tensor", None)
-        data = local if isinstance(local, torch.Tensor) else value.to_local()
+        data = _value_of(local if isinstance(local, torch.Tensor) else value.to_local())
         shape = tuple(value.shape)
         found = _dtensor_layout(shape, value.device_mesh, tuple(value.placements))
         if found is None:

@@ -348,6 +348,8 @@ def test_low_free_space_is_warned_about(tmp_path: Path) -> None:
         (lambda: torch.ones(2, device="meta"), "meta tensor"),
         (lambda: torch.ones(2, 2).to_sparse(), "sparse_coo tensors"),
         (lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8), "quantized"),
+        (lambda: _two(4), "a TwoTensor wraps other tensors"),
+        (lambda: _two(1 << 18), "a TwoTensor wraps other tensors"),  # (large enough for the memcpy path)
     ],
 )
 def test_unsupported_tensors_raise_the_documented_type(tmp_path: Path, value: object, why: str) -> None:
@@ -355,6 +357,26 @@ def test_unsupported_tensors_raise_the_documented_type(tmp_path: Path, value: ob
         ck.save(1, {"t": value()})  # type: ignore[operator]
     assert "torch.strided" not in str(info.value)
     assert str(info.value).startswith("state['t']: ")
+
+
+def _two(n: int) -> torch.Tensor:
+    """A wrapper tensor subclass (torch's own test one, built as torchao's are): no memory of
+    its own. Before, a save stored whatever its copy_ made of it (here its second tensor,
+    silently), or failed in the copy with RuntimeError; a restore into one failed so."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.arange(float(n)), torch.arange(float(n)) * 2)
+
+
+def test_a_restore_into_a_wrapper_subclass_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"t": torch.arange(4.0), "u": torch.ones(2)})
+        ck.wait()
+        target = {"t": _two(4), "u": torch.zeros(2)}
+        with pytest.raises(UnsupportedStateError, match=r"state\['t'\]: a TwoTensor wraps other tensors"):
+            ck.restore(target)
+    assert torch.equal(target["u"], torch.zeros(2))
+    assert torch.equal(target["t"].a, torch.arange(4.0)) and torch.equal(target["t"].b, torch.arange(4.0) * 2)  # type: ignore[attr-defined]
 
 
 class _Counted:
