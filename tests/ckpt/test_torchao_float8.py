@@ -12,14 +12,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
 from ckpt import Checkpointer
 from tests._dist import launch
 from tests._states import assert_bitwise
-
 
 THIS = os.path.abspath(__file__)
 
