@@ -27,7 +27,7 @@ from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import CkptError
 from ckpt.store.layout import ArrayPlan, ChunkPlan, Sliver
 
-__all__ = ["ChunkKey", "Transfer", "Schedule", "schedule", "exchange", "apply"]
+__all__ = ["ChunkKey", "Transfer", "Buffers", "Schedule", "schedule", "exchange", "apply"]
 
 ChunkKey = tuple[str, tuple[int, ...]]  # (array name, chunk index)
 
@@ -44,15 +44,35 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Buffers:
+    """A layout's memory for its exchanges, allocated once with the layout and reused by each
+    save of it (one exchange at a time: the commit thread's): a receive buffer per transfer
+    this rank receives (Schedule.recvs' order), and zeros as long as its longest send, sent
+    in place of a sliver whose copy failed. An exchange so allocates nothing: a rank that
+    failed to would fail before posting its part, and its peers would wait for it until
+    the timeout; the ranks agree on this allocation when they plan the layout."""
+
+    inbox: tuple[torch.Tensor, ...]
+    blank: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Schedule:
     """What this rank sends and receives in a save of one layout (the same for every save of it)."""
 
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
+    buffers: Buffers | None = None  # (allocate() gives them: a schedule alone is plain data)
 
     @property
     def empty(self) -> bool:
         return not (self.sends or self.recvs)
+
+    def allocate(self) -> Schedule:
+        """This schedule with its Buffers."""
+        inbox = tuple(torch.empty(tr.nbytes, dtype=torch.uint8) for tr in self.recvs)
+        blank = torch.zeros(max((tr.nbytes for tr in self.sends), default=0), dtype=torch.uint8)
+        return Schedule(self.sends, self.recvs, Buffers(inbox, blank))
 
 
 def schedule(plans: Sequence[ArrayPlan], rank: int) -> Schedule:
@@ -84,7 +104,10 @@ def exchange(
     """Send this rank's staged slivers and receive the others'; returns the received bytes
     per chunk, in the chunk's sliver order. `staged` are the job's tasks (empty when its
     staging failed); each send waits for its copy (`ready`), and a sliver that was not
-    copied is sent as zeros: the save fails anyway, and the writer must not wait."""
+    copied is sent as zeros: the save fails anyway, and the writer must not wait. The
+    received bytes are views of the layout's Buffers, valid until the next exchange."""
+    box = plan.buffers if plan.buffers is not None else plan.allocate().buffers
+    assert box is not None
     slots = {(t.array.spec.name, t.chunk.index, t.sliver): t for t in staged if t.sliver is not None}
     sends: list[tuple[int, int, torch.Tensor]] = []
     for tr in plan.sends:
@@ -97,11 +120,10 @@ def exchange(
                 data = arena[task.offset : task.offset + tr.nbytes]
             except CkptError:  # the copy failed: the commit reports its error
                 data = None
-        sends.append((tr.peer, tr.tag, torch.zeros(tr.nbytes, dtype=torch.uint8) if data is None else data))
+        sends.append((tr.peer, tr.tag, box.blank[: tr.nbytes] if data is None else data))
     received: dict[ChunkKey, list[torch.Tensor]] = {}
     recvs: list[tuple[int, int, torch.Tensor]] = []
-    for tr in plan.recvs:
-        buf = torch.empty(tr.nbytes, dtype=torch.uint8)
+    for tr, buf in zip(plan.recvs, box.inbox, strict=True):
         received.setdefault(tr.chunk, []).append(buf)
         recvs.append((tr.peer, tr.tag, buf))
     comm.exchange(sends, recvs)

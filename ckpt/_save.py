@@ -50,6 +50,18 @@ __all__ = ["Saver"]
 log = logging.getLogger("ckpt")
 
 
+def _with_buffers(ctl: Comm, plan: Schedule) -> Schedule:
+    """The layout's exchange buffers (ckpt._exchange.Buffers), allocated on every rank, or
+    the failure of any rank to allocate its own raised on every rank (collective)."""
+    error: Exception | None = None
+    try:
+        plan = plan.allocate()
+    except Exception as e:  # noqa: BLE001 - out of memory (torch's RuntimeError): every rank learns it
+        error = e
+    ctl.agree(error)
+    return plan
+
+
 def _staging_error(e: BaseException, step: int, root: str) -> BaseException:
     """What a failed copy reports through the commit: OSError as the documented type, an
     interruption (KeyboardInterrupt in save()) as an error rather than re-raised on a thread."""
@@ -201,6 +213,8 @@ class Saver:
             self._plan_sig, self._batches, self._last_split = None, None, None
             self._plans = agree_plans(self._ctl, described.pieces, self.config.split_bytes)
             self._exchange = schedule(self._plans, self.rank)
+            if any(plan.slivers for plan in self._plans):  # (the plans are the job's: every rank agrees)
+                self._exchange = _with_buffers(self._ctl, self._exchange)
             self._mine = [(plan, chunk) for plan in self._plans for chunk in plan.chunks_of(self.rank)]
             self._by_name = {plan.spec.name: plan for plan in self._plans}
             self._layout = layout_key(self._plans, self._ctx.root_groups)

@@ -220,3 +220,52 @@ def deferred_job(ctx: Any, root: str) -> None:
 def test_deferred_staging_sends_copied_slivers(tmp_path: Path) -> None:
     _, failures = launch(THIS, "deferred_job", 2, tmp_path, timeout=120, root=str(tmp_path / "root"))
     assert not failures, failures
+
+
+def exchange_buffers_fail(ctx: Any, root: str) -> None:
+    """Rank 1 cannot allocate the buffer for the sliver it receives (out of memory) at the
+    first save of the layout; then both save again."""
+    import sys
+
+    import ckpt
+
+    n = 1001
+    cut = [0, 3, n][ctx.rank : ctx.rank + 2]
+    full = torch.arange(n, dtype=torch.float32) + 1
+    w = full[cut[0] : cut[1]].clone()
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if sys._getframe(1).f_globals.get("__name__") == "ckpt._exchange":
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 12 bytes")
+        return real(*args, **kwargs)
+
+    # A timeout far beyond the test's: waiting for it is the failure.
+    with ckpt.Checkpointer(root, timeout=datetime.timedelta(seconds=900)) as ck:
+        if ctx.rank == 1:
+            torch.empty = empty  # type: ignore[assignment]
+        try:
+            ck.save(1, {"w": ckpt.Shard(w, (n,), (cut[0],))})
+            ck.wait()
+            ctx.check(False, "the save went through")
+        except ckpt.CkptError as e:
+            told = [str(e), *map(str, getattr(e, "causes", {}).values())]
+            ctx.check(any("can't allocate" in t for t in told), f"raised {e!r}")
+        except RuntimeError as e:
+            ctx.check(ctx.rank == 1 and "can't allocate" in str(e), f"raised {e!r}")
+        finally:
+            torch.empty = real  # type: ignore[assignment]
+        ck.save(2, {"w": ckpt.Shard(w, (n,), (cut[0],))})
+        ck.wait()
+        ctx.check(ck.steps() == [2], f"steps {ck.steps()}")
+    got = torch.zeros(cut[1] - cut[0])
+    with ckpt.Checkpointer(root, timeout=TIMEOUT) as ck:
+        ck.restore({"w": ckpt.Shard(got, (n,), (cut[0],))}, step=2)
+    ctx.check(torch.equal(got, full[cut[0] : cut[1]]), f"restored {got[:4].tolist()}")
+
+
+def test_a_rank_that_cannot_allocate_its_exchange_buffer_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    """Before, the rank failed in the exchange before posting its part, and the other rank
+    waited for it until the Checkpointer's timeout (here 900 s: the test's 120 s end first)."""
+    _, failures = launch(THIS, "exchange_buffers_fail", 2, tmp_path, timeout=120, root=str(tmp_path / "root"))
+    assert not failures, failures
