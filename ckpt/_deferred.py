@@ -30,6 +30,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ckpt._keys import KeyPath
+from ckpt._tensors import _value_of
 from ckpt.store.errors import StagingRaceError
 
 __all__ = ["StagingGate", "StorageKey", "find_optimizers", "deferrable_leaves", "Versions"]
@@ -86,7 +87,10 @@ class StagingGate:
         for opt in [*self.hook(in_state), *self._guarded]:
             tensors = [p for group in opt.param_groups for p in group["params"]]
             tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            out.update(_storage_keys([getattr(t, "_local_tensor", t) for t in tensors if t.numel()]))
+            local = [getattr(t, "_local_tensor", t) for t in tensors if t.numel()]
+            if not set(map(type, local)) <= _PLAIN:  # a wrapper's value is saved in its place
+                local = [_value_of(t) for t in local]
+            out.update(_storage_keys(local))
         return out
 
     def remove_hooks(self) -> None:
@@ -138,8 +142,15 @@ _STORAGE = operator.methodcaller("untyped_storage")  # (a method call: a subclas
 _ADDRESS = operator.methodcaller("data_ptr")
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def _storage_keys(tensors: Sequence[torch.Tensor]) -> Iterator[StorageKey]:
-    """Each plain tensor's StorageKey, in C loops (thousands of tensors at every save)."""
+    """Each tensor's StorageKey, in C loops (thousands of tensors at every save); none for a
+    subclass wrapping other tensors with no memory of its own (saved as what it wraps, or
+    refused: ckpt._tensors), whose storage cannot be asked for."""
+    if not set(map(type, tensors)) <= _PLAIN:
+        tensors = [t for t in tensors if type(t) in _PLAIN or t.data_ptr()]
     return zip(map(_DEVICE, tensors), map(_ADDRESS, map(_STORAGE, tensors)))
 
 

@@ -81,3 +81,20 @@ def test_a_float8_weight_alone_round_trips_bitwise(tmp_path: Path) -> None:
         ck.wait()
         ck.restore({"model": fresh})
     assert_bitwise(_weights(fresh), _weights(saved))
+
+
+def test_float8_weights_with_their_optimizer_and_deferred_staging(tmp_path: Path) -> None:
+    """Deferred staging finds the storages the optimizers own: a float8 weight's is its
+    `_tensor`'s. Before, asking a wrapper for its storage failed every such save with
+    RuntimeError."""
+    model = _float8(_model(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    fresh = _float8(_model(1))
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5)
+    with Checkpointer(tmp_path / "root", deferred_staging=True) as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": model, "opt": opt})
+            opt.step()  # (no gradients: the weights stay; the step waits for the deferred copy)
+        ck.wait()
+        assert ck.restore({"model": fresh, "opt": fresh_opt}) == 2
+    assert_bitwise(_weights(fresh), _weights(model))
