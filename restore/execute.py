@@ -55,7 +55,7 @@ from ckpt.store.chunk_read import check_digest, open_checked, open_chunk, read_d
 from ckpt.store.dtypes import itemsize
 from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError
 from ckpt.store.fsio import DIRECT_ALIGN, DIRECT_MIN_BYTES
-from ckpt.store.host_arrays import host_array, host_bytes
+from ckpt.store.host_arrays import host_array, host_bytes, host_memory
 from ckpt.store.lanes import LIGHT_BYTES, run_lanes
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.tier import ReadHandle
@@ -109,7 +109,7 @@ class ReadRequest:
             and not d.is_conj()  # (whose bytes torch will not view as uint8)
             and not d.is_neg()
         )
-        self.dest_bytes = memoryview(host_bytes(d)).cast("B") if ok else None  # type: ignore[arg-type]
+        self.dest_bytes = host_memory(d) if ok else None
 
 
 def _place(piece: torch.Tensor, origin: Sequence[int], req: ReadRequest) -> None:

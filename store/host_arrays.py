@@ -9,10 +9,12 @@ outlive the array.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
-__all__ = ["host_array", "host_bytes"]
+__all__ = ["host_array", "host_bytes", "host_memory"]
 
 _TYPESTR = {torch.uint8: "|u1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8"}
 
@@ -45,3 +47,22 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 def host_bytes(t: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor, flat, sharing its memory (see host_array)."""
     return host_array(t.reshape(-1).view(torch.uint8))
+
+
+# memoryview over an address, writable: the C API's own constructor (a ctypes array type
+# per size would be cached by ctypes for the life of the process)
+_memory_at = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_at.restype = ctypes.py_object
+_memory_at.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200
+
+
+def host_memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous, non-empty CPU tensor with memory of its own, as a flat
+    writable memoryview sharing it (see host_array): made from its address alone, ~0.6 us
+    against ~4 us through the array interface, for the thousands of tensors of a restore."""
+    n = t.numel() * t.element_size()
+    if not n or not t.data_ptr() or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("host_memory takes a contiguous, non-empty CPU tensor with memory of its own")
+    view: memoryview = _memory_at(t.data_ptr(), n, _PYBUF_WRITE)
+    return view
