@@ -106,17 +106,25 @@ def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, over
     except BaseException:
         # The directories this import made hold a root with no version: not left behind
         # for the next command to take as a checkpoint root.
-        if made is not None and isinstance(root, str) and _holds_nothing(root):
-            shutil.rmtree(made, ignore_errors=True)
+        if made is not None and isinstance(root, str):
+            _remove_made(made, root)
         raise
 
 
-def _holds_nothing(root: str) -> bool:
-    """Whether `root` holds only the files every root has (its identity and lock)."""
+def _remove_made(made: str, root: str) -> None:
+    """Remove a root with no version (only the identity and lock files every root has) and
+    the directories the import made above it, up to `made`, as long as each then holds
+    nothing: a file another process put in one meanwhile stays, with the path to it."""
+    here = os.path.abspath(root)
     try:
-        return set(os.listdir(root)) <= {ROOT_ID_NAME, LOCK_NAME}
+        if not set(os.listdir(here)) <= {ROOT_ID_NAME, LOCK_NAME}:
+            return
+        shutil.rmtree(here)
+        while here != made:
+            here = os.path.dirname(here)
+            os.rmdir(here)  # OSError (ENOTEMPTY) where something else is there
     except OSError:
-        return False
+        return
 
 
 def _first_missing(root: RootSpec) -> str | None:

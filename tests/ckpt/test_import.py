@@ -208,3 +208,32 @@ def test_an_import_that_fails_to_save_leaves_no_root_behind(tmp_path: Path) -> N
     assert out.exit_code == 3, out.output
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name != "lock") == before
     assert CliRunner().invoke(cli, ["verify", str(root)]).exit_code == 0
+
+
+class _WritesBeside:
+    """An object of the imported state whose state_dict() leaves a file of someone else's
+    beside the new root (a job writing into the same new directory), then fails the save."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def state_dict(self) -> dict[str, object]:
+        Path(self.path).write_text("another job's file")
+        raise RuntimeError("this state cannot be saved")
+
+    def load_state_dict(self, sd: dict[str, object]) -> None:
+        pass
+
+
+def test_a_failed_import_removes_only_what_it_made(tmp_path: Path) -> None:
+    """The directories a failed import made are removed only while they hold nothing but
+    the path to its empty root: before, a file another process put beside the root, in a
+    directory the import had made, was deleted with it."""
+    src = tmp_path / "model.pt"
+    beside = tmp_path / "new" / "notes.txt"
+    torch.save({"w": torch.ones(3), "obj": _WritesBeside(str(beside))}, src)
+    root = tmp_path / "new" / "root"
+    out = CliRunner().invoke(cli, ["import", str(src), str(root), "--step", "1", "--trust"])
+    assert out.exit_code != 0, out.output
+    assert beside.read_text() == "another job's file"
+    assert not root.exists()  # its own part is gone
