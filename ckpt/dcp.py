@@ -35,6 +35,7 @@ import io
 import itertools
 import os
 import threading
+import weakref
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -133,10 +134,12 @@ def _checkpointer(root: RootSpec, checkpointer: Checkpointer | None, options: di
 
 @dataclass(slots=True)
 class _Unwritten:
-    """A Checkpointer a StorageWriter opened, before DCP reached its write_data, and the
-    thread DCP's save ran on (None until DCP's save calls the writer: storage_meta)."""
+    """A Checkpointer a StorageWriter opened, before DCP reached its write_data, the writer
+    (weakly: dead once no caller and no DCP save holds it), and the thread DCP's save ran
+    on (None until DCP's save calls the writer: storage_meta)."""
 
     ck: Checkpointer
+    writer: weakref.ref[StorageWriter]
     thread: int | None = None
 
 
@@ -151,11 +154,13 @@ _tokens = itertools.count()
 def _close_abandoned() -> bool:
     """Close the Checkpointers of writers whose DCP save ended before writing: those whose
     save ran on this thread, which is now making a new writer, so their dcp.save call has
-    returned. A writer no save has called yet, or one an async_save runs on its executor's
-    thread, is left alone. Whether it closed any."""
+    returned, and those no one holds any more (a save that failed before it called the
+    writer: a Stateful's state_dict() raising). A writer still held that no save has called
+    yet, or one an async_save runs on its executor's thread, is left alone. Whether it
+    closed any."""
     me = threading.get_ident()
     with _unwritten_lock:
-        gone = [k for k, u in _unwritten.items() if u.thread == me]
+        gone = [k for k, u in _unwritten.items() if u.thread == me or u.writer() is None]
         abandoned = [_unwritten.pop(k).ck for k in gone]
     for ck in abandoned:
         ck.close()
@@ -241,13 +246,14 @@ class StorageWriter(_StorageWriter):
         self._token = next(_tokens)
         if self._owned:
             with _unwritten_lock:
-                _unwritten[self._token] = _Unwritten(self._ck)
+                _unwritten[self._token] = _Unwritten(self._ck, weakref.ref(self))
 
     def close(self) -> None:
         """Release the Checkpointer this writer opened (not one passed in), when DCP will not
         reach write_data and a new writer does not take it for abandoned: an async_save that
         failed on DCP's executor thread, or a save that failed before DCP called the writer
-        (a Stateful's state_dict() raising). write_data closes it itself."""
+        (a Stateful's state_dict() raising) while the caller still holds the writer.
+        write_data closes it itself."""
         if self._owned:
             self._written()
             self._ck.close()

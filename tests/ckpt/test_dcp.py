@@ -235,6 +235,43 @@ def test_a_save_whose_planning_failed_does_not_hold_the_root(tmp_path: Path) -> 
         assert ck.steps() == [1, 2]
 
 
+class _BrokenStateful:
+    """A Stateful whose state_dict() raises: DCP's save fails before it calls the writer."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("the loader's state_dict broke")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_writer_dropped_after_a_save_failed_before_using_it_does_not_hold_the_root(tmp_path: Path) -> None:
+    """A save that fails before DCP calls its writer (a Stateful's state_dict() raising)
+    leaves the writer unused; once the caller no longer holds it, the next writer for that
+    root closes what it opened. Before, every later writer for the root raised
+    RootLockedError for the rest of the process unless the caller had kept the old writer
+    to close() it."""
+    root = tmp_path / "root"
+    saved = _state(*_trained(7), epoch=4)
+    with pytest.raises(RuntimeError, match="state_dict broke"):
+        dcp.save(
+            {**saved, "loader": _BrokenStateful()}, storage_writer=ckpt.dcp.StorageWriter(str(root), 1), no_dist=True
+        )
+    dcp.save(saved, storage_writer=ckpt.dcp.StorageWriter(str(root), 1), no_dist=True)  # the retry
+    target = _state(*_trained(8), epoch=0)
+    dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root)), no_dist=True)
+    assert _same(target, saved)
+    # A writer the caller still holds is not taken for abandoned: it may still be used.
+    kept = ckpt.dcp.StorageWriter(str(root), 2)
+    from ckpt.store.errors import RootLockedError
+
+    with pytest.raises(RootLockedError):
+        ckpt.dcp.StorageWriter(str(root), 2)
+    dcp.save(saved, storage_writer=kept, no_dist=True)
+    with Checkpointer(str(root)) as ck:
+        assert ck.steps() == [1, 2]
+
+
 def planning_fails_on_one_rank(ctx: Any, root: str) -> dict[str, Any]:
     """Rank 1's planner fails; both ranks then save again with new writers."""
     state = {"w": _full(f"w{ctx.rank}", (4, 3)), "step": 3}
