@@ -35,8 +35,8 @@ import io
 import itertools
 import os
 import threading
-import weakref
 import urllib.parse
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
