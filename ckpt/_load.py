@@ -45,14 +45,22 @@ log = logging.getLogger("ckpt")
 
 def agreed_manifest(ctl: Comm, located: Located) -> Manifest:
     """The manifest on every rank: from this rank's copies, or broadcast from one that has it.
-    A copy on a shared tier (the remote) is read by rank 0 alone, unless no rank has another."""
+    A copy on a shared tier (the remote) is read by rank 0 alone, unless no rank has another.
+    A rank whose every copy is damaged gets it as a rank without one does: the version is
+    damaged only where no rank has a good copy."""
     found: Manifest | None = None
+    damage: CorruptVersionError | None = None
+    read_all = False  # this rank read every copy it has, on shared tiers too: nothing more to try
     for shared in (ctl.rank == 0, True):
         error: BaseException | None = None
-        try:
-            found = first_manifest(located, shared)
-        except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
-            error = e
+        if not read_all:
+            try:
+                found = first_manifest(located, shared)
+            except CorruptVersionError as e:  # (its copies are logged) another rank may hold a good one
+                damage = e
+            except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
+                error = e
+            read_all = shared
         ctl.agree(error)
         # One all-reduce: whether any rank lacks a copy, and the lowest rank that has one.
         lacking, lowest = ctl.reduce_max([int(found is None), 0 if found is None else ctl.world - ctl.rank])
@@ -60,7 +68,9 @@ def agreed_manifest(ctl: Comm, located: Located) -> Manifest:
             break
     if lacking:  # ranks without a copy get it from one that has it
         if not lowest:
-            raise CorruptVersionError(f"no rank holds a manifest of step {located.step}")
+            if damage is not None:
+                raise damage
+            raise CorruptVersionError(f"no rank holds a good manifest of step {located.step}")
         src = ctl.world - lowest
         raw = ctl.broadcast(found.to_json() if found is not None and ctl.rank == src else None, src=src)
         if found is None:

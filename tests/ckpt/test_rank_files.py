@@ -107,3 +107,40 @@ def test_a_damaged_rank_file_falls_back_to_the_older_version(tmp_path: Path) -> 
             assert "ranks/0.json" in str(e) and "checksum" in str(e)
         else:
             raise AssertionError("a damaged rank file must not be restored")
+
+
+def save_two_job(ctx: Any, base: str) -> None:
+    import ckpt
+
+    with ckpt.Checkpointer(f"{base}/disk{ctx.rank}", timeout=TIMEOUT) as ck:
+        for step in (1, 2):
+            ck.save(step, _state(ctx.rank, step))
+            ck.wait()
+
+
+def test_a_manifest_damaged_on_one_rank_s_disk_comes_from_a_rank_with_a_good_copy(tmp_path: Path) -> None:
+    """Step 2's manifest fails its checksum on rank 0's disk only; rank 1's copy is good, as
+    is every chunk and rank file. The restore gets step 2 on both ranks, rank 0 with the
+    manifest rank 1 sends. Before, rank 0's damaged copy failed the version on every rank,
+    and both fell back to step 1. Damaged on both disks, the version is passed over."""
+    base = str(tmp_path)
+    _, failures = launch(THIS, "save_two_job", 2, tmp_path / "save", base=base)
+    assert not failures, failures
+    manifest = tmp_path / "disk0" / "v000000000002" / "manifest.json"
+    raw = bytearray(manifest.read_bytes())
+    raw[raw.index(b'"created":') + 11] ^= 1  # one bit of a digit
+    manifest.write_bytes(bytes(raw))
+    got, failures = launch(THIS, "restore_job", 2, tmp_path / "one", base=base, swap=False)
+    assert not failures, failures
+    for rank in (0, 1):
+        r = got[rank]
+        assert r["step"] == 2, r
+        assert r["mine"] == {"rank": rank, "step": 2, "cursor": 1000 * rank + 2}, r["mine"]
+        want = (torch.arange(60, dtype=torch.float32).reshape(12, 5) * 3)[6 * rank : 6 * rank + 6]
+        assert torch.equal(torch.tensor(r["w"]), want)
+    assert manifest.read_bytes() == bytes(raw), "the damaged copy is left as it is (ckpt verify reports it)"
+    other = tmp_path / "disk1" / "v000000000002" / "manifest.json"
+    other.write_bytes(bytes(raw))
+    got, failures = launch(THIS, "restore_job", 2, tmp_path / "both", base=base, swap=False)
+    assert not failures, failures
+    assert [got[r]["step"] for r in (0, 1)] == [1, 1]
