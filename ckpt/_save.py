@@ -118,9 +118,11 @@ class Saver:
         self.rank = ctl.rank
         self._pending: Future[SaveStats] | None = None
         self.stats: list[SaveStats] = []
-        # Steps the last restore found committed only in part (a lost node's): unrestorable,
-        # so a save of one replaces the surviving parts (as an overwrite: after its commit).
-        self.incomplete: frozenset[int] = frozenset()
+        # Steps newer than the one the last restore loaded that it passed over: committed
+        # only in part (a lost node's), or holding fewer keys (params-only versions of the
+        # run it resumes). The resumed run saves its own versions of those steps: a save of
+        # one replaces the old version (as an overwrite: after its commit).
+        self.passed_over: frozenset[int] = frozenset()
         self._plans: list[ArrayPlan] = []
         self._exchange = Schedule((), ())
         self._mine: list[tuple[ArrayPlan, ChunkPlan]] = []  # the chunks this rank writes
@@ -180,10 +182,10 @@ class Saver:
                 owned = self.gate.owned_storages(find_optimizers(state))
                 deferred_at = deferrable_leaves(leaves.values, described.data, owned)
             rng = capture_rng() if self.config.capture_rng else None
-            if step in self.incomplete:
+            if step in self.passed_over:
                 overwrite = True  # on every rank alike: the restore's listing was gathered
                 if self._ctx.is_leader and is_committed(self._tier, step):
-                    log.warning("%s: step %d replaces this root's part of an incomplete version", self.root, step)
+                    log.warning("%s: step %d replaces the version the restore passed over", self.root, step)
             elif self._ctx.is_leader and is_committed(self._tier, step):
                 if not overwrite:
                     raise VersionExistsError(f"step {step} is already committed under {self.root}; pass overwrite=True")
@@ -456,7 +458,7 @@ class Saver:
         self.stats.append(stats)
         # Replaced once committed (every rank alike: a commit ends alike on all of them): a
         # later save of the step is an ordinary one, refused unless it says overwrite.
-        self.incomplete = self.incomplete - {stats.step}
+        self.passed_over = self.passed_over - {stats.step}
 
     def close(self) -> None:
         """Stop the threads and free the buffer (after wait())."""

@@ -23,18 +23,11 @@ from ckpt._keys import KeyPath
 from ckpt._tensors import ARRAY_TYPES, TENSOR_LIKE, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import MAX_NAME_BYTES, escape_component
+from ckpt.store.tree_format import DICT, FLOAT, MARKERS, NDARRAY, OBJECT, TENSOR, TUPLE
 
 __all__ = ["Leaf", "Leaves", "EncodeMemo", "encode_state", "bind", "Bound"]
 
-TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = (
-    "__tensor__",
-    "__object__",
-    "__tuple__",
-    "__dict__",
-    "__float__",
-    "__ndarray__",
-)
-_MARKERS = {TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY}
+_MARKERS = MARKERS
 _KEY_TYPES = (str, int, bool, type(None))
 _is_str = str.__instancecheck__  # isinstance(k, str) without a Python frame, for all(map(...))
 

@@ -349,7 +349,7 @@ class Checkpointer:
             raise ValueError(f"if_incomplete must be 'raise' or 'fresh', not {if_incomplete!r}")
         self._saver.wait()
 
-        incomplete: set[int] = set()
+        passed_over: set[int] = set()
         try:
             found = restore_newest(
                 self._ctl,
@@ -358,12 +358,12 @@ class Checkpointer:
                 step=step,
                 needs=frozenset(str(k) for k in state) if strict and step is None else None,
                 if_incomplete=if_incomplete,
-                incomplete=incomplete,
+                passed_over=passed_over,
             )
         except CorruptVersionError:
             metrics.VERIFY_ERRORS.inc()
             raise
-        self._saver.incomplete = frozenset(incomplete)
+        self._saver.passed_over = frozenset(passed_over)
         return None if found is None else found[0]
 
     def export_safetensors(

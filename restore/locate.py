@@ -179,7 +179,7 @@ def restore_newest(
     missing_ok: bool = True,
     needs: frozenset[str] | AllKeys | None = None,
     if_incomplete: Literal["raise", "fresh"] = "raise",
-    incomplete: set[int] | None = None,
+    passed_over: set[int] | None = None,
 ) -> tuple[int, T] | None:
     """load(the chosen version); (its step, what load returned). None when no version is
     committed anywhere and every tier could be read (with `missing_ok`; otherwise that is
@@ -194,8 +194,9 @@ def restore_newest(
     "raise" (IncompleteVersionError, naming them and the missing ranks' parts) or "fresh"
     (None, as when nothing is committed).
 
-    `incomplete`: filled with the steps newer than the one chosen that are committed only in
-    part on the tiers searched (the same on every rank)."""
+    `passed_over`: filled with the steps newer than the one chosen that are committed only in
+    part on the tiers searched, and (no step asked for) the whole ones: they hold fewer keys
+    than needed, or are damaged (the same on every rank)."""
     excluded: set[int] = set()
     passed: set[int] = set()  # versions already reported as passed over
     vanished: set[int] = set()  # deleted by GC since they were listed
@@ -312,8 +313,10 @@ def restore_newest(
                     vanished.add(chosen)
                     continue
                 loaded = load(Located(chosen, save_id, sources, cut_off))
-                if incomplete is not None:
-                    incomplete.update(s for s in partial_steps(held) if s > chosen)
+                if passed_over is not None:
+                    passed_over.update(s for s in partial_steps(held) if s > chosen)
+                    if step is None:  # (fewer keys, or damaged)
+                        passed_over.update(s for s in reachable_steps(held) if s > chosen)
                 return chosen, loaded
         except CorruptVersionError as e:
             if step is not None:

@@ -40,6 +40,7 @@ from ckpt.store.layout import (
     grid_shape,
 )
 from ckpt.store.layout import block_rows as expected_block_rows
+from ckpt.store.tree_format import tree_problem
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -700,6 +701,9 @@ def parse_manifest(raw: bytes) -> Manifest:
     trees = doc.get("trees") if schema < 3 else {}
     if not isinstance(arrays_doc, dict) or not isinstance(trees, dict) or not isinstance(ranks_doc, list):
         raise ManifestError("manifest lacks arrays, trees or ranks")
+    problem = next((p for p in map(tree_problem, trees.values()) if p is not None), None)
+    if problem is not None:
+        raise ManifestError(f"a state tree of the manifest holds {problem}")
     arrays = {name: _parse_array(name, a, world, schema) for name, a in arrays_doc.items()}
     ranks = _parse_ranks(ranks_doc, trees, world) if schema < 3 else ()
     rank_files = _parse_rank_refs(ranks_doc, world) if schema >= 3 else ()

@@ -21,6 +21,7 @@ from ckpt.store.chunk_read import open_checked, read_exact
 from ckpt.store.errors import CorruptVersionError, ManifestError
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest, check_chunk_digests, rng_ok
 from ckpt.store.tier import Tier, join_key
+from ckpt.store.tree_format import tree_problem
 from ckpt.store.versions import version_dirname
 
 __all__ = [
@@ -123,12 +124,16 @@ def parse_rank_file(raw: bytes, manifest: Manifest, rank: int) -> RankFile:
                 raise ManifestError(f"{where}: {name!r} chunk {flat} is not one rank {rank} wrote", path=where)
             mine[flat] = check_chunk_digests(array, flat, entry[1], entry[2] if len(entry) == 3 else [])
         digests[name] = mine
+    tree = doc.get("tree")
+    problem = tree_problem(tree)
+    if problem is not None:
+        raise ManifestError(f"{where}: its state tree holds {problem}", path=where)
     provenance = doc.get("provenance")
     return RankFile(
         rank,
         str(doc.get("host", "")),
         root,
-        doc.get("tree"),
+        tree,
         rng if isinstance(rng, dict) else None,
         provenance if isinstance(provenance, dict) else {},
         digests,

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer
 from ckpt.cli import main as cli
-from ckpt.store.errors import StateMismatchError
+from ckpt.store.errors import StateMismatchError, VersionExistsError
 from ckpt.store.versions import committed_steps
 from tests._dist import can_isolate, in_private_mounts, launch
 from tests._states import bitwise_diff
@@ -151,6 +151,48 @@ def test_full_every_schedule_and_retention_keep_resume_possible(tmp_path: Path) 
     m2, o2 = _build(1)
     with Checkpointer(root2) as ck:
         assert ck.restore({"model": m2, "optim": o2, "step": 0}) == 7
+
+
+def _run(root: Path, stop_after: int | None) -> tuple[int | None, dict[int, dict[str, torch.Tensor]]]:
+    """The README's params-only loop: resume, train, save every 2nd step; stop after a step
+    (a crash) or run to step 19. What it restored, and the model it saved at each step."""
+    model, opt = _build(0)
+    state: dict[str, Any] = {"model": model, "optim": opt, "step": 0}
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(root, full_every=5, partial_keys=("model",), keep_last=3) as ck:
+        got = ck.restore(state)
+        for step in range(state["step"] + 1, 20):
+            _train(model, opt, step)
+            state["step"] = step
+            if step % 2 == 0:
+                ck.save(step, state)
+                saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            if step == stop_after:
+                break
+    return got, saved
+
+
+def test_a_run_resumed_from_a_full_version_saves_over_the_params_only_ones_it_passed(tmp_path: Path) -> None:
+    """Full versions at 2 and 12, params-only ones at 14 and 16, then a crash: the resumed run
+    restores 12 and saves its own 14 (full: the first save after a restore) and 16, each
+    replacing the one the restore passed over (after its commit), and 18. Before, its first save raised VersionExistsError, and the run
+    could not go on without overwrite=True on every save."""
+    _run(tmp_path, stop_after=17)
+    assert {s: k for s, k in _kinds(tmp_path).items() if s >= 12} == {12: None, 14: ["model"], 16: ["model"]}
+    got, saved = _run(tmp_path, stop_after=None)
+    assert got == 12
+    kinds = _kinds(tmp_path)
+    assert kinds == {14: None, 16: ["model"], 18: ["model"]}, kinds  # its first save is full; keep_last=3
+    for step in (14, 16, 18):
+        model, _ = _build(1)
+        with Checkpointer(tmp_path) as ck:
+            ck.restore({"model": model}, step=step)
+        assert not bitwise_diff(model.state_dict(), saved[step]), step
+    # A step passed over is replaced once: a second save of it is refused as before.
+    model, opt = _build(0)
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(VersionExistsError):
+            ck.save(18, {"model": model})
 
 
 def test_a_milestone_is_never_partial_and_only_names_real_keys(tmp_path: Path) -> None:

@@ -209,3 +209,55 @@ def test_strict_false_falls_back_to_a_version_holding_what_was_filled(tmp_path: 
     with Checkpointer(tmp_path) as ck:
         assert ck.restore({"model": m2, "optim": o2}, strict=False) == 1
     assert all(torch.equal(o2.state[m2.weight][k], v) for k, v in want.items())
+
+
+def _tree_state(v: int) -> dict[str, Any]:
+    return {"w": torch.full((3,), float(v)), "cfg": {"a": v}, "lr": 0.1 * v}
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"__dict__": 5},
+        {"__float__": "abc"},
+        {"__float__": "1.5"},
+        {"__dict__": [["a", 1, 2]]},
+        {"__dict__": [[["a"], 1]]},
+        {"__tuple__": {"a": 1}},
+        {"__tensor__": 3},
+        {"__object__": {}, "b": 1},
+    ],
+    ids=lambda n: json.dumps(n),
+)
+def test_a_crafted_state_tree_is_damage_and_the_older_version_is_restored(tmp_path: Path, node: dict[str, Any]) -> None:
+    """A rank file (checksums valid) whose state tree holds a node ckpt never writes is a
+    ManifestError: restore falls back to the older version and `ckpt restore` exits with
+    one line (exit 1, damage). Before, bind and the export's decoding raised TypeError or ValueError, and
+    the restore neither fell back nor named the damage."""
+    from click.testing import CliRunner
+
+    from ckpt.cli import main as cli
+
+    root = tmp_path / "root"
+    with Checkpointer(root) as ck:
+        ck.save(1, _tree_state(1))
+        ck.save(2, _tree_state(2))
+        ck.wait()
+    version = root / version_dirname(2)
+    path = version / "ranks" / "0.json"
+    doc = json.loads(path.read_bytes())
+    doc["tree"]["cfg"] = node
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    path.write_bytes(raw)
+    m = json.loads((version / "manifest.json").read_bytes())
+    m["ranks"][0] = [len(raw), xxhash.xxh3_64_hexdigest(raw)]
+    (version / "manifest.json").write_bytes(crafted(m))
+    got = _tree_state(0)
+    with Checkpointer(root) as ck:
+        assert ck.restore(got) == 1
+        with pytest.raises(CorruptVersionError, match="state tree holds"):
+            ck.restore(_tree_state(0), step=2)
+    assert_bitwise(got, _tree_state(1))
+    out = CliRunner().invoke(cli, ["restore", str(root), "--step", "2", "--to-torch", str(tmp_path / "out.pt")])
+    assert out.exit_code == 1 and "state tree holds" in out.output, out.output  # 1: damage
+    assert len(out.output.strip().splitlines()) == 1, out.output
