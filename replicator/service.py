@@ -367,11 +367,12 @@ class Replicator:
             if done is None or done.url != url or done.state == "pending":
                 entry.remote = CopyState("failed", time.time(), url=url, error=self._not_tried(self.remote))
             return
-        if self._expired_on_remote(entry, manifest):
-            entry.remote = CopyState("expired", time.time(), url=url)
-            return
         part = manifest.root_of(writers[0]) if writers else 0
         try:
+            # (inside: the check lists the remote, whose failure is the remote's, as a push's is)
+            if self._expired_on_remote(entry, manifest):
+                entry.remote = CopyState("expired", time.time(), url=url)
+                return
             ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
         except StoppedError:
             raise
