@@ -43,12 +43,13 @@ class PreemptionWatch:
         self._closed = False
         self._kept: set[int] = set()  # signals no longer passed on (take_over)
         self._previous: dict[int, _Handler] = {}
+        sig: object = signals
         try:
             for sig in signals:
                 self._previous[sig] = signal.getsignal(sig)
                 signal.signal(sig, self._handle)
         except (ValueError, OSError, TypeError) as e:  # not a signal, or one that cannot be caught
-            self.close()
+            self.close()  # (a bare signal, not in a sequence: `sig` is what was given)
             raise ValueError(f"preemption_signals: cannot handle {sig!r}: {e}") from None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

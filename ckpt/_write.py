@@ -185,19 +185,35 @@ def write_tasks(
 
 
 _FLOATS = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+# float8: no min/max kernel; the bytes of NaN (and of Inf, where the type has it), by mask
+_FLOAT8_NONFINITE: dict[torch.dtype, tuple[int, int]] = {  # (mask, value): byte & mask == value
+    torch.float8_e4m3fn: (0x7F, 0x7F),
+    torch.float8_e5m2: (0x7C, 0x7C),
+    torch.float8_e4m3fnuz: (0xFF, 0x80),
+    torch.float8_e5m2fnuz: (0xFF, 0x80),
+}
 
 
-def _check_finite(job: SaveJob, task: StageTask) -> None:
-    """NaN/Inf in the staged copy: one min/max pass, no temporary of the chunk's size."""
-    dtype = task.dtype
-    if dtype not in _FLOATS and not dtype.is_complex:
-        return
-    raw = job.arena[task.offset : task.offset + task.staged_bytes]
+def _nonfinite(raw: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the staged bytes `raw` of a floating `dtype` hold NaN or Inf."""
+    if dtype in _FLOAT8_NONFINITE:
+        mask, value = _FLOAT8_NONFINITE[dtype]
+        return bool(((raw & mask) == value).any()) if raw.numel() else False
     values = raw.view(dtype)
     if dtype.is_complex:
         values = torch.view_as_real(values).reshape(-1)
     lo, hi = torch.aminmax(values)
-    if not (torch.isfinite(lo) and torch.isfinite(hi)):
+    return not (torch.isfinite(lo) and torch.isfinite(hi))
+
+
+def _check_finite(job: SaveJob, task: StageTask) -> None:
+    """NaN/Inf in the staged copy: one min/max pass, no temporary of the chunk's size (a
+    float8 chunk: one mask pass, a boolean temporary)."""
+    dtype = task.dtype
+    if dtype not in _FLOATS and dtype not in _FLOAT8_NONFINITE and not dtype.is_complex:
+        return
+    raw = job.arena[task.offset : task.offset + task.staged_bytes]
+    if _nonfinite(raw, dtype):
         rank = task.chunk.writer
         raise NonFiniteError(
             f"tensor {task.array.spec.name!r} holds NaN or Inf on rank {rank} (check_finite); "

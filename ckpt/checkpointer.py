@@ -463,11 +463,15 @@ class Checkpointer:
             self._saver.close()
             if self._retention is not None:
                 self._retention.close()
-            if self._preemption is not None:
-                self._preemption.close()
-            if self._lock is not None:
-                self._lock.release()
-            destroy_comms(self._ctl, self._data, *([self._peer_comm] if self._peer_comm is not None else []))
+            try:
+                if self._lock is not None:
+                    self._lock.release()
+                destroy_comms(self._ctl, self._data, *([self._peer_comm] if self._peer_comm is not None else []))
+            finally:
+                # Last: it sends a notice that came too late again, and the handler it reaches
+                # may raise (KeyboardInterrupt, SystemExit) with the root released.
+                if self._preemption is not None:
+                    self._preemption.close()
 
     def _drain_replicator(self, replicator: Replicator) -> None:
         """One last pass so the final versions reach their copies and the remote before exit,

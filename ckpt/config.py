@@ -139,10 +139,12 @@ class CheckpointerConfig:
         port = self.metrics_port
         if port is not None and (type(port) is not int or not 0 < port < 65536):
             raise ValueError(f"metrics_port must be a port number (1-65535) or None, not {port!r}")
-        if self.keep_last is not None and (isinstance(self.keep_last, bool) or self.keep_last < 1):
+        if self.keep_last is not None and (type(self.keep_last) is not int or self.keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, not {self.keep_last!r}")
-        if self.keep_every is not None and (self.keep_last is None or self.keep_every < 1):
-            raise ValueError("keep_every needs keep_last, and must be positive")
+        if self.keep_every is not None and (
+            self.keep_last is None or type(self.keep_every) is not int or self.keep_every < 1
+        ):
+            raise ValueError(f"keep_every needs keep_last, and must be a positive int, not {self.keep_every!r}")
         if self.full_every is not None and (self.full_every < 1 or not self.partial_keys):
             raise ValueError("full_every needs partial_keys (the keys a params-only version holds), and must be >= 1")
         keys: object = self.partial_keys  # a str would pass as a tuple of one-letter keys

@@ -43,6 +43,9 @@ class ReplicatorConfig:
     pass): the remote's GC collects it (with remote_policy set)."""
 
     def __post_init__(self) -> None:
+        roots: object = self.replica_roots
+        if isinstance(roots, (str, bytes)) or not isinstance(roots, (tuple, list)):
+            raise ValueError(f"replica_roots is a sequence of paths, not {roots!r}")
         if self.remote == "" or "" in self.replica_roots:
             # an unset variable (`--to "$REMOTE"`): "" would open the working directory
             raise ValueError("the remote and the replica roots must not be empty (no remote: None)")

@@ -74,8 +74,8 @@ class KeepLast:
     of: Literal["all", "full", "partial"] = "all"
 
     def __post_init__(self) -> None:
-        if self.n < 0:
-            raise ValueError("KeepLast.n must be >= 0")
+        if type(self.n) is not int or self.n < 0:
+            raise ValueError(f"KeepLast.n must be an int >= 0, not {self.n!r}")
         if self.of not in ("all", "full", "partial"):
             raise ValueError(f"KeepLast.of must be 'all', 'full' or 'partial', not {self.of!r}")
 
@@ -98,8 +98,8 @@ class KeepMilestones:
     steps: frozenset[int] = field(default_factory=frozenset)  # explicitly tagged steps
 
     def __post_init__(self) -> None:
-        if self.every is not None and self.every <= 0:
-            raise ValueError("KeepMilestones.every must be positive")
+        if self.every is not None and (type(self.every) is not int or self.every <= 0):
+            raise ValueError(f"KeepMilestones.every must be a positive int or None, not {self.every!r}")
 
     def keep(self, versions: Sequence[VersionInfo]) -> set[int]:
         return {

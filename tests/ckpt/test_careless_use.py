@@ -12,8 +12,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ from click.testing import CliRunner
 from ckpt import Checkpointer
 from ckpt._listing import version_rows
 from ckpt.cli import main as cli
+from ckpt.replicator.config import ReplicatorConfig
+from ckpt.replicator.policy import KeepLast, KeepMilestones
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError, VersionNotFoundError
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.tier import open_tier
@@ -558,3 +562,47 @@ def test_save_flags_that_are_no_bools_are_refused(tmp_path: Path, flags: dict[st
         with pytest.raises(TypeError, match="must be bools"):
             ck.save(1, {"w": torch.ones(2)}, **flags)  # type: ignore[arg-type]
         assert ck.steps() == []
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda root: Checkpointer(root, keep_last=2.5),
+        lambda root: Checkpointer(root, keep_last=3, keep_every=2.5),
+        lambda root: Checkpointer(root, keep_last=3, keep_every=True),
+        lambda root: Checkpointer(root, preemption_signals=signal.SIGTERM),
+        lambda root: KeepLast(2.5),
+        lambda root: KeepMilestones(every=2.5),
+        lambda root: ReplicatorConfig(replicas=2, replica_roots=str(root)),
+    ],
+    ids=[
+        "keep_last-float",
+        "keep_every-float",
+        "keep_every-bool",
+        "signal-not-in-a-sequence",
+        "KeepLast-float",
+        "KeepMilestones-float",
+        "replica_roots-a-string",
+    ],
+)
+def test_a_setting_of_the_wrong_type_is_a_value_error_at_once(tmp_path: Path, make: Any) -> None:
+    """Before, keep_last=2.5 was taken and every retention pass then failed in the background
+    (TypeError, logged), so nothing was ever deleted; a bare signal raised UnboundLocalError;
+    a string of replica roots was called empty."""
+    with pytest.raises(ValueError, match="int|sequence|signal"):
+        make(tmp_path / "root")
+    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
+
+
+def test_a_preemption_notice_after_the_last_check_is_sent_again_with_the_root_released(tmp_path: Path) -> None:
+    """A Ctrl-C that arrives after the loop's last reached_preemption() is passed on at the end
+    of close(); Python's handler raises KeyboardInterrupt there. Before, it was raised before
+    the root's lock was released, and the root stayed locked for the rest of the process."""
+    root = tmp_path / "root"
+    with pytest.raises(KeyboardInterrupt):
+        with Checkpointer(root, preemption_signals=(signal.SIGINT,)) as ck:
+            ck.save(1, {"x": torch.ones(3)})
+            assert not ck.reached_preemption()
+            os.kill(os.getpid(), signal.SIGINT)
+    with Checkpointer(root) as ck:
+        assert ck.steps() == [1]

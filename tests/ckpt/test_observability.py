@@ -65,6 +65,30 @@ def test_check_finite_refuses_and_keeps_the_previous_version(tmp_path: Path) -> 
         assert ck.latest_step() == 5
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz], ids=str
+)
+def test_check_finite_refuses_float8_nan_and_inf(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Before, float8 tensors were not checked: a NaN in one was committed as the newest version."""
+    good = (torch.arange(64, dtype=torch.float32) / 8 - 4).to(dtype)  # finite, signs and zeros
+    with Checkpointer(tmp_path, check_finite=True) as ck:
+        ck.save(1, {"w": good})
+        ck.wait()
+        step = 1
+        specials = [float("nan")] + ([float("inf"), float("-inf")] if dtype == torch.float8_e5m2 else [])
+        for v in specials:
+            bad = good.clone()
+            bad[37] = torch.tensor(v).to(dtype)
+            step += 1
+            ck.save(step, {"w": bad})
+            with pytest.raises(ckpt.NonFiniteError, match="'w'"):
+                ck.wait()
+        assert ck.steps() == [1]
+        got = {"w": torch.zeros(64).to(dtype)}
+        ck.restore(got)
+        assert torch.equal(got["w"].view(torch.uint8), good.view(torch.uint8))
+
+
 def nan_on_one_rank(ctx: Ctx, root: str) -> dict:
     with Checkpointer(root, check_finite=True) as ck:
         ck.save(1, {"w": torch.ones(64)})
