@@ -25,6 +25,7 @@ class Holding:
     world_size: int
     writers: RankRanges  # the ranks whose chunks some rank's tier holds
     keys: frozenset[str] | None  # its top-level keys (None: all); every copy of a save holds the same
+    created: float = 0.0  # when it was saved (0: no copy's root info recorded it)
 
     @property
     def whole(self) -> bool:
@@ -41,24 +42,38 @@ def holdings(per_rank: Sequence[Sequence[Candidate]]) -> Holdings:
     """Every rank's candidates merged by save (step, save_id, world size)."""
     seen: dict[tuple[int, str, int], set[RankRanges]] = {}
     keys: dict[tuple[int, str, int], frozenset[str] | None] = {}
+    created: dict[tuple[int, str, int], float] = {}
     for cands in per_rank:
         for c in cands:
             at = (c.step, c.save_id, c.world_size)
             if at not in seen:
-                seen[at], keys[at] = set(), c.keys
+                seen[at], keys[at], created[at] = set(), c.keys, c.created
             seen[at].add(c.writers)
-    return [Holding(*at, union(parts), keys[at]) for at, parts in seen.items()]
+            created[at] = max(created[at], c.created)
+    return [Holding(*at, union(parts), keys[at], created[at]) for at, parts in seen.items()]
 
 
 def reachable_steps(held: Holdings, needs: frozenset[str] | None = None) -> dict[int, str]:
     """Steps whose every writer's chunks some current rank holds, with one save_id
-    throughout, and that save_id; with `needs`, only saves holding those keys."""
-    by_step: dict[int, list[str]] = {}
+    throughout, and that save_id; with `needs`, only saves holding those keys.
+
+    Where the tiers hold several whole saves of a step (an overwrite, while a copy made
+    before it, on the remote, still holds the save it replaced), the one saved last; where
+    that cannot be told (no root info recorded when), none of them."""
+    by_step: dict[int, list[Holding]] = {}
     for h in held:
-        ids = by_step.setdefault(h.step, [])
+        whole = by_step.setdefault(h.step, [])
         if h.whole and h.holds(needs):
-            ids.append(h.save_id)
-    return {s: ids[0] for s, ids in by_step.items() if len(ids) == 1}
+            whole.append(h)
+    out = {}
+    for s, saves in by_step.items():
+        if len(saves) == 1:
+            out[s] = saves[0].save_id
+        elif saves:
+            last = max(saves, key=lambda h: h.created)
+            if last.created and sum(h.created == last.created for h in saves) == 1:
+                out[s] = last.save_id
+    return out
 
 
 def partial_steps(held: Holdings) -> list[int]:

@@ -392,7 +392,9 @@ def _report_passed(
 def _incomplete(held: Holdings, searched: Sequence[str]) -> str:
     """Which versions are there only in part, whose part is missing, and where the ranks looked."""
     parts = [
-        f"step {s} lacks the part of ranks {missing}" if missing else f"step {s} was saved twice (different tiers)"
+        f"step {s} lacks the part of ranks {missing}"
+        if missing
+        else f"step {s} was saved twice (different tiers), and which save is the later is not recorded"
         for s in reversed(partial_steps(held))
         for missing in [missing_writers(held, s)]
     ]
@@ -411,12 +413,10 @@ def _report_incomplete(
         return
     for s in sorted((s for s in partial_steps(held) if s > chosen and s not in passed), reverse=True):
         passed.add(s)
+        missing = missing_writers(held, s)
+        what = f"lacks the part of ranks {missing}" if missing else "was saved twice (different tiers), not told apart"
         log.warning(
-            "step %d lacks the part of ranks %s on the tiers searched (%s): restoring step %d instead",
-            s,
-            missing_writers(held, s),
-            ", ".join(searched),
-            chosen,
+            "step %d %s on the tiers searched (%s): restoring step %d instead", s, what, ", ".join(searched), chosen
         )
 
 

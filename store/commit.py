@@ -85,7 +85,9 @@ def prepared_versions(root: str) -> list[PreparedVersion]:
 def prepare(tmp_dir: str, manifest: Manifest, writers: list[int], dirs: list[str], raw: bytes | None = None) -> None:
     """Phase 2 on one root: make the root info and the manifest durable, manifest last.
     `raw`: the manifest's bytes, where the caller has them (its parse is `manifest`)."""
-    info = RootInfo(manifest.save_id, manifest.step, manifest.world_size, tuple(writers), manifest.keys)
+    info = RootInfo(
+        manifest.save_id, manifest.step, manifest.world_size, tuple(writers), manifest.keys, manifest.created
+    )
     write_durable(os.path.join(tmp_dir, ROOT_INFO_NAME), info.to_json())
     fsync_dirs(dirs)
     write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest.to_json() if raw is None else raw)

@@ -114,6 +114,7 @@ class RootInfo:
     world_size: int
     writers: tuple[int, ...]  # ranks whose chunks this tier holds
     keys: tuple[str, ...] | None = None  # the state's top-level keys the version holds (None: all)
+    created: float = 0.0  # the manifest's: which of two saves of a step is the later (0: not recorded)
 
     def to_json(self) -> bytes:
         doc: dict[str, object] = {
@@ -124,6 +125,8 @@ class RootInfo:
         }
         if self.keys is not None:
             doc["keys"] = list(self.keys)
+        if self.created:
+            doc["created"] = self.created
         return json.dumps(doc).encode()
 
 
@@ -142,7 +145,12 @@ def parse_root_info(raw: bytes) -> RootInfo | None:
         return None
     if not all(type(w) is int and 0 <= w < world for w in writers):
         return None
-    return RootInfo(save_id, step if type(step) is int else -1, world, tuple(writers), keys_of(doc.get("keys")))
+    created = doc.get("created", 0.0)
+    if type(created) is not float or not 0.0 <= created < 1e12:  # (written by time.time(): a float)
+        created = 0.0
+    return RootInfo(
+        save_id, step if type(step) is int else -1, world, tuple(writers), keys_of(doc.get("keys")), created
+    )
 
 
 class Candidate(NamedTuple):
@@ -156,6 +164,7 @@ class Candidate(NamedTuple):
     world_size: int  # ranks that saved it
     writers: RankRanges  # ranks whose chunks this tier holds
     keys: frozenset[str] | None = None  # the state's top-level keys it holds (None: all)
+    created: float = 0.0  # when it was saved (RootInfo.created; 0: not recorded)
 
 
 def _version_names(tier: Tier) -> Iterator[tuple[int, str]]:
@@ -314,7 +323,7 @@ def listing(where: Tier | str | os.PathLike[str]) -> tuple[list[Candidate], list
             nameless.append(step)
             continue
         keys = None if info.keys is None else frozenset(info.keys)
-        out.append(Candidate(step, info.save_id, info.world_size, ranges_of(info.writers), keys))
+        out.append(Candidate(step, info.save_id, info.world_size, ranges_of(info.writers), keys, info.created))
     return out, nameless, unreadable
 
 

@@ -862,3 +862,29 @@ def test_a_copy_deleted_since_it_was_verified_does_not_count(tmp_path: Path, whe
     with Checkpointer(tmp_path / "reader", tiers=[dest]) as reader:
         assert reader.restore(target, step=1) == 1
     assert_bitwise(target, tiny_state(1))
+
+
+def test_an_overwrite_whose_old_save_the_remote_still_holds_is_the_step_restored(
+    tmp_path: Path, s3: S3Place, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 2 uploaded, then saved again with overwrite=True: the remote keeps the save it
+    holds (another save of the step is not replaced there), so the tiers hold two whole saves
+    of step 2. The restore loads the later one. Before, two saves of a step made it
+    unusable: the restore fell back to step 1 ("lacks the part of ranks []"), and with no
+    older version raised IncompleteVersionError, or with if_incomplete="fresh" started
+    afresh beside an intact version."""
+    root = tmp_path / "root"
+    opts = {"replicate_to": s3.url, "storage_options": s3.options}
+    with Checkpointer(root, **opts) as ck:
+        ck.save(2, {"w": torch.full((4,), 2.0)})
+    with Checkpointer(root, **opts) as ck:
+        ck.save(2, {"w": torch.full((4,), 22.0)}, overwrite=True)
+    with Checkpointer(root, **opts) as ck:
+        for fresh in ("raise", "fresh"):
+            state = {"w": torch.zeros(4)}
+            assert ck.restore(state, if_incomplete=fresh) == 2  # type: ignore[arg-type]
+            assert torch.equal(state["w"], torch.full((4,), 22.0))
+    with Checkpointer(tmp_path / "elsewhere", tiers=[s3.url], storage_options=s3.options) as ck:
+        state = {"w": torch.zeros(4)}
+        assert ck.restore(state) == 2
+        assert torch.equal(state["w"], torch.full((4,), 2.0)), "the remote alone holds the save it was sent"
