@@ -291,6 +291,8 @@ def load_version(
                 if isinstance(leaf.value, np.ndarray) and not leaf.value.flags.writeable:
                     raise StateMismatchError(f"{leaf.key}: the state's array is read-only (restore fills it in place)")
                 piece = describe(leaf.value, leaf.key)
+                if isinstance(leaf.value, np.ndarray) and not leaf.value.ndim and array.shape == (1,):
+                    piece = describe(leaf.value.reshape(1), leaf.key)  # saved as (1,) before 0-d arrays were kept 0-d
                 if (piece.data_type, piece.global_shape) != (array.data_type, array.shape):
                     raise StateMismatchError(
                         f"{leaf.key}: the checkpoint holds {array.data_type}{list(array.shape)}, "

@@ -191,7 +191,10 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
         offsets, kind, mesh, placed = found
     elif isinstance(value, np.ndarray):
         try:
-            data = torch.from_numpy(np.ascontiguousarray(value).astype(value.dtype.newbyteorder("="), copy=False))
+            # (np.require, not np.ascontiguousarray: that makes a 0-d array 1-d)
+            data = torch.from_numpy(
+                np.require(value, requirements="C").astype(value.dtype.newbyteorder("="), copy=False)
+            )
         except TypeError:
             raise UnsupportedStateError(f"{_named(key)}: numpy dtype {value.dtype} cannot be checkpointed") from None
         shape, offsets = tuple(data.shape), (0,) * data.dim()

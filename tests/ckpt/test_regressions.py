@@ -143,3 +143,24 @@ def test_a_step_saved_twice_is_restored_from_the_save_that_holds_the_state(tmp_p
     with Checkpointer(tmp_path / "a", tiers=[str(tmp_path / "b")]) as ck:
         assert ck.restore(got) == 5
     assert_bitwise(got, full)
+
+
+def test_a_0d_numpy_array_is_saved_and_restored_0d(tmp_path: Path) -> None:
+    """Before, a 0-d array was saved as shape (1,) (np.ascontiguousarray makes arrays at least
+    1-d): restored into nothing it came back (1,), and into a 0-d tensor it was a
+    StateMismatchError. A version saved so still restores into a 0-d array."""
+    with Checkpointer(tmp_path / "r", capture_rng=False) as ck:
+        ck.save(1, {"best": np.array(0.25), "n": np.array(7, dtype=np.int64)})
+        fresh: dict[str, object] = {"best": None, "n": None}
+        ck.restore(fresh)
+        assert [(np.asarray(v).shape, np.asarray(v).item()) for v in fresh.values()] == [((), 0.25), ((), 7)]
+        into = {"best": torch.zeros((), dtype=torch.float64), "n": np.array(0, dtype=np.int64)}
+        target_n = into["n"]
+        ck.restore(into)
+        assert into["best"].shape == () and into["best"].item() == 0.25
+        assert into["n"] is target_n and target_n.shape == () and target_n.item() == 7  # in place
+    with Checkpointer(tmp_path / "old", capture_rng=False) as ck:
+        ck.save(1, {"best": np.array([0.5])})  # what a 0-d array was saved as before
+        best = np.array(0.0)
+        ck.restore({"best": best})
+        assert best.shape == () and best.item() == 0.5
