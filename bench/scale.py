@@ -224,7 +224,7 @@ def measure(layout: str, world: int, arrays: int) -> dict[str, Any]:
     )
     out["leader_gather_bytes"] = sum(len(pack([reports[r]])) for r in groups[-1][1:])
     out["rank_file_bytes"] = size0
-    request = SaveRequest(1, "0" * 32, False, False, plans, schedule(plans, 0), tree_of(0), rng, False, False)
+    request = SaveRequest(1, "0" * 32, False, False, False, plans, schedule(plans, 0), tree_of(0), rng, False, False)
     job = SaveJob(request, torch.empty(0, dtype=torch.uint8))
     groups = tuple(tuple(range(g, min(g + 8, world))) for g in range(0, world, 8))
     ctx = RootContext("/nvme/node0", 0, True, 0, groups)

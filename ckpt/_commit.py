@@ -93,6 +93,7 @@ def _build_manifest(job: SaveJob, reports: list[RankReport], ctx: RootContext, w
         **job_provenance(),
         "timings": summarize([p.timings.to_json() for p in reports], created),
         "milestone": req.milestone,
+        "partial": req.partial,
         "keys": sorted({k for p in reports for k in p.keys}),  # every rank's
         "layout": req.layout,  # which save may reuse this version's tree once retired (store.spare)
     }

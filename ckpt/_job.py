@@ -53,6 +53,7 @@ class SaveRequest:
     save_id: str  # the same on every rank
     overwrite: bool
     milestone: bool  # tagged for milestone retention
+    partial: bool  # a params-only version (only=, or the full_every schedule): not the whole state
     plans: Sequence[ArrayPlan]  # the chunk layout, the same on every rank
     exchange: Schedule  # the slivers this rank sends and receives (straddling chunks)
     tree: Any  # this rank's JSON state tree

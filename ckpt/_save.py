@@ -152,7 +152,10 @@ class Saver:
     def root(self) -> str:
         return self._ctx.root
 
-    def save(self, step: int, state: Mapping[str, Any], *, overwrite: bool, milestone: bool) -> bool:
+    def save(
+        self, step: int, state: Mapping[str, Any], *, overwrite: bool, milestone: bool, partial: bool = False
+    ) -> bool:
+        """`partial`: the state is the part of the training state a params-only version holds."""
         started = time.perf_counter()
         if self.config.if_busy == "skip":
             busy = self._pending is not None and not self._pending.done()
@@ -163,9 +166,11 @@ class Saver:
         # The stall allocates a few small objects per tensor: cyclic collections they would
         # trigger walk the training process's whole heap (ckpt/_gc.py), inside the stall.
         with no_cyclic_gc(promote=True):
-            return self._save(step, state, started, overwrite=overwrite, milestone=milestone)
+            return self._save(step, state, started, overwrite=overwrite, milestone=milestone, partial=partial)
 
-    def _save(self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool) -> bool:
+    def _save(
+        self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool, partial: bool
+    ) -> bool:
         described = Described([], [], [], 0, False, {})
         sig = 0  # this rank's layout signature
         leaves = Leaves()
@@ -193,13 +198,13 @@ class Saver:
             error = e
         # One all-reduce of a few integers: whether any rank failed, whether any rank's
         # layout changed since the last plan, and rank 0's random save id (the others give 0s).
-        # Also each rank's step, overwrite and milestone, and their negatives: all alike, or an error.
+        # Also each rank's step, overwrite, milestone and partial, and their negatives: all alike, or an error.
         ids = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else [0, 0]
-        args = [step, int(overwrite), int(milestone)]
+        args = [step, int(overwrite), int(milestone), int(partial)]
         failed, changed, *rest = self._ctl.reduce_max(
             [int(error is not None), int(sig != self._plan_sig), *ids, *args, *(-a for a in args)]
         )
-        id_parts, highs, lows = rest[:2], rest[2:5], [-x for x in rest[5:]]
+        id_parts, highs, lows = rest[:2], rest[2:6], [-x for x in rest[6:]]
         if failed:  # rare: only now does each rank's error text cross, so that every rank can name it
             info = self._ctl.all_gather(None if error is None else (type(error).__name__, str(error)))
             if error is not None:
@@ -209,7 +214,7 @@ class Saver:
             raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
         if highs != lows:
             raise ValueError(
-                f"save(): the ranks pass different steps ({lows[0]}..{highs[0]}), overwrite or milestone flags"
+                f"save(): the ranks pass different steps ({lows[0]}..{highs[0]}), overwrite, milestone or only= flags"
             )
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
             self._plan_sig, self._batches, self._last_split = None, None, None
@@ -226,6 +231,7 @@ class Saver:
             save_id="".join(f"{p:016x}" for p in id_parts),
             overwrite=overwrite,
             milestone=milestone,
+            partial=partial,
             plans=self._plans,
             exchange=self._exchange,
             tree=tree,

@@ -200,7 +200,7 @@ class Checkpointer:
         if keys is not None:
             state = {k: state[k] for k in keys}
         try:
-            saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone)
+            saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone, partial=keys is not None)
         except BaseException:
             self._restart_schedule()
             raise

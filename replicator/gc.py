@@ -85,7 +85,7 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
             versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
             continue
         copied = ok is None or (step in ok and ok[step] in (None, m.save_id))
-        versions.append(VersionInfo(step, m.created, True, m.milestone, copied, m.keys))
+        versions.append(VersionInfo(step, m.created, True, m.milestone, copied, m.keys, m.partial))
     return versions, unjudged
 
 

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from ckpt.store.versions import full_steps as versions_full_steps
+
 __all__ = [
     "VersionInfo",
     "Policy",
@@ -35,13 +37,12 @@ class VersionInfo:
     tagged: bool = False  # the user marked it as a milestone
     redundant: bool = True  # every required copy exists and is verified
     keys: frozenset[str] | None = None  # the state's top-level keys it holds (None: all, or unknown)
+    partial: bool | None = None  # a params-only version (None: not recorded)
 
 
 def full_steps(versions: Sequence[VersionInfo]) -> set[int]:
-    """Steps of versions that hold every top-level key any of `versions` holds: the ones a
-    full-state restore can use (params-only versions hold fewer)."""
-    every = frozenset(k for v in versions if v.keys is not None for k in v.keys)
-    return {v.step for v in versions if v.keys is None or v.keys >= every}
+    """Steps of versions that hold the whole state, not params-only ones (store.versions.full_steps)."""
+    return versions_full_steps(versions)
 
 
 class Policy(Protocol):

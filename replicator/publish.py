@@ -134,7 +134,8 @@ def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, i
         log.warning("%s already holds step %d from another save; not replaced", t.dest.tier.location, t.step)
         return False
     tier.put(
-        join_key(name, ROOT_INFO_NAME), RootInfo(m.save_id, t.step, m.world_size, holders, m.keys, m.created).to_json()
+        join_key(name, ROOT_INFO_NAME),
+        RootInfo(m.save_id, t.step, m.world_size, holders, m.keys, m.created, m.partial).to_json(),
     )
     if t.stop.is_set():
         raise StoppedError(f"stopped before committing {t.where()}")

@@ -397,7 +397,14 @@ class Replicator:
         if policy is None or self.remote is None or entry.remote is None or entry.remote.state != WAITING:
             return False
         keys = None if manifest.keys is None else frozenset(manifest.keys)
-        candidate = VersionInfo(manifest.step, manifest.created, True, bool(manifest.meta.get("milestone")), keys=keys)
+        candidate = VersionInfo(
+            manifest.step,
+            manifest.created,
+            True,
+            bool(manifest.meta.get("milestone")),
+            keys=keys,
+            partial=manifest.partial,
+        )
         return expired(self._remote_now(), candidate, policy)
 
     def _remote_now(self) -> list[VersionInfo]:

@@ -26,6 +26,7 @@ class Holding:
     writers: RankRanges  # the ranks whose chunks some rank's tier holds
     keys: frozenset[str] | None  # its top-level keys (None: all); every copy of a save holds the same
     created: float = 0.0  # when it was saved (0: no copy's root info recorded it)
+    partial: bool | None = None  # a params-only version (None: no copy's root info recorded it)
 
     @property
     def whole(self) -> bool:
@@ -43,14 +44,17 @@ def holdings(per_rank: Sequence[Sequence[Candidate]]) -> Holdings:
     seen: dict[tuple[int, str, int], set[RankRanges]] = {}
     keys: dict[tuple[int, str, int], frozenset[str] | None] = {}
     created: dict[tuple[int, str, int], float] = {}
+    partial: dict[tuple[int, str, int], bool | None] = {}
     for cands in per_rank:
         for c in cands:
             at = (c.step, c.save_id, c.world_size)
             if at not in seen:
-                seen[at], keys[at], created[at] = set(), c.keys, c.created
+                seen[at], keys[at], created[at], partial[at] = set(), c.keys, c.created, c.partial
             seen[at].add(c.writers)
             created[at] = max(created[at], c.created)
-    return [Holding(*at, union(parts), keys[at], created[at]) for at, parts in seen.items()]
+            if partial[at] is None:
+                partial[at] = c.partial
+    return [Holding(*at, union(parts), keys[at], created[at], partial[at]) for at, parts in seen.items()]
 
 
 def reachable_steps(held: Holdings, needs: frozenset[str] | None = None) -> dict[int, str]:

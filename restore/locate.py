@@ -48,7 +48,7 @@ from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
 from ckpt.store.pins import pin_version
 from ckpt.store.rank_ranges import expand
 from ckpt.store.tier import Tier, join_key
-from ckpt.store.versions import Candidate, damaged_entries, listing, read_manifest, version_dirname
+from ckpt.store.versions import Candidate, damaged_entries, full_steps, listing, read_manifest, version_dirname
 
 __all__ = ["ALL_KEYS", "AllKeys", "Listing", "Located", "restore_newest", "first_manifest"]
 
@@ -259,12 +259,19 @@ def restore_newest(
         if sent and not isinstance(needs, AllKeys):  # every rank's keys: one choice on every rank
             needs = frozenset(k for keys in sent for k in keys)
         needed = _needed(held, needs)
-        chosen = choose_step(held, step, frozenset(excluded | vanished), needed)
+        params_only = _params_only(held, needs)
+        chosen = choose_step(held, step, frozenset(excluded | vanished | params_only), needed)
+        _report_params_only(comm, chosen, params_only, passed)
         _report_passed(comm, held, chosen, needed, excluded | vanished, passed)
         _report_incomplete(comm, held, chosen, searched, passed)
         if chosen is None:
             if needed is not None and step is None and reachable_steps(held) and not reachable_steps(held, needed):
                 _lacking(held, needed, listed)
+            if params_only and not set(reachable_steps(held)) - params_only - excluded - vanished:
+                raise VersionNotFoundError(
+                    f"every version in {', '.join(t.location for t in listed)} that can be read is a params-only "
+                    f"version (steps {sorted(params_only)}); name the keys to take from one (the CLI: --keys)"
+                )
             # A damaged or unreadable entry of the step asked for, or (none asked for) of a
             # step no tier holds intact: an error, never "not committed" or a fresh start;
             # damage only where no read failed (an I/O error is no proof of it).
@@ -354,9 +361,32 @@ ALL_KEYS = AllKeys()
 
 
 def _needed(held: Holdings, needs: frozenset[str] | AllKeys | None) -> frozenset[str] | None:
+    """The keys a version must hold. ALL_KEYS: none where the versions record which are
+    params-only ones (_params_only passes over those), else every key any version holds."""
     if not isinstance(needs, AllKeys):
         return needs
+    if any(h.partial is not None for h in held):
+        return None
     return frozenset(k for h in held if h.keys is not None for k in h.keys)
+
+
+def _params_only(held: Holdings, needs: frozenset[str] | AllKeys | None) -> frozenset[int]:
+    """ALL_KEYS: the steps saved as params-only versions, where the versions record it (none
+    where they do not: _needed then asks for every key any holds)."""
+    if not isinstance(needs, AllKeys) or all(h.partial is None for h in held):
+        return frozenset()
+    return frozenset({h.step for h in held} - full_steps(held))
+
+
+def _report_params_only(comm: _Comm, chosen: int | None, steps: frozenset[int], passed: set[int]) -> None:
+    """One line per newer params-only version passed over (rank 0; each once)."""
+    if comm.rank != 0:
+        return
+    for s in sorted((s for s in steps if (chosen is None or s > chosen) and s not in passed), reverse=True):
+        passed.add(s)
+        log.warning(
+            "step %d is a params-only version: passed over%s", s, "" if chosen is None else f" for step {chosen}"
+        )
 
 
 def _holds(held: Holdings) -> dict[int, frozenset[str] | None]:
@@ -427,8 +457,8 @@ def _lacking(held: Holdings, needed: frozenset[str], tiers: Sequence[Tier]) -> N
     where = ", ".join(t.location for t in tiers)
     raise VersionNotFoundError(
         f"no version in {where} holds every key of the state {sorted(needed)}: steps {steps} hold only "
-        f"{sorted({k for s in steps for k in (holds.get(s) or ())})}; restore(state, strict=False) loads "
-        "such a version into the keys it has"
+        f"{sorted({k for s in steps for k in (holds.get(s) or ())})}; restore(state, strict=False) (the CLI: --keys) "
+        "loads such a version into the keys it has"
     )
 
 

@@ -86,7 +86,13 @@ def prepare(tmp_dir: str, manifest: Manifest, writers: list[int], dirs: list[str
     """Phase 2 on one root: make the root info and the manifest durable, manifest last.
     `raw`: the manifest's bytes, where the caller has them (its parse is `manifest`)."""
     info = RootInfo(
-        manifest.save_id, manifest.step, manifest.world_size, tuple(writers), manifest.keys, manifest.created
+        manifest.save_id,
+        manifest.step,
+        manifest.world_size,
+        tuple(writers),
+        manifest.keys,
+        manifest.created,
+        manifest.partial,
     )
     write_durable(os.path.join(tmp_dir, ROOT_INFO_NAME), info.to_json())
     fsync_dirs(dirs)

@@ -306,6 +306,13 @@ class Manifest:
         (versions of older ckpts, which always held the whole state)."""
         return keys_of(self.meta.get("keys"))
 
+    @property
+    def partial(self) -> bool | None:
+        """Whether it is a params-only version (meta "partial"); None where not recorded
+        (versions of older ckpts: store.versions.full_steps judges them by their keys)."""
+        got = self.meta.get("partial")
+        return got if isinstance(got, bool) else None
+
     def root_of(self, rank: int) -> int:
         """The index of the root group `rank` wrote to."""
         if self.ranks:

@@ -26,9 +26,9 @@ import stat
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import xxhash
 
@@ -115,6 +115,7 @@ class RootInfo:
     writers: tuple[int, ...]  # ranks whose chunks this tier holds
     keys: tuple[str, ...] | None = None  # the state's top-level keys the version holds (None: all)
     created: float = 0.0  # the manifest's: which of two saves of a step is the later (0: not recorded)
+    partial: bool | None = None  # the manifest's: a params-only version (None: not recorded)
 
     def to_json(self) -> bytes:
         doc: dict[str, object] = {
@@ -127,6 +128,8 @@ class RootInfo:
             doc["keys"] = list(self.keys)
         if self.created:
             doc["created"] = self.created
+        if self.partial is not None:
+            doc["partial"] = self.partial
         return json.dumps(doc).encode()
 
 
@@ -148,8 +151,15 @@ def parse_root_info(raw: bytes) -> RootInfo | None:
     created = doc.get("created", 0.0)
     if type(created) is not float or not 0.0 <= created < 1e12:  # (written by time.time(): a float)
         created = 0.0
+    partial = doc.get("partial")
     return RootInfo(
-        save_id, step if type(step) is int else -1, world, tuple(writers), keys_of(doc.get("keys")), created
+        save_id,
+        step if type(step) is int else -1,
+        world,
+        tuple(writers),
+        keys_of(doc.get("keys")),
+        created,
+        partial if isinstance(partial, bool) else None,
     )
 
 
@@ -165,6 +175,30 @@ class Candidate(NamedTuple):
     writers: RankRanges  # ranks whose chunks this tier holds
     keys: frozenset[str] | None = None  # the state's top-level keys it holds (None: all)
     created: float = 0.0  # when it was saved (RootInfo.created; 0: not recorded)
+    partial: bool | None = None  # a params-only version (RootInfo.partial; None: not recorded)
+
+
+class _Kind(Protocol):
+    @property
+    def step(self) -> int: ...
+    @property
+    def keys(self) -> frozenset[str] | None: ...
+    @property
+    def partial(self) -> bool | None: ...
+
+
+def full_steps(versions: Iterable[_Kind]) -> set[int]:
+    """The steps of the versions that hold the whole training state, as a restore with no
+    state to go by (an export) and retention's "full" take them: those not saved as
+    params-only versions (`partial`, recorded since ckpt records it). Where none records
+    it (older versions), those holding every top-level key any of them holds; a version
+    that records it is full unless it says otherwise, whatever its keys (a state whose keys
+    changed between saves)."""
+    vs = list(versions)
+    if any(v.partial is not None for v in vs):
+        return {v.step for v in vs if not v.partial}
+    every = frozenset(k for v in vs if v.keys is not None for k in v.keys)
+    return {v.step for v in vs if v.keys is None or v.keys >= every}
 
 
 def _version_names(tier: Tier) -> Iterator[tuple[int, str]]:
@@ -323,7 +357,9 @@ def listing(where: Tier | str | os.PathLike[str]) -> tuple[list[Candidate], list
             nameless.append(step)
             continue
         keys = None if info.keys is None else frozenset(info.keys)
-        out.append(Candidate(step, info.save_id, info.world_size, ranges_of(info.writers), keys, info.created))
+        out.append(
+            Candidate(step, info.save_id, info.world_size, ranges_of(info.writers), keys, info.created, info.partial)
+        )
     return out, nameless, unreadable
 
 
@@ -347,6 +383,7 @@ class ManifestFacts:
     keys: frozenset[str] | None  # the saved state's top-level keys (None: every key)
     layout: str | None  # the save layout's key (store.spare)
     save_id: str  # which save of the step it is (another, once the step is saved again)
+    partial: bool | None = None  # a params-only version (None: not recorded)
 
 
 _FACTS: OrderedDict[tuple[int, bytes], ManifestFacts] = OrderedDict()
@@ -388,6 +425,7 @@ def remember_manifest(raw: bytes, m: Manifest, digest: bytes | None = None) -> M
         None if m.keys is None else frozenset(m.keys),
         layout if isinstance(layout, str) else None,
         m.save_id,
+        m.partial,
     )
     with _FACTS_LOCK:
         _FACTS[(m.step, digest or xxhash.xxh3_128_digest(raw))] = facts

@@ -120,3 +120,43 @@ def test_multi_root_version_is_assembled_and_copied(tmp_path: Path) -> None:
     assert arrays["rep"]["sharding"] == "replicated"
     table = runner.invoke(cli, ["inspect", str(node0), "--tier", str(node1)])
     assert table.exit_code == 0 and "sharded" in table.output and "float32" in table.output
+
+
+def _exported_step(root: Path, out: Path, *args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(cli, ["restore", str(root), "--to-torch", str(out), "--force", *args])
+    if r.exit_code != 0:
+        return -r.exit_code, r.output
+    return int(torch.load(out, weights_only=True)["step"]), r.output
+
+
+def test_an_export_takes_the_newest_full_version_when_the_state_s_keys_changed(tmp_path: Path) -> None:
+    """`ckpt restore ROOT --to-torch F` exports the newest version that is not a params-only
+    one. Before, it asked for every key any version held: where the state dropped a key
+    ("ema" after step 2) it exported step 2, not step 4, and where the keys of older and
+    newer versions differed both ways it exited 3 saying no version held every key."""
+    out = tmp_path / "out.pt"
+    dropped = tmp_path / "dropped"
+    with Checkpointer(dropped, capture_rng=False) as ck:
+        for s in (1, 2):
+            ck.save(s, {"model": {"w": torch.full((2,), float(s))}, "ema": {"w": torch.zeros(2)}, "step": s})
+        for s in (3, 4):
+            ck.save(s, {"model": {"w": torch.full((2,), float(s))}, "step": s})
+    assert _exported_step(dropped, out)[0] == 4
+    swapped = tmp_path / "swapped"
+    with Checkpointer(swapped, capture_rng=False) as ck:
+        ck.save(1, {"model": {"w": torch.ones(2)}, "ema": {"w": torch.zeros(2)}, "step": 1})
+        ck.save(2, {"model": {"w": torch.ones(2)}, "optim": {"m": torch.zeros(2)}, "step": 2})
+    assert _exported_step(swapped, out)[0] == 2
+    # Params-only versions are passed over for the full one before them, each said in a line.
+    schedule = tmp_path / "schedule"
+    with Checkpointer(schedule, capture_rng=False, full_every=3, partial_keys=("model", "step")) as ck:
+        for s in range(1, 6):
+            ck.save(s, {"model": {"w": torch.full((2,), float(s))}, "optim": {"m": torch.zeros(2)}, "step": s})
+    got, output = _exported_step(schedule, out)
+    assert got == 4, output
+    assert "step 5 is a params-only version: passed over for step 4" in output
+    with Checkpointer(tmp_path / "only-partial", capture_rng=False) as ck:
+        ck.save(1, {"model": {"w": torch.ones(2)}, "step": 1, "optim": {"m": torch.zeros(2)}}, only=("model", "step"))
+    code, output = _exported_step(tmp_path / "only-partial", out)
+    assert code == -3 and "params-only" in output and "--keys" in output, output
+    assert _exported_step(tmp_path / "only-partial", out, "--keys", "model,step")[0] == 1
