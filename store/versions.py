@@ -190,15 +190,15 @@ class _Kind(Protocol):
 def full_steps(versions: Iterable[_Kind]) -> set[int]:
     """The steps of the versions that hold the whole training state, as a restore with no
     state to go by (an export) and retention's "full" take them: those not saved as
-    params-only versions (`partial`, recorded since ckpt records it). Where none records
-    it (older versions), those holding every top-level key any of them holds; a version
-    that records it is full unless it says otherwise, whatever its keys (a state whose keys
-    changed between saves)."""
+    params-only versions (`partial`, whatever their keys: a state's keys may change between
+    saves). Versions written before it was recorded: those holding every top-level key any
+    of them holds."""
     vs = list(versions)
-    if any(v.partial is not None for v in vs):
-        return {v.step for v in vs if not v.partial}
-    every = frozenset(k for v in vs if v.keys is not None for k in v.keys)
-    return {v.step for v in vs if v.keys is None or v.keys >= every}
+    unrecorded = [v for v in vs if v.partial is None]
+    every = frozenset(k for v in unrecorded if v.keys is not None for k in v.keys)
+    return {v.step for v in vs if v.partial is False} | {
+        v.step for v in unrecorded if v.keys is None or v.keys >= every
+    }
 
 
 def _version_names(tier: Tier) -> Iterator[tuple[int, str]]:
