@@ -55,13 +55,19 @@ def resumable_steps(versions: Sequence[VersionInfo]) -> set[int]:
     """Intact versions some restore would choose: a restore that needs keys K takes the
     newest intact version holding K, so a version is never chosen only when a newer intact
     one holds all its keys. These are the newest version, the newest holding every key,
-    and (where the state's keys changed) the newest of each key set no newer one covers."""
+    and (where the state's keys changed) the newest of each key set no newer one covers;
+    and the newest full one (full_steps), which a restore with no state to go by (an
+    export) takes, though a newer params-only version may hold as many keys."""
     out: set[int] = set()
     covers: set[frozenset[str] | None] = set()  # key sets of newer intact versions (None: every key)
-    for v in sorted((v for v in versions if v.intact), key=lambda v: v.step, reverse=True):
+    intact = [v for v in versions if v.intact]
+    for v in sorted(intact, key=lambda v: v.step, reverse=True):
         if None not in covers and (v.keys is None or not any(c is not None and v.keys <= c for c in covers)):
             out.add(v.step)
         covers.add(v.keys)
+    full = full_steps(intact)
+    if full:
+        out.add(max(full))
     return out
 
 

@@ -19,3 +19,16 @@ def test_recorded_versions_are_judged_by_the_record_and_older_ones_by_their_keys
     # An upgrade between a params-only version and the next full one: the older versions
     # are still judged among themselves, so the old params-only one does not count as full.
     assert full_steps([v(1, full, None), v(2, params, None), v(3, params, True)]) == {1}
+
+
+def test_retention_keeps_the_full_version_an_export_takes_beside_a_newer_params_only_one() -> None:
+    """A params-only version holding as many keys as the full one before it (`only=` every
+    key, or partial_keys covering a state of one key): an export takes the full one, so
+    retention keeps it. Before, resumable_steps judged by keys alone, KeepLast(1) deleted
+    the full version, and the export then found only a params-only one."""
+    from ckpt.replicator.policy import KeepLast, plan_deletions, resumable_steps
+
+    for keys in ({"model", "optim"}, {"model"}):
+        versions = [v(100, keys, False), v(200, keys, True)]
+        assert resumable_steps(versions) == {100, 200}
+        assert plan_deletions(versions, KeepLast(1)) == []
