@@ -23,7 +23,7 @@ from ckpt._keys import KeyPath
 from ckpt._tensors import ARRAY_TYPES, TENSOR_LIKE, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import MAX_NAME_BYTES, escape_component
-from ckpt.store.tree_format import DICT, FLOAT, MARKERS, NDARRAY, OBJECT, TENSOR, TUPLE
+from ckpt.store.tree_format import DICT, FLOAT, MARKERS, MAX_KEY_DEPTH, NDARRAY, OBJECT, TENSOR, TUPLE
 
 __all__ = ["Leaf", "Leaves", "EncodeMemo", "encode_state", "bind", "Bound"]
 
@@ -133,6 +133,10 @@ class _Encoder:
             self.leaves.values.append(v)
             return {NDARRAY if isinstance(v, np.ndarray) else TENSOR: name}
         enc = self.enc
+        if len(path) > MAX_KEY_DEPTH:  # (a reader refuses a tree nested deeper: store.tree_format)
+            raise UnsupportedStateError(
+                f"{_key_str(path[:3])}...: the state is nested deeper than {MAX_KEY_DEPTH} keys; flatten it"
+            )
         plain = type(v) is dict  # the common case; a plain dict has no state_dict()
         if not plain and _has_state_dict(v):
             return {OBJECT: enc(v.state_dict(), path, name)}

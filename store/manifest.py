@@ -708,10 +708,12 @@ def parse_manifest(raw: bytes) -> Manifest:
     trees = doc.get("trees") if schema < 3 else {}
     if not isinstance(arrays_doc, dict) or not isinstance(trees, dict) or not isinstance(ranks_doc, list):
         raise ManifestError("manifest lacks arrays, trees or ranks")
-    problem = next((p for p in map(tree_problem, trees.values()) if p is not None), None)
-    if problem is not None:
-        raise ManifestError(f"a state tree of the manifest holds {problem}")
     arrays = {name: _parse_array(name, a, world, schema) for name, a in arrays_doc.items()}
+    if trees:
+        types = {name: a.data_type for name, a in arrays.items()}
+        problem = next((p for p in (tree_problem(t, types) for t in trees.values()) if p is not None), None)
+        if problem is not None:
+            raise ManifestError(f"a state tree of the manifest holds {problem}")
     ranks = _parse_ranks(ranks_doc, trees, world) if schema < 3 else ()
     rank_files = _parse_rank_refs(ranks_doc, world) if schema >= 3 else ()
     if not isinstance(roots_doc, list) or not all(isinstance(r, list) for r in roots_doc):

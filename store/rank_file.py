@@ -125,7 +125,7 @@ def parse_rank_file(raw: bytes, manifest: Manifest, rank: int) -> RankFile:
             mine[flat] = check_chunk_digests(array, flat, entry[1], entry[2] if len(entry) == 3 else [])
         digests[name] = mine
     tree = doc.get("tree")
-    problem = tree_problem(tree)
+    problem = tree_problem(tree, {name: a.data_type for name, a in manifest.arrays.items()})
     if problem is not None:
         raise ManifestError(f"{where}: its state tree holds {problem}", path=where)
     provenance = doc.get("provenance")

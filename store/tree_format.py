@@ -11,9 +11,23 @@ strings that are markers) and {"__float__": "nan" | "inf" | "-inf"}.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["TENSOR", "OBJECT", "TUPLE", "DICT", "FLOAT", "NDARRAY", "MARKERS", "tree_problem"]
+import numpy as np
+
+__all__ = [
+    "TENSOR",
+    "OBJECT",
+    "TUPLE",
+    "DICT",
+    "FLOAT",
+    "NDARRAY",
+    "MARKERS",
+    "MAX_KEY_DEPTH",
+    "MAX_TREE_DEPTH",
+    "tree_problem",
+]
 
 TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = (
     "__tensor__",
@@ -25,6 +39,11 @@ TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = (
 )
 MARKERS = frozenset({TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY})
 _KEY_TYPES = (str, int, bool, type(None))
+# A save refuses a state nested deeper than MAX_KEY_DEPTH keys; its tree then nests at most
+# two nodes a key (a value, and an object's state_dict() in it), within MAX_TREE_DEPTH, which
+# a reader refuses beyond: binding a tree takes two Python frames a node.
+MAX_KEY_DEPTH = 100
+MAX_TREE_DEPTH = 2 * MAX_KEY_DEPTH + 2  # (the top-level dict, and its top-level key)
 
 
 def _float_ok(v: Any) -> bool:
@@ -34,13 +53,26 @@ def _float_ok(v: Any) -> bool:
         return False
 
 
-def tree_problem(tree: Any) -> str | None:
-    """What makes `tree` no tree ckpt writes (None: nothing), found without recursion."""
-    todo = [tree]
+def _numpy_type(data_type: str) -> bool:
+    try:
+        np.dtype(data_type)
+    except TypeError:
+        return False
+    return True
+
+
+def tree_problem(tree: Any, arrays: Mapping[str, str] | None = None) -> str | None:
+    """What makes `tree` no tree ckpt writes (None: nothing), found without recursion. With
+    `arrays` (each array name of the version and its data type), every array it names must
+    be one of them, and an ndarray's of a type NumPy has."""
+    todo: list[tuple[Any, int]] = [(tree, 1)]
     while todo:
-        node = todo.pop()
+        node, depth = todo.pop()
+        if depth > MAX_TREE_DEPTH:
+            return f"values nested deeper than {MAX_TREE_DEPTH} levels"
+        below = depth + 1
         if isinstance(node, list):
-            todo.extend(node)
+            todo.extend((x, below) for x in node)
             continue
         if not isinstance(node, dict):
             if isinstance(node, float) and not math.isfinite(node):
@@ -48,26 +80,33 @@ def tree_problem(tree: Any) -> str | None:
             continue  # (JSON gives only scalars besides lists and objects)
         marked = MARKERS & node.keys()
         if not marked:
-            todo.extend(node.values())
+            todo.extend((x, below) for x in node.values())
             continue
         if len(node) != 1:
             return f"an object with {sorted(marked)[0]} and other keys"
         ((marker, value),) = node.items()
-        if marker in (TENSOR, NDARRAY) and not isinstance(value, str):
-            return f"a {marker} that is not an array name"
+        if marker in (TENSOR, NDARRAY):
+            if not isinstance(value, str):
+                return f"a {marker} that is not an array name"
+            if arrays is not None:
+                data_type = arrays.get(value)
+                if data_type is None:
+                    return f"a {marker} naming {value[:80]!r}, which the manifest lacks"
+                if marker == NDARRAY and not _numpy_type(data_type):
+                    return f"a {NDARRAY} of {data_type}, which NumPy has no type for"
         if marker == FLOAT and not _float_ok(value):
             return f"a {FLOAT} that is not nan or an infinity"
         if marker == TUPLE:
             if not isinstance(value, list):
                 return f"a {TUPLE} that is not a list"
-            todo.extend(value)
+            todo.extend((x, below) for x in value)
         if marker == DICT:
             if not isinstance(value, list):
                 return f"a {DICT} that is not a list of pairs"
             for pair in value:
                 if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], _KEY_TYPES):
                     return f"a {DICT} entry that is not a [key, value] pair"
-                todo.append(pair[1])
+                todo.append((pair[1], below))
         if marker == OBJECT:
-            todo.append(value)
+            todo.append((value, below))
     return None

@@ -544,7 +544,7 @@ def test_a_state_nested_beyond_the_recursion_limit_is_refused(tmp_path: Path) ->
     for _ in range(5_000):
         deep = {"d": deep}
     with Checkpointer(tmp_path) as ck:
-        with pytest.raises(UnsupportedStateError, match="nested too deeply"):
+        with pytest.raises(UnsupportedStateError, match="nested deeper than"):
             ck.save(1, {"s": deep})
         assert ck.steps() == []
 
@@ -605,4 +605,26 @@ def test_a_preemption_notice_after_the_last_check_is_sent_again_with_the_root_re
             assert not ck.reached_preemption()
             os.kill(os.getpid(), signal.SIGINT)
     with Checkpointer(root) as ck:
+        assert ck.steps() == [1]
+
+
+def test_a_state_nested_deeper_than_a_reader_takes_is_refused_at_save(tmp_path: Path) -> None:
+    """A reader refuses trees nested beyond store.tree_format.MAX_TREE_DEPTH (binding one takes
+    two Python frames a level), so a save refuses states nested deeper than MAX_KEY_DEPTH
+    keys, and anything nested up to that restores."""
+    from ckpt.store.tree_format import MAX_KEY_DEPTH
+
+    def nest(n: int, leaf: Any) -> Any:
+        for i in range(n):  # a key each: int keys (3 JSON levels a key), tuples and string keys
+            leaf = {i: leaf} if i % 3 == 0 else (leaf,) if i % 3 == 1 else {"k": leaf}
+        return leaf
+
+    with Checkpointer(tmp_path / "root", capture_rng=False) as ck:
+        deepest = nest(MAX_KEY_DEPTH - 1, torch.arange(3.0))
+        ck.save(1, {"s": deepest})
+        got = {"s": nest(MAX_KEY_DEPTH - 1, torch.zeros(3))}
+        ck.restore(got)
+        assert_bitwise(got, {"s": deepest})
+        with pytest.raises(UnsupportedStateError, match="nested deeper than"):
+            ck.save(2, {"s": nest(MAX_KEY_DEPTH + 1, 1)})
         assert ck.steps() == [1]

@@ -212,7 +212,14 @@ def test_strict_false_falls_back_to_a_version_holding_what_was_filled(tmp_path: 
 
 
 def _tree_state(v: int) -> dict[str, Any]:
-    return {"w": torch.full((3,), float(v)), "cfg": {"a": v}, "lr": 0.1 * v}
+    return {"w": torch.full((3,), float(v)), "h": torch.full((2,), float(v), dtype=torch.bfloat16), "cfg": {"a": v}}
+
+
+def _deep(n: int) -> Any:
+    node: Any = 1
+    for _ in range(n):
+        node = [node]
+    return node
 
 
 @pytest.mark.parametrize(
@@ -226,14 +233,18 @@ def _tree_state(v: int) -> dict[str, Any]:
         {"__tuple__": {"a": 1}},
         {"__tensor__": 3},
         {"__object__": {}, "b": 1},
+        {"__tensor__": "nope"},
+        {"__ndarray__": "h"},
+        _deep(600),
+        _deep(300),
     ],
-    ids=lambda n: json.dumps(n),
+    ids=lambda n: json.dumps(n)[:60],
 )
 def test_a_crafted_state_tree_is_damage_and_the_older_version_is_restored(tmp_path: Path, node: dict[str, Any]) -> None:
-    """A rank file (checksums valid) whose state tree holds a node ckpt never writes is a
-    ManifestError: restore falls back to the older version and `ckpt restore` exits with
+    """A rank file (checksums valid) whose state tree holds a node ckpt never writes (an array
+    the manifest lacks, an ndarray of bfloat16, nesting no save makes) is a ManifestError: restore falls back to the older version and `ckpt restore` exits with
     one line (exit 1, damage). Before, bind and the export's decoding raised TypeError or ValueError, and
-    the restore neither fell back nor named the damage."""
+    the restore neither fell back nor named the damage (RecursionError, KeyError, TypeError)."""
     from click.testing import CliRunner
 
     from ckpt.cli import main as cli
