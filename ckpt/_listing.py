@@ -23,7 +23,14 @@ from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableErr
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.root import writer_active
 from ckpt.store.tier import Tier, join_key, open_tier
-from ckpt.store.versions import committed_steps, damaged_entries, read_manifest, read_root_info, version_dirname
+from ckpt.store.versions import (
+    committed_steps,
+    damaged_entries,
+    full_steps,
+    read_manifest,
+    read_root_info,
+    version_dirname,
+)
 
 __all__ = ["Row", "version_rows"]
 
@@ -48,6 +55,7 @@ class Row:
     writers_here: tuple[int, ...] = ()
     milestone: bool = False
     keys: tuple[str, ...] | None = None  # the top-level keys it holds, when not every key (params-only)
+    partial: bool | None = None  # a params-only version (None: not recorded, or no manifest read)
     timings: dict[str, Any] = field(default_factory=dict)  # per phase: median, max and its rank (ckpt._timings)
     copies: dict[str, CopyState] | None = None  # the replicator's copies (None: no replicator ran)
     peers: dict[int, str] | None = None  # its peer copies by target root: "verified" or "failed" (ckpt._peers)
@@ -83,14 +91,23 @@ def _committed_row(tier: Tier, step: int, m: Manifest) -> Row:
         writers_here=writers,
         milestone=bool(m.meta.get("milestone")),
         keys=m.keys,
+        partial=m.partial,
         timings=_timings(m),
     )
 
 
 def _only_some_keys(rows: list[Row]) -> list[Row]:
-    """Rows keep `keys` only where they hold fewer than every key any row holds."""
-    every = {k for r in rows if r.keys is not None for k in r.keys}
-    return [r if r.keys is None or set(r.keys) < every else replace(r, keys=None) for r in rows]
+    """Rows keep `keys` only where they are params-only versions (store.versions.full_steps)."""
+    read = [r for r in rows if r.keys is not None or r.partial is not None]
+    full = full_steps([_Kind(r.step, None if r.keys is None else frozenset(r.keys), r.partial) for r in read])
+    return [r if r.keys is None or r.step not in full else replace(r, keys=None) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    step: int
+    keys: frozenset[str] | None
+    partial: bool | None
 
 
 def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:

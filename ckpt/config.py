@@ -145,7 +145,9 @@ class CheckpointerConfig:
             self.keep_last is None or type(self.keep_every) is not int or self.keep_every < 1
         ):
             raise ValueError(f"keep_every needs keep_last, and must be a positive int, not {self.keep_every!r}")
-        if self.full_every is not None and (self.full_every < 1 or not self.partial_keys):
+        if self.full_every is not None and (
+            type(self.full_every) is not int or self.full_every < 1 or not self.partial_keys
+        ):
             raise ValueError("full_every needs partial_keys (the keys a params-only version holds), and must be >= 1")
         keys: object = self.partial_keys  # a str would pass as a tuple of one-letter keys
         if isinstance(keys, str) or (keys is not None and not keys):

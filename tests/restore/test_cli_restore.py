@@ -142,6 +142,10 @@ def test_an_export_takes_the_newest_full_version_when_the_state_s_keys_changed(t
         for s in (3, 4):
             ck.save(s, {"model": {"w": torch.full((2,), float(s))}, "step": s})
     assert _exported_step(dropped, out)[0] == 4
+    ls = CliRunner().invoke(cli, ["ls", str(dropped), "--json"])  # none is shown as params-only
+    assert [(r["step"], r["keys"], r["partial"]) for r in json.loads(ls.output)] == [
+        (s, None, False) for s in (1, 2, 3, 4)
+    ]
     swapped = tmp_path / "swapped"
     with Checkpointer(swapped, capture_rng=False) as ck:
         ck.save(1, {"model": {"w": torch.ones(2)}, "ema": {"w": torch.zeros(2)}, "step": 1})
@@ -155,6 +159,14 @@ def test_an_export_takes_the_newest_full_version_when_the_state_s_keys_changed(t
     got, output = _exported_step(schedule, out)
     assert got == 4, output
     assert "step 5 is a params-only version: passed over for step 4" in output
+    ls = CliRunner().invoke(cli, ["ls", str(schedule), "--json"])
+    assert [r["keys"] for r in json.loads(ls.output)] == [
+        None,
+        ["model", "step"],
+        ["model", "step"],
+        None,
+        ["model", "step"],
+    ]
     with Checkpointer(tmp_path / "only-partial", capture_rng=False) as ck:
         ck.save(1, {"model": {"w": torch.ones(2)}, "step": 1, "optim": {"m": torch.zeros(2)}}, only=("model", "step"))
     code, output = _exported_step(tmp_path / "only-partial", out)
