@@ -148,7 +148,10 @@ class CheckpointerConfig:
         if self.full_every is not None and (
             type(self.full_every) is not int or self.full_every < 1 or not self.partial_keys
         ):
-            raise ValueError("full_every needs partial_keys (the keys a params-only version holds), and must be >= 1")
+            raise ValueError(
+                f"full_every needs partial_keys (the keys a params-only version holds), and must be an int >= 1, "
+                f"not {self.full_every!r}"
+            )
         keys: object = self.partial_keys  # a str would pass as a tuple of one-letter keys
         if isinstance(keys, str) or (keys is not None and not keys):
             raise ValueError("partial_keys is a non-empty tuple of keys, e.g. ('model',)")
