@@ -23,7 +23,7 @@ from ckpt._keys import KeyPath
 from ckpt._tensors import ARRAY_TYPES, TENSOR_LIKE, is_tensor_like
 from ckpt.store.errors import StateMismatchError, UnsupportedStateError
 from ckpt.store.manifest import MAX_NAME_BYTES, escape_component
-from ckpt.store.tree_format import DICT, FLOAT, MARKERS, MAX_KEY_DEPTH, NDARRAY, OBJECT, TENSOR, TUPLE
+from ckpt.store.tree_format import DICT, FLOAT, MARKERS, MAX_SAVED_DEPTH, NDARRAY, OBJECT, TENSOR, TUPLE
 
 __all__ = ["Leaf", "Leaves", "EncodeMemo", "encode_state", "bind", "Bound"]
 
@@ -115,6 +115,7 @@ class _Encoder:
         self.leaves = Leaves()
         self.last = memo.last if memo is not None else None
         self.seen: dict[str, _Encoded] = {}  # this encoding's, for the memo
+        self.objects = 0  # objects above the node being encoded: each nests the tree a level
 
     # `name` is the escaped path so far, extended per level rather than joined per leaf.
     def enc(self, v: Any, path: tuple[Any, ...], name: str) -> Any:
@@ -133,13 +134,18 @@ class _Encoder:
             self.leaves.values.append(v)
             return {NDARRAY if isinstance(v, np.ndarray) else TENSOR: name}
         enc = self.enc
-        if len(path) > MAX_KEY_DEPTH:  # (a reader refuses a tree nested deeper: store.tree_format)
+        if len(path) + self.objects > MAX_SAVED_DEPTH:  # (readers refuse deeper trees: store.tree_format)
             raise UnsupportedStateError(
-                f"{_key_str(path[:3])}...: the state is nested deeper than {MAX_KEY_DEPTH} keys; flatten it"
+                f"{_key_str(path[:3])}...: the state is nested deeper than {MAX_SAVED_DEPTH} levels "
+                "(keys, and objects with state_dict() inside objects); flatten it"
             )
         plain = type(v) is dict  # the common case; a plain dict has no state_dict()
         if not plain and _has_state_dict(v):
-            return {OBJECT: enc(v.state_dict(), path, name)}
+            self.objects += 1
+            try:
+                return {OBJECT: enc(v.state_dict(), path, name)}
+            finally:
+                self.objects -= 1
         if plain or isinstance(v, Mapping):
             if _MARKERS.isdisjoint(v) and all(map(_is_str, v)):
                 return self.enc_str_keyed(v, path, name)
@@ -326,7 +332,13 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
     out = Bound()
     if not isinstance(saved, dict):
         raise StateMismatchError(f"the checkpoint's state is {_saved_kind(saved)}, not a dict")
-    out.finish = _Binder(out.leaves, out.results, strict).b(saved, target, (), False)
+    try:
+        out.finish = _Binder(out.leaves, out.results, strict).b(saved, target, (), False)
+    except RecursionError:  # a tree an older save nested deeper than this stack takes
+        raise UnsupportedStateError(
+            "the saved state is nested too deeply to restore on this call stack (Python's recursion limit; "
+            "sys.setrecursionlimit raises it)"
+        ) from None
     return out
 
 

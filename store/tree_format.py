@@ -24,7 +24,7 @@ __all__ = [
     "FLOAT",
     "NDARRAY",
     "MARKERS",
-    "MAX_KEY_DEPTH",
+    "MAX_SAVED_DEPTH",
     "MAX_TREE_DEPTH",
     "tree_problem",
 ]
@@ -39,11 +39,12 @@ TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY = (
 )
 MARKERS = frozenset({TENSOR, OBJECT, TUPLE, DICT, FLOAT, NDARRAY})
 _KEY_TYPES = (str, int, bool, type(None))
-# A save refuses a state nested deeper than MAX_KEY_DEPTH keys; its tree then nests at most
-# two nodes a key (a value, and an object's state_dict() in it), within MAX_TREE_DEPTH, which
-# a reader refuses beyond: binding a tree takes two Python frames a node.
-MAX_KEY_DEPTH = 100
-MAX_TREE_DEPTH = 2 * MAX_KEY_DEPTH + 2  # (the top-level dict, and its top-level key)
+# A save refuses a state nested deeper than MAX_SAVED_DEPTH levels (keys, and objects whose
+# state_dict() holds the next level); a reader refuses trees deeper than MAX_TREE_DEPTH, which
+# leaves room for what saves before that bound wrote (up to Python's recursion limit, ~450
+# levels): binding a tree takes up to two Python frames a level.
+MAX_SAVED_DEPTH = 200
+MAX_TREE_DEPTH = 400
 
 
 def _float_ok(v: Any) -> bool:

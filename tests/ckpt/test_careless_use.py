@@ -612,21 +612,44 @@ def test_a_preemption_notice_after_the_last_check_is_sent_again_with_the_root_re
 
 def test_a_state_nested_deeper_than_a_reader_takes_is_refused_at_save(tmp_path: Path) -> None:
     """A reader refuses trees nested beyond store.tree_format.MAX_TREE_DEPTH (binding one takes
-    two Python frames a level), so a save refuses states nested deeper than MAX_KEY_DEPTH
-    keys, and anything nested up to that restores."""
-    from ckpt.store.tree_format import MAX_KEY_DEPTH
+    two Python frames a level), so a save refuses states nested deeper than MAX_SAVED_DEPTH
+    levels, counting keys and objects whose state_dict() holds the next object, and anything
+    nested up to that restores. Before, a chain of objects was saved at any depth and its
+    version then refused as damaged."""
+    from ckpt.store.tree_format import MAX_SAVED_DEPTH
 
     def nest(n: int, leaf: Any) -> Any:
-        for i in range(n):  # a key each: int keys (3 JSON levels a key), tuples and string keys
+        for i in range(n):  # a key each: int keys, tuples and string keys
             leaf = {i: leaf} if i % 3 == 0 else (leaf,) if i % 3 == 1 else {"k": leaf}
         return leaf
 
+    class Holder:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def state_dict(self) -> Any:
+            return self.inner
+
+        def load_state_dict(self, sd: Any) -> None:
+            pass  # (its tensor is filled in place)
+
+    def chain(n: int, leaf: Any) -> Any:
+        node = {"w": leaf}
+        for _ in range(n):
+            node = Holder(node)
+        return node
+
     with Checkpointer(tmp_path / "root", capture_rng=False) as ck:
-        deepest = nest(MAX_KEY_DEPTH - 1, torch.arange(3.0))
+        deepest = nest(MAX_SAVED_DEPTH - 1, torch.arange(3.0))
         ck.save(1, {"s": deepest})
-        got = {"s": nest(MAX_KEY_DEPTH - 1, torch.zeros(3))}
+        got = {"s": nest(MAX_SAVED_DEPTH - 1, torch.zeros(3))}
         ck.restore(got)
         assert_bitwise(got, {"s": deepest})
-        with pytest.raises(UnsupportedStateError, match="nested deeper than"):
-            ck.save(2, {"s": nest(MAX_KEY_DEPTH + 1, 1)})
-        assert ck.steps() == [1]
+        ck.save(2, {"s": chain(MAX_SAVED_DEPTH - 2, torch.arange(3.0))})
+        target = torch.zeros(3)
+        ck.restore({"s": chain(MAX_SAVED_DEPTH - 2, target)}, step=2)
+        assert torch.equal(target, torch.arange(3.0))
+        for state in ({"s": nest(MAX_SAVED_DEPTH + 1, 1)}, {"s": chain(MAX_SAVED_DEPTH + 1, torch.ones(1))}):
+            with pytest.raises(UnsupportedStateError, match="nested deeper than"):
+                ck.save(3, state)
+        assert ck.steps() == [1, 2]

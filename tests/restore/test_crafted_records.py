@@ -236,7 +236,7 @@ def _deep(n: int) -> Any:
         {"__tensor__": "nope"},
         {"__ndarray__": "h"},
         _deep(600),
-        _deep(300),
+        _deep(450),
     ],
     ids=lambda n: json.dumps(n)[:60],
 )
@@ -272,3 +272,29 @@ def test_a_crafted_state_tree_is_damage_and_the_older_version_is_restored(tmp_pa
     out = CliRunner().invoke(cli, ["restore", str(root), "--step", "2", "--to-torch", str(tmp_path / "out.pt")])
     assert out.exit_code == 1 and "state tree holds" in out.output, out.output  # 1: damage
     assert len(out.output.strip().splitlines()) == 1, out.output
+
+
+def test_a_tree_nested_as_deep_as_saves_before_the_bound_wrote_is_read(tmp_path: Path) -> None:
+    """Saves before MAX_SAVED_DEPTH nested trees up to Python's recursion limit (~450
+    levels): a reader takes trees to MAX_TREE_DEPTH, so a 300-level one still restores."""
+    root = tmp_path / "root"
+    with Checkpointer(root) as ck:
+        ck.save(1, _tree_state(1))
+        ck.save(2, _tree_state(2))
+        ck.wait()
+    deep: Any = 5
+    for _ in range(300):
+        deep = {"k": deep}
+    version = root / version_dirname(2)
+    path = version / "ranks" / "0.json"
+    doc = json.loads(path.read_bytes())
+    doc["tree"]["cfg"] = deep
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    path.write_bytes(raw)
+    m = json.loads((version / "manifest.json").read_bytes())
+    m["ranks"][0] = [len(raw), xxhash.xxh3_64_hexdigest(raw)]
+    (version / "manifest.json").write_bytes(crafted(m))
+    got = {**_tree_state(0), "cfg": None}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got) == 2
+    assert got["cfg"] == deep
