@@ -215,6 +215,26 @@ def _tree_state(v: int) -> dict[str, Any]:
     return {"w": torch.full((3,), float(v)), "h": torch.full((2,), float(v), dtype=torch.bfloat16), "cfg": {"a": v}}
 
 
+def _two_steps_with_cfg(tmp_path: Path, node: Any) -> Path:
+    """A root with steps 1 and 2 of _tree_state, step 2's rank file holding `node` as "cfg",
+    its checksums recomputed (as a hostile writer could)."""
+    root = tmp_path / "root"
+    with Checkpointer(root) as ck:
+        ck.save(1, _tree_state(1))
+        ck.save(2, _tree_state(2))
+        ck.wait()
+    version = root / version_dirname(2)
+    path = version / "ranks" / "0.json"
+    doc = json.loads(path.read_bytes())
+    doc["tree"]["cfg"] = node
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    path.write_bytes(raw)
+    m = json.loads((version / "manifest.json").read_bytes())
+    m["ranks"][0] = [len(raw), xxhash.xxh3_64_hexdigest(raw)]
+    (version / "manifest.json").write_bytes(crafted(m))
+    return root
+
+
 def _deep(n: int) -> Any:
     node: Any = 1
     for _ in range(n):
@@ -249,20 +269,7 @@ def test_a_crafted_state_tree_is_damage_and_the_older_version_is_restored(tmp_pa
 
     from ckpt.cli import main as cli
 
-    root = tmp_path / "root"
-    with Checkpointer(root) as ck:
-        ck.save(1, _tree_state(1))
-        ck.save(2, _tree_state(2))
-        ck.wait()
-    version = root / version_dirname(2)
-    path = version / "ranks" / "0.json"
-    doc = json.loads(path.read_bytes())
-    doc["tree"]["cfg"] = node
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    path.write_bytes(raw)
-    m = json.loads((version / "manifest.json").read_bytes())
-    m["ranks"][0] = [len(raw), xxhash.xxh3_64_hexdigest(raw)]
-    (version / "manifest.json").write_bytes(crafted(m))
+    root = _two_steps_with_cfg(tmp_path, node)
     got = _tree_state(0)
     with Checkpointer(root) as ck:
         assert ck.restore(got) == 1
@@ -277,23 +284,10 @@ def test_a_crafted_state_tree_is_damage_and_the_older_version_is_restored(tmp_pa
 def test_a_tree_nested_as_deep_as_saves_before_the_bound_wrote_is_read(tmp_path: Path) -> None:
     """Saves before MAX_SAVED_DEPTH nested trees up to Python's recursion limit (~450
     levels): a reader takes trees to MAX_TREE_DEPTH, so a 300-level one still restores."""
-    root = tmp_path / "root"
-    with Checkpointer(root) as ck:
-        ck.save(1, _tree_state(1))
-        ck.save(2, _tree_state(2))
-        ck.wait()
     deep: Any = 5
     for _ in range(300):
         deep = {"k": deep}
-    version = root / version_dirname(2)
-    path = version / "ranks" / "0.json"
-    doc = json.loads(path.read_bytes())
-    doc["tree"]["cfg"] = deep
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    path.write_bytes(raw)
-    m = json.loads((version / "manifest.json").read_bytes())
-    m["ranks"][0] = [len(raw), xxhash.xxh3_64_hexdigest(raw)]
-    (version / "manifest.json").write_bytes(crafted(m))
+    root = _two_steps_with_cfg(tmp_path, deep)
     got = {**_tree_state(0), "cfg": None}
     with Checkpointer(root) as ck:
         assert ck.restore(got) == 2
