@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
+from ckpt.store.dtypes import is_native
 
 __all__ = [
     "TENSOR",
@@ -54,14 +54,6 @@ def _float_ok(v: Any) -> bool:
         return False
 
 
-def _numpy_type(data_type: str) -> bool:
-    try:
-        np.dtype(data_type)
-    except TypeError:
-        return False
-    return True
-
-
 def tree_problem(tree: Any, arrays: Mapping[str, str] | None = None) -> str | None:
     """What makes `tree` no tree ckpt writes (None: nothing), found without recursion. With
     `arrays` (each array name of the version and its data type), every array it names must
@@ -93,7 +85,7 @@ def tree_problem(tree: Any, arrays: Mapping[str, str] | None = None) -> str | No
                 data_type = arrays.get(value)
                 if data_type is None:
                     return f"a {marker} naming {value[:80]!r}, which the manifest lacks"
-                if marker == NDARRAY and not _numpy_type(data_type):
+                if marker == NDARRAY and not is_native(data_type):  # (not np.dtype(): ml_dtypes adds names)
                     return f"a {NDARRAY} of {data_type}, which NumPy has no type for"
         if marker == FLOAT and not _float_ok(value):
             return f"a {FLOAT} that is not nan or an infinity"

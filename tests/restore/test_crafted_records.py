@@ -292,3 +292,19 @@ def test_a_tree_nested_as_deep_as_saves_before_the_bound_wrote_is_read(tmp_path:
     with Checkpointer(root) as ck:
         assert ck.restore(got) == 2
     assert got["cfg"] == deep
+
+
+def test_an_ndarray_of_bfloat16_is_refused_whatever_names_numpy_was_given() -> None:
+    """ml_dtypes (tensorstore's dependency) registers "bfloat16" with NumPy when imported, so
+    np.dtype("bfloat16") then answers; torch still cannot make an ndarray of one. Before,
+    the check asked np.dtype(), and passed such a tree once tensorstore had been imported
+    (the suite's order decided the outcome)."""
+    import ml_dtypes
+    import numpy as np
+
+    from ckpt.store.tree_format import tree_problem
+
+    assert np.dtype("bfloat16") == np.dtype(ml_dtypes.bfloat16)  # the name is registered now
+    for data_type in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        assert tree_problem({"a": {"__ndarray__": "h"}}, {"h": data_type}) is not None, data_type
+    assert tree_problem({"a": {"__ndarray__": "h"}}, {"h": "float32"}) is None
