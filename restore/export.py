@@ -10,6 +10,7 @@ still be exported from the rest.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
 import os
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ckpt.restore.saved_ranks import saved_rank
+from ckpt.restore.saved_ranks import saved_trees
 from ckpt.restore.sources import Source, from_first_good, rank_file_bytes_from
 from ckpt.store import commit
 from ckpt.store.chunk_read import read_chunk
@@ -30,6 +31,7 @@ from ckpt.store.fsio import DIR_MODE, FILE_MODE, fsync_dir, fsync_dirs, makedirs
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.rank_file import RANKS_DIR, rank_file_path
 from ckpt.store.root import RootLock, version_above
+from ckpt.store.tree_format import DICT, MARKERS, OBJECT
 from ckpt.store.versions import committed_steps, version_dirname
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
@@ -140,11 +142,51 @@ def assemble(
 
 
 def selected(manifest: Manifest, sources: Sequence[Source], keys: frozenset[str] | None) -> tuple[Any, set[str]]:
-    """Rank 0's state tree (only its `keys`, if given) and the arrays it refers to."""
-    tree = saved_rank(manifest, sources, 0).tree
-    if keys is not None and isinstance(tree, dict):
-        tree = {k: v for k, v in tree.items() if k in keys}
+    """Every saved rank's state tree as one (merged_tree; only its `keys`, if given) and the
+    arrays it refers to."""
+    tree: Any = None
+    for i, mine in enumerate(saved_trees(manifest, sources)):
+        if keys is not None and isinstance(mine, dict):
+            mine = {k: v for k, v in mine.items() if k in keys}
+        tree = mine if i == 0 else merged_tree(tree, mine)
     return tree, referenced_arrays(tree)
+
+
+def merged_tree(first: Any, other: Any) -> Any:
+    """Two saved ranks' trees as one: `first`, with what only `other` holds added. A rank's
+    tree may hold a share of the state: DCP gives each replicated tensor and item to one
+    rank, pipeline stages hold different modules. Where both hold a key, the two values'
+    dicts are merged the same way, and otherwise `first`'s value stands (values that
+    differ across ranks, such as a per-rank position, are those of the lower rank)."""
+    if _is_plain(first) and _is_plain(other):
+        out = dict(first)
+        for k, v in other.items():
+            out[k] = merged_tree(out[k], v) if k in out else v
+        return out
+    if isinstance(first, dict) and isinstance(other, dict) and len(first) == len(other) == 1:
+        if OBJECT in first and OBJECT in other:
+            return {OBJECT: merged_tree(first[OBJECT], other[OBJECT])}
+        if DICT in first and DICT in other and isinstance(first[DICT], list) and isinstance(other[DICT], list):
+            pairs = {_pair_key(p): p for p in first[DICT] if _is_pair(p)}
+            for p in other[DICT]:
+                if _is_pair(p):
+                    k = _pair_key(p)
+                    pairs[k] = [p[0], merged_tree(pairs[k][1], p[1])] if k in pairs else p
+            return {DICT: list(pairs.values())}
+    return first
+
+
+def _is_plain(node: Any) -> bool:
+    """A dict of string keys (no marked object)."""
+    return isinstance(node, dict) and not (len(node) == 1 and next(iter(node)) in MARKERS)
+
+
+def _is_pair(p: Any) -> bool:
+    return isinstance(p, list) and len(p) == 2
+
+
+def _pair_key(p: list[Any]) -> str:
+    return json.dumps(p[0])  # the key's JSON: 1, true and "1" are three keys
 
 
 def referenced_arrays(node: Any) -> set[str]:

@@ -172,3 +172,56 @@ def test_an_export_takes_the_newest_full_version_when_the_state_s_keys_changed(t
     code, output = _exported_step(tmp_path / "only-partial", out)
     assert code == -3 and "params-only" in output and "--keys" in output, output
     assert _exported_step(tmp_path / "only-partial", out, "--keys", "model,step")[0] == 1
+
+
+def save_stages(ctx: Ctx, root: str) -> dict:
+    """Two ranks as two pipeline stages (each its own module and state), and a DDP-style
+    model saved through DCP, whose dedup gives each tensor and item to one rank only."""
+    from datetime import timedelta
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    stage = {"w": torch.full((3,), float(ctx.rank)), "lr": 0.1 * (ctx.rank + 1), "ids": {ctx.rank: ctx.rank}}
+    with Checkpointer(f"{root}/pp", capture_rng=False) as ck:
+        ck.save(1, {"model": {f"stage{ctx.rank}": stage}, "step": 1, "where": {"rank": ctx.rank}})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    writer = ckpt.dcp.StorageWriter(f"{root}/dcp", 1, timeout=timedelta(seconds=60))
+    dcp.save({"model": model.state_dict(), "epoch": 3}, storage_writer=writer)
+    return {}
+
+
+def test_an_export_to_torch_holds_what_every_saved_rank_held(tmp_path: Path) -> None:
+    """Before, `--to-torch` assembled rank 0's state tree alone and exited 0: a pipeline
+    stage on another rank, and the tensors DCP's dedup gave rank 1, were left out."""
+    results, failures = launch(__file__, "save_stages", 2, tmp_path / "job", root=str(tmp_path))
+    assert not failures, failures
+    runner = CliRunner()
+    out = tmp_path / "pp.pt"
+    r = runner.invoke(cli, ["restore", str(tmp_path / "pp"), "--to-torch", str(out)])
+    assert r.exit_code == 0, r.output
+    got = torch.load(out, weights_only=True)
+    assert_bitwise(got["model"]["stage0"]["w"], torch.zeros(3))
+    assert_bitwise(got["model"]["stage1"]["w"], torch.ones(3))
+    assert (got["model"]["stage0"]["lr"], got["model"]["stage1"]["lr"]) == (0.1, 0.2)
+    assert got["model"]["stage1"]["ids"] == {1: 1} and got["step"] == 1
+    assert got["where"] == {"rank": 0}  # a value both ranks hold, differently: the lower rank's
+    out = tmp_path / "dcp.pt"
+    r = runner.invoke(cli, ["restore", str(tmp_path / "dcp"), "--to-torch", str(out)])
+    assert r.exit_code == 0, r.output
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    got = torch.load(out, weights_only=True)
+    exported = {k: v for k, v in _leaves(got) if isinstance(v, torch.Tensor) and v.dtype == torch.float32}
+    want = model.state_dict()
+    assert sorted(n.split("model.", 1)[-1] for n in exported) == sorted(want)
+    for name, t in exported.items():
+        assert_bitwise(t, want[name.split("model.", 1)[-1]])
+
+
+def _leaves(node: object, path: str = "") -> list[tuple[str, object]]:
+    if isinstance(node, dict):
+        return [kv for k, v in node.items() for kv in _leaves(v, f"{path}.{k}" if path else str(k))]
+    return [(path, node)]
