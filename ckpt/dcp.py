@@ -81,7 +81,7 @@ from ckpt.store.errors import (
     UnsupportedStateError,
     VersionNotFoundError,
 )
-from ckpt.store.manifest import MAX_COMPONENT, ArrayEntry, Manifest, escape_component
+from ckpt.store.manifest import ArrayEntry, Manifest, escape_component
 from ckpt.store.versions import check_step
 
 __all__ = ["StorageWriter", "StorageReader"]
@@ -93,7 +93,9 @@ BYTES = "bytes"
 def _components(fqn: str) -> list[str]:
     parts = fqn.split(".")
     for p in parts:
-        if not p or len(urllib.parse.quote(p, safe="")) > MAX_COMPONENT:  # longer ones are stored hashed
+        # The name must come back from its array's: a long part is stored hashed, and a
+        # "__" prefix escaped (which makes a part of MAX_COMPONENT characters longer).
+        if not p or urllib.parse.unquote(escape_component(p)) != p:
             raise UnsupportedStateError(
                 f"{fqn!r}: ckpt.dcp stores a name by its dot-separated parts, and {p!r} cannot be one"
             )

@@ -307,6 +307,9 @@ def test_names_that_cannot_round_trip_are_refused(tmp_path: Path) -> None:
         ckpt.dcp.array_name("tensors", "model..weight")
     with pytest.raises(UnsupportedStateError, match="dot-separated parts"):
         ckpt.dcp.array_name("tensors", "x" * 200 + ".w")
+    with pytest.raises(UnsupportedStateError, match="dot-separated parts"):  # 128 characters once escaped
+        ckpt.dcp.array_name("tensors", "__" + "a" * 125)
+    assert ckpt.dcp.array_name("tensors", "__" + "a" * 124) == "tensors/%5F_" + "a" * 124
     assert ckpt.dcp.array_name("tensors", "model.layers.0.weight") == "tensors/model/layers/0/weight"
 
 
