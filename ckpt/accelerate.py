@@ -57,6 +57,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ckpt.store.errors import StateMismatchError
+
 if TYPE_CHECKING:
     from accelerate import Accelerator  # type: ignore[import-untyped]
 
@@ -196,7 +198,7 @@ def _loader_state(accelerator: Accelerator, dl: Any) -> dict[str, Any]:
             "global torch RNG at another point than this run did, so resuming mid-epoch will not be exact; pass "
             "generator=torch.Generator().manual_seed(seed) to the DataLoader",
         )
-    stateful = bool(getattr(dl, "use_stateful_dataloader", False)) and callable(getattr(dl, "state_dict", None))
+    stateful = _stateful(dl)
     # At the last batch of an epoch (accelerate marks it end_of_dataloader; the loader's
     # state is then "finished"), the loop over the loader is over but for its return, which
     # counts the epoch: save the count it makes, so a resumed run starts the next epoch.
@@ -208,6 +210,11 @@ def _loader_state(accelerator: Accelerator, dl: Any) -> dict[str, Any]:
         "sampler": {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)} if seedable else None,
         "state": _to_json(dl.state_dict()) if stateful else None,
     }
+
+
+def _stateful(dl: Any) -> bool:
+    """Whether a prepared loader saves and loads its own state (use_stateful_dataloader=True)."""
+    return bool(getattr(dl, "use_stateful_dataloader", False)) and callable(getattr(dl, "state_dict", None))
 
 
 def _in_epoch(accelerator: Accelerator, dl: Any) -> bool:
@@ -306,7 +313,9 @@ def load_state(
 
     The accelerator must hold what it held when saving: as many prepared models,
     optimizers, schedulers and loaders, the same registered objects. `restore_kwargs`
-    (strict, if_incomplete) go to `Checkpointer.restore`.
+    (strict, if_incomplete) go to `Checkpointer.restore`. A loader saved as a stateful one
+    (use_stateful_dataloader=True) that this accelerator's cannot take is
+    StateMismatchError, raised before any loader or accelerator.step changes.
     """
     _check_supported(accelerator)
     loaders = accelerator._dataloaders
@@ -319,8 +328,17 @@ def load_state(
     found = checkpointer.restore(state, step, **restore_kwargs)
     if found is None:
         return None
-    for i, dl in enumerate(loaders):
-        _load_loader(dl, state["dataloaders"][str(i)])
+    saved = [state["dataloaders"][str(i)] for i in range(len(loaders))]
+    for i, (dl, mine) in enumerate(zip(loaders, saved)):  # every loader checked before any is changed
+        if mine.get("state") is not None and not _stateful(dl):
+            raise StateMismatchError(
+                f"step {found}: dataloader {i} was saved as a stateful loader (accelerate's "
+                "DataLoaderConfiguration(use_stateful_dataloader=True)), and this accelerator's cannot "
+                "take its state; prepare it with use_stateful_dataloader=True (the models, optimizers "
+                "and schedulers are loaded, the loaders and accelerator.step are not)"
+            )
+    for dl, mine in zip(loaders, saved):
+        _load_loader(dl, mine)
     extra = state["accelerator"]
     accelerator.step = int(extra["step"])
     _load_device_rng(extra.get("device_rng") or {})

@@ -138,3 +138,41 @@ def test_importing_ckpt_does_not_import_accelerate() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_stateful_loader_s_state_into_a_plain_loader_is_a_state_mismatch(tmp_path: Path) -> None:
+    """Before, load_state raised AttributeError ('DataLoader' object has no attribute
+    'load_state_dict') after loading the model, with accelerator.step left as it was."""
+    code = f"""
+import json, torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+from ckpt import Checkpointer, StateMismatchError
+import ckpt.accelerate as ca
+
+def build(stateful):
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(
+        use_seedable_sampler=True, use_stateful_dataloader=stateful))
+    data = torch.arange(20.0).reshape(10, 2)
+    dl = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1))
+    return (acc, *acc.prepare(torch.nn.Linear(3, 2), dl))
+
+acc, m, dl = build(True)
+next(iter(dl))
+acc.step = 3
+with Checkpointer({str(tmp_path / "r")!r}) as ck:
+    ca.save_state(acc, ck, 1)
+acc2, m2, dl2 = build(False)
+try:
+    with Checkpointer({str(tmp_path / "r")!r}) as ck:
+        ca.load_state(acc2, ck)
+    print(json.dumps({{"raised": None}}))
+except StateMismatchError as e:
+    print(json.dumps({{"raised": "StateMismatchError", "message": str(e), "step": acc2.step}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["raised"] == "StateMismatchError", got
+    assert "use_stateful_dataloader=True" in got["message"] and got["step"] == 0
