@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -26,13 +26,14 @@ from ckpt._tree import bind
 from ckpt.config import CheckpointerConfig
 from ckpt.restore.execute import ReadRequest, ReadsUnreached, full_tensor, load_arrays
 from ckpt.restore.handoff import Holders
-from ckpt.restore.locate import Located, first_manifest
+from ckpt.restore.locate import Located, first_manifest, restore_newest
 from ckpt.restore.saved_ranks import SavedRank, saved_rank
 from ckpt.restore.sources import Source, SourcesUnreachable, rank_file_bytes_from
 from ckpt.rng import check_rng, restore_rng, seed_new_rank
 from ckpt.store.errors import CkptError, CorruptVersionError, RankFailures, StateMismatchError, TierUnavailableError
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
+from ckpt.store.tier import Tier
 
 __all__ = ["load_version", "agreed_manifest", "read_agreed", "saved_rank_of"]
 
@@ -77,6 +78,27 @@ def agreed_manifest(ctl: Comm, located: Located) -> Manifest:
             found = parse_manifest(raw)
     assert found is not None
     return found
+
+
+def locate(
+    ctl: Comm,
+    tiers: Callable[[], Sequence[Tier]],
+    step: int | None,
+    read: Callable[[Manifest, Located], None] | None = None,
+) -> tuple[Manifest, Located] | None:
+    """Collective: the newest version whose manifest every rank can read (or `step`), for
+    readers that read parts of it themselves (ckpt.dcp). `read` runs on it while it is
+    pinned; its CorruptVersionError passes the version over for the next older one
+    (unless `step` was given), as a failed load does in a restore."""
+
+    def load(located: Located) -> tuple[Manifest, Located]:
+        manifest = agreed_manifest(ctl, located)
+        if read is not None:
+            read(manifest, located)
+        return manifest, located
+
+    found = restore_newest(ctl, tiers, load, step=step)
+    return None if found is None else found[1]
 
 
 def _saved_rank(ctl: Comm, manifest: Manifest, located: Located) -> SavedRank:

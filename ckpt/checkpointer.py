@@ -19,7 +19,7 @@ from typing import Any, Literal
 from ckpt import _roots
 from ckpt._dist import Comm, destroy_comms, make_comms, subgroup
 from ckpt._job import SaveStats
-from ckpt._load import agreed_manifest, load_version
+from ckpt._load import load_version, locate
 from ckpt._peer_status import forget_peer_copies
 from ckpt._peers import PeerCopier, plan_peers
 from ckpt._preemption import PreemptionWatch
@@ -417,21 +417,10 @@ class Checkpointer:
     def _locate(
         self, step: int | None, read: Callable[[Manifest, Located], None] | None = None
     ) -> tuple[Manifest, Located] | None:
-        """Collective: the newest version whose manifest every rank can read (or `step`), for
-        readers that read parts of it themselves (ckpt.dcp). `read` runs on it while it is
-        pinned; its CorruptVersionError passes the version over for the next older one
-        (unless `step` was given), as a failed load does in restore()."""
+        """ckpt._load.locate, once this Checkpointer's pending saves are done."""
         self._check_open()
         self._saver.wait()
-
-        def load(located: Located) -> tuple[Manifest, Located]:
-            manifest = agreed_manifest(self._ctl, located)
-            if read is not None:
-                read(manifest, located)
-            return manifest, located
-
-        found = restore_newest(self._ctl, self._search_tiers, load, step=step)
-        return None if found is None else found[1]
+        return locate(self._ctl, self._search_tiers, step, read)
 
     # -- lifecycle -------------------------------------------------------------------
 

@@ -37,8 +37,8 @@ import os
 import threading
 import urllib.parse
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -65,7 +65,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ckpt._load import read_agreed
+from ckpt import _roots
+from ckpt._dist import destroy_comms, make_comms
+from ckpt._load import locate, read_agreed
 from ckpt._roots import RootSpec
 from ckpt._tensors import _dtensor_layout
 from ckpt.checkpointer import Checkpointer
@@ -82,6 +84,7 @@ from ckpt.store.errors import (
     VersionNotFoundError,
 )
 from ckpt.store.manifest import ArrayEntry, Manifest, escape_component
+from ckpt.store.tier import Tier, is_url, open_tier
 from ckpt.store.versions import check_step
 
 __all__ = ["StorageWriter", "StorageReader"]
@@ -126,11 +129,14 @@ def _put(tree: dict[str, Any], fqn: str, value: Any) -> None:
     node[leaf] = value
 
 
+# DCP saves no RNG state: neither does ckpt here, and a load leaves the RNG alone.
+_CONFIG = CheckpointerConfig(capture_rng=False)
+
+
 def _checkpointer(root: RootSpec, checkpointer: Checkpointer | None, options: dict[str, Any]) -> Checkpointer:
     if checkpointer is not None:
         return checkpointer
-    # DCP saves no RNG state: neither does ckpt here, and a load leaves the RNG alone.
-    options.setdefault("config", CheckpointerConfig(capture_rng=False))
+    options.setdefault("config", _CONFIG)
     return Checkpointer(root, **options)
 
 
@@ -413,14 +419,56 @@ def metadata_of(manifest: Manifest) -> Metadata:
     return Metadata(state_dict_metadata=found)
 
 
+class _Reading:
+    """What a StorageReader given no Checkpointer reads with, for one collective call: the
+    job's group and the tiers a restore searches (the root, the replicator's copies on this
+    node's disks, `tiers`, the remote). Not a Checkpointer, which creates the root, takes
+    its lock (RootLockedError beside the training job's Checkpointer) and needs it
+    writable: a reader may run beside the job, or on a read-only copy."""
+
+    def __init__(self, root: RootSpec, options: Mapping[str, Any]) -> None:
+        rest = dict(options)
+        tiers = list(rest.pop("tiers", ()))
+        storage_options = rest.pop("storage_options", None)
+        remote = rest.pop("replicate_to", None)
+        replication = rest.pop("replication", None)
+        if remote is None and replication is not None:
+            remote = replication.remote
+        self.config = replace(rest.pop("config", None) or _CONFIG, **rest)
+        self._ctl, self._data = make_comms(self.config.timeout)
+        try:
+            here, disks = _roots.choose_root(self._ctl, root)
+            self._tier = open_tier(here, storage_options)
+            self._disks = [d for d in (disks or [here]) if not is_url(d)]
+            extra = tiers + ([remote] if remote else [])
+            self._tiers = _roots.open_tiers(extra, self._ctl.rank, storage_options)
+        except BaseException:
+            self.close()
+            raise
+
+    def _search(self) -> list[Tier]:
+        """In Checkpointer._search_tiers' order."""
+        return [self._tier, *_roots.replica_tiers(self._disks), *self._tiers]
+
+    def _locate(
+        self, step: int | None, read: Callable[[Manifest, Located], None] | None = None
+    ) -> tuple[Manifest, Located] | None:
+        return locate(self._ctl, self._search, step, read)
+
+    def close(self) -> None:
+        destroy_comms(self._ctl, self._data)
+
+
 class StorageReader(_StorageReader):
     """DCP's StorageReader from a ckpt root: version `step`, or the newest intact one.
 
-    Construct it on every rank; pass an open `checkpointer` to reuse one, else each of
-    DCP's collective calls (read_metadata, read_data) opens a Checkpointer and closes it
-    before returning. Nothing is held between them: DCP calls nothing more on a reader
-    whose planning failed (a key the version lacks, on any rank), and a Checkpointer left
-    open would keep the root locked for the rest of the process.
+    Construct it on every rank; pass an open `checkpointer` to read through it. Without
+    one, each of DCP's collective calls (read_metadata, read_data) reads as a restore
+    does, through `tiers`, `storage_options` and the Checkpointer options that bear on
+    reading (`timeout`, `reader_threads`, `verify_on_restore`, `replicate_to`), with no
+    Checkpointer: the root is not created, locked or written (a reader beside the running
+    job, or of a read-only copy, or of a URL). Nothing is held between the calls: DCP calls
+    nothing more on a reader whose planning failed (a key the version lacks, on any rank).
 
     Choosing the version is ckpt's (restore.locate): read_metadata describes the newest
     version whose manifest reads; read_data chooses again, pinned, and reads. With no
@@ -460,13 +508,17 @@ class StorageReader(_StorageReader):
         return False
 
     @contextlib.contextmanager
-    def _opened(self) -> Iterator[Checkpointer]:
-        """The given Checkpointer, or one open for the length of one call (collective)."""
+    def _opened(self) -> Iterator[Checkpointer | _Reading]:
+        """The given Checkpointer, or what reads without one (_Reading) for the length of
+        one call (collective)."""
         if self._given is not None:
             yield self._given
             return
-        with _checkpointer(self._root, None, dict(self._options)) as ck:
-            yield ck
+        reading = _Reading(self._root, self._options)
+        try:
+            yield reading
+        finally:
+            reading.close()
 
     def _nothing(self) -> VersionNotFoundError:
         where = self._root if isinstance(self._root, str) else "the root"
@@ -534,7 +586,7 @@ class StorageReader(_StorageReader):
 
     @staticmethod
     def _read(
-        ck: Checkpointer, planned: Metadata, manifest: Manifest, located: Located, plan: LoadPlan
+        ck: Checkpointer | _Reading, planned: Metadata, manifest: Manifest, located: Located, plan: LoadPlan
     ) -> list[ReadRequest]:
         """This rank's items of the version, read and verified into buffers of their own (the
         state is untouched). A version that does not hold an item as `planned` describes it

@@ -25,7 +25,7 @@ from ckpt.cli import main as cli
 from ckpt.store.errors import CorruptVersionError, UnsupportedStateError, VersionNotFoundError
 from ckpt.store.pins import pinned_steps
 from ckpt.store.versions import as_tier
-from tests._dist import launch
+from tests._dist import in_private_mounts, launch
 
 THIS = os.path.abspath(__file__)
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -560,3 +560,32 @@ def test_a_dtensor_the_planner_leaves_out_is_not_saved(tmp_path: Path) -> None:
     results, failures = launch(THIS, "planner_leaves_a_dtensor_out", 2, tmp_path / "job", timeout=180, root=root)
     assert not failures, failures
     assert [r["keys"] for r in results] == [["w"], ["w"]]
+
+
+def test_a_reader_neither_creates_nor_locks_the_root(tmp_path: Path) -> None:
+    """StorageReader reads as a restore does, without a Checkpointer of its own. Before, it
+    opened one for each call: loading beside the training job's open Checkpointer was
+    RootLockedError, a mistyped root was created (lock and id files left there), and a
+    read-only root was TierUnavailableError ("not writable")."""
+    root = tmp_path / "root"
+    saved = _state(*_trained(4), epoch=2)
+    dcp.save(saved, storage_writer=ckpt.dcp.StorageWriter(str(root), 3), no_dist=True)
+    with Checkpointer(root):  # the job, still running
+        target = _state(*_trained(5), epoch=0)
+        dcp.load(target, storage_reader=ckpt.dcp.StorageReader(str(root)), no_dist=True)
+        assert _same(target, saved)
+    typo = tmp_path / "typo" / "run"
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(_state(*_trained(5), epoch=0), storage_reader=ckpt.dcp.StorageReader(str(typo)), no_dist=True)
+    assert [type(x) for x in _failures(info.value)] == [VersionNotFoundError], _failures(info.value)
+    assert not (tmp_path / "typo").exists()
+    script = f"""
+import torch.distributed.checkpoint as dcp, ckpt.dcp
+from tests.ckpt.test_dcp import _state, _trained, _same
+target = _state(*_trained(5), epoch=0)
+dcp.load(target, storage_reader=ckpt.dcp.StorageReader({str(root)!r}), no_dist=True)
+print("same", _same(target, _state(*_trained(4), epoch=2)))
+"""
+    out = in_private_mounts(f"mount --bind {root} {root} && mount -o remount,bind,ro {root}", script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["same", "True"], out.stdout
