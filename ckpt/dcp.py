@@ -467,7 +467,7 @@ class StorageReader(_StorageReader):
     does, through `tiers`, `storage_options` and the Checkpointer options that bear on
     reading (`timeout`, `reader_threads`, `verify_on_restore`, `replicate_to`), with no
     Checkpointer: the root is not created, locked or written (a reader beside the running
-    job, or of a read-only copy, or of a URL). Nothing is held between the calls: DCP calls
+    job, or of a read-only copy). Nothing is held between the calls: DCP calls
     nothing more on a reader whose planning failed (a key the version lacks, on any rank).
 
     Choosing the version is ckpt's (restore.locate): read_metadata describes the newest
