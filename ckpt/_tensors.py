@@ -109,8 +109,37 @@ def _dtensor_layout(shape: tuple[int, ...], device_mesh: Any, placements: tuple[
     offsets = tuple(int(o) for o in found)
     placed = _mesh_placements(placements)
     if placed is None:
+        if not _one_box(shape, device_mesh, placements):
+            return offsets, "scattered", None, ()
         return offsets, "listed", None, ()
     return offsets, "mesh", _mesh_of(device_mesh), placed
+
+
+def _one_box(shape: tuple[int, ...], device_mesh: Any, placements: tuple[Any, ...]) -> bool:
+    """Whether this rank's piece is one box of the global array: along each dimension, the
+    global indices of its elements one run. A strided shard (torch's _StridedShard) is so
+    under FSDP2 with TP, not where it comes from flattening a Shard(1) DTensor (every
+    split_factor-th run of rows). torch's own walk of the placements, which gives the
+    indices (compute_local_shape_and_global_offset keeps only the first)."""
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    coordinate = device_mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: an empty piece
+        return True
+    local = list(shape)
+    indices: dict[int, Any] = {}
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, (DShard, _StridedShard)):
+            continue
+        size, index = _get_shard_size_and_offsets(
+            local[p.dim], device_mesh.size(mesh_dim), coordinate[mesh_dim], p, indices.get(p.dim), shape[p.dim], False
+        )
+        local[p.dim], indices[p.dim] = size, index
+    return all(
+        local[d] <= 1 or bool((index[1 : local[d]] - index[: local[d] - 1] == 1).all()) for d, index in indices.items()
+    )
 
 
 def _named(key: KeyPath | tuple[Any, ...] | str) -> str:
@@ -189,6 +218,12 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
         if found is None:
             raise UnsupportedStateError(f"{_named(key)}: DTensor with Partial placement must be reduced before saving")
         offsets, kind, mesh, placed = found
+        if kind == "scattered":
+            raise UnsupportedStateError(
+                f"{_named(key)}: this rank's piece of the DTensor (placements {list(value.placements)}) is not "
+                "one block of the global tensor (a strided shard, as flattening a Shard(1) DTensor makes); "
+                "checkpoint the DTensor before it was flattened, or redistribute it to Shard or Replicate"
+            )
     elif isinstance(value, np.ndarray):
         try:
             # (np.require, not np.ascontiguousarray: that makes a 0-d array 1-d)

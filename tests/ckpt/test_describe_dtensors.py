@@ -47,8 +47,8 @@ def describe_job(ctx: Any) -> dict[str, Any]:
         "rows": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None),  # 3 rows and 2
         "cols": distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None),
         "replicated": distribute_tensor(full, mesh, [Replicate()], src_data_rank=None),
-        "strided": DTensor.from_local(
-            full[ctx.rank * 2 : ctx.rank * 2 + 2].clone(), mesh, [_StridedShard(0, split_factor=2)], run_check=False
+        "strided": DTensor.from_local(  # split factor 1: this rank's rows are one run
+            full[ctx.rank * 2 : ctx.rank * 2 + 2].clone(), mesh, [_StridedShard(0, split_factor=1)], run_check=False
         ),
         "param": torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)),
     }
@@ -68,6 +68,9 @@ def describe_job(ctx: Any) -> dict[str, Any]:
         "complex32": complex32,
         "sub_partial": Sub(partial._local_tensor, partial._spec, requires_grad=False),
         "sub_complex32": Sub(complex32._local_tensor, complex32._spec, requires_grad=False),
+        # split factor 2: this rank's rows are every other one (0 and 2, or 1 and 3)
+        "scattered": DTensor.from_local(full[:2].clone(), mesh, [_StridedShard(0, split_factor=2)], run_check=False),
+        "flattened": distribute_tensor(full, mesh, [Shard(1)], src_data_rank=None).flatten(),
     }
     for name, value in refused.items():
         try:
@@ -119,3 +122,53 @@ def test_every_placement_is_described_by_its_layout_and_the_refusals_name_the_le
             )
         for name in ("complex32", "sub_complex32"):
             assert got[f"refused_{name}"] == f"state['opt'][3]['{name}']: dtype torch.complex32 is not supported"
+        # Before, described as one block at the first row's offset: restored with the wrong rows.
+        for name in ("scattered", "flattened"):
+            assert "is not one block of the global tensor" in got[f"refused_{name}"], (rank, got[f"refused_{name}"])
+
+
+def fsdp_tp_job(ctx: Any, root: str) -> dict[str, Any]:
+    """FSDP2 over TP (dp 2 x tp 2): placements (_StridedShard(0, 2), Shard(0)), each rank's
+    rows one run; saved, restored into zeros of the same layout and, flattened from a
+    Shard(1) DTensor, refused at restore."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckpt import Checkpointer
+    from ckpt.store.errors import UnsupportedStateError
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    dp, tp = mesh.get_coordinate()
+    full = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    lo = 4 * tp + 2 * dp  # TP takes a half of the rows, FSDP a half of that
+    placements = [_StridedShard(0, split_factor=2), Shard(0)]
+
+    def made(values: torch.Tensor) -> Any:
+        return DTensor.from_local(
+            values[lo : lo + 2].clone(), mesh, placements, run_check=False, shape=(8, 3), stride=(3, 1)
+        )
+
+    ctx.check(torch.equal(made(full).full_tensor(), full), "the test's rows are not torch's for these placements")
+    with Checkpointer(root, capture_rng=False) as ck:
+        ck.save(1, {"w": made(full), "flat": torch.arange(32.0)})
+    got = made(torch.zeros(8, 3))
+    with Checkpointer(root, capture_rng=False) as ck:
+        ck.restore({"w": got})
+    ctx.check(torch.equal(got.full_tensor(), full), "restored FSDP2+TP DTensor differs")
+    flat = distribute_tensor(torch.zeros(4, 8), init_device_mesh("cpu", (4,)), [Shard(1)]).flatten()
+    try:
+        with Checkpointer(root, capture_rng=False) as ck:
+            ck.restore({"flat": flat}, strict=False)
+        refused = None
+    except UnsupportedStateError as e:
+        refused = str(e)
+    return {"placements": str(got.placements), "refused": refused}
+
+
+def test_a_strided_shard_restores_where_its_rows_are_one_run_and_is_refused_elsewhere(tmp_path: Path) -> None:
+    results, failures = launch(THIS, "fsdp_tp_job", 4, tmp_path / "job", timeout=180, root=str(tmp_path / "root"))
+    assert not failures, failures
+    for r in results:
+        assert "_StridedShard" in r["placements"] or "StridedShard" in r["placements"], r
+        assert r["refused"] is not None and "is not one block of the global tensor" in r["refused"], r
