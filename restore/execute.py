@@ -467,10 +467,16 @@ def _read_windows(
             j += 1
         need = todo[j - 1].offset + todo[j - 1].nbytes - start
         read_direct_exact(handle, view[: _align_up(need + start) - start], start, need, where)
-        for block in todo[i:j]:
-            lo = block.offset - start
-            _check_block(xxhash.xxh3_64_hexdigest(view[lo : lo + block.nbytes]), block, where)
-            land(block, buf[lo : lo + block.nbytes])
+        window = todo[i:j]
+        got = [xxhash.xxh3_64_hexdigest(view[b.offset - start : b.offset - start + b.nbytes]) for b in window]
+        if got != [b.xxh3 for b in window]:
+            for digest, b in zip(got, window):
+                _check_block(digest, b, where)
+        # Every block of the window checked: they land as one (their rows consecutive), a
+        # copy a window rather than a block.
+        first, last = window[0], window[-1]
+        run = Block((first.rows[0], last.rows[1]), first.offset, last.offset + last.nbytes - first.offset, "")
+        land(run, buf[first.offset - start : first.offset - start + run.nbytes])
         i = j
 
 

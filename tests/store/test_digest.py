@@ -286,3 +286,22 @@ def test_publishing_over_a_committed_step_is_version_exists(tmp_path: Path) -> N
     (tmp_path / commit.tmp_dirname(1, "a" * 32)).mkdir()
     with pytest.raises(VersionExistsError, match="step 1 is already committed"):
         commit.publish(str(tmp_path), commit.tmp_dirname(1, "a" * 32), 1, overwrite=False)
+
+
+@pytest.mark.parametrize(
+    "bad", ["0" * 15, "0" * 17, "A" * 16, "g" * 16, 123, None], ids=["short", "long", "upper", "not-hex", "int", "null"]
+)
+def test_a_malformed_block_digest_is_refused(saved: tuple[Path, dict[str, Any]], bad: Any) -> None:
+    """Block digests are checked together (one pattern over their concatenation, with each
+    one's type and length), not one by one: each way one can be malformed is still refused."""
+    root, _ = saved
+    manifest = parse_manifest((vdir(root, 1) / "manifest.json").read_bytes())
+    rank = json.loads((vdir(root, 1) / "ranks" / "0.json").read_bytes())
+    (entry,) = rank["chunks"]["big"]
+    entry[2][3] = bad
+    with pytest.raises(ManifestError, match="malformed block checksums"):
+        parse_rank_file(json.dumps(rank).encode(), manifest, 0)
+    if isinstance(bad, str) and len(bad) in (15, 17):  # lengths that add up: 15 + 17 = 32
+        entry[2][3], entry[2][4] = "0" * 15, "0" * 17
+        with pytest.raises(ManifestError, match="malformed block checksums"):
+            parse_rank_file(json.dumps(rank).encode(), manifest, 0)
