@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -25,7 +27,7 @@ from ckpt._tensors import describe
 from ckpt._tree import bind
 from ckpt.config import CheckpointerConfig
 from ckpt.restore.execute import ReadRequest, ReadsUnreached, full_tensor, load_arrays
-from ckpt.restore.handoff import Holders
+from ckpt.restore.handoff import ChunkKey, Holders
 from ckpt.restore.locate import Located, first_manifest, restore_newest
 from ckpt.restore.saved_ranks import SavedRank, saved_rank
 from ckpt.restore.sources import Source, SourcesUnreachable, rank_file_bytes_from
@@ -34,6 +36,7 @@ from ckpt.store.errors import CkptError, CorruptVersionError, RankFailures, Stat
 from ckpt.store.manifest import Manifest, parse_manifest
 from ckpt.store.rank_file import parse_rank_file
 from ckpt.store.tier import Tier
+from ckpt.store.versions import version_dirname
 
 __all__ = ["load_version", "agreed_manifest", "read_agreed", "saved_rank_of"]
 
@@ -234,7 +237,11 @@ def read_agreed(
 
     received: tuple[int, ...] = ()
 
-    def read(mine: list[ReadRequest]) -> BaseException | None:
+    def read(
+        mine: list[ReadRequest],
+        damaged: dict[ChunkKey, CorruptVersionError] | None = None,
+        sharing: frozenset[int] = frozenset(),
+    ) -> BaseException | None:
         nonlocal received
         try:
             received = load_arrays(
@@ -246,6 +253,9 @@ def read_agreed(
                 threads=config.reader_threads,
                 cores=rank_cores(),
                 unreachable=located.unreachable,
+                damaged=damaged,
+                sharing=sharing,
+                report_damage=damaged is None,  # on the first read: the second's damage stands
             )
         except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
             return e
@@ -254,17 +264,43 @@ def read_agreed(
     error = read(requests)
     failed = ctl.any(error is not None)  # the usual case: this one all-reduce
     if failed and not ctl.any(error is not None and not isinstance(error, ReadsUnreached)):
-        # Again: this rank's unreached reads, and what other ranks sent (a sender that
-        # could not read a chunk sent zeros in its place).
+        # Again: this rank's unreached reads (its damaged chunks from ranks with other
+        # copies), and what other ranks sent (a sender that could not read a chunk sent
+        # zeros in its place).
+        damaged: dict[ChunkKey, CorruptVersionError] = {}
         if isinstance(error, ReadsUnreached):
-            again = error.requests
+            again, damaged = error.requests, dict(error.damaged)
             log.warning("rank %d: %s; reading %d tensors from ranks that reach them", ctl.rank, error, len(again))
         else:
             again = received
-        error = read([requests[i] for i in again])
+        sharing = _sharing_copies(ctl, located) if ctl.any(bool(damaged)) else frozenset()
+        error = read([requests[i] for i in again], damaged, sharing)
         failed = ctl.any(error is not None)
+    elif isinstance(error, ReadsUnreached) and error.damaged:  # no second read: the damage stands
+        error = error.damaged[0][1]
     if failed:
         ctl.agree(error)
+
+
+def _sharing_copies(ctl: Comm, located: Located) -> frozenset[int]:
+    """Collective: the ranks whose sources are this rank's own copies (the ranks of its node
+    that share its root): where a chunk is damaged on them, it is damaged for all of them."""
+    mine = _copies(located)
+    return frozenset(r for r, theirs in enumerate(ctl.all_gather(mine)) if theirs == mine)
+
+
+def _copies(located: Located) -> tuple[tuple[str, int, int] | str, ...]:
+    """The physical copies behind this rank's sources: a local version directory by machine
+    and inode (the same path names other disks on other machines), a store by its location."""
+    out: list[tuple[str, int, int] | str] = []
+    for s in located.sources:
+        path = s.tier.local_path(version_dirname(s.step))
+        try:
+            st = os.stat(path) if path is not None else None
+        except OSError:
+            st = None
+        out.append((socket.gethostname(), st.st_dev, st.st_ino) if st is not None else s.name)
+    return tuple(out)
 
 
 def load_version(

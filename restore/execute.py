@@ -561,42 +561,73 @@ def _first_real(failures: Sequence[BaseException]) -> BaseException:
 
 class ReadsUnreached(SourcesUnreachable):
     """Every read of this rank that failed, failed because sources at `locations` could not
-    be reached from it: those reads fill the requests at `requests` (indices into the
-    requests given), which a read without those sources can get from ranks that reach
-    them (ckpt._load.read_agreed)."""
+    be reached from it, or because every copy of a chunk on its sources was damaged
+    (`damaged`: the chunk and what its read raised): those reads fill the requests at
+    `requests` (indices into the requests given), which a read without those sources, or
+    with those chunks from ranks that have other copies, can get (ckpt._load.read_agreed)."""
 
     requests: tuple[int, ...] = ()
+    damaged: tuple[tuple[ChunkKey, CorruptVersionError], ...] = ()
 
     @classmethod
-    def of(cls, failures: Sequence[SourcesUnreachable], requests: Sequence[int]) -> ReadsUnreached:
-        first = failures[0].strerror or str(failures[0])
-        e = cls(failures[0].errno, first + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
+    def of(
+        cls,
+        failures: Sequence[SourcesUnreachable],
+        requests: Sequence[int],
+        damaged: Sequence[tuple[ChunkKey, CorruptVersionError]] = (),
+    ) -> ReadsUnreached:
+        found: Sequence[Exception] = [*failures, *(d for _, d in damaged)]
+        first = (failures[0].strerror if failures else None) or str(found[0])
+        e = cls(
+            failures[0].errno if failures else errno.EIO,
+            first + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""),
+        )
         e.locations = frozenset().union(*(f.locations for f in failures))
         e.requests = tuple(sorted(set(requests)))
+        e.damaged = tuple(damaged)
         return e
 
 
 def _hand_off(
-    comm: Comm, manifest: Manifest, remote: Sequence[ChunkKey], reach: frozenset[int], lost: frozenset[int]
+    comm: Comm,
+    manifest: Manifest,
+    remote: Sequence[ChunkKey],
+    reach: frozenset[int],
+    lost: frozenset[int],
+    damaged: Mapping[ChunkKey, CorruptVersionError],
+    sharing: frozenset[int],
 ) -> tuple[list[Outgoing], list[Incoming], int, BaseException | None]:
     """Collective: this rank's part of the hand-off (restore.handoff): the chunks it sends and
     receives, the number of rounds (the same on every rank), and its error (a chunk it
     needs that no rank reaches). What each rank reaches (a few ranges a rank) goes to every
-    rank; what it asks goes to the holders it asks only."""
+    rank; what it asks goes to the holders it asks only. A chunk `damaged` on this rank's
+    copies is asked of a rank outside `sharing` (the ranks that read those same copies);
+    where there is none, its damage stands."""
     holders = Holders.gather(comm, reach, lost)
 
     def writer_of(key: ChunkKey) -> int:
         return manifest.arrays[key[0]].chunk_at(key[1]).writer
 
     error: BaseException | None = None
-    asks, unheld = ask_holders(remote, writer_of, holders.of, comm.rank)
+    asks, unheld = ask_holders([k for k in remote if k not in damaged], writer_of, holders.of, comm.rank)
+    if damaged:
+        elsewhere = ask_holders(
+            [k for k in remote if k in damaged],
+            writer_of,
+            lambda w: [r for r in holders.of(w) if r not in sharing],
+            comm.rank,
+        )
+        for holder, keys in elsewhere[0].items():
+            asks.setdefault(holder, []).extend(keys)
+        if elsewhere[1]:
+            error = damaged[elsewhere[1][0]]
     if unheld:
         name, index = unheld[0]
         where = f"{name} chunk {list(index)}" + (f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else "")
         if holders.lost_by_any(writer_of(unheld[0])):
             error = TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
         else:
-            error = CorruptVersionError(f"{where} is on no reachable root")
+            error = error or CorruptVersionError(f"{where} is on no reachable root")
     budget = max(1, SEND_ROUND_BYTES // max(1, len(asks)))  # its receive buffers: one round's bytes in all
     asked = comm.all_to_all([Ask(budget, asks[r]) if r in asks else None for r in range(comm.world)])
     sends: list[Outgoing] = []
@@ -630,6 +661,9 @@ def load_arrays(
     threads: int = 4,
     cores: int | None = None,
     unreachable: set[str] | None = None,
+    damaged: Mapping[ChunkKey, CorruptVersionError] | None = None,
+    sharing: frozenset[int] = frozenset(),
+    report_damage: bool = False,
 ) -> tuple[int, ...]:
     """Fill every request. Collective: every rank of `comm` calls it, with its own requests.
     Returns the indices of the requests that chunks sent by other ranks filled (in part).
@@ -642,7 +676,11 @@ def load_arrays(
     this rank there); a chunk no rank reaches is then unreachable, not lost. A round of
     chunks sent between ranks that one rank could not prepare (a buffer it could not
     allocate) is sent by none: that rank raises, and the others return with those
-    requests unfilled, for the caller's agreement to fail them with its cause.
+    requests unfilled, for the caller's agreement to fail them with its cause. With
+    `report_damage`, a chunk whose every copy on this rank's sources was damaged makes
+    ReadsUnreached too (its `damaged`); read again with those chunks as `damaged`, they
+    come from a rank outside `sharing` (the ranks that read the same copies) that holds
+    another copy.
 
     `threads` read this rank's chunks; at most `cores` where every source read first is in
     memory (tmpfs): there a read is a copy, and readers beyond the cores only contend for
@@ -659,13 +697,18 @@ def load_arrays(
     except Exception as e:  # noqa: BLE001 - this rank still joins every collective below, then raises
         error, plan = e, []
     reach = (frozenset().union(*(s.writers for s in sources)) if sources else frozenset()) - lost
-    remote = sorted((p.name, p.index) for p in plan if p.chunk.inline is None and p.chunk.writer not in reach)
+    bad = damaged or {}
+    remote = sorted(
+        (p.name, p.index)
+        for p in plan
+        if p.chunk.inline is None and (p.chunk.writer not in reach or (p.name, p.index) in bad)
+    )
     by_key = {(p.name, p.index): p for p in plan} if remote else {}
     sends: list[Outgoing] = []  # chunks this rank reads for ranks that cannot reach them
     recvs: list[Incoming] = []  # chunks it needs and reaches on none of its sources
     rounds = 0
     if comm.any(bool(remote)):  # some rank cannot reach a chunk it needs (else: one all-reduce)
-        sends, recvs, rounds, unheld = _hand_off(comm, manifest, remote, reach, lost)
+        sends, recvs, rounds, unheld = _hand_off(comm, manifest, remote, reach, lost, bad, sharing | {comm.rank})
         error = error or unheld
     remote_set = set(remote)
     local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set] if remote else list(plan)
@@ -759,13 +802,20 @@ def load_arrays(
     received = sorted({i for key in remote for i in by_key[key].requests})
     if error is None and own:
         unreached = [e for _, e in failed if isinstance(e, SourcesUnreachable)]
-        if len(unreached) < len(failed):
+        # damage of every copy of a chunk file on this rank's sources (not of an inline value)
+        here = [
+            ((local[i].name, local[i].index), e)
+            for i, e in failed
+            if report_damage and isinstance(e, CorruptVersionError) and local[i].chunk.inline is None
+        ]
+        if len(unreached) + len(here) < len(failed):
             error = _first_real([e for _, e in failed])  # in the plan's order (largest chunk first)
-        elif unreached or unsent:
-            # Read again without those sources, with what came from other ranks (a holder
-            # that could not read a chunk sent zeros, and says so only in its own error).
+        elif unreached or unsent or here:
+            # Read again without those sources, those chunks from ranks with other copies,
+            # and what came from other ranks (a holder that could not read a chunk sent
+            # zeros, and says so only in its own error).
             again = [r for i, _ in failed for r in local[i].requests] + received
-            error = ReadsUnreached.of(unreached + unsent, again)
+            error = ReadsUnreached.of(unreached + unsent, again, here)
     elif failed and error is None:
         error = failed[0][1]
     if error is not None:

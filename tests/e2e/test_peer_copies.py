@@ -224,8 +224,8 @@ def restore_job(ctx: Any, view: str, big: bool = False) -> dict[str, Any]:
     with ckpt.Checkpointer(root, timeout=TIMEOUT) as ck:
         try:
             got = ck.restore(state)
-        except ckpt.IncompleteVersionError as e:
-            return {"error": str(e)}
+        except (ckpt.IncompleteVersionError, ckpt.CorruptVersionError) as e:
+            return {"error": f"{type(e).__name__}: {e}"}
     want = _state(ctx.rank, got if got is not None else 0, ctx.world, big=big)
     keys = ("w", "own", "big") if big else ("w", "own")
     same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in keys)
@@ -462,6 +462,47 @@ def test_a_damaged_block_in_the_only_surviving_copy_falls_back_to_the_older_step
     results, failures = launch(THIS, "restore_job", 4, tmp_path / "job3", isolate=nodes, view=str(nodes.view), big=True)
     assert not failures, failures
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(2, True)] * 4, results
+
+
+@pytest.mark.parametrize("keep_last", [None, 1])
+def test_a_chunk_damaged_on_its_node_is_read_from_the_peer_copy(tmp_path: Path, keep_last: int | None) -> None:
+    """No node is lost: a byte of node 0's own copy of step 4 flips, while node 1 holds a
+    verified peer copy of it. Before, the damage made every rank fall back to step 2 (with
+    keep_last=1, nothing older: CorruptVersionError, no resume at all); the rank that found
+    it now gets that chunk from a rank of node 1, and every rank restores step 4 bitwise.
+    Then node 1's copy of it is damaged too: the damage stands, as before."""
+    nodes = _nodes(tmp_path)
+    steps = [2, 4]
+    _, failures = launch(
+        THIS,
+        "save_job",
+        4,
+        tmp_path / "job",
+        isolate=nodes,
+        view=str(nodes.view),
+        steps=steps,
+        keep_last=keep_last,
+        big=True,
+    )
+    assert not failures, failures
+    own = sorted(p for p in (nodes.disks / "node0" / "v000000000004" / "state" / "big").rglob("c.*") if p.is_file())
+    peer = Path(peer_dir(str(nodes.disks / "node1"), 0)) / "v000000000004" / "state" / "big" / own[0].name
+    assert peer.read_bytes() == own[0].read_bytes()  # (the test's premise: the peer copy is there)
+    for damaged, path in enumerate((own[0], peer), 1):
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        path.write_bytes(bytes(raw))
+        results, failures = launch(
+            THIS, "restore_job", 4, tmp_path / f"job{damaged}", isolate=nodes, view=str(nodes.view), big=True
+        )
+        assert not failures, failures
+        got = [(r.get("step"), r.get("bitwise")) for r in results]
+        if damaged == 1:
+            assert got == [(4, True)] * 4, results
+        elif keep_last is None:
+            assert got == [(2, True)] * 4, results
+        else:
+            assert all(r.get("error", "").startswith("CorruptVersionError") for r in results), results
 
 
 def test_retention_keeps_what_the_peers_lack_and_prunes_peer_copies(tmp_path: Path) -> None:
