@@ -367,6 +367,24 @@ def _nodes(tmp_path: Path) -> Nodes:
     return nodes
 
 
+def _saved_2_and_4(tmp_path: Path, keep_last: int | None) -> Nodes:
+    """Steps 2 and 4 of the big state saved by 4 ranks on 2 nodes, with peer copies."""
+    nodes = _nodes(tmp_path)
+    _, failures = launch(
+        THIS,
+        "save_job",
+        4,
+        tmp_path / "job",
+        isolate=nodes,
+        view=str(nodes.view),
+        steps=[2, 4],
+        keep_last=keep_last,
+        big=True,
+    )
+    assert not failures, failures
+    return nodes
+
+
 def _wipe(path: Path) -> None:
     shutil.rmtree(path)
     path.mkdir()
@@ -436,19 +454,7 @@ def test_a_damaged_block_in_the_only_surviving_copy_falls_back_to_the_older_step
     (the holders read runs of blocks for node 1's ranks) and restores bitwise. Then a byte
     in a middle block of the newest step's copy is flipped: the holder finds it damaged, and
     every rank restores the older step bitwise instead (never step 4 with a wrong chunk)."""
-    nodes = _nodes(tmp_path)
-    _, failures = launch(
-        THIS,
-        "save_job",
-        4,
-        tmp_path / "job",
-        isolate=nodes,
-        view=str(nodes.view),
-        steps=[2, 4],
-        keep_last=None,
-        big=True,
-    )
-    assert not failures, failures
+    nodes = _saved_2_and_4(tmp_path, keep_last=None)
     _wipe(nodes.disks / "node1")
     results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view), big=True)
     assert not failures, failures
@@ -471,20 +477,7 @@ def test_a_chunk_damaged_on_its_node_is_read_from_the_peer_copy(tmp_path: Path, 
     keep_last=1, nothing older: CorruptVersionError, no resume at all); the rank that found
     it now gets that chunk from a rank of node 1, and every rank restores step 4 bitwise.
     Then node 1's copy of it is damaged too: the damage stands, as before."""
-    nodes = _nodes(tmp_path)
-    steps = [2, 4]
-    _, failures = launch(
-        THIS,
-        "save_job",
-        4,
-        tmp_path / "job",
-        isolate=nodes,
-        view=str(nodes.view),
-        steps=steps,
-        keep_last=keep_last,
-        big=True,
-    )
-    assert not failures, failures
+    nodes = _saved_2_and_4(tmp_path, keep_last=keep_last)
     own = sorted(p for p in (nodes.disks / "node0" / "v000000000004" / "state" / "big").rglob("c.*") if p.is_file())
     peer = Path(peer_dir(str(nodes.disks / "node1"), 0)) / "v000000000004" / "state" / "big" / own[0].name
     assert peer.read_bytes() == own[0].read_bytes()  # (the test's premise: the peer copy is there)

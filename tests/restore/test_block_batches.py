@@ -5,7 +5,6 @@ only some of the chunk's rows."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import ckpt
 from ckpt import Checkpointer
 from ckpt.store.fsio import in_ram
 from ckpt.store.layout import block_rows
+from tests._damage import flip_byte
 from tests._states import assert_bitwise
 
 ROWS, COLS = 3000, 1000  # 12 MB: one chunk of 12 blocks, in one window from a disk
@@ -38,15 +38,7 @@ def root(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 def _damage(root: Path, block: int) -> None:
     """Flip a byte in the middle of `block` of step 2's chunk, out of the page cache after."""
     (chunk,) = (root / "v000000000002" / "state" / "big").glob("c.*")
-    offset = (block * K + min(K, ROWS - block * K) // 2) * COLS * 4 + 3
-    with open(chunk, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x04]))
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    flip_byte(chunk, (block * K + min(K, ROWS - block * K) // 2) * COLS * 4 + 3, 0x04, evict=True)
 
 
 def _save(root: Path) -> None:

@@ -5,7 +5,6 @@ boundary is damage, and the restore falls back to the version before."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 import ckpt
 import ckpt.restore.execute as execute
 from ckpt import Checkpointer
+from tests._damage import flip_byte
 from tests._states import assert_bitwise
 
 ROWS, COLS = 2600, 1031  # rows of 4,124 bytes: 254 rows to a ~1 MiB block
@@ -66,14 +66,7 @@ def test_rows_inside_a_boundary_block_go_straight_into_place(
 def test_a_flipped_byte_in_a_boundary_block_is_caught_on_either_side(shm_root: Path, row: int) -> None:
     _save(shm_root, (1, 2))
     (chunk,) = (shm_root / "v000000000002" / "state" / "model" / "big").glob("c.*")
-    offset = row * COLS * 4 + 5
-    with open(chunk, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x20]))
-        f.flush()
-        os.fsync(f.fileno())
+    flip_byte(chunk, row * COLS * 4 + 5, 0x20)
     step, got = _restore(shm_root, LO, HI)
     assert step == 1  # past the damaged version
     assert_bitwise(got, _tensor(1)[LO:HI])
