@@ -99,15 +99,8 @@ def _committed_row(tier: Tier, step: int, m: Manifest) -> Row:
 def _only_some_keys(rows: list[Row]) -> list[Row]:
     """Rows keep `keys` only where they are params-only versions (store.versions.full_steps)."""
     read = [r for r in rows if r.keys is not None or r.partial is not None]
-    full = full_steps([_Kind(r.step, None if r.keys is None else frozenset(r.keys), r.partial) for r in read])
+    full = full_steps(read)
     return [r if r.keys is None or r.step not in full else replace(r, keys=None) for r in rows]
-
-
-@dataclass(frozen=True, slots=True)
-class _Kind:
-    step: int
-    keys: frozenset[str] | None
-    partial: bool | None
 
 
 def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:

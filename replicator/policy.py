@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from ckpt.store.versions import full_steps as versions_full_steps
+from ckpt.store.versions import full_steps
 
 __all__ = [
     "VersionInfo",
@@ -20,7 +20,6 @@ __all__ = [
     "KeepMilestones",
     "KeepAll",
     "Union",
-    "full_steps",
     "resumable_steps",
     "plan_deletions",
     "expired",
@@ -38,11 +37,6 @@ class VersionInfo:
     redundant: bool = True  # every required copy exists and is verified
     keys: frozenset[str] | None = None  # the state's top-level keys it holds (None: all, or unknown)
     partial: bool | None = None  # a params-only version (None: not recorded)
-
-
-def full_steps(versions: Sequence[VersionInfo]) -> set[int]:
-    """Steps of versions that hold the whole state, not params-only ones (store.versions.full_steps)."""
-    return versions_full_steps(versions)
 
 
 class Policy(Protocol):

@@ -26,7 +26,7 @@ import stat
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -182,7 +182,7 @@ class _Kind(Protocol):
     @property
     def step(self) -> int: ...
     @property
-    def keys(self) -> frozenset[str] | None: ...
+    def keys(self) -> Collection[str] | None: ...
     @property
     def partial(self) -> bool | None: ...
 
@@ -197,7 +197,7 @@ def full_steps(versions: Iterable[_Kind]) -> set[int]:
     unrecorded = [v for v in vs if v.partial is None]
     every = frozenset(k for v in unrecorded if v.keys is not None for k in v.keys)
     return {v.step for v in vs if v.partial is False} | {
-        v.step for v in unrecorded if v.keys is None or v.keys >= every
+        v.step for v in unrecorded if v.keys is None or every.issubset(v.keys)
     }
 
 
