@@ -9,7 +9,8 @@ lost node's as peer copies; the same rule keeps it on every root). A step whose 
 were verified while another root's failed does not count: after that other node's loss
 its part of the step is missing, and this root must still hold an older version whole. A
 root whose copier stopped for good (a peer stopped answering), or that a job without peer
-copies opened since, is judged by its other rules alone.
+copies opened since, is judged by its other rules alone, until a job with peer copies
+opens it again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "record_peer_copies",
     "record_peers_stopped",
     "forget_peer_copies",
+    "resume_peer_copies",
     "forget_peer_step",
     "drop_overwritten_copies",
     "verified_peer_steps",
@@ -185,6 +187,15 @@ def record_peers_stopped(root: str, why: str) -> None:
     doc = _read(root)
     doc["stopped"] = why
     _write(root, doc)
+
+
+def resume_peer_copies(root: str) -> None:
+    """A job with peer copies opened the root: an earlier job's copier that stopped for good
+    no longer turns the rule off, and the copies it verified hold versions back at once
+    (not only from this job's first verified round)."""
+    doc = _read(root)
+    if doc.pop("stopped", None) is not None:
+        _write(root, doc)
 
 
 def forget_peer_copies(root: str) -> None:

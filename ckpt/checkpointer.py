@@ -20,7 +20,7 @@ from ckpt import _roots
 from ckpt._dist import Comm, destroy_comms, make_comms, subgroup
 from ckpt._job import SaveStats
 from ckpt._load import load_version, locate
-from ckpt._peer_status import forget_peer_copies
+from ckpt._peer_status import forget_peer_copies, resume_peer_copies
 from ckpt._peers import PeerCopier, plan_peers
 from ckpt._preemption import PreemptionWatch
 from ckpt._retention import Retention
@@ -134,6 +134,8 @@ class Checkpointer:
         self._saves = 0  # save() calls that staged a version since the schedule (re)started: full_every counts them
         if self._ctx.is_leader and not self.config.peer_copies:
             forget_peer_copies(self.root)  # an earlier job's peer copies hold nothing back on this root now
+        elif self._ctx.is_leader:
+            resume_peer_copies(self.root)
         self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
         self._peer_comm, self._peers = self._open_peers()
         hooks = [h.committed for h in (self._retention, self._peers) if h is not None]

@@ -470,6 +470,35 @@ def test_a_damaged_block_in_the_only_surviving_copy_falls_back_to_the_older_step
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(2, True)] * 4, results
 
 
+def judge_with_peers(ctx: Any, view: str) -> dict[str, Any]:
+    """Open the node's root with peer copies; what the peer rule lets a GC delete there."""
+    import ckpt
+    from ckpt._peer_status import peer_redundant
+
+    root = _view(ctx, view).format(node=ctx.rank // 2)
+    import torch.distributed as dist
+
+    with ckpt.Checkpointer(_view(ctx, view), peer_copies=1, timeout=TIMEOUT):
+        dist.barrier()  # every root's leader has opened it
+        rule = peer_redundant(root)
+    return {"rule": None if rule is None else sorted(rule)}
+
+
+def test_a_job_with_peer_copies_holds_back_what_an_earlier_stopped_copier_verified(tmp_path: Path) -> None:
+    """An earlier job's copier stopped for good (a peer stopped answering) and recorded it.
+    Before, the next job with peer copies ran without the rule until its own first round was
+    verified everywhere: meanwhile retention deleted the root's older versions, the ones a
+    node's loss then needs (the newest were not copied yet). Now opening the root with peer
+    copies lifts the stop: the rule applies at once, from the copies verified before."""
+    from ckpt._peer_status import record_peers_stopped
+
+    nodes = _saved_2_and_4(tmp_path, keep_last=None)
+    record_peers_stopped(str(nodes.disks / "node0"), "node 1 stopped answering")
+    results, failures = launch(THIS, "judge_with_peers", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
+    assert not failures, failures
+    assert [r["rule"] for r in results] == [[2]] * 4, results  # step 4 verified everywhere: older ones may go
+
+
 @pytest.mark.parametrize("keep_last", [None, 1])
 def test_a_chunk_damaged_on_its_node_is_read_from_the_peer_copy(tmp_path: Path, keep_last: int | None) -> None:
     """No node is lost: a byte of node 0's own copy of step 4 flips, while node 1 holds a
