@@ -365,7 +365,8 @@ class Checkpointer:
         except CorruptVersionError:
             metrics.VERIFY_ERRORS.inc()
             raise
-        self._saver.passed_over = frozenset(passed_over)
+        finally:  # raised too: a caller that goes on (MultiTier, from another tier) saves over them
+            self._saver.passed_over = frozenset(passed_over)
         return None if found is None else found[0]
 
     def export_safetensors(

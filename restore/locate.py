@@ -196,7 +196,8 @@ def restore_newest(
 
     `passed_over`: filled with the steps newer than the one chosen that are committed only in
     part on the tiers searched, and (no step asked for) the whole ones: they hold fewer keys
-    than needed, or are damaged (the same on every rank)."""
+    than needed, or are damaged (the same on every rank); where none is chosen (None, or an
+    error), with every such step."""
     excluded: set[int] = set()
     passed: set[int] = set()  # versions already reported as passed over
     vanished: set[int] = set()  # deleted by GC since they were listed
@@ -265,6 +266,10 @@ def restore_newest(
         _report_passed(comm, held, chosen, needed, excluded | vanished, passed)
         _report_incomplete(comm, held, chosen, searched, passed)
         if chosen is None:
+            if passed_over is not None:  # a fresh start (or, after an error, another tier) saves over them
+                passed_over.update(partial_steps(held))
+                if step is None:
+                    passed_over.update(reachable_steps(held))
             if needed is not None and step is None and reachable_steps(held) and not reachable_steps(held, needed):
                 _lacking(held, needed, listed)
             if params_only and not set(reachable_steps(held)) - params_only - excluded - vanished:

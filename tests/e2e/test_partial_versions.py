@@ -323,3 +323,33 @@ def test_a_full_save_that_fails_makes_the_next_save_full(tmp_path: Path) -> None
     assert out.returncode == 0, out.stderr[-3000:]
     assert "failed TierUnavailableError" in out.stdout, out.stdout
     assert "restored 2 2" in out.stdout, (out.stdout, out.stderr[-3000:])  # step 2 was saved in full
+
+
+def save_on_two_roots(ctx: Any, root: str) -> dict[str, Any]:
+    with Checkpointer(f"{root}/r{{rank}}", capture_rng=False) as ck:
+        ck.save(1, {"w": torch.full((4,), float(ctx.rank))})
+    return {}
+
+
+@pytest.mark.parametrize("attempt", ["fresh", "raise"])
+def test_a_fresh_start_past_an_incomplete_version_saves_over_it(tmp_path: Path, attempt: str) -> None:
+    """Step 1 was saved by 2 ranks on a root each; a job of 1 rank sees root 0 alone, where
+    step 1 lacks rank 1's part. restore(if_incomplete="fresh") starts fresh, and so does a
+    caller that catches IncompleteVersionError (MultiTier, going on to another tier). Before,
+    the next save of step 1 then raised VersionExistsError: a restore that chose no version
+    recorded none of the steps it passed over."""
+    from ckpt import IncompleteVersionError
+
+    _, failures = launch(__file__, "save_on_two_roots", 2, tmp_path / "job", root=str(tmp_path))
+    assert not failures, failures
+    with Checkpointer(tmp_path / "r0", capture_rng=False) as ck:
+        if attempt == "fresh":
+            assert ck.restore({"w": torch.zeros(4)}, if_incomplete="fresh") is None
+        else:
+            with pytest.raises(IncompleteVersionError):
+                ck.restore({"w": torch.zeros(4)})
+        assert ck.save(1, {"w": torch.full((4,), 7.0)})
+        ck.wait()
+        got = {"w": torch.zeros(4)}
+        assert ck.restore(got) == 1
+    assert not bitwise_diff(got, {"w": torch.full((4,), 7.0)})
