@@ -29,6 +29,7 @@ from ckpt._save import Saver
 from ckpt.config import CheckpointerConfig
 from ckpt.provenance import job_provenance
 from ckpt.replicator.config import ReplicatorConfig
+from ckpt.replicator.policy import Policy
 from ckpt.replicator.service import Replicator
 from ckpt.restore.locate import Located, restore_newest
 from ckpt.store import metrics
@@ -118,13 +119,31 @@ class Checkpointer:
         self._replicator: Replicator | None = None
         self._replicator_thread: threading.Thread | None = None
         self._replicator_lock: int | None = None
+        self._retention: Retention | None = None
         try:
-            _roots.recover(self._ctl, self._ctx, self._tier)
-            self._replicator_lock = _roots.lock_replicator(self._ctl, self._ctx, replication)
+            self._open_rest(policy, replication)
         except BaseException:
-            if self._lock is not None:
-                self._lock.release()
+            self._abandon_open()
             raise
+        self._closed = False
+
+    def _abandon_open(self) -> None:
+        """An _open that failed once the root was locked: what it started stops, and the
+        root is free again (a retry in the process would be RootLockedError)."""
+        if self._replicator is not None and self._replicator_thread is not None:
+            self._replicator.stop.set()
+            self._replicator_thread.join()
+        if self._replicator_lock is not None:
+            os.close(self._replicator_lock)
+        if self._retention is not None:
+            self._retention.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    def _open_rest(self, policy: Policy | None, replication: ReplicatorConfig | None) -> None:
+        """_open, once the root is locked."""
+        _roots.recover(self._ctl, self._ctx, self._tier)
+        self._replicator_lock = _roots.lock_replicator(self._ctl, self._ctx, replication)
         if replication is not None and self._ctx.is_leader:
             self._replicator = Replicator([self.root], replication)
             self._replicator_thread = threading.Thread(target=self._replicator.run, name="ckpt-replicator", daemon=True)
@@ -148,7 +167,6 @@ class Checkpointer:
             on_commit=self._committed if hooks else None,
         )
         self._commit_hooks = hooks
-        self._closed = False
 
     def _committed(self, step: int) -> None:
         for hook in self._commit_hooks:
@@ -158,7 +176,14 @@ class Checkpointer:
         """The roots' leaders' group and this leader's peer-copy thread (ckpt._peers)."""
         if not self.config.peer_copies:
             return None, None
-        plan = plan_peers(self._ctx.root_groups, self._ctx.root_index, self.config.peer_copies, self.config.peer_stride)
+        error: BaseException | None = None
+        try:
+            plan = plan_peers(
+                self._ctx.root_groups, self._ctx.root_index, self.config.peer_copies, self.config.peer_stride
+            )
+        except ValueError as e:  # (ranks that disagree on their nodes: not every rank refuses)
+            error = e
+        self._ctl.agree(error)  # every rank raises, before any waits in the subgroup's creation
         comm = subgroup(plan.leaders, self.config.timeout)
         if comm is None or not self._ctx.is_leader:
             return comm, None

@@ -653,3 +653,13 @@ def test_a_state_nested_deeper_than_a_reader_takes_is_refused_at_save(tmp_path: 
             with pytest.raises(UnsupportedStateError, match="nested deeper than"):
                 ck.save(3, state)
         assert ck.steps() == [1, 2]
+
+
+def test_a_checkpointer_refused_after_it_locked_the_root_leaves_the_root_free(tmp_path: Path) -> None:
+    """peer_copies=1 on a job with one root is refused (ValueError) once the root is locked.
+    Before, the lock stayed held: a corrected Checkpointer in the same process then raised
+    RootLockedError naming this very process."""
+    with pytest.raises(ValueError, match="needs more roots"):
+        Checkpointer(tmp_path / "root", peer_copies=1)
+    with Checkpointer(tmp_path / "root") as ck:
+        assert ck.save(1, {"w": torch.ones(2)})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from ckpt.replicator.policy import KeepLast
 from ckpt.replicator.service import Replicator
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed_steps
+from tests._dist import launch
 
 
 def test_peer_plans_refuse_copies_on_the_same_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,3 +146,29 @@ def test_a_step_whose_copies_failed_on_another_root_does_not_count(tmp_path: Pat
     retention.committed(3)
     retention.close()
     assert committed_steps(tier) == [1, 2, 3]
+
+
+def open_with_uneven_nodes(ctx: Any, base: str) -> dict[str, Any]:
+    """Node 0 runs rank 0 alone, node 1 ranks 1 and 2: LOCAL_WORLD_SIZE as torchrun sets it
+    on each node. Ranks 1 and 2 judge the plan impossible (their roots would share a node);
+    rank 0, by its own LOCAL_WORLD_SIZE, does not."""
+    import datetime
+    import os
+
+    os.environ.update(LOCAL_WORLD_SIZE="1" if ctx.rank == 0 else "2", LOCAL_RANK=str(max(0, ctx.rank - 1)))
+    try:
+        ck = Checkpointer(lambda r: f"{base}/n{min(r, 1)}", peer_copies=1, timeout=datetime.timedelta(seconds=90))
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return {"raised": type(e).__name__, "message": str(e)}
+    ck.close()
+    return {"raised": None}
+
+
+def test_a_peer_plan_refused_on_some_ranks_is_an_error_on_every_rank(tmp_path: Path) -> None:
+    """Before, the ranks that refused raised ValueError while rank 0 went on into the peer
+    group's creation and waited there for the job's timeout (90 s here, 30 min by default),
+    then raised a RuntimeError of gloo's."""
+    results, failures = launch(__file__, "open_with_uneven_nodes", 3, tmp_path / "job", base=str(tmp_path))
+    assert not failures, failures
+    assert [r["raised"] for r in results] == ["RankFailures", "ValueError", "ValueError"], results
+    assert "same node" in results[1]["message"] and "rank 1" in results[0]["message"], results
