@@ -624,8 +624,9 @@ def _hand_off(
     if unheld:
         name, index = unheld[0]
         where = f"{name} chunk {list(index)}" + (f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else "")
+        # A damaged chunk no rank has another copy of stands (it proves the version bad).
         if holders.lost_by_any(writer_of(unheld[0])):
-            error = TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
+            error = error or TierUnavailableError(errno.EHOSTUNREACH, f"{where}: no rank reaches a copy")
         else:
             error = error or CorruptVersionError(f"{where} is on no reachable root")
     budget = max(1, SEND_ROUND_BYTES // max(1, len(asks)))  # its receive buffers: one round's bytes in all

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ from ckpt.store.rank_file import RankFiles, parse_rank_file, rank_file_path
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed
+from tests._damage import flip_byte
 from tests._disks import two_disks
 from tests._states import assert_bitwise, blank, save_steps
 from tests.flaky_proxy import KINDS, FaultPlan, FlakyProxy, ProxyProcess
@@ -674,3 +676,50 @@ def test_a_batch_delete_with_per_key_errors_is_finished(s3: S3Place, proxy: Flak
     assert versions.finish_deletions(flaky) == [vname(2)]
     assert [o.key for o in direct.find(vname(2))] == []
     assert remote_steps(s3) == [3]
+
+
+def _w(step: int) -> torch.Tensor:
+    return torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024) + step
+
+
+def save_halves(ctx: Any, base: str) -> dict[str, Any]:
+    """Step 4 of `w` saved by 2 ranks, each its part on its own root (`base`/r<rank>): rank
+    0's rows 0-39 (160 KiB), rank 1's 40-63 (96 KiB, a small chunk: read after the large)."""
+    from ckpt import Shard
+
+    lo, hi = (0, 40) if ctx.rank == 0 else (40, 64)
+    with Checkpointer(f"{base}/r{{rank}}", capture_rng=False) as ck:
+        ck.save(4, {"w": Shard(_w(4)[lo:hi].clone(), (64, 1024), (lo, 0))})
+    return {}
+
+
+def test_damage_beside_an_unreachable_part_falls_back(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
+    """Step 4's half on the local root is damaged (and gone from the remote), its other half is
+    on the remote alone, which does not answer for it. The damage proves step 4 bad: the restore falls back to step 2.
+    Before, once damaged chunks were asked of other ranks (none here), the unreachable half
+    replaced the damage as the error: TierUnavailableError, and no resume."""
+    from tests._dist import launch
+
+    base = tmp_path
+    with Checkpointer(base / "r0", capture_rng=False) as ck:
+        ck.save(2, {"w": _w(2)})
+    _, failures = launch(__file__, "save_halves", 2, tmp_path / "job", base=str(base))
+    assert not failures, failures
+    for _ in range(2):  # a version's parts go up once every root's is there
+        done = [replicate(base / r, s3.url, s3.server.endpoint).versions[4].remote for r in ("r0", "r1")]
+    assert all(r is not None and r.state == "verified" for r in done), done
+    client = s3.server.client()
+    for key in s3.server.objects(f"{s3.prefix}/v000000000002/"):  # step 2: on the local root alone
+        client.delete_object(Bucket=s3.server.bucket, Key=key)
+    shutil.rmtree(base / "r1")  # rank 1's half: on the remote alone
+    (chunk,) = (base / "r0" / "v000000000004" / "state" / "w").glob("c.*")
+    flip_byte(chunk, 100)  # rank 0's half: damaged here, and gone from the remote
+    client.delete_object(Bucket=s3.server.bucket, Key=f"{s3.prefix}/v000000000004/state/w/{chunk.name}")
+    proxy.set_plan(
+        FaultPlan(rate=1.0, seed=3, weights={"error500": 1.0}, only=r"^GET /[^?]*/v000000000004/state/w/c\.1\.0")
+    )
+    got = {"w": torch.zeros(64, 1024)}
+    with Checkpointer(base / "r0", tiers=[s3.url], storage_options=options(proxy.endpoint), capture_rng=False) as ck:
+        assert ck.restore(got) == 2
+    assert_bitwise(got, {"w": _w(2)})
+    assert proxy.faults().get("error500", 0) > 0  # (the test's premise: the remote's half was asked for)
