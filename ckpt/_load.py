@@ -256,6 +256,7 @@ def read_agreed(
                 damaged=damaged,
                 sharing=sharing,
                 report_damage=damaged is None,  # on the first read: the second's damage stands
+                avoid_lost=damaged is not None,  # on the second: the copies here failed it
             )
         except Exception as e:  # noqa: BLE001 - every rank learns it in agree()
             return e

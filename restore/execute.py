@@ -665,6 +665,7 @@ def load_arrays(
     damaged: Mapping[ChunkKey, CorruptVersionError] | None = None,
     sharing: frozenset[int] = frozenset(),
     report_damage: bool = False,
+    avoid_lost: bool = False,
 ) -> tuple[int, ...]:
     """Fill every request. Collective: every rank of `comm` calls it, with its own requests.
     Returns the indices of the requests that chunks sent by other ranks filled (in part).
@@ -672,9 +673,11 @@ def load_arrays(
     every read of this rank that failed (its own, or one it made to send to another rank)
     failed on sources it could not reach, that is ReadsUnreached. `unreachable`: the
     locations of sources this rank could not reach earlier in the restore: left out, and
-    added to as reads find more. The chunks of a saved rank with a copy there come from
-    ranks that reach it (not from another copy here, which may be the bad one that sent
-    this rank there); a chunk no rank reaches is then unreachable, not lost. A round of
+    added to as reads find more. With `avoid_lost` (a second read of the version), the
+    chunks of a saved rank with a copy there come from ranks that reach it (not from
+    another copy here, which may be the bad one that sent this rank there); a chunk no rank
+    reaches is then unreachable, not lost. A first read (of an older version, say) reads
+    the copies here: none of them has failed yet. A round of
     chunks sent between ranks that one rank could not prepare (a buffer it could not
     allocate) is sent by none: that rank raises, and the others return with those
     requests unfilled, for the caller's agreement to fail them with its cause. With
@@ -697,7 +700,9 @@ def load_arrays(
         plan = plan_reads(manifest.arrays, [Request(r.array.name, r.box) for r in requests])
     except Exception as e:  # noqa: BLE001 - this rank still joins every collective below, then raises
         error, plan = e, []
-    reach = (frozenset().union(*(s.writers for s in sources)) if sources else frozenset()) - lost
+    reach = (frozenset().union(*(s.writers for s in sources)) if sources else frozenset()) - (
+        lost if avoid_lost else frozenset()
+    )
     bad = damaged or {}
     remote = sorted(
         (p.name, p.index)

@@ -693,11 +693,17 @@ def save_halves(ctx: Any, base: str) -> dict[str, Any]:
     return {}
 
 
-def test_damage_beside_an_unreachable_part_falls_back(s3: S3Place, proxy: FlakyProxy, tmp_path: Path) -> None:
+@pytest.mark.parametrize("step_2_remote", [False, True], ids=["step-2-local", "step-2-also-remote"])
+def test_damage_beside_an_unreachable_part_falls_back(
+    s3: S3Place, proxy: FlakyProxy, tmp_path: Path, step_2_remote: bool
+) -> None:
     """Step 4's half on the local root is damaged (and gone from the remote), its other half is
     on the remote alone, which does not answer for it. The damage proves step 4 bad: the restore falls back to step 2.
     Before, once damaged chunks were asked of other ranks (none here), the unreachable half
-    replaced the damage as the error: TierUnavailableError, and no resume."""
+    replaced the damage as the error: TierUnavailableError, and no resume. And where step 2
+    is on the remote too: its local copy is read. Before, a store found unreachable while
+    reading step 4 made every saved rank it holds a part of unreachable for the older
+    versions as well, local copies or not (TierUnavailableError again)."""
     from tests._dist import launch
 
     base = tmp_path
@@ -709,8 +715,8 @@ def test_damage_beside_an_unreachable_part_falls_back(s3: S3Place, proxy: FlakyP
         done = [replicate(base / r, s3.url, s3.server.endpoint).versions[4].remote for r in ("r0", "r1")]
     assert all(r is not None and r.state == "verified" for r in done), done
     client = s3.server.client()
-    for key in s3.server.objects(f"{s3.prefix}/v000000000002/"):  # step 2: on the local root alone
-        client.delete_object(Bucket=s3.server.bucket, Key=key)
+    for key in [] if step_2_remote else s3.server.objects(f"{s3.prefix}/v000000000002/"):
+        client.delete_object(Bucket=s3.server.bucket, Key=key)  # step 2: on the local root alone
     shutil.rmtree(base / "r1")  # rank 1's half: on the remote alone
     (chunk,) = (base / "r0" / "v000000000004" / "state" / "w").glob("c.*")
     flip_byte(chunk, 100)  # rank 0's half: damaged here, and gone from the remote
