@@ -354,6 +354,8 @@ def listing(where: Tier | str | os.PathLike[str]) -> tuple[list[Candidate], list
             unreadable[step] = info.strerror or str(info)
             continue
         if info is None:
+            if not tier.exists(join_key(version_dirname(step), MANIFEST_NAME)):
+                continue  # deleted since it was listed (a GC's rename into the trash): gone, not damaged
             nameless.append(step)
             continue
         keys = None if info.keys is None else frozenset(info.keys)
