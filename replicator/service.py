@@ -155,6 +155,7 @@ class Replicator:
         if len(out) < self.config.replicas - 1:
             log.warning("only %d distinct disks for %d copies of %s", len(out) + 1, self.config.replicas, source)
         status.required_copies = len(out)
+        status.replicas = [d.url for d in out]
         status.remote = self._redact(self.config.remote) if self.config.remote is not None else None
         return out
 

@@ -72,6 +72,10 @@ class Status:
     remote: str | None = None  # the remote every version must reach, credentials scrubbed
     disks: dict[str, str] = field(default_factory=dict)  # replica root -> its disk identity, once proven
     updated: float = 0.0
+    # The destinations of the required copies now (None: written before they were recorded,
+    # every verified copy counts): a copy on a replica root no longer configured counts for
+    # nothing, or a GC would delete a version whose only copy went with a dead disk.
+    replicas: list[str] | None = None
 
 
 def _copy_doc(c: CopyState) -> dict[str, Any]:
@@ -102,6 +106,7 @@ def to_json(status: Status) -> dict[str, Any]:
         "required_copies": status.required_copies,
         "remote": status.remote,
         "disks": status.disks,
+        "replicas": status.replicas,
         "versions": {
             str(step): {
                 "save_id": v.save_id,
@@ -130,12 +135,14 @@ def from_json(doc: Any) -> Status:
     disks = doc.get("disks")
     required = doc.get("required_copies")
     remote = doc.get("remote")
+    replicas = doc.get("replicas")
     return Status(
         versions,
         required if type(required) is int else 0,
         remote if isinstance(remote, str) else None,
         {str(k): str(v) for k, v in disks.items()} if isinstance(disks, dict) else {},
         float(doc.get("updated") or 0.0),
+        [str(u) for u in replicas] if isinstance(replicas, list) else None,
     )
 
 
@@ -169,8 +176,11 @@ def write_status(root: str, status: Status) -> None:
 
 
 def copies_done(status: Status, v: VersionStatus) -> bool:
-    """Whether the version has at least `required_copies` verified replica copies."""
-    return sum(1 for c in v.copies.values() if c.state == "verified") >= status.required_copies
+    """Whether the version has at least `required_copies` verified replica copies, on the
+    destinations the replicator requires now."""
+    now = None if status.replicas is None else set(status.replicas)
+    verified = sum(1 for url, c in v.copies.items() if c.state == "verified" and (now is None or url in now))
+    return verified >= status.required_copies
 
 
 def remote_done(status: Status, v: VersionStatus) -> bool:

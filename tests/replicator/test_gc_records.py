@@ -243,3 +243,36 @@ def test_keep_last_policy_with_damaged_versions() -> None:
     assert KeepLast(2, of="full").keep(vs) == {3, 5, 6}
     assert KeepLast(0).keep(vs) == set()
     assert KeepLast(2).keep([VersionInfo(s, intact=None) for s in (1, 2, 3)]) == {2, 3}  # unread: may be intact
+
+
+def test_copies_on_a_replica_root_no_longer_configured_do_not_count(tmp_path: Path) -> None:
+    """The disk of a replica root dies, and the replicator is pointed at another one, where
+    copies fail for now: the dead root's verified copies no longer count, and `ckpt gc`
+    keeps every version (before: it deleted steps 1 and 2, which were then nowhere else)."""
+    import shutil
+    import subprocess
+
+    roots = []
+    for name in ("disk0", "disk1", "disk2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".ckpt-disk").write_text(name)
+        roots.append(tmp_path / name / "ckpt")
+    src, first, second = roots
+    with Checkpointer(src) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state(step))
+    run = CliRunner().invoke(cli_main, ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(first)])
+    assert run.exit_code == 0, run.output
+    shutil.rmtree(tmp_path / "disk1")
+    second.mkdir()
+    subprocess.run(["chattr", "+i", str(second)], check=True)  # nothing can be made there, even as root
+    try:
+        run = CliRunner().invoke(
+            cli_main, ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(second)]
+        )
+        assert run.exit_code == 3, run.output
+        swept = gc(src, 1)
+        assert swept.exit_code == 0, swept.output
+        assert versions.committed_steps(str(src)) == [1, 2, 3], swept.output
+    finally:
+        subprocess.run(["chattr", "-i", str(second)], check=False)
