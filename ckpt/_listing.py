@@ -10,12 +10,11 @@ flight, not versions).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from ckpt._peer_status import read_peer_status
+from ckpt._peer_status import peer_dirs, read_peer_status
 from ckpt._timings import summarize
 from ckpt.replicator.status import REMOTE_DONE, CopyState, read_status
 from ckpt.store import commit
@@ -122,14 +121,9 @@ def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
     )
 
 
-def peer_copies_held(root: str) -> dict[int, list[int]]:
-    """The peer copies this root's disk holds for other roots: source root -> steps."""
-    base = os.path.join(root, "replicas")
-    out = {}
-    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        if name.startswith("peer-") and name[5:].isdigit():
-            out[int(name[5:])] = committed_steps(open_tier(os.path.join(base, name)))
-    return out
+def peer_copies_held(root: str) -> dict[str, list[int]]:
+    """The peer copies this root's disk holds for other roots: source root's id -> steps."""
+    return {source: committed_steps(open_tier(path)) for source, path in peer_dirs(root).items()}
 
 
 def version_rows(tier: Tier) -> list[Row]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 
 from ckpt.store.errors import CkptError
@@ -27,6 +28,7 @@ from ckpt.store.versions import committed_steps, delete_version
 __all__ = [
     "PEER_STATUS",
     "peer_dir",
+    "peer_dirs",
     "read_peer_status",
     "record_peer_copies",
     "record_peers_stopped",
@@ -42,8 +44,24 @@ __all__ = [
 PEER_STATUS = ".ckpt-peers.json"
 
 
-def peer_dir(root: str, source: int) -> str:
+_PEER_NAME = re.compile(r"^peer-([0-9a-f]{32}|\d+)$")  # a root's identity; a root index before schema 5
+
+
+def peer_dir(root: str, source: str) -> str:
+    """Where `root`'s disk keeps the peer copies of the root whose identity
+    (store.root.root_id) is `source`: named by the disk, not by its place in the job, so a
+    job whose nodes come in another order, or fewer, never mixes two roots' copies."""
     return os.path.join(root, "replicas", f"peer-{source}")
+
+
+def peer_dirs(root: str) -> dict[str, str]:
+    """Every directory of peer copies on `root`'s disk: source -> path."""
+    base = os.path.join(root, "replicas")
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return {}
+    return {m.group(1): os.path.join(base, name) for name in names if (m := _PEER_NAME.match(name))}
 
 
 def _status_path(root: str) -> str:
@@ -175,11 +193,8 @@ def drop_overwritten_copies(root: str, step: int) -> None:
     left: beside the new save, the old one whole in copies would make the step ambiguous
     (saved twice) and restore pass over it for an older one."""
     forget_peer_step(root, step)
-    base = os.path.join(root, "replicas")
-    names = os.listdir(base) if os.path.isdir(base) else []
-    for name in names:
-        if name.startswith("peer-") and name[5:].isdigit():
-            delete_version(os.path.join(base, name), step)
+    for path in peer_dirs(root).values():
+        delete_version(path, step)
 
 
 def record_peers_stopped(root: str, why: str) -> None:

@@ -2,9 +2,13 @@
 sent over the job's own process group (`Checkpointer(..., peer_copies=K)`).
 
 A node that dies takes its disks' part of every version with it; a replacement starts
-empty. With peer copies, root i's part also lives in `<root j>/replicas/peer-<i>/` for
-the K roots j = i + k * peer_stride (mod the number of roots), each on another node
-(a root's node: its leader's rank // LOCAL_WORLD_SIZE). Restore lists every
+empty. With peer copies, root i's part also lives in `<root j>/replicas/peer-<id>/` (id:
+root i's identity, its `.ckpt-root-id`) for the K roots j = i + k * peer_stride (mod the
+number of roots), each on another node (a root's node: its leader's rank //
+LOCAL_WORLD_SIZE). The directory is named by the source's disk, not by its index in the
+job: a later job whose nodes come in another order, or fewer, never mixes two roots'
+copies in one directory, and the copies of a root that is no longer a source here are
+deleted as this root's own versions of their steps are. Restore lists every
 `replicas/*` directory of a rank's disks as a tier, so after a node's loss the ranks of
 the nodes holding its part read it and send the chunks over the group to the ranks that
 need them, as they do for any chunk on another node's root: no remote, no shared
@@ -14,7 +18,7 @@ The roots' leaders form a gloo group of their own, and each runs a thread. After
 (collective, so every leader sees the same steps), one round at a time: the leaders agree
 on the newest committed step (older ones still queued are skipped alike), each streams
 its version directory to its targets in pieces (bandwidth-capped, `peer_bwlimit_mbps`)
-and receives its sources' directories into `replicas/peer-<i>/.incoming/`, verifies every
+and receives its sources' directories into `replicas/peer-<id>/.incoming/`, verifies every
 file against the manifest's checksums (store.verify), publishes it as `v<step>` (rename,
 fsync, like a commit) and acknowledges. A copy counts once acknowledged verified: the
 sender records it in `<root>/.ckpt-peers.json`, and no GC of the root deletes the newest
@@ -47,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt._dist import Comm
-from ckpt._peer_status import forget_peer_step, peer_dir, record_peer_copies, record_peers_stopped
+from ckpt._peer_status import forget_peer_step, peer_dir, peer_dirs, record_peer_copies, record_peers_stopped
 from ckpt._roots import node_of
 from ckpt.replicator.gc import collect
 from ckpt.replicator.policy import Policy
@@ -68,12 +72,14 @@ from ckpt.store.fsio import (
     write_all,
 )
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
+from ckpt.store.pins import deleting
 from ckpt.store.rank_file import RANKS_DIR
 from ckpt.store.removal import remove_tree
+from ckpt.store.root import root_id
 from ckpt.store.spare import retire, spares, take
 from ckpt.store.tier import open_tier
 from ckpt.store.verify import ChunkProblem, ExpectedChunk, expected_chunks
-from ckpt.store.versions import read_root_info, version_dirname
+from ckpt.store.versions import committed_steps, delete_version, read_root_info, version_dirname
 
 __all__ = ["PeerPlan", "plan_peers", "PeerCopier"]
 
@@ -391,6 +397,8 @@ class PeerCopier:
         self._done = -1  # the step of the last round: older commits are not copied again, unless overwritten
         self._copied: dict[int, str] = {}  # step -> the save id of the version this copier sent
         self._recheck: set[int] = set()  # steps copied whose commit was told again
+        self._id = root_id(root)
+        self._sources: dict[int, str] = {}  # source root index -> its identity, from its headers
         self._closing = False
         self.failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-peers", daemon=True)
@@ -463,8 +471,8 @@ class PeerCopier:
                 record_peers_stopped(self._root, self.failed)  # retention no longer waits for them
             except OSError as e2:
                 log.error("%s: cannot record that peer copies stopped: %s", self._root, e2)
-            for s in self._plan.sources:  # no copy will reuse them
-                for tree in spares(peer_dir(self._root, s)):
+            for home in peer_dirs(self._root).values():  # no copy will reuse them
+                for tree in spares(home):
                     remove_tree(tree, ignore_errors=True)
 
     def _round(self, step: int) -> None:
@@ -477,11 +485,11 @@ class PeerCopier:
                 self._copied[step] = info.save_id
                 for old in sorted(self._copied)[:-64]:  # the recent steps are the ones overwritten
                     del self._copied[old]
-            header = json.dumps({"step": step, "files": files}).encode()
+            header = json.dumps({"step": step, "root": self._id, "files": files}).encode()
         except OSError as e:  # still a full round, sending nothing: no peer waits for this one
             log.error("%s: cannot read step %d for its peer copies: %s", self._root, step, e)
             files = []
-            header = json.dumps({"step": step, "files": [], "error": str(e)}).encode()
+            header = json.dumps({"step": step, "root": self._id, "files": [], "error": str(e)}).encode()
         # Phase 1: header sizes, then headers.
         sizes = {s: torch.zeros(1, dtype=torch.int64) for s in plan.sources}
         comm.exchange(
@@ -495,6 +503,8 @@ class PeerCopier:
             [(plan.leaders[s], _HEADER + 1, heads[s]) for s in plan.sources],
         )
         incoming = {s: json.loads(heads[s].numpy().tobytes()) for s in plan.sources}
+        self._sources = {s: str(incoming[s]["root"]) for s in plan.sources}
+        self._prune_departed()
         fault_delay("peer-stream", plan.leaders[plan.me])  # tests: the files change once announced
         # Phase 2: the streams, piece by piece (every pair's piece r carries tag _BODY + r).
         stream = _Stream(version, files)
@@ -505,10 +515,11 @@ class PeerCopier:
             if "error" in incoming[s]:
                 errors[s] = f"root {s} could not send it: {incoming[s]['error']}"
                 continue
-            base = os.path.join(peer_dir(self._root, s), ".incoming", version_dirname(step))
+            home = peer_dir(self._root, self._sources[s])
+            base = os.path.join(home, ".incoming", version_dirname(step))
             remove_tree(os.path.dirname(base), ignore_errors=True)  # and what an interrupted round left
             try:
-                reuse = take(peer_dir(self._root, s), base)
+                reuse = take(home, base)
                 sinks[s] = _Sink(base, step, [(str(r), int(n)) for r, n in incoming[s]["files"]], reuse=reuse)
             except (CkptError, OSError) as e:
                 errors[s] = f"{type(e).__name__}: {e}"
@@ -570,7 +581,7 @@ class PeerCopier:
             ok = s not in errors and self._publish(s, step, sinks[s], errors)
             acks[s] = torch.tensor([int(ok)], dtype=torch.int64)
             if not ok:
-                remove_tree(os.path.join(peer_dir(self._root, s), ".incoming"), ignore_errors=True)
+                remove_tree(os.path.join(peer_dir(self._root, self._sources[s]), ".incoming"), ignore_errors=True)
         got = {t: torch.zeros(1, dtype=torch.int64) for t in plan.targets}
         comm.exchange(
             [(plan.leaders[s], _ACK, acks[s]) for s in plan.sources],
@@ -595,8 +606,38 @@ class PeerCopier:
         else:
             log.warning("%s: step %d's peer copies: %s", self._root, step, results)
 
+    def _prune_departed(self) -> None:
+        """Delete the copies held for roots that are no longer this root's sources (a job on
+        other nodes, or in another order) once this root no longer holds their steps: with
+        its own part of a step gone, the step is gone from the job's retention."""
+        current = set(self._sources.values())
+        try:
+            departed = {s: p for s, p in peer_dirs(self._root).items() if s not in current}
+            own = set(committed_steps(open_tier(self._root))) if departed else set()
+        except OSError as e:
+            log.warning("%s: cannot list the peer copies held here: %s", self._root, e)
+            return
+        for source, home in departed.items():
+            try:
+                tier = open_tier(home)
+                for step in committed_steps(tier):
+                    if step in own:
+                        continue
+                    with deleting(tier, step) as free:  # a restore may be reading it
+                        if free:
+                            delete_version(tier, step)
+                if committed_steps(tier):
+                    continue
+                for tree in spares(home):
+                    remove_tree(tree)
+                remove_tree(home)
+                fsync_dir(os.path.dirname(home))
+                log.info("%s: deleted the peer copies of root %s, no longer copied here", self._root, source)
+            except (CkptError, OSError) as e:  # kept; the next round tries again
+                log.warning("%s: pruning the peer copies of root %s failed: %s", self._root, source, e)
+
     def _publish(self, source: int, step: int, sink: _Sink, errors: dict[int, str]) -> bool:
-        home = peer_dir(self._root, source)
+        home = peer_dir(self._root, self._sources[source])
         incoming = os.path.join(home, ".incoming")
         try:
             sink.verified()
@@ -609,7 +650,7 @@ class PeerCopier:
             os.rename(os.path.join(incoming, version_dirname(step)), os.path.join(home, tmp_name))
             fsync_dir(incoming)
             commit.publish(home, tmp_name, step, overwrite=True)
-            fsync_dirs([os.path.dirname(home), self._root])  # the first copy made replicas/ and peer-<i>/
+            fsync_dirs([os.path.dirname(home), self._root])  # the first copy made replicas/ and peer-<id>/
         except Exception as e:  # noqa: BLE001 - not kept; the round goes on to its acknowledgements
             errors[source] = f"{type(e).__name__}: {e}"
             return False

@@ -68,7 +68,7 @@ def _remote(r: Row) -> str:
     return state + (f" {duration(r.lag_s)}" if r.lag_s is not None else "")
 
 
-def ls_lines(location: str, rows: list[Row], width: int = 80, held: dict[int, list[int]] | None = None) -> list[str]:
+def ls_lines(location: str, rows: list[Row], width: int = 80, held: dict[str, list[int]] | None = None) -> list[str]:
     """The table of versions, then a line per row that needs explaining, each wrapped at
     `width`. The cells are at most 12, 11, 10, 5, 10, 5 and 12 characters wide: with their
     gaps, a row is under 80 columns."""
@@ -93,7 +93,7 @@ def ls_lines(location: str, rows: list[Row], width: int = 80, held: dict[int, li
         notes.append("copies: the replicator's copies and the peer copies on other nodes, verified / made")
     for source, copied in sorted((held or {}).items()):
         listed = ", ".join(map(str, copied)) or "none"
-        notes.append(f"peer copies held here for root {source}: steps {listed}")
+        notes.append(f"peer copies held here for the root with id {source} (its .ckpt-root-id): steps {listed}")
     for note in notes:
         out += _wrap(note, width)
     return out

@@ -7,8 +7,10 @@ of every version's tensors with what the job recorded). It starts no process.
 
 Tiers, by name: `root0`/`root1` (each rank's own root, on its node's disk0),
 `replica0`/`replica1` (the copies node k's replicator made on its disk1), `peer0`/`peer1`
-(root k's part as the job's peer copies keep it on the other node's root) and `remote`
-(a `file://` directory shared by both nodes).
+(root k's part as the job's peer copies keep it on the other node's root), `peer<k>-<id>`
+(copies of a root k that a node's loss replaced: another disk, `<id>` its identity's
+first 8 digits; deleted as the root holding them deletes its own steps) and `remote` (a
+`file://` directory shared by both nodes).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from typing import Any
 from click.testing import CliRunner
 
 from ckpt._dist import Comm
-from ckpt._peer_status import peer_dir
+from ckpt._peer_status import peer_dirs
 from ckpt.cli import main as ckpt_cli
 from ckpt.replicator.placement import source_label
 from ckpt.restore.discover import choose_step, holdings, partial_steps, reachable_steps
 from ckpt.restore.export import assemble
 from ckpt.restore.locate import Located, first_manifest, restore_newest
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
+from ckpt.store.root import ROOT_ID_NAME
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import Candidate, committed, committed_steps
 from tests._harness_worker import ROWS, digest, flatten
@@ -51,9 +54,19 @@ class Layout:
     def replica(self, k: int) -> str:
         return os.path.join(self.disk(k, 1), "replicas", source_label(self.root(k)))
 
-    def peer(self, k: int) -> str:
-        """Root k's peer copies, on the other node (root indices follow ranks: one root per rank)."""
-        return peer_dir(self.root(1 - k), k)
+    def peers_on(self, k: int) -> dict[str, str]:
+        """The peer copies node k's root holds, of root 1 - k (root indices follow ranks: one
+        root per rank), tier name -> path: `peer<1 - k>` those of that root's disk now, and
+        `peer<1 - k>-<id>` those of a disk a node's loss replaced."""
+        try:
+            with open(os.path.join(self.root(1 - k), ROOT_ID_NAME)) as f:
+                current = f.read().strip()
+        except FileNotFoundError:  # a replaced disk the job has not opened yet
+            current = ""
+        return {
+            f"peer{1 - k}" if source == current else f"peer{1 - k}-{source[:8]}": path
+            for source, path in peer_dirs(self.root(k)).items()
+        }
 
     def node_tiers(self, k: int) -> list[str]:
         """The tiers on node k's disks: a node's loss takes them all."""
@@ -75,7 +88,8 @@ class Layout:
         """Tier name -> its path or URL."""
         out = {f"root{k}": self.root(k) for k in range(WORLD)}
         out.update({f"replica{k}": self.replica(k) for k in range(WORLD)})
-        out.update({f"peer{k}": self.peer(k) for k in range(WORLD)})
+        for k in range(WORLD):
+            out.update(self.peers_on(k))
         out["remote"] = self.remote_url
         return out
 
@@ -268,7 +282,7 @@ def _views(layout: Layout) -> list[list[Candidate]]:
     copies its root holds, the remote."""
     views = []
     for k in range(WORLD):
-        locs = (layout.root(k), layout.replica(k), layout.peer(1 - k), layout.remote_url)
+        locs = (layout.root(k), layout.replica(k), *layout.peers_on(k).values(), layout.remote_url)
         views.append([c for loc in locs for c in candidates(loc)])
     return views
 
@@ -287,7 +301,7 @@ def groups(layout: Layout) -> dict[str, list[str]]:
     return {
         "local": [layout.root(k) for k in range(WORLD)],
         "replicas": [layout.replica(k) for k in range(WORLD)],
-        "peers": [layout.peer(k) for k in range(WORLD)],
+        "peers": [path for k in range(WORLD) for path in layout.peers_on(k).values()],
         "remote": [layout.remote_url],
     }
 

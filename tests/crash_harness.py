@@ -392,7 +392,10 @@ class Harness:
         """Node k's disks come back empty: what its tiers held is gone, by no policy's doing."""
         with self._listing:
             self.layout.replace_node(k)
-            for tier in self.layout.node_tiers(k):
+            # and `peer<k>`: the name now stands for the new disk's copies (the old disk's,
+            # on the other node, are listed as `peer<k>-<id>` from now on)
+            departed_here = [t for t in self.last if t.startswith(f"peer{1 - k}-")]
+            for tier in [*self.layout.node_tiers(k), f"peer{k}", *departed_here]:
                 for snap in self.seen:  # the monitor's listings from before the loss: its versions went with it
                     snap[tier] = {}
                 self.last[tier] = {}
@@ -511,6 +514,9 @@ class Harness:
             return Retention(keep, self.c.milestone_every)
         if tier == gc_tier:
             return Retention(self.c.gc_keep_last)
+        if tier.startswith("peer") and "-" in tier:  # a replaced disk's copies go as their holder's steps do
+            holder = f"root{1 - int(tier[4])}"
+            return Retention(self.c.gc_keep_last if holder == gc_tier else self.c.keep_last)
         if tier.startswith("peer"):  # only the job's retention prunes peer copies: it keeps tagged steps
             return Retention(self.c.keep_last, keep_tagged=True)
         return Retention(self.c.keep_last)
@@ -527,11 +533,14 @@ class Harness:
         with self._listing:
             now = snapshot(self.layout)
             seen, self.seen = self.seen, []
+        for tier in self.last:  # a replaced disk's copies, every one deleted: the directory too
+            now.setdefault(tier, {})
         self.journals.refresh()
         self.observe(now)
         for tier in now:
             cum = set(self.judged_known.get(tier, set()))
-            if tier.startswith("root"):  # the job's own retention runs once a commit is done, before
+            if tier.startswith("root") or (tier.startswith("peer") and "-" in tier):
+                # the job's own retention runs once a commit is done, before
                 cum |= self.journals.committed | self.journals.newest_saved()  # its next save journals it
             if tier.startswith("replica"):  # copies are deleted when their source's versions are
                 cum |= self.known.get("root" + tier[-1], set()) | self.journals.committed | self.journals.newest_saved()

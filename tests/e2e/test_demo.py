@@ -39,4 +39,11 @@ def test_demo_resumes_bit_exactly_on_another_world_size(tmp_path: Path) -> None:
         all(ref[k] == v for k, v in back[0]["losses"].items())
         and len(back[0]["losses"]) == 12 - back[0]["resumed_from"]
     )
-    assert (tmp_path / "nodes" / "node0" / "replicas" / "peer-1").is_dir()
+    # (node 1's copies, named by its disk's identity: after the loss, the new disk's)
+    assert (
+        tmp_path
+        / "nodes"
+        / "node0"
+        / "replicas"
+        / f"peer-{(tmp_path / 'nodes' / 'node1' / '.ckpt-root-id').read_text()}"
+    ).is_dir()

@@ -20,8 +20,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckpt._peer_status import PEER_STATUS, peer_dir
+from ckpt._peer_status import PEER_STATUS, peer_dirs
 from ckpt.cli import main as cli
+from ckpt.store.root import ROOT_ID_NAME
 from tests._dist import Nodes, can_isolate, launch
 
 THIS = os.path.abspath(__file__)
@@ -89,6 +90,19 @@ def save_job(ctx: Any, view: str, steps: list[int], keep_last: int | None, big: 
     with ckpt.Checkpointer(root, peer_copies=1, keep_last=keep_last, timeout=TIMEOUT) as ck:
         for step in steps:
             ck.save(step, _state(ctx.rank, step, big=big))
+        ck.wait()
+    return {}
+
+
+def save_a_rank_a_node(ctx: Any, view: str, steps: list[int]) -> dict[str, Any]:
+    """One rank a node, `keep_last=1`; the state restored at the end, compared bitwise."""
+    import ckpt
+
+    ctx.check(os.listdir(view) == [f"node{ctx.rank}"], "only its own node's disk is visible")
+    root = f"{view}/node{{node}}"
+    with ckpt.Checkpointer(root, peer_copies=1, keep_last=1, timeout=TIMEOUT) as ck:
+        for step in steps:
+            ck.save(step, _state(ctx.rank, step, world=ctx.world))
         ck.wait()
     return {}
 
@@ -182,9 +196,8 @@ def interrupted_copy(ctx: Any, view: str) -> dict[str, Any]:
     mine = root.format(node=node)
     deadline = time.monotonic() + 60
     if node == 1:  # once root 0's copy has begun to arrive here, this node dies
-        incoming = Path(peer_dir(mine, 0)) / ".incoming"
         while time.monotonic() < deadline:
-            if sum(p.stat().st_size for p in incoming.rglob("*") if p.is_file()) > 0:
+            if sum(p.stat().st_size for p in Path(mine).glob("replicas/peer-*/.incoming/**/*") if p.is_file()) > 0:
                 os.kill(os.getpid(), 9)
             time.sleep(0.01)
         ctx.check(False, "root 0's copy never began to arrive")
@@ -272,7 +285,7 @@ def one_way_copy_refused(ctx: Any, view: str) -> dict[str, Any]:
 
     root = _view(ctx, view)
     mine = root.format(node=ctx.rank // 2)
-    landing = os.path.join(mine, "replicas", "peer-1")  # root 1's copies, on node 0
+    landing = ""  # root 1's copies, on node 0
     try:
         with ckpt.Checkpointer(root, peer_copies=1, keep_last=1, timeout=TIMEOUT) as ck:
             for step in (1, 2):
@@ -283,10 +296,11 @@ def one_way_copy_refused(ctx: Any, view: str) -> dict[str, Any]:
                     time.sleep(0.05)
                 dist.barrier()
                 if step == 1 and ctx.rank == 0:
+                    (landing,) = peer_dirs(mine).values()
                     subprocess.run(["chattr", "+i", landing], check=True)
                 dist.barrier()
     finally:
-        if ctx.rank == 0:
+        if ctx.rank == 0 and landing:
             subprocess.run(["chattr", "-i", landing], check=False)
     status = read_peer_status(mine) if ctx.rank % 2 == 0 else {}
     return {"status": {str(s): v for s, v in status.items()}}
@@ -333,6 +347,17 @@ def _versions(path: Path) -> list[str]:
     return sorted(e for e in os.listdir(path) if e.startswith("v") and "." not in e) if path.is_dir() else []
 
 
+def _root_id(disk: Path) -> str:
+    return (disk / ROOT_ID_NAME).read_text().strip()
+
+
+def _held(disk: Path) -> Path:
+    """The one directory of peer copies on a node's disk (of the other node's root)."""
+    dirs = list(peer_dirs(str(disk)).values())
+    assert len(dirs) == 1, dirs
+    return Path(dirs[0])
+
+
 def test_a_node_with_empty_disks_restores_from_its_peer(tmp_path: Path) -> None:
     nodes = Nodes(tmp_path / "disks", tmp_path / "view", per_node=2)
     for k in (0, 1):
@@ -343,13 +368,17 @@ def test_a_node_with_empty_disks_restores_from_its_peer(tmp_path: Path) -> None:
     )
     assert not failures, failures
     for k in (0, 1):  # each node holds the other's part of both versions, verified
-        held = Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))
+        held = _held(nodes.disks / f"node{k}")
+        assert held.name == f"peer-{_root_id(nodes.disks / f'node{1 - k}')}"
         assert _versions(held) == ["v000000000002", "v000000000004"], os.listdir(held)
         status = json.loads((nodes.disks / f"node{k}" / PEER_STATUS).read_text())
         assert status["steps"] == {"2": {str(1 - k): "verified"}, "4": {str(1 - k): "verified"}}
     listed = CliRunner().invoke(cli, ["ls", str(nodes.disks / "node0")])
     assert listed.exit_code == 0, listed.output
-    assert "peer copies held here for root 1: steps 2, 4" in listed.output, listed.output
+    source = _root_id(nodes.disks / "node1")
+    assert f"peer copies held here for the root with id {source} (its .ckpt-root-id): steps 2, 4" in " ".join(
+        listed.output.split()
+    ), listed.output
     rows = [line.split() for line in listed.output.splitlines() if line.strip().startswith(("2 ", "4 "))]
     assert len(rows) == 2 and all(r[-2] == "1/1" for r in rows), listed.output  # copies: 1 verified of 1
     shutil.rmtree(nodes.disks / "node1")  # node 1 is replaced: an empty disk
@@ -426,7 +455,7 @@ def test_a_version_left_incomplete_by_a_node_loss_is_replaced_by_the_next_save_o
     step 6 (before: VersionExistsError on node 0's root, and the job could not go on). Once
     replaced, a further save of step 6 is refused as for any committed step."""
     nodes = _saved_then_node_1_killed(tmp_path)
-    shutil.rmtree(Path(peer_dir(str(nodes.disks / "node0"), 1)) / "v000000000006")
+    shutil.rmtree(_held(nodes.disks / "node0") / "v000000000006")
     _wipe(nodes.disks / "node1")
     results, failures = launch(THIS, "resume_and_save_again", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
@@ -459,7 +488,7 @@ def test_a_damaged_block_in_the_only_surviving_copy_falls_back_to_the_older_step
     results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view), big=True)
     assert not failures, failures
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(4, True)] * 4, results
-    copy = Path(peer_dir(str(nodes.disks / "node0"), 1)) / "v000000000004" / "state" / "big"
+    copy = _held(nodes.disks / "node0") / "v000000000004" / "state" / "big"
     chunks = [p for p in copy.rglob("c.*") if p.is_file()]
     assert len(chunks) == 2 and all(p.stat().st_size == BIG_ROWS // 4 * 4000 for p in chunks), chunks
     raw = bytearray(chunks[0].read_bytes())
@@ -508,7 +537,7 @@ def test_a_chunk_damaged_on_its_node_is_read_from_the_peer_copy(tmp_path: Path, 
     Then node 1's copy of it is damaged too: the damage stands, as before."""
     nodes = _saved_2_and_4(tmp_path, keep_last=keep_last)
     own = sorted(p for p in (nodes.disks / "node0" / "v000000000004" / "state" / "big").rglob("c.*") if p.is_file())
-    peer = Path(peer_dir(str(nodes.disks / "node1"), 0)) / "v000000000004" / "state" / "big" / own[0].name
+    peer = _held(nodes.disks / "node1") / "v000000000004" / "state" / "big" / own[0].name
     assert peer.read_bytes() == own[0].read_bytes()  # (the test's premise: the peer copy is there)
     for damaged, path in enumerate((own[0], peer), 1):
         raw = bytearray(path.read_bytes())
@@ -540,7 +569,7 @@ def test_retention_keeps_what_the_peers_lack_and_prunes_peer_copies(tmp_path: Pa
     assert not failures, failures
     for k in (0, 1):
         assert _versions(nodes.disks / f"node{k}") == ["v000000000003"]
-        assert _versions(Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))) == ["v000000000003"]
+        assert _versions(_held(nodes.disks / f"node{k}")) == ["v000000000003"]
 
 
 def test_an_interrupted_peer_copy_is_never_listed_and_the_next_save_is_copied(tmp_path: Path) -> None:
@@ -550,16 +579,50 @@ def test_an_interrupted_peer_copy_is_never_listed_and_the_next_save_is_copied(tm
     )
     assert not failures, failures
     for k in (0, 1):
-        held = Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))
+        held = _held(nodes.disks / f"node{k}")
         assert _versions(held) == [], os.listdir(held)  # nothing published half-way
         listed = CliRunner().invoke(cli, ["ls", str(nodes.disks / f"node{k}")])
-        assert listed.exit_code == 0 and f"peer copies held here for root {1 - k}: steps none" in listed.output
+        assert listed.exit_code == 0 and "steps none" in listed.output, listed.output
     _, failures = launch(THIS, "save_again", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
     for k in (0, 1):
-        held = Path(peer_dir(str(nodes.disks / f"node{k}"), 1 - k))
+        held = _held(nodes.disks / f"node{k}")
         assert _versions(held) == ["v000000000002"]
         assert not (held / ".incoming").exists() or not any((held / ".incoming").iterdir())
+
+
+def test_a_job_on_other_nodes_keeps_each_roots_copies_apart_and_prunes_the_rest(tmp_path: Path) -> None:
+    """Peer copies are named by their source's disk, not its place in the job. A job of 4
+    nodes (root i copied to root i + 1) saves steps 1-3; the next job runs on two of those
+    disks, in the other order. Before, a disk's `peer-<index>` directory received another
+    root's copies than it held (two roots' copies in one directory), and the copies of a
+    root no longer copied there were never pruned. Now each disk holds exactly the other
+    disk's copies, pruned like its own versions."""
+    nodes = Nodes(tmp_path / "disks", tmp_path / "view", per_node=1)
+    for k in range(4):
+        (nodes.disks / f"node{k}").mkdir(parents=True)
+    nodes.view.mkdir()
+    _, failures = launch(
+        THIS, "save_a_rank_a_node", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view), steps=[1, 2, 3]
+    )
+    assert not failures, failures
+    for k in range(4):
+        assert _held(nodes.disks / f"node{k}").name == f"peer-{_root_id(nodes.disks / f'node{(k - 1) % 4}')}"
+    disk0, disk2 = _root_id(nodes.disks / "node0"), _root_id(nodes.disks / "node2")
+    for k in (1, 3):
+        shutil.rmtree(nodes.disks / f"node{k}")
+    (nodes.disks / "node2").rename(nodes.disks / "spare")
+    (nodes.disks / "node0").rename(nodes.disks / "node1")
+    (nodes.disks / "spare").rename(nodes.disks / "node0")  # disk 2 is node 0 now, disk 0 node 1
+    _, failures = launch(
+        THIS, "save_a_rank_a_node", 2, tmp_path / "job2", isolate=nodes, view=str(nodes.view), steps=[4, 5]
+    )
+    assert not failures, failures
+    for k, other in ((0, disk0), (1, disk2)):
+        disk = nodes.disks / f"node{k}"
+        assert _versions(disk) == ["v000000000005"]
+        held = _held(disk)
+        assert held.name == f"peer-{other}" and _versions(held) == ["v000000000005"], os.listdir(held)
 
 
 def test_a_sender_that_cannot_read_its_version_fails_that_copy_not_the_copier(
@@ -574,8 +637,7 @@ def test_a_sender_that_cannot_read_its_version_fails_that_copy_not_the_copier(
     assert not failures, failures
     assert results[0]["status"] == {"1": {"1": "failed"}, "2": {"1": "verified"}}, results[0]
     assert results[2]["status"] == {"1": {"0": "verified"}, "2": {"0": "verified"}}, results[2]
-    held = Path(peer_dir(str(nodes.disks / "node1"), 0))
-    assert _versions(held) == ["v000000000002"]
+    assert _versions(_held(nodes.disks / "node1")) == ["v000000000002"]
 
 
 def test_an_overwritten_version_is_copied_again(tmp_path: Path) -> None:
@@ -589,7 +651,7 @@ def test_an_overwritten_version_is_copied_again(tmp_path: Path) -> None:
     assert results[0]["verified"] == [1, 2] and results[2]["verified"] == [1, 2], results
     for k in (0, 1):
         own = json.loads((nodes.disks / f"node{k}" / "v000000000002" / "root.json").read_text())
-        held = Path(peer_dir(str(nodes.disks / f"node{1 - k}"), k)) / "v000000000002" / "root.json"
+        held = _held(nodes.disks / f"node{1 - k}") / "v000000000002" / "root.json"
         assert json.loads(held.read_text())["save_id"] == own["save_id"]
 
 
