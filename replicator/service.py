@@ -54,7 +54,7 @@ from ckpt.replicator.status import (
     remote_done,
     write_status,
 )
-from ckpt.replicator.transfer import Transfer, copy_files, journal_for, missing_files, part_sizes
+from ckpt.replicator.transfer import SourceReadError, Transfer, copy_files, journal_for, missing_files, part_sizes
 from ckpt.store import metrics
 from ckpt.store.errors import (
     CkptError,
@@ -587,10 +587,10 @@ def _holds(dest: Destination, step: int, save_id: str) -> bool:
 
 
 def _of_the_version(e: Exception) -> bool:
-    """Whether a failed copy is this version's own (its source damaged, the remote holding
-    another save of its step, or keys longer than the remote takes), not its destination's:
-    the other versions are still copied there in the same pass."""
-    return isinstance(e, (CorruptVersionError, VersionExistsError, UnsupportedStateError))
+    """Whether a failed copy is this version's own (its source damaged or failing to read, the
+    remote holding another save of its step, or keys longer than the remote takes), not its
+    destination's: the other versions are still copied there in the same pass."""
+    return isinstance(e, (CorruptVersionError, VersionExistsError, UnsupportedStateError, SourceReadError))
 
 
 def _last_status(source: str) -> Status:

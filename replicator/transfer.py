@@ -24,24 +24,32 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ckpt.replicator.journal import Journal
 from ckpt.replicator.placement import Destination
 from ckpt.replicator.ratelimit import RateLimiter
 from ckpt.store.chunk_read import READ_BLOCK
 from ckpt.store.digest import ChunkHasher
-from ckpt.store.errors import CorruptVersionError, StoppedError, TierUnavailableError, UnsupportedStateError
+from ckpt.store.errors import CkptError, CorruptVersionError, StoppedError, TierUnavailableError, UnsupportedStateError
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
 from ckpt.store.rank_file import RankFiles, rank_file_path
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import version_dirname
 
-__all__ = ["Transfer", "copy_files", "missing_files"]
+__all__ = ["Transfer", "SourceReadError", "copy_files", "missing_files"]
 
 log = logging.getLogger("ckpt.replicator")
 _RESENDS = 2  # uploads of a chunk after the first, while its copy reads back wrong
 _TEMP = re.compile(r"\.tmp-[0-9a-f]{32}$")  # a local tier's temp files (store._local)
 _ROUNDS = 3  # full passes over what is missing before the destination counts as unreliable
+T = TypeVar("T")
+
+
+class SourceReadError(CkptError):
+    """A file of the version failed to read on the source (an I/O error, a bad sector): the
+    version's own failure, tried again on the next pass; the destination is not to blame,
+    and the other versions are copied there meanwhile. Nothing is judged damaged by it."""
 
 
 @dataclass(frozen=True)
@@ -82,14 +90,14 @@ def _blocks(
     and count of the bytes it yields, to check against the manifest."""
 
     def gen() -> Iterator[memoryview]:
-        handle = t.source.open_read(key)
+        handle = _from_source(key, lambda: t.source.open_read(key))
         buf = memoryview(bytearray(min(READ_BLOCK, max(handle.size, 1))))
         if sent is not None:
             sent[:] = [_Sent(ChunkHasher(block_bytes))]
         try:
             for start in range(0, handle.size, len(buf)):
                 piece = buf[: min(len(buf), handle.size - start)]
-                handle.read_into(start, piece)
+                _from_source(key, lambda: handle.read_into(start, piece))  # noqa: B023 - called at once
                 if sent is not None:
                     sent[0].digest.update(piece)
                     sent[0].nbytes += len(piece)
@@ -101,6 +109,15 @@ def _blocks(
             handle.close()
 
     return gen
+
+
+def _from_source(key: str, read: Callable[[], T]) -> T:
+    try:
+        return read()
+    except FileNotFoundError:  # deleted meanwhile (a GC): the copy fails as before
+        raise
+    except OSError as e:
+        raise SourceReadError(f"cannot read {key} on the source: {e}") from e
 
 
 def _digest(tier: Tier, key: str, block_bytes: int) -> tuple[int, str]:
@@ -220,7 +237,7 @@ def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) ->
         digest, block_bytes = rank_files.get(rel), 0
         if array_chunk is not None:
             array, chunk = array_chunk
-            chunk = book.resolve(t.step, t.manifest, array, chunk)
+            chunk = _from_source(rel, lambda: book.resolve(t.step, t.manifest, array, chunk))
             digest, block_bytes = chunk.xxh3, array.digest_block_bytes(chunk)
         _send(t, rel, sizes[rel], digest, block_bytes)
         t.journal.add(rel)

@@ -1,0 +1,56 @@
+"""Faults on the replicating node's own disks stop only what they touch: a file of an old
+version that fails to read on the source fails that version's copies, and the newer
+versions still reach every destination in the same pass (real files, the I/O error
+raised where the local tier reads, as tests/restore/test_read_errors.py does)."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt import Checkpointer
+from ckpt.replicator.config import ReplicatorConfig
+from ckpt.replicator.placement import source_label
+from ckpt.replicator.service import Replicator
+from ckpt.store import _local as local
+from ckpt.store.versions import committed_steps
+from tests._disks import two_disks
+
+
+def _saved(root: Path) -> None:
+    with Checkpointer(root) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"model": {"w": torch.full((4096,), float(step))}, "step": step})
+
+
+def test_an_unreadable_file_of_an_old_version_does_not_stop_the_newer_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 1's chunk fails every read (a bad sector): its copy fails, and is tried again on
+    every pass; steps 2 and 3 are copied (before: the destination counted as failed for the
+    pass, so no newer version reached it on any pass)."""
+    src, other = two_disks(tmp_path)
+    _saved(src)
+    real = local._FileHandle.read_into
+    reads = []
+
+    def read_into(self: Any, offset: int, out: memoryview) -> None:
+        if "v000000000001/state/model/w/c" in self._key:
+            reads.append(self._key)
+            raise OSError(errno.EIO, "Input/output error", self._key)
+        real(self, offset, out)
+
+    monkeypatch.setattr(local._FileHandle, "read_into", read_into)
+    rep = Replicator([str(src)], ReplicatorConfig(replicas=2, replica_roots=(str(other),)))
+    for _ in range(2):
+        copies = rep.run_once()[str(src)]
+        states = {step: [c.state for c in v.copies.values()] for step, v in sorted(copies.versions.items())}
+        assert states == {1: ["failed"], 2: ["verified"], 3: ["verified"]}, states
+        assert "cannot read" in next(iter(copies.versions[1].copies.values())).error
+    assert len(reads) >= 2  # tried on each pass
+    assert committed_steps(str(other / "replicas" / source_label(str(src)))) == [2, 3]
+    assert committed_steps(str(src)) == [1, 2, 3]
