@@ -124,40 +124,57 @@ class Replicator:
     def _replica_dests(self, source: str) -> list[Destination]:
         """Distinct-disk destinations for copies of `source`. A replica root's disk identity is
         recorded the first time (in the source's status, so it outlives restarts); later the
-        destination must still be on that disk (Destination.check_disk), or its copies fail."""
+        destination must still be on that disk (Destination.check_disk), or its copies fail.
+        A root that fails to answer (an I/O error on its disk) stays required, its copies
+        failed for the pass, and the other destinations go on."""
         status = self._status[source]
         used = {disk_id(source): source, device_id(source): source}  # disk or device -> the path of a copy on it
         out: list[Destination] = []
         for r in self.config.replica_roots:
             if len(out) == self.config.replicas - 1:
                 break
-            local = is_local_location(r)
-            disk = status.disks.get(r)
             url = f"{r.rstrip('/')}/replicas/{source_label(source)}"
-            # a root its device tells (unmarked, or claimed by older code wherever it was) is on the
-            # disk of a copy on that device; a recorded root found on another disk is check_disk's
-            if local and disk in (None, disk_id(r)) and device_decides(r) and (there := used.get(device_id(r))):
-                log.warning("replica root %s is on the device of %s, a copy's: no second disk, no copy there", r, there)
-                status.disks.pop(r, None)
-                for v in status.versions.values():
-                    v.copies.pop(url, None)  # a copy there is on that disk: it counts for no other
-                continue
-            if disk is None:
-                disk = claim_disk(r)
-                if local:
-                    status.disks[r] = disk
-            if disk in used:
-                continue
-            used[disk] = r
-            if local:
-                used[device_id(r)] = r
-            out.append(Destination(url, "replica", self._tier(url), disk=disk if local else None))
+            try:
+                dest = self._replica_dest(r, url, status, used)
+            except (CkptError, OSError) as e:
+                why = self._redact(f"{type(e).__name__}: {e}")
+                log.error("replica root %s cannot be used in this pass (its copies fail): %s", self._redact(r), why)
+                self.errors.append(f"{self._redact(r)}: {why}")
+                self._last_error[url] = why
+                self._failed_dests.add(url)
+                dest = Destination(url, "replica", self._tier(url), disk=status.disks.get(r))
+            if dest is not None:
+                out.append(dest)
         if len(out) < self.config.replicas - 1:
             log.warning("only %d distinct disks for %d copies of %s", len(out) + 1, self.config.replicas, source)
         status.required_copies = len(out)
         status.replicas = [d.url for d in out]
         status.remote = self._redact(self.config.remote) if self.config.remote is not None else None
         return out
+
+    def _replica_dest(self, r: str, url: str, status: Status, used: dict[str, str]) -> Destination | None:
+        """Replica root `r`'s destination, None where it is on the disk or device of another
+        copy (`used`: disk or device -> the path of a copy on it, updated)."""
+        local = is_local_location(r)
+        disk = status.disks.get(r)
+        # a root its device tells (unmarked, or claimed by older code wherever it was) is on the
+        # disk of a copy on that device; a recorded root found on another disk is check_disk's
+        if local and disk in (None, disk_id(r)) and device_decides(r) and (there := used.get(device_id(r))):
+            log.warning("replica root %s is on the device of %s, a copy's: no second disk, no copy there", r, there)
+            status.disks.pop(r, None)
+            for v in status.versions.values():
+                v.copies.pop(url, None)  # a copy there is on that disk: it counts for no other
+            return None
+        if disk is None:
+            disk = claim_disk(r)
+            if local:
+                status.disks[r] = disk
+        if disk in used:
+            return None
+        used[disk] = r
+        if local:
+            used[device_id(r)] = r
+        return Destination(url, "replica", self._tier(url), disk=disk if local else None)
 
     def run_once(self) -> dict[str, Status]:
         """One pass over every committed version of every source; returns the status."""

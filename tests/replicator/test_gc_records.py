@@ -261,7 +261,9 @@ def test_copies_on_a_replica_root_no_longer_configured_do_not_count(tmp_path: Pa
     with Checkpointer(src) as ck:
         for step in (1, 2, 3):
             ck.save(step, state(step))
-    run = CliRunner().invoke(cli_main, ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(first)])
+    run = CliRunner().invoke(
+        cli_main, ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(first)]
+    )
     assert run.exit_code == 0, run.output
     shutil.rmtree(tmp_path / "disk1")
     second.mkdir()

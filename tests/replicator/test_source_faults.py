@@ -54,3 +54,39 @@ def test_an_unreadable_file_of_an_old_version_does_not_stop_the_newer_ones(
     assert len(reads) >= 2  # tried on each pass
     assert committed_steps(str(other / "replicas" / source_label(str(src)))) == [2, 3]
     assert committed_steps(str(src)) == [1, 2, 3]
+
+
+def test_a_replica_disk_that_fails_reads_does_not_stop_the_remote(tmp_path: Path) -> None:
+    """The replica disk's marker read fails with a real EIO (a link to /proc/self/mem): its
+    copies of the new versions fail, still required (the source keeps them through a GC),
+    and the remote gets them in the same pass (before: the pass stopped at the marker, and
+    no version reached the remote while that disk failed)."""
+    import os
+
+    from click.testing import CliRunner
+
+    from ckpt.cli import main as cli_main
+    from ckpt.replicator.status import read_status
+
+    src, other = two_disks(tmp_path)
+    remote = f"file://{tmp_path}/remote"
+    with Checkpointer(src) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": torch.full((64,), float(step))})
+    args = ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(other), "--to", remote]
+    assert CliRunner().invoke(cli_main, args).exit_code == 0
+    with Checkpointer(src) as ck:
+        for step in (3, 4):
+            ck.save(step, {"w": torch.full((64,), float(step))})
+    marker = tmp_path / "disk1" / ".ckpt-disk"
+    marker.unlink()
+    os.symlink("/proc/self/mem", marker)  # reading it: EIO
+    run = CliRunner().invoke(cli_main, args)
+    assert run.exit_code == 3, run.output
+    assert committed_steps(remote) == [1, 2, 3, 4]
+    status = read_status(str(src))
+    assert status is not None
+    assert [c.state for c in status.versions[4].copies.values()] == ["failed"]
+    swept = CliRunner().invoke(cli_main, ["gc", str(src), "--keep-last", "1"])
+    assert swept.exit_code == 0, swept.output
+    assert committed_steps(str(src)) == [3, 4], swept.output  # 3 and 4 have no replica copy yet
