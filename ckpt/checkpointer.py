@@ -374,7 +374,7 @@ class Checkpointer:
             check_step(step)
         if if_incomplete not in ("raise", "fresh"):
             raise ValueError(f"if_incomplete must be 'raise' or 'fresh', not {if_incomplete!r}")
-        self._saver.wait()
+        self.wait()
 
         passed_over: set[int] = set()
         try:
@@ -416,7 +416,7 @@ class Checkpointer:
         self._check_open()
         if step is not None:
             check_step(step)
-        self._saver.wait()
+        self.wait()
         found = restore_newest(
             self._ctl,
             self._search_tiers,
@@ -447,7 +447,7 @@ class Checkpointer:
     ) -> tuple[Manifest, Located] | None:
         """ckpt._load.locate, once this Checkpointer's pending saves are done."""
         self._check_open()
-        self._saver.wait()
+        self.wait()
         return locate(self._ctl, self._search_tiers, step, read)
 
     # -- lifecycle -------------------------------------------------------------------

@@ -353,3 +353,32 @@ def test_a_fresh_start_past_an_incomplete_version_saves_over_it(tmp_path: Path, 
         got = {"w": torch.zeros(4)}
         assert ck.restore(got) == 1
     assert not bitwise_diff(got, {"w": torch.full((4,), 7.0)})
+
+
+@pytest.mark.parametrize("reported_by", ["wait", "restore", "export_safetensors"])
+def test_a_full_save_whose_error_any_call_reports_makes_the_next_save_full(tmp_path: Path, reported_by: str) -> None:
+    """The schedule's full save fails in the background (a NaN, check_finite), and the
+    first call to report it is `reported_by`. Before, only wait() and save() restarted the
+    schedule: after a restore() or an export that raised it, the next two saves held the
+    model alone, and no full version stood behind them."""
+    from ckpt import NonFiniteError
+
+    state = {"model": {"w": torch.ones(8)}, "optim": {"m": torch.ones(8)}}
+    with Checkpointer(tmp_path / "root", full_every=3, partial_keys=("model",), check_finite=True) as ck:
+        state["optim"]["m"][0] = float("nan")
+        ck.save(1, state)
+        with pytest.raises(NonFiniteError):
+            if reported_by == "wait":
+                ck.wait()
+            elif reported_by == "restore":
+                ck.restore({"model": {"w": torch.zeros(8)}})
+            else:
+                ck.export_safetensors(str(tmp_path / "out"))
+        state["optim"]["m"][0] = 1.0
+        for step in (2, 3):
+            ck.save(step, state)
+        ck.wait()
+    got = {"model": {"w": torch.zeros(8)}, "optim": {"m": torch.zeros(8)}}
+    with Checkpointer(tmp_path / "root") as ck:
+        assert ck.restore(got) == 2  # saved in full
+    assert torch.equal(got["optim"]["m"], torch.ones(8))
