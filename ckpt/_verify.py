@@ -1,7 +1,8 @@
 """`ckpt verify`: recompute every checksum of a tier's versions, each pinned against GC
 while it is read. Damage (a bad manifest, a bad or missing chunk) is reported per
 version, and apart from it the files that failed every read with an I/O error (no proof
-of damage); a tier that cannot be read raises (it is not damage)."""
+of damage: a version whose manifest cannot be read is reported so, and the others are
+checked); a tier that cannot be listed raises (it is not damage)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from ckpt._render import human
 from ckpt.store.errors import CkptError, TierUnavailableError, VersionNotFoundError
-from ckpt.store.manifest import MANIFEST_NAME
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME
 from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.verify import verify_chunks
@@ -35,11 +36,14 @@ def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
         if asked:
             raise
         return None  # deleted (GC) since the listing
-    except TierUnavailableError:
-        raise  # the disk fails (I/O error): one error line and exit 3, not a bad chunk
+    except TierUnavailableError as e:  # an I/O error: no proof of damage, and the others are checked
+        return Checked(step, (), "", (f"UNREADABLE {MANIFEST_NAME}: {e}",))
     except CkptError as e:
         return Checked(step, (f"BAD manifest: {e}",), "", whole=True)
-    info = read_root_info(tier, step)
+    try:
+        info = read_root_info(tier, step)
+    except TierUnavailableError as e:
+        return Checked(step, (), "", (f"UNREADABLE {ROOT_INFO_NAME}: {e}",))
     held = set(info.writers) if info is not None else None
     found = list(verify_chunks(tier, step, manifest, held))
     n = sum(1 for a in manifest.arrays.values() for c in a.iter_chunks() if held is None or c.writer in held)

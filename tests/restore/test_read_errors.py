@@ -147,3 +147,24 @@ def test_verify_calls_a_flipped_byte_damage(tmp_path: Path) -> None:
     out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
     assert out.exit_code == 1, out.output
     assert f"step 2: BAD {CHUNK.split('/', 1)[1]}: xxh3" in out.output and "UNREADABLE" not in out.output
+
+
+def test_verify_goes_on_past_a_manifest_that_fails_every_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 1 holds a flipped byte, and step 2's manifest fails every read (EIO): step 2 is
+    reported UNREADABLE, step 3 is still checked, and the exit code is 1 (damage was found).
+    Before, the manifest's error ended the run there with exit code 3, as if no damage had
+    been found, and step 3 was never checked."""
+    with Checkpointer(tmp_path) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state(step))
+    chunk = tmp_path / f"{version_dirname(1)}/state/b/c.0.0"
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    failing = _fail_opens(monkeypatch, f"{version_dirname(2)}/manifest.json", 1_000)
+    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert failing.raised >= 1
+    assert out.exit_code == 1, out.output
+    assert "step 1: BAD state/b/c.0.0: xxh3" in out.output, out.output
+    assert "step 2: UNREADABLE manifest.json:" in out.output and "Input/output error" in out.output, out.output
+    assert "step 3: ok" in out.output, out.output
