@@ -202,12 +202,13 @@ def test_s3_options_set_a_short_connect_timeout_and_keep_the_users(aws_env: dict
         tier: Any = open_tier(URL, {"endpoint_url": endpoint})
         config = tier.fs.config_kwargs
         assert config["connect_timeout"] == CONNECT_TIMEOUT_S <= 5
-        assert config["retries"] == {"total_max_attempts": 1}
+        assert config["retries"]["total_max_attempts"] == 1  # (s3fs adds its retry mode as it connects)
         own: Any = open_tier(
             URL, {"endpoint_url": endpoint, "config_kwargs": {"connect_timeout": 7, "retries": {"max_attempts": 2}}}
         )
         assert own.fs.config_kwargs["connect_timeout"] == 7
-        assert own.fs.config_kwargs["retries"] == {"max_attempts": 2}
+        assert own.fs.config_kwargs["retries"]["max_attempts"] == 2
+        assert "total_max_attempts" not in own.fs.config_kwargs["retries"]
 
 
 def test_a_decimal_timeout_on_the_command_line_is_a_number() -> None:
@@ -374,3 +375,16 @@ def test_the_final_pass_ends_at_its_deadline(s3: S3Place, tmp_path: Path, caplog
 def test_drain_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="drain_timeout_s"):
         ReplicatorConfig(drain_timeout_s=0)
+
+
+@pytest.mark.parametrize("option", ["region_nam=us-east-1", "client_kwargs=3"])
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["gc", "--keep-last", "1"]])
+def test_a_misspelled_storage_option_is_one_line_and_exit_3(s3: S3Place, option: str, command: list[str]) -> None:
+    """Before, s3fs built its client on the first request, and a misspelled option came out
+    of it as a TypeError: an 80-line traceback and exit code 1, the code of damage."""
+    args = [command[0], s3.url, *command[1:], *s3.cli_options, "--storage-option", option]
+    out = CliRunner().invoke(cli_main, args)
+    assert out.exit_code == 3, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit), out.exception
+    lines = out.output.strip().splitlines()
+    assert len(lines) == 1 and "bad storage options" in lines[0], out.output
