@@ -576,3 +576,28 @@ def test_an_interrupt_during_the_two_thread_copy_waits_for_the_other_half(tmp_pa
         into = {k: torch.zeros_like(v) for k, v in state.items()}
         assert ck.restore(into) == 2
     assert_bitwise(into, state, "state")
+
+
+def test_a_state_restores_into_conjugate_and_negative_views_of_its_own_kind(tmp_path):
+    """The state restored into is made as the saved one was: a conjugate view, and a
+    negative one (a complex tensor's conj().imag), small and large. Each reads back what was
+    saved. Before, the copy viewed their bytes as integers, which torch refuses for such
+    views: a RuntimeError, with part of the state already written."""
+    g = torch.Generator().manual_seed(5)
+    saved = {
+        "conj": torch.randn(3000, dtype=torch.complex64, generator=g),
+        "neg": torch.randn(3000, generator=g),
+        "small_neg": torch.randn(5, generator=g),
+    }
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, saved)
+    out = {
+        "conj": torch.zeros(3000, dtype=torch.complex64).conj(),
+        "neg": torch.zeros(3000, dtype=torch.complex64).conj().imag,
+        "small_neg": torch.zeros(5, dtype=torch.complex64).conj().imag,
+    }
+    assert out["conj"].is_conj() and out["neg"].is_neg()
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(out) == 1
+    for k, v in saved.items():
+        assert torch.equal(out[k].resolve_conj().resolve_neg(), v), k
