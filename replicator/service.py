@@ -320,8 +320,9 @@ class Replicator:
                 continue  # every copy is made: no manifest to read (a pass over many versions stays short)
             try:
                 manifest = read_manifest(tier, step)
-            except CkptError as e:
+            except CkptError as e:  # tried again on the next pass; `--once` reports it
                 log.warning("step %d on %s is unreadable, not replicated: %s", step, source, e)
+                self.errors.append(f"step {step} on {source} is unreadable, not replicated: {self._redact(str(e))}")
                 continue
             writers = list(info.writers) if info is not None else []
             if entry is None or entry.save_id != manifest.save_id:

@@ -90,3 +90,20 @@ def test_a_replica_disk_that_fails_reads_does_not_stop_the_remote(tmp_path: Path
     swept = CliRunner().invoke(cli_main, ["gc", str(src), "--keep-last", "1"])
     assert swept.exit_code == 0, swept.output
     assert committed_steps(str(src)) == [3, 4], swept.output  # 3 and 4 have no replica copy yet
+
+
+def test_replicate_once_exits_3_when_a_version_could_not_be_read(tmp_path: Path) -> None:
+    """Step 2's manifest holds a flipped byte: steps 1 and 3 are copied, and `--once` exits
+    3 naming step 2 (before: exit 0, as if every committed version had been copied)."""
+    from click.testing import CliRunner
+
+    from ckpt.cli import main as cli_main
+    from tests._damage import flip_byte
+
+    src, other = two_disks(tmp_path)
+    _saved(src)
+    flip_byte(src / "v000000000002" / "manifest.json", 40)
+    run = CliRunner().invoke(cli_main, ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(other)])
+    assert run.exit_code == 3, run.output
+    assert "step 2" in run.output, run.output
+    assert committed_steps(str(other / "replicas" / source_label(str(src)))) == [1, 3]
