@@ -103,7 +103,9 @@ def test_replicate_once_exits_3_when_a_version_could_not_be_read(tmp_path: Path)
     src, other = two_disks(tmp_path)
     _saved(src)
     flip_byte(src / "v000000000002" / "manifest.json", 40)
-    run = CliRunner().invoke(cli_main, ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(other)])
+    run = CliRunner().invoke(
+        cli_main, ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(other)]
+    )
     assert run.exit_code == 3, run.output
     assert "step 2" in run.output, run.output
     assert committed_steps(str(other / "replicas" / source_label(str(src)))) == [1, 3]
