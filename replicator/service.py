@@ -348,7 +348,10 @@ class Replicator:
             if self.remote is not None:
                 self._push_remote(source, step, manifest, writers, entry, state_dir, failed)
             if time.monotonic() - written > 1.0:  # progress for `ckpt ls`, without an fsync per version
-                write_status(source, status)
+                try:
+                    write_status(source, status)
+                except OSError as e:  # a full disk: the pass goes on to the GC that frees it
+                    log.warning("cannot write the status of %s yet: %s", source, e)
                 written = time.monotonic()
         for gone in set(status.versions) - set(steps):
             status.versions.pop(gone)

@@ -6,6 +6,8 @@ raised where the local tier reads, as tests/restore/test_read_errors.py does).""
 from __future__ import annotations
 
 import errno
+import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from ckpt.replicator.service import Replicator
 from ckpt.store import _local as local
 from ckpt.store.versions import committed_steps
 from tests._disks import two_disks
+from tests._dist import can_isolate, in_private_mounts
 
 
 def _saved(root: Path) -> None:
@@ -109,3 +112,43 @@ def test_replicate_once_exits_3_when_a_version_could_not_be_read(tmp_path: Path)
     assert run.exit_code == 3, run.output
     assert "step 2" in run.output, run.output
     assert committed_steps(str(other / "replicas" / source_label(str(src)))) == [1, 3]
+
+
+@pytest.mark.skipif(not can_isolate(), reason="needs root, unshare(1) and mount namespaces")
+def test_a_full_source_disk_is_replicated_and_then_freed(tmp_path: Path) -> None:
+    """The source root's disk (a real 2 MiB tmpfs) is full: three 400 kB versions and a
+    filler file. `ckpt replicate --once --keep-last 1` copies every version to the remote
+    and then deletes the two older ones. Before, its journal's write beside the root failed
+    with ENOSPC, that failure was taken for the remote's, nothing was copied, so nothing
+    counted as copied and nothing was freed: a full disk stayed full."""
+    disk, remote = tmp_path / "disk", tmp_path / "remote"
+    disk.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import errno, json, torch
+        from click.testing import CliRunner
+        from ckpt import Checkpointer
+        from ckpt.cli import main
+        from ckpt.store.versions import committed_steps
+        src = {str(disk / "src")!r}
+        with Checkpointer(src) as ck:
+            for step in (1, 2, 3):
+                ck.save(step, {{"w": torch.full((100_000,), float(step))}})
+        try:
+            with open({str(disk / "filler")!r}, "wb") as f:
+                while True:
+                    f.write(bytes(4096))
+                    f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+        run = CliRunner().invoke(main, ["replicate", src, "--once", "--to", "file://{remote}", "--keep-last", "1"])
+        print(json.dumps({{"code": run.exit_code, "remote": committed_steps("file://{remote}"),
+                          "source": committed_steps(src), "output": run.output[-2000:]}}))
+        """
+    )
+    out = in_private_mounts(f"mount -t tmpfs -o size=2m tmpfs {disk}", script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["remote"] == [1, 2, 3], got
+    assert got["source"] == [3], got
+    assert got["code"] == 0, got
