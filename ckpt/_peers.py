@@ -400,6 +400,7 @@ class PeerCopier:
         self._id = root_id(root)
         self._sources: dict[int, str] = {}  # source root index -> its identity, from its headers
         self._closing = False
+        self._abandoned = False
         self.failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-peers", daemon=True)
         self._thread.start()
@@ -438,12 +439,22 @@ class PeerCopier:
         if self._thread.is_alive():
             log.warning("%s: peer copies still running after %.0f s; left behind", self._root, timeout)
 
+    def abandon(self) -> None:
+        """Stop the thread without a round (its Checkpointer's open failed, so no other
+        leader's copier has a commit to copy either)."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
+        self._thread.join()
+
     def _run(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while self._pending < 0 and not self._recheck and not self._closing:
+                    while self._pending < 0 and not self._recheck and not self._closing and not self._abandoned:
                         self._cond.wait()
+                    if self._abandoned:
+                        return
                     recheck, self._recheck = self._recheck, set()
                 for step in sorted(recheck):  # every leader decides alike: an overwrite commits on every root
                     self._requeue_overwritten(step)

@@ -120,6 +120,8 @@ class Checkpointer:
         self._replicator_thread: threading.Thread | None = None
         self._replicator_lock: int | None = None
         self._retention: Retention | None = None
+        self._peer_comm: Comm | None = None
+        self._peers: PeerCopier | None = None
         try:
             self._open_rest(policy, replication)
         except BaseException:
@@ -137,6 +139,8 @@ class Checkpointer:
             os.close(self._replicator_lock)
         if self._retention is not None:
             self._retention.close()
+        if self._peers is not None:
+            self._peers.abandon()  # no round has begun: nothing committed yet
         if self._lock is not None:
             self._lock.release()
 

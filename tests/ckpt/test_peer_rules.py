@@ -172,3 +172,35 @@ def test_a_peer_plan_refused_on_some_ranks_is_an_error_on_every_rank(tmp_path: P
     assert not failures, failures
     assert [r["raised"] for r in results] == ["RankFailures", "ValueError", "ValueError"], results
     assert "same node" in results[1]["message"] and "rank 1" in results[0]["message"], results
+
+
+def open_that_fails_after_the_peers(ctx: Any, base: str) -> dict[str, Any]:
+    """Two ranks, a node each, peer copies on. The open fails after the peer-copy thread has
+    started (the saver cannot be made, on every rank): that thread must stop with the open,
+    and the next open of the same roots must work."""
+    import datetime
+    import os
+    import threading
+    from unittest import mock
+
+    import ckpt.checkpointer
+
+    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+    timeout = datetime.timedelta(seconds=60)
+    with mock.patch.object(ckpt.checkpointer, "Saver", side_effect=MemoryError("no room for the saver")):
+        try:
+            Checkpointer(lambda r: f"{base}/n{r}", peer_copies=1, timeout=timeout)
+        except MemoryError:
+            pass
+        else:
+            ctx.check(False, "the open raised")
+    copiers = [t.name for t in threading.enumerate() if t.name == "ckpt-peers"]
+    ctx.check(not copiers, f"the peer-copy thread outlived the failed open: {copiers}")
+    with Checkpointer(lambda r: f"{base}/n{r}", peer_copies=1, timeout=timeout) as ck:
+        ck.save(1, {"w": torch.full((8,), float(ctx.rank))})
+    return {}
+
+
+def test_an_open_that_fails_after_the_peer_copier_started_stops_it(tmp_path: Path) -> None:
+    results, failures = launch(__file__, "open_that_fails_after_the_peers", 2, tmp_path / "job", base=str(tmp_path))
+    assert not failures, failures
