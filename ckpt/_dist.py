@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ckpt.store.errors import CorruptVersionError, RankFailures
 
-__all__ = ["Comm", "make_comms", "subgroup", "destroy_comms", "describe_error"]
+__all__ = ["Comm", "make_comm", "make_comms", "subgroup", "destroy_comms", "describe_error"]
 
 
 def describe_error(e: BaseException) -> str:
@@ -197,14 +197,17 @@ class Comm:
             dist.broadcast(tensor, src=src, group=self.group)
 
 
-def make_comms(timeout: timedelta) -> tuple[Comm, Comm]:
-    """(ctl, data) communicators; collective when torch.distributed is initialised."""
+def make_comm(timeout: timedelta) -> Comm:
+    """A gloo communicator of the whole job; collective when torch.distributed is initialised."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return Comm(None, 0, 1), Comm(None, 0, 1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ctl = dist.new_group(backend="gloo", timeout=timeout)
-    data = dist.new_group(backend="gloo", timeout=timeout)
-    return Comm(ctl, rank, world), Comm(data, rank, world)
+        return Comm(None, 0, 1)
+    return Comm(dist.new_group(backend="gloo", timeout=timeout), dist.get_rank(), dist.get_world_size())
+
+
+def make_comms(timeout: timedelta) -> tuple[Comm, Comm]:
+    """(ctl, data) communicators: the data exchanges of a save's writers run on a group of
+    their own, beside the control collectives."""
+    return make_comm(timeout), make_comm(timeout)
 
 
 def subgroup(ranks: Sequence[int], timeout: timedelta) -> Comm | None:

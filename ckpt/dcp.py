@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckpt import _roots
-from ckpt._dist import destroy_comms, make_comms
+from ckpt._dist import destroy_comms, make_comm
 from ckpt._load import locate, read_agreed
 from ckpt._roots import RootSpec
 from ckpt._tensors import _dtensor_layout
@@ -435,7 +435,7 @@ class _Reading:
         if remote is None and replication is not None:
             remote = replication.remote
         self.config = replace(rest.pop("config", None) or _CONFIG, **rest)
-        self._ctl, self._data = make_comms(self.config.timeout)
+        self._ctl = make_comm(self.config.timeout)  # (a restore reads on it alone)
         try:
             here, disks = _roots.choose_root(self._ctl, root)
             self._tier = open_tier(here, storage_options)
@@ -456,7 +456,7 @@ class _Reading:
         return locate(self._ctl, self._search, step, read)
 
     def close(self) -> None:
-        destroy_comms(self._ctl, self._data)
+        destroy_comms(self._ctl)
 
 
 class StorageReader(_StorageReader):

@@ -340,7 +340,21 @@ def two_ranks(ctx: Any, root: str) -> dict[str, Any]:
     saved = state(True)
     dcp.save(saved, storage_writer=ckpt.dcp.StorageWriter(root, 3, timeout=TIMEOUT))
     got = state(False)
-    dcp.load(got, storage_reader=ckpt.dcp.StorageReader(root, timeout=TIMEOUT))
+    made = []
+    new_group = torch.distributed.new_group
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(kwargs.get("backend"))
+        return new_group(*args, **kwargs)
+
+    torch.distributed.new_group = counted
+    try:
+        dcp.load(got, storage_reader=ckpt.dcp.StorageReader(root, timeout=TIMEOUT))
+    finally:
+        torch.distributed.new_group = new_group
+    # one gloo group for each of the reader's collective calls, read_metadata and read_data
+    # (each costs connections to every rank; before, two each, one unused)
+    ctx.check(made == ["gloo", "gloo"], f"the load made these groups: {made}")
     for key in ("w", "v"):
         ctx.check(torch.equal(_bits(got["model"][key].to_local()), _bits(saved["model"][key].to_local())), key)
     ctx.check(torch.equal(_bits(got["model"]["b"]), _bits(saved["model"]["b"])), "b")
