@@ -16,7 +16,8 @@ filesystem.
 
 The roots' leaders form a gloo group of their own, and each runs a thread. After commits
 (collective, so every leader sees the same steps), one round at a time: the leaders agree
-on the newest committed step (older ones still queued are skipped alike), each streams
+on the newest committed step (older ones still queued are skipped alike, but for the
+milestones retention keeps for good, copied once no newer step waits), each streams
 its version directory to its targets in pieces (bandwidth-capped, `peer_bwlimit_mbps`)
 and receives its sources' directories into `replicas/peer-<id>/.incoming/`, verifies every
 file against the manifest's checksums (store.verify), publishes it as `v<step>` (rename,
@@ -79,7 +80,13 @@ from ckpt.store.root import root_id
 from ckpt.store.spare import retire, spares, take
 from ckpt.store.tier import open_tier
 from ckpt.store.verify import ChunkProblem, ExpectedChunk, expected_chunks
-from ckpt.store.versions import committed_steps, delete_version, read_root_info, version_dirname
+from ckpt.store.versions import (
+    committed_steps,
+    delete_version,
+    read_manifest_facts,
+    read_root_info,
+    version_dirname,
+)
 
 __all__ = ["PeerPlan", "plan_peers", "PeerCopier"]
 
@@ -387,8 +394,10 @@ class PeerCopier:
         policy: Policy | None,
         bwlimit_mbps: float | None,
         on_verified: Callable[[int], None] = lambda step: None,
+        keep_every: int | None = None,
     ) -> None:
         self._comm, self._plan, self._root, self._policy = comm, plan, root, policy
+        self._keep_every = keep_every
         self._rate = None if bwlimit_mbps is None else bwlimit_mbps * 1e6
         self._on_verified = on_verified
         self._cond = threading.Condition()
@@ -399,6 +408,7 @@ class PeerCopier:
         self._recheck: set[int] = set()  # steps copied whose commit was told again
         self._id = root_id(root)
         self._sources: dict[int, str] = {}  # source root index -> its identity, from its headers
+        self._settled: set[int] = set()  # committed steps copied, or passed over for good (no milestone)
         self._closing = False
         self._abandoned = False
         self.failed: str | None = None
@@ -449,9 +459,16 @@ class PeerCopier:
 
     def _run(self) -> None:
         try:
+            owed = -1  # a milestone a newer round passed over, not copied yet
             while True:
                 with self._cond:
-                    while self._pending < 0 and not self._recheck and not self._closing and not self._abandoned:
+                    while (
+                        self._pending < 0
+                        and owed < 0
+                        and not self._recheck
+                        and not self._closing
+                        and not self._abandoned
+                    ):
                         self._cond.wait()
                     if self._abandoned:
                         return
@@ -460,10 +477,13 @@ class PeerCopier:
                     self._requeue_overwritten(step)
                 with self._cond:
                     mine, closing = self._pending, self._closing
-                if mine < 0 and not closing:  # only a commit told twice
+                if mine < 0 and owed < 0 and not closing:  # only a commit told twice
                     continue
-                # Every leader takes part in each round: the newest step any has, and whether all close.
-                newest, open_ = self._comm.reduce_max([mine, int(not closing)])
+                # Every leader takes part in each round: the newest step any has, whether all
+                # close, and the newest milestone owed (after the newest steps: they matter most).
+                newest, open_, milestone = self._comm.reduce_max([mine, int(not closing), owed])
+                if newest < 0:
+                    newest = milestone
                 if newest < 0:
                     if not open_:
                         return
@@ -475,6 +495,8 @@ class PeerCopier:
                         self._pending = -1
                     self._done = max(self._done, newest)
                 self._round(newest)
+                self._settled.add(newest)
+                owed = self._owed_milestone()
         except Exception as e:  # noqa: BLE001 - the job goes on; its versions stay on their roots
             self.failed = f"{type(e).__name__}: {e}"
             log.error("%s: peer copies stopped: %s", self._root, self.failed)
@@ -485,6 +507,25 @@ class PeerCopier:
             for home in peer_dirs(self._root).values():  # no copy will reuse them
                 for tree in spares(home):
                     remove_tree(tree, ignore_errors=True)
+
+    def _owed_milestone(self) -> int:
+        """The newest step committed in this job that a newer round passed over and that
+        retention keeps for good (saved with milestone=True, or a multiple of keep_every):
+        its copies are owed, or a node's loss would take it. -1: none. Every leader finds
+        the same (commits and their milestone flags are the job's), and the rounds follow
+        the largest any leader owes."""
+        with self._cond:
+            passed = sorted((s for s in self._committed if s < self._done and s not in self._settled), reverse=True)
+        for step in passed:
+            if self._keep_every is not None and step % self._keep_every == 0:
+                return step
+            try:
+                if read_manifest_facts(open_tier(self._root), step).milestone:
+                    return step
+            except (CkptError, OSError) as e:  # (deleted since: nothing to copy)
+                log.warning("%s: cannot tell whether step %d is a milestone to copy: %s", self._root, step, e)
+            self._settled.add(step)
+        return -1
 
     def _round(self, step: int) -> None:
         plan, comm = self._plan, self._comm

@@ -199,6 +199,7 @@ class Checkpointer:
             policy=self.config.retention(),
             bwlimit_mbps=self.config.peer_bwlimit_mbps,
             on_verified=(lambda step: None) if retention is None else retention.committed,
+            keep_every=self.config.keep_every,
         )
         return comm, copier
 

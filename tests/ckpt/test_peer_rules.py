@@ -204,3 +204,39 @@ def open_that_fails_after_the_peers(ctx: Any, base: str) -> dict[str, Any]:
 def test_an_open_that_fails_after_the_peer_copier_started_stops_it(tmp_path: Path) -> None:
     results, failures = launch(__file__, "open_that_fails_after_the_peers", 2, tmp_path / "job", base=str(tmp_path))
     assert not failures, failures
+
+
+def milestones_passed_over(ctx: Any, base: str) -> dict[str, Any]:
+    """Two ranks, a node each. Step 1's copies go slowly (a bandwidth cap), and steps 2 (saved
+    as a milestone), 3 (a multiple of keep_every), 4 and 5 commit meanwhile: the next round
+    copies step 5, the newest, and then the milestones it passed over; never step 4."""
+    import datetime
+    import os
+
+    from ckpt._peer_status import peer_dirs
+    from ckpt.store.versions import committed_steps
+
+    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+    big = torch.full((1 << 20,), float(ctx.rank))  # 4 MiB a root: 2 s a copy at 2 MB/s
+    with Checkpointer(
+        lambda r: f"{base}/n{r}",
+        peer_copies=1,
+        peer_bwlimit_mbps=2.0,
+        keep_last=10,
+        keep_every=3,
+        timeout=datetime.timedelta(seconds=90),
+    ) as ck:
+        for step in (1, 2, 3, 4, 5):
+            ck.save(step, {"w": big + step}, milestone=step == 2)
+            ck.wait()
+    (held,) = peer_dirs(f"{base}/n{ctx.rank}").values()
+    return {"copied": committed_steps(held)}
+
+
+def test_a_milestone_a_newer_round_passed_over_is_copied_after_it(tmp_path: Path) -> None:
+    """Before, the copier copied only the newest step of those waiting: a milestone saved
+    while another step's copies were on their way had no peer copy, so a node's loss took
+    its part of the version that retention keeps for good."""
+    results, failures = launch(__file__, "milestones_passed_over", 2, tmp_path / "job", base=str(tmp_path))
+    assert not failures, failures
+    assert [r["copied"] for r in results] == [[1, 2, 3, 5]] * 2, results
