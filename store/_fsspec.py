@@ -164,11 +164,16 @@ class FsspecTier(Tier):
             self.fs.retries = 1  # s3fs's own loop (an instance of these options only)
             try:  # its client now, not on the first request: a misspelled option is the URL's error
                 self.fs.connect()
-            except (TypeError, ValueError, AttributeError) as e:
+            except (TypeError, ValueError, AttributeError, OSError) as e:
                 why = redact(f"{type(e).__name__}: {e}", self.options)
                 raise TierUnavailableError(
                     errno.EINVAL, f"cannot open {self.location}: bad storage options: {why}"
                 ) from None
+            except Exception as e:  # botocore's own (an unknown profile, a bad addressing style)
+                if type(e).__module__.split(".")[0] not in _BACKENDS:
+                    raise
+                why = redact(f"{type(e).__name__}: {e}", self.options)
+                raise TierUnavailableError(errno.EINVAL, f"cannot open {self.location}: {why}") from None
         endpoint = _endpoint(self.options) if s3 else None  # one bucket name behind two endpoints: two stores
         self._store_id = (
             self.location if endpoint is None else f"{self.location} at {redact(str(endpoint), self.options)}"
