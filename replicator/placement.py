@@ -19,18 +19,20 @@ import hashlib
 import os
 import platform
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NoReturn
 
 import xxhash
 
 from ckpt.store.errors import TierUnavailableError
 from ckpt.store.fsio import makedirs, write_durable
-from ckpt.store.tier import Tier, is_url
+from ckpt.store.tier import Capabilities, ObjectInfo, ReadHandle, Tier, is_url
 
 __all__ = [
     "DISK_MARKER",
     "Destination",
+    "UnopenedTier",
     "disk_id",
     "device_id",
     "device_decides",
@@ -141,6 +143,50 @@ def source_label(root: str) -> str:
     if len(label) <= _LABEL_CHARS:
         return label
     return f"{label[: _LABEL_CHARS - 17]}~{xxhash.xxh3_64_hexdigest(label.encode())}"
+
+
+class UnopenedTier(Tier):
+    """A destination that failed to open in this pass (a peer node down, its disk failing):
+    every call raises that error, so its copies fail and its versions are judged unknown
+    (kept), never absent."""
+
+    capabilities = Capabilities(atomic_rename=False, range_reads=False, direct_io=False, local_files=False)
+
+    def __init__(self, location: str, why: str) -> None:
+        self.location, self._why = location, why
+
+    def _fail(self) -> NoReturn:
+        raise TierUnavailableError(errno.EIO, f"{self.location}: {self._why}")
+
+    def get(self, key: str) -> bytes:
+        self._fail()
+
+    def open_read(self, key: str) -> ReadHandle:
+        self._fail()
+
+    def put(self, key: str, data: bytes) -> None:
+        self._fail()
+
+    def put_stream(self, key: str, blocks: Callable[[], Iterable[bytes | memoryview]], size: int) -> bool:
+        self._fail()
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        self._fail()
+
+    def listdir(self, prefix: str = "") -> list[str]:
+        self._fail()
+
+    def find(self, prefix: str) -> list[ObjectInfo]:
+        self._fail()
+
+    def exists(self, key: str) -> bool:
+        self._fail()
+
+    def delete(self, key: str) -> None:
+        self._fail()
+
+    def delete_tree(self, prefix: str) -> None:
+        self._fail()
 
 
 @dataclass

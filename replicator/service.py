@@ -30,6 +30,7 @@ from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.gc import collect, judge
 from ckpt.replicator.placement import (
     Destination,
+    UnopenedTier,
     claim_disk,
     device_decides,
     device_id,
@@ -62,6 +63,7 @@ from ckpt.store.errors import (
     StoppedError,
     UnsupportedStateError,
     VersionExistsError,
+    VersionNotFoundError,
 )
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import deleting
@@ -142,7 +144,7 @@ class Replicator:
                 self.errors.append(f"{self._redact(r)}: {why}")
                 self._last_error[url] = why
                 self._failed_dests.add(url)
-                dest = Destination(url, "replica", self._tier(url), disk=status.disks.get(r))
+                dest = Destination(url, "replica", UnopenedTier(self._redact(url), why), disk=status.disks.get(r))
             if dest is not None:
                 out.append(dest)
         if len(out) < self.config.replicas - 1:
@@ -220,7 +222,7 @@ class Replicator:
         left: dict[str, list[int]] = {}
         for source in self.sources:
             self._note_unreached(source)
-            write_status(source, self._status[source])
+            self._write_status(source)
             left[source] = self.not_replicated(source)
             self._report(source)
         metrics.NOT_REPLICATED.set(sum(len(steps) for steps in left.values()))
@@ -320,6 +322,8 @@ class Replicator:
                 continue  # every copy is made: no manifest to read (a pass over many versions stays short)
             try:
                 manifest = read_manifest(tier, step)
+            except VersionNotFoundError:
+                continue  # deleted (a GC) since the listing: nothing to copy
             except CkptError as e:  # tried again on the next pass; `--once` reports it
                 log.warning("step %d on %s is unreadable, not replicated: %s", step, source, e)
                 self.errors.append(f"step {step} on {source} is unreadable, not replicated: {self._redact(str(e))}")
@@ -348,17 +352,23 @@ class Replicator:
             if self.remote is not None:
                 self._push_remote(source, step, manifest, writers, entry, state_dir, failed)
             if time.monotonic() - written > 1.0:  # progress for `ckpt ls`, without an fsync per version
-                try:
-                    write_status(source, status)
-                except OSError as e:  # a full disk: the pass goes on to the GC that frees it
-                    log.warning("cannot write the status of %s yet: %s", source, e)
+                self._write_status(source)
                 written = time.monotonic()
         for gone in set(status.versions) - set(steps):
             status.versions.pop(gone)
         try:
             self._gc(source, dests)
         finally:  # a GC that failed (the next pass tries again) loses none of this pass's record
-            write_status(source, status)
+            self._write_status(source)
+
+    def _write_status(self, source: str) -> None:
+        """Record the status beside the source, if its disk lets it: on a full disk the
+        copies go on, and the GC they allow frees it (the next write records them). Until
+        then `ckpt gc` reads the last status written, which requires more, never less."""
+        try:
+            write_status(source, self._status[source])
+        except OSError as e:
+            log.warning("cannot write the replicator's status of %s (kept in memory): %s", source, e)
 
     def _done(self, entry: VersionStatus, dests: list[Destination]) -> bool:
         """Whether every copy of the version exists, verified (or expired on the remote)."""

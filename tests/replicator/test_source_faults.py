@@ -17,6 +17,7 @@ import torch
 from ckpt import Checkpointer
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.placement import source_label
+from ckpt.replicator.policy import KeepLast
 from ckpt.replicator.service import Replicator
 from ckpt.store import _local as local
 from ckpt.store.versions import committed_steps
@@ -115,12 +116,14 @@ def test_replicate_once_exits_3_when_a_version_could_not_be_read(tmp_path: Path)
 
 
 @pytest.mark.skipif(not can_isolate(), reason="needs root, unshare(1) and mount namespaces")
-def test_a_full_source_disk_is_replicated_and_then_freed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep_last", [1, 3])
+def test_a_full_source_disk_is_replicated_and_then_freed(tmp_path: Path, keep_last: int) -> None:
     """The source root's disk (a real 2 MiB tmpfs) is full: three 400 kB versions and a
     filler file. `ckpt replicate --once --keep-last 1` copies every version to the remote
     and then deletes the two older ones. Before, its journal's write beside the root failed
     with ENOSPC, that failure was taken for the remote's, nothing was copied, so nothing
-    counted as copied and nothing was freed: a full disk stayed full."""
+    counted as copied and nothing was freed: a full disk stayed full. With `--keep-last 3`
+    nothing is freed, and the run still succeeds (its status, unwritten, is a warning)."""
     disk, remote = tmp_path / "disk", tmp_path / "remote"
     disk.mkdir()
     script = textwrap.dedent(
@@ -141,7 +144,7 @@ def test_a_full_source_disk_is_replicated_and_then_freed(tmp_path: Path) -> None
                     f.flush()
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
-        run = CliRunner().invoke(main, ["replicate", src, "--once", "--to", "file://{remote}", "--keep-last", "1"])
+        run = CliRunner().invoke(main, ["replicate", src, "--once", "--to", "file://{remote}", "--keep-last", "{keep_last}"])
         print(json.dumps({{"code": run.exit_code, "remote": committed_steps("file://{remote}"),
                           "source": committed_steps(src), "output": run.output[-2000:]}}))
         """
@@ -150,5 +153,55 @@ def test_a_full_source_disk_is_replicated_and_then_freed(tmp_path: Path) -> None
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["remote"] == [1, 2, 3], got
-    assert got["source"] == [3], got
+    assert got["source"] == [3] if keep_last == 1 else [1, 2, 3], got
     assert got["code"] == 0, got
+
+
+def test_a_replica_root_on_a_node_that_is_down_does_not_stop_the_others(tmp_path: Path) -> None:
+    """Three copies: one on another node's root through a URL (ftp://, that node down: its
+    connection refused, so the tier does not even open) and one on a local disk. The local
+    copy is made and the remote one fails, still required: the source keeps the version
+    through a GC (before: the pass failed at the URL root, and no copy was made anywhere)."""
+    from tests.s3_server import free_port
+
+    src, other = two_disks(tmp_path)
+    with Checkpointer(src) as ck:
+        ck.save(1, {"w": torch.arange(10.0)})
+    down = f"ftp://127.0.0.1:{free_port()}/r"
+    config = ReplicatorConfig(replicas=3, replica_roots=(down, str(other)), local_policy=KeepLast(1))
+    rep = Replicator([str(src)], config)
+    status = rep.run_once()[str(src)]
+    states = {url.split(":")[0]: c.state for url, c in status.versions[1].copies.items()}
+    assert states == {"ftp": "failed", str(other / "replicas" / source_label(str(src))): "verified"}, states
+    assert rep.errors and "ftp://127.0.0.1" in rep.errors[0], rep.errors
+    assert committed_steps(str(other / "replicas" / source_label(str(src)))) == [1]
+    with Checkpointer(src) as ck:
+        ck.save(2, {"w": torch.arange(10.0) + 2})
+    rep.run_once()
+    assert committed_steps(str(src)) == [1, 2]  # neither has its third copy
+
+
+def test_a_version_a_gc_deletes_during_the_pass_is_no_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's retention deletes step 1 (for real) just after the pass listed it: that is
+    nothing to copy, not a failure, and `--once` exits 0 (it exited 3, "not replicated")."""
+    from click.testing import CliRunner
+
+    from ckpt.cli import main as cli_main
+    from ckpt.replicator import service
+    from ckpt.store.versions import delete_version
+
+    src, other = two_disks(tmp_path)
+    _saved(src)
+    real = service.read_root_info
+
+    def deleted_meanwhile(tier: Any, step: int) -> Any:
+        if step == 1 and 1 in committed_steps(str(src)):
+            delete_version(str(src), 1)
+        return real(tier, step)
+
+    monkeypatch.setattr(service, "read_root_info", deleted_meanwhile)
+    run = CliRunner().invoke(
+        cli_main, ["replicate", str(src), "--once", "--replicas", "2", "--replica-root", str(other)]
+    )
+    assert run.exit_code == 0, run.output
+    assert committed_steps(str(other / "replicas" / source_label(str(src)))) == [2, 3]
