@@ -31,7 +31,7 @@ from ckpt.store.fsio import DIR_MODE, FILE_MODE, fsync_dir, fsync_dirs, makedirs
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
 from ckpt.store.rank_file import RANKS_DIR, rank_file_path
 from ckpt.store.root import RootLock, version_above
-from ckpt.store.tree_format import DICT, MARKERS, OBJECT
+from ckpt.store.tree_format import DICT, MARKERS, OBJECT, TUPLE
 from ckpt.store.versions import committed_steps, version_dirname
 from ckpt.store.zarr_meta import ArrayNode, write_hierarchy
 
@@ -145,27 +145,57 @@ def selected(manifest: Manifest, sources: Sequence[Source], keys: frozenset[str]
     """Every saved rank's state tree as one (merged_tree; only its `keys`, if given) and the
     arrays it refers to."""
     tree: Any = None
+    held: set[tuple[str, ...]] = set()
     for i, mine in enumerate(saved_trees(manifest, sources)):
         if keys is not None and isinstance(mine, dict):
             mine = {k: v for k, v in mine.items() if k in keys}
+        held |= _tensor_paths(mine)
         tree = mine if i == 0 else merged_tree(tree, mine)
+    # A place in the tree where a rank saved a tensor and the merged tree has none: never a
+    # file that silently lacks it (a tensor that differs across ranks has its place).
+    lost = sorted(held - _tensor_paths(tree))
+    if lost:
+        raise CkptError(
+            f"step {manifest.step}: the saved ranks' state trees do not merge into one: the tensors at "
+            f"{', '.join('/'.join(p) for p in lost[:3])}{' ...' if len(lost) > 3 else ''} would be left out; "
+            "restore() it on the saved layout, or export it with --to-safetensors"
+        )
     return tree, referenced_arrays(tree)
+
+
+def _tensor_paths(node: Any, path: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    """Where a saved JSON tree holds tensors (keys, list indices, a DICT pair's key's JSON)."""
+    if isinstance(node, list):
+        return {p for i, v in enumerate(node) for p in _tensor_paths(v, (*path, str(i)))}
+    if not isinstance(node, dict):
+        return set()
+    if "__tensor__" in node or "__ndarray__" in node:
+        return {path}
+    if len(node) == 1 and isinstance(node.get(DICT), list):
+        return {p for pair in node[DICT] if _is_pair(pair) for p in _tensor_paths(pair[1], (*path, _pair_key(pair)))}
+    return {p for k, v in node.items() for p in _tensor_paths(v, (*path, str(k)))}
 
 
 def merged_tree(first: Any, other: Any) -> Any:
     """Two saved ranks' trees as one: `first`, with what only `other` holds added. A rank's
     tree may hold a share of the state: DCP gives each replicated tensor and item to one
-    rank, pipeline stages hold different modules. Where both hold a key, the two values'
-    dicts are merged the same way, and otherwise `first`'s value stands (values that
-    differ across ranks, such as a per-rank position, are those of the lower rank)."""
+    rank, pipeline stages hold different modules (a dict, or a list of parts, each). Where
+    both hold a key, the two values' dicts (lists and tuples: item by item) are merged the
+    same way, and otherwise `first`'s value stands (values that differ across ranks, such
+    as a per-rank position, are those of the lower rank)."""
     if _is_plain(first) and _is_plain(other):
         out = dict(first)
         for k, v in other.items():
             out[k] = merged_tree(out[k], v) if k in out else v
         return out
+    if isinstance(first, list) and isinstance(other, list):  # item by item: pipeline stages in a list
+        return [*(merged_tree(a, b) for a, b in zip(first, other)), *first[len(other) :], *other[len(first) :]]
     if isinstance(first, dict) and isinstance(other, dict) and len(first) == len(other) == 1:
         if OBJECT in first and OBJECT in other:
             return {OBJECT: merged_tree(first[OBJECT], other[OBJECT])}
+        if TUPLE in first and TUPLE in other and isinstance(first[TUPLE], list) and isinstance(other[TUPLE], list):
+            if len(first[TUPLE]) == len(other[TUPLE]):  # (a tuple's length is part of its value)
+                return {TUPLE: merged_tree(first[TUPLE], other[TUPLE])}
         if DICT in first and DICT in other and isinstance(first[DICT], list) and isinstance(other[DICT], list):
             pairs = {_pair_key(p): p for p in first[DICT] if _is_pair(p)}
             for p in other[DICT]:

@@ -186,6 +186,13 @@ def save_stages(ctx: Ctx, root: str) -> dict:
     stage = {"w": torch.full((3,), float(ctx.rank)), "lr": 0.1 * (ctx.rank + 1), "ids": {ctx.rank: ctx.rank}}
     with Checkpointer(f"{root}/pp", capture_rng=False) as ck:
         ck.save(1, {"model": {f"stage{ctx.rank}": stage}, "step": 1, "where": {"rank": ctx.rank}})
+    # torchtitan's model_parts: a list of each rank's stages; a per-rank tensor at one place
+    part = {f"layers.{2 * ctx.rank + i}.w": torch.full((2,), 10.0 * (2 * ctx.rank + i)) for i in (0, 1)}
+    with Checkpointer(f"{root}/parts", capture_rng=False) as ck:
+        ck.save(1, {"model": [part], "pos": torch.tensor([ctx.rank]), "step": 1})
+    # trees that cannot be one: a tuple of one tensor on rank 0, of two on rank 1
+    with Checkpointer(f"{root}/odd", capture_rng=False) as ck:
+        ck.save(1, {"t": tuple(torch.full((2,), float(i)) for i in range(ctx.rank + 1))})
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     writer = ckpt.dcp.StorageWriter(f"{root}/dcp", 1, timeout=timedelta(seconds=60))
@@ -208,6 +215,19 @@ def test_an_export_to_torch_holds_what_every_saved_rank_held(tmp_path: Path) -> 
     assert (got["model"]["stage0"]["lr"], got["model"]["stage1"]["lr"]) == (0.1, 0.2)
     assert got["model"]["stage1"]["ids"] == {1: 1} and got["step"] == 1
     assert got["where"] == {"rank": 0}  # a value both ranks hold, differently: the lower rank's
+    # stages in a list merge item by item (before: rank 0's list stood alone, exit 0)
+    out = tmp_path / "parts.pt"
+    r = runner.invoke(cli, ["restore", str(tmp_path / "parts"), "--to-torch", str(out)])
+    assert r.exit_code == 0, r.output
+    got = torch.load(out, weights_only=True)
+    assert sorted(got["model"][0]) == [f"layers.{i}.w" for i in range(4)], got
+    for i in range(4):
+        assert_bitwise(got["model"][0][f"layers.{i}.w"], torch.full((2,), 10.0 * i))
+    assert_bitwise(got["pos"], torch.tensor([0]))  # a tensor both ranks hold, differently: the lower rank's
+    # where the trees cannot merge, an error that says so, never a file that lacks a tensor
+    r = runner.invoke(cli, ["restore", str(tmp_path / "odd"), "--to-torch", str(tmp_path / "odd.pt")])
+    assert r.exit_code == 3 and "do not merge" in r.output, r.output
+    assert not (tmp_path / "odd.pt").exists()
     out = tmp_path / "dcp.pt"
     r = runner.invoke(cli, ["restore", str(tmp_path / "dcp"), "--to-torch", str(out)])
     assert r.exit_code == 0, r.output
