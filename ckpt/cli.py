@@ -30,7 +30,7 @@ from ckpt._cli_targets import check_writable_root
 from ckpt._listing import peer_copies_held, version_rows
 from ckpt._render import human, inspect_lines, inspect_rows, ls_lines
 from ckpt._verify import verify_tier
-from ckpt.store.errors import CkptError, CorruptVersionError
+from ckpt.store.errors import CkptError, CorruptVersionError, VersionNotFoundError
 from ckpt.store.storage_options import parse_storage_options, redact
 from ckpt.store.tier import Tier, is_url, local_location, open_tier
 from ckpt.store.versions import MAX_STEP, committed_steps
@@ -296,7 +296,10 @@ def restore_cmd(
 
         def export(located: Located) -> tuple[int, str]:
             manifest = _manifest_of(located)
-            names = selected(manifest, located.sources, wanted)[1]
+            tree, names = selected(manifest, located.sources, wanted)
+            missing = sorted(wanted - set(tree)) if wanted is not None and isinstance(tree, dict) else []
+            if missing:  # (without --step, only a version that holds them is chosen)
+                raise VersionNotFoundError(f"step {located.step} holds no {', '.join(missing)}: --keys names them")
             total = (
                 manifest.total_bytes
                 if out is None

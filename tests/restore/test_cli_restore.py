@@ -245,3 +245,23 @@ def _leaves(node: object, path: str = "") -> list[tuple[str, object]]:
     if isinstance(node, dict):
         return [kv for k, v in node.items() for kv in _leaves(v, f"{path}.{k}" if path else str(k))]
     return [(path, node)]
+
+
+def test_keys_a_chosen_step_lacks_are_an_error(tmp_path: Path) -> None:
+    """`--step 1 --keys model,nope`: step 1 holds no "nope". Before, the file held "model"
+    alone (with `--keys nope`, nothing at all) and the command exited 0; without --step
+    such a request was already refused."""
+    with Checkpointer(tmp_path / "root", capture_rng=False) as ck:
+        ck.save(1, {"model": {"w": torch.ones(2)}, "other": {"w": torch.zeros(2)}, "step": 1})
+    out = tmp_path / "out.pt"
+    for keys in ("model,nope", "nope"):
+        r = CliRunner().invoke(
+            cli, ["restore", str(tmp_path / "root"), "--step", "1", "--to-torch", str(out), "--keys", keys]
+        )
+        assert r.exit_code == 3 and "step 1 holds no nope" in r.output, r.output
+        assert not out.exists()
+    r = CliRunner().invoke(
+        cli, ["restore", str(tmp_path / "root"), "--step", "1", "--to-torch", str(out), "--keys", "model"]
+    )
+    assert r.exit_code == 0, r.output
+    assert sorted(torch.load(out, weights_only=True)) == ["model"]
