@@ -8,6 +8,7 @@ and the commit protocol live in ckpt.store, reading in ckpt.restore.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -15,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Literal
+
+import xxhash
 
 from ckpt import _roots
 from ckpt._dist import Comm, destroy_comms, make_comms, subgroup
@@ -421,6 +424,15 @@ class Checkpointer:
         self._check_open()
         if step is not None:
             check_step(step)
+        # Every rank plans the files from its arguments: ranks that differ would read in
+        # rounds that do not pair up (a hang), or export mixed trees.
+        args = json.dumps([step, prefix, str(max_shard_size), dtype, force])
+        mine = xxhash.xxh3_64_intdigest(args.encode()) >> 1
+        high, low = self._ctl.reduce_max([mine, -mine])
+        if high != -low:
+            raise ValueError(
+                "export_safetensors(): the ranks pass different step, prefix, max_shard_size, dtype or force"
+            )
         self.wait()
         found = restore_newest(
             self._ctl,

@@ -349,3 +349,38 @@ def test_the_exported_files_are_readable_as_ckpt_files_are(saved: tuple[Path, An
     for out in (tmp_path / "hf", tmp_path / "job"):
         modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
         assert len(modes) > 0 and set(modes.values()) == {oct(want)}, modes
+
+
+def export_with_other_arguments(ctx: Any, base: str) -> dict[str, Any]:
+    """Two ranks export the version saved by save_two_roots (reached through both roots)
+    with other max_shard_size, then other prefixes: each is ValueError on every rank at
+    once. Before, the first waited for the group's timeout (a gloo error), and the second
+    exported a mix of the two prefixes' trees."""
+    import time
+
+    import ckpt
+
+    outcomes = []
+    for kwargs in (
+        {"max_shard_size": "40B" if ctx.rank == 0 else "5GB"},
+        {"prefix": "model" if ctx.rank else "model.emb"},
+    ):
+        with ckpt.Checkpointer(
+            f"{base}/node{ctx.rank}", tiers=[f"{base}/node{1 - ctx.rank}"], timeout=datetime.timedelta(seconds=60)
+        ) as ck:
+            started = time.monotonic()
+            try:
+                ck.export_safetensors(f"{base}/hf-{len(outcomes)}", **kwargs)
+                outcomes.append(("exported", 0.0))
+            except ValueError as e:
+                outcomes.append((str(e), time.monotonic() - started))
+    return {"outcomes": outcomes}
+
+
+def test_ranks_that_pass_an_export_other_arguments_are_refused_together(tmp_path: Path) -> None:
+    _, failures = launch(THIS, "save_two_roots", 2, tmp_path, base=str(tmp_path))
+    assert not failures, failures
+    results, failures = launch(THIS, "export_with_other_arguments", 2, tmp_path / "job", base=str(tmp_path))
+    assert not failures, failures
+    for r in results:
+        assert [("different" in why, s < 30) for why, s in r["outcomes"]] == [(True, True)] * 2, r
