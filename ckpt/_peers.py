@@ -80,13 +80,7 @@ from ckpt.store.root import root_id
 from ckpt.store.spare import retire, spares, take
 from ckpt.store.tier import open_tier
 from ckpt.store.verify import ChunkProblem, ExpectedChunk, expected_chunks
-from ckpt.store.versions import (
-    committed_steps,
-    delete_version,
-    read_manifest_facts,
-    read_root_info,
-    version_dirname,
-)
+from ckpt.store.versions import committed_steps, delete_version, read_root_info, version_dirname
 
 __all__ = ["PeerPlan", "plan_peers", "PeerCopier"]
 
@@ -408,6 +402,7 @@ class PeerCopier:
         self._recheck: set[int] = set()  # steps copied whose commit was told again
         self._id = root_id(root)
         self._sources: dict[int, str] = {}  # source root index -> its identity, from its headers
+        self._milestones: set[int] = set()  # committed steps saved with milestone=True
         self._settled: set[int] = set()  # committed steps copied, or passed over for good (no milestone)
         self._closing = False
         self._abandoned = False
@@ -415,12 +410,15 @@ class PeerCopier:
         self._thread = threading.Thread(target=self._run, name="ckpt-peers", daemon=True)
         self._thread.start()
 
-    def committed(self, step: int) -> None:
-        """A commit of this root. Again for a step already copied: the thread compares the
-        version's save id with the one it copied, and copies an overwrite again (the same
-        commit told twice is not copied twice)."""
+    def committed(self, step: int, milestone: bool = False) -> None:
+        """A commit of this root, and whether it was saved with milestone=True (the job's
+        save, the same on every leader). Again for a step already copied: the thread
+        compares the version's save id with the one it copied, and copies an overwrite
+        again (the same commit told twice is not copied twice)."""
         with self._cond:
             self._committed.add(step)
+            if milestone:
+                self._milestones.add(step)
             if step > self._done:
                 self._pending = max(self._pending, step)
             elif step in self._copied:
@@ -512,19 +510,15 @@ class PeerCopier:
         """The newest step committed in this job that a newer round passed over and that
         retention keeps for good (saved with milestone=True, or a multiple of keep_every):
         its copies are owed, or a node's loss would take it. -1: none. Every leader finds
-        the same (commits and their milestone flags are the job's), and the rounds follow
-        the largest any leader owes."""
+        the same from the job's own facts (its commits, each save's milestone tag: nothing
+        read from a root, which one leader may fail to read), or one would wait for a round
+        that the others do not start."""
         with self._cond:
             passed = sorted((s for s in self._committed if s < self._done and s not in self._settled), reverse=True)
-        for step in passed:
-            if self._keep_every is not None and step % self._keep_every == 0:
-                return step
-            try:
-                if read_manifest_facts(open_tier(self._root), step).milestone:
+            for step in passed:
+                if step in self._milestones or (self._keep_every is not None and step % self._keep_every == 0):
                     return step
-            except (CkptError, OSError) as e:  # (deleted since: nothing to copy)
-                log.warning("%s: cannot tell whether step %d is a milestone to copy: %s", self._root, step, e)
-            self._settled.add(step)
+                self._settled.add(step)
         return -1
 
     def _round(self, step: int) -> None:

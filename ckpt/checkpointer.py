@@ -164,20 +164,20 @@ class Checkpointer:
             resume_peer_copies(self.root)
         self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
         self._peer_comm, self._peers = self._open_peers()
-        hooks = [h.committed for h in (self._retention, self._peers) if h is not None]
         self._saver = Saver(
             self.config,
             self._ctl,
             self._data,
             self._ctx,
             self._tier,
-            on_commit=self._committed if hooks else None,
+            on_commit=self._committed if self._retention is not None or self._peers is not None else None,
         )
-        self._commit_hooks = hooks
 
-    def _committed(self, step: int) -> None:
-        for hook in self._commit_hooks:
-            hook(step)
+    def _committed(self, step: int, milestone: bool) -> None:
+        if self._retention is not None:
+            self._retention.committed(step)
+        if self._peers is not None:
+            self._peers.committed(step, milestone)
 
     def _open_peers(self) -> tuple[Comm | None, PeerCopier | None]:
         """The roots' leaders' group and this leader's peer-copy thread (ckpt._peers)."""
@@ -482,7 +482,8 @@ class Checkpointer:
         try:
             self._saver.wait()
             if self._peers is not None and self._saver.stats:  # its done-callback may not have run yet
-                self._peers.committed(self._saver.stats[-1].step)  # (a step already copied is not copied again)
+                step = self._saver.stats[-1].step  # (a step already copied is not copied again)
+                self._peers.committed(step, step in self._saver.milestones)
         finally:
             self._closed = True
             if self._peers is not None:

@@ -240,3 +240,48 @@ def test_a_milestone_a_newer_round_passed_over_is_copied_after_it(tmp_path: Path
     results, failures = launch(__file__, "milestones_passed_over", 2, tmp_path / "job", base=str(tmp_path))
     assert not failures, failures
     assert [r["copied"] for r in results] == [[1, 2, 3, 5]] * 2, results
+
+
+def milestone_unreadable_on_one_root(ctx: Any, base: str) -> dict[str, Any]:
+    """As milestones_passed_over, but rank 1's root holds step 2 (the milestone) with a
+    damaged manifest, and the job then waits longer than its group timeout before it
+    closes. Every leader owes step 2 all the same (the save's tag, not a file one of them
+    reads): its round runs at once, and the copier never waits for a round alone."""
+    import datetime
+    import json
+    import os
+    import time
+
+    from ckpt._peer_status import PEER_STATUS, peer_dirs
+    from ckpt.store.versions import committed_steps
+
+    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+    big = torch.full((1 << 20,), float(ctx.rank))
+    mine = f"{base}/n{ctx.rank}"
+    with Checkpointer(
+        lambda r: f"{base}/n{r}", peer_copies=1, peer_bwlimit_mbps=2.0, timeout=datetime.timedelta(seconds=5)
+    ) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": big + step}, milestone=step == 2)
+            ck.wait()
+        if ctx.rank == 1:  # while step 1's copies are on their way
+            path = f"{mine}/v000000000002/manifest.json"
+            with open(path, "rb") as f:
+                raw = f.read()
+            with open(path, "wb") as f:  # cut short: it no longer parses
+                f.write(raw[: len(raw) // 2])
+        time.sleep(14)  # longer than the group's timeout after the rounds of steps 1 and 3
+    with open(f"{mine}/{PEER_STATUS}") as f:
+        record = json.load(f)
+    (held,) = peer_dirs(mine).values()
+    return {"stopped": record.get("stopped"), "copied": committed_steps(held)}
+
+
+def test_leaders_agree_on_a_milestone_one_of_them_cannot_read(tmp_path: Path) -> None:
+    """Before, a leader that could not read the milestone's manifest did not owe it, and
+    slept, while the other waited for it in the round's collective until the group's
+    timeout: the copier stopped for good, and the peer rule with it."""
+    results, failures = launch(__file__, "milestone_unreadable_on_one_root", 2, tmp_path / "job", base=str(tmp_path))
+    assert not failures, failures
+    assert [r["stopped"] for r in results] == [None, None], results
+    assert results[0]["copied"] == [1, 3] and results[1]["copied"] == [1, 2, 3], results  # rank 1's step 2: refused
