@@ -182,7 +182,8 @@ def merged_tree(first: Any, other: Any) -> Any:
     rank, pipeline stages hold different modules (a dict, or a list of parts, each). Where
     both hold a key, the two values' dicts (lists and tuples: item by item) are merged the
     same way, and otherwise `first`'s value stands (values that differ across ranks, such
-    as a per-rank position, are those of the lower rank)."""
+    as a per-rank position, are those of the lower rank), unless only `other`'s holds
+    tensors."""
     if _is_plain(first) and _is_plain(other):
         out = dict(first)
         for k, v in other.items():
@@ -203,6 +204,8 @@ def merged_tree(first: Any, other: Any) -> Any:
                     k = _pair_key(p)
                     pairs[k] = [p[0], merged_tree(pairs[k][1], p[1])] if k in pairs else p
             return {DICT: list(pairs.values())}
+    if not referenced_arrays(first) and referenced_arrays(other):
+        return other  # (an empty dict, None: a frozen stage's optimizer state) tensors are never dropped for it
     return first
 
 

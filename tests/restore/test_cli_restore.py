@@ -188,8 +188,15 @@ def save_stages(ctx: Ctx, root: str) -> dict:
         ck.save(1, {"model": {f"stage{ctx.rank}": stage}, "step": 1, "where": {"rank": ctx.rank}})
     # torchtitan's model_parts: a list of each rank's stages; a per-rank tensor at one place
     part = {f"layers.{2 * ctx.rank + i}.w": torch.full((2,), 10.0 * (2 * ctx.rank + i)) for i in (0, 1)}
+    # and a frozen stage: its optimizer holds no state, the other's state under int keys
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    if ctx.rank == 1:
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
     with Checkpointer(f"{root}/parts", capture_rng=False) as ck:
-        ck.save(1, {"model": [part], "pos": torch.tensor([ctx.rank]), "step": 1})
+        ck.save(1, {"model": [part], "pos": torch.tensor([ctx.rank]), "optim": opt.state_dict(), "step": 1})
+    torch.save(opt.state_dict(), f"{root}/optim{ctx.rank}.pt")
     # trees that cannot be one: a tuple of one tensor on rank 0, of two on rank 1
     with Checkpointer(f"{root}/odd", capture_rng=False) as ck:
         ck.save(1, {"t": tuple(torch.full((2,), float(i)) for i in range(ctx.rank + 1))})
@@ -224,6 +231,11 @@ def test_an_export_to_torch_holds_what_every_saved_rank_held(tmp_path: Path) -> 
     for i in range(4):
         assert_bitwise(got["model"][0][f"layers.{i}.w"], torch.full((2,), 10.0 * i))
     assert_bitwise(got["pos"], torch.tensor([0]))  # a tensor both ranks hold, differently: the lower rank's
+    stepped = torch.load(tmp_path / "optim1.pt", weights_only=True)["state"]
+    assert sorted(got["optim"]["state"]) == [0, 1]  # rank 0's held none: rank 1's stands
+    for k in (0, 1):
+        for name, t in stepped[k].items():
+            assert_bitwise(got["optim"]["state"][k][name], t)
     # where the trees cannot merge, an error that says so, never a file that lacks a tensor
     r = runner.invoke(cli, ["restore", str(tmp_path / "odd"), "--to-torch", str(tmp_path / "odd.pt")])
     assert r.exit_code == 3 and "do not merge" in r.output, r.output
