@@ -422,8 +422,13 @@ class Checkpointer:
         from ckpt.restore.to_safetensors import export_needs
 
         self._check_open()
-        if step is not None:
-            check_step(step)
+        error: BaseException | None = None
+        try:
+            if step is not None:
+                check_step(step)
+        except (TypeError, ValueError) as e:
+            error = e
+        self._ctl.agree(error)  # (a rank that raised alone would leave the others in the next collective)
         # Every rank plans the files from its arguments: ranks that differ would read in
         # rounds that do not pair up (a hang), or export mixed trees.
         args = json.dumps([step, prefix, str(max_shard_size), dtype, force])

@@ -353,15 +353,16 @@ def test_the_exported_files_are_readable_as_ckpt_files_are(saved: tuple[Path, An
 
 def export_with_other_arguments(ctx: Any, base: str) -> dict[str, Any]:
     """Two ranks export the version saved by save_two_roots (reached through both roots)
-    with other max_shard_size, then other prefixes: each is ValueError on every rank at
-    once. Before, the first waited for the group's timeout (a gloo error), and the second
-    exported a mix of the two prefixes' trees."""
+    with a step rank 1 alone refuses, then other max_shard_size, then other prefixes: each
+    is an error on every rank at once. Before, the first two waited for the group's timeout
+    (a gloo error), and the third exported a mix of the two prefixes' trees."""
     import time
 
     import ckpt
 
     outcomes = []
     for kwargs in (
+        {"step": 5 if ctx.rank == 0 else -1},  # refused on rank 1 alone: RankFailures on rank 0, at once
         {"max_shard_size": "40B" if ctx.rank == 0 else "5GB"},
         {"prefix": "model" if ctx.rank else "model.emb"},
     ):
@@ -372,7 +373,7 @@ def export_with_other_arguments(ctx: Any, base: str) -> dict[str, Any]:
             try:
                 ck.export_safetensors(f"{base}/hf-{len(outcomes)}", **kwargs)
                 outcomes.append(("exported", 0.0))
-            except ValueError as e:
+            except (ValueError, ckpt.RankFailures) as e:
                 outcomes.append((str(e), time.monotonic() - started))
     return {"outcomes": outcomes}
 
@@ -383,4 +384,6 @@ def test_ranks_that_pass_an_export_other_arguments_are_refused_together(tmp_path
     results, failures = launch(THIS, "export_with_other_arguments", 2, tmp_path / "job", base=str(tmp_path))
     assert not failures, failures
     for r in results:
-        assert [("different" in why, s < 30) for why, s in r["outcomes"]] == [(True, True)] * 2, r
+        assert all(s < 30 for _, s in r["outcomes"]), r
+        assert all("different" in why for why, _ in r["outcomes"][1:]), r
+    assert "step must be" in results[1]["outcomes"][0][0] and "rank 1" in results[0]["outcomes"][0][0], results
