@@ -110,14 +110,16 @@ def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
     entry = None if status is None else status.versions.get(row.step)
     if entry is None or entry.save_id != save_id:
         return row
-    done = [*entry.copies.items(), *([("remote", entry.remote)] if entry.remote is not None else [])]
+    # the copies on the destinations the replicator requires now: those the GC counts
+    copies = {u: c for u, c in entry.copies.items() if status.replicas is None or u in status.replicas}
+    done = [*copies.items(), *([("remote", entry.remote)] if entry.remote is not None else [])]
     replicate_s = {dest: round(c.at - created, 3) for dest, c in done if c.state == "verified"}
     lag = None
     if entry.remote is not None:
         until = entry.remote.at if entry.remote.state in REMOTE_DONE else time.time()  # done: lag no longer grows
         lag = round(max(0.0, until - created), 3)
     return Row(
-        **{**row.__dict__, "copies": entry.copies, "remote": entry.remote, "replicate_s": replicate_s, "lag_s": lag}
+        **{**row.__dict__, "copies": copies, "remote": entry.remote, "replicate_s": replicate_s, "lag_s": lag}
     )
 
 

@@ -276,5 +276,8 @@ def test_copies_on_a_replica_root_no_longer_configured_do_not_count(tmp_path: Pa
         swept = gc(src, 1)
         assert swept.exit_code == 0, swept.output
         assert versions.committed_steps(str(src)) == [1, 2, 3], swept.output
+        listed = CliRunner().invoke(cli_main, ["ls", str(src), "--json"])  # as the GC counts them
+        rows = json.loads(listed.output)
+        assert [[c["state"] for c in r["copies"].values()] for r in rows] == [["failed"]] * 3, listed.output
     finally:
         subprocess.run(["chattr", "-i", str(second)], check=False)
