@@ -118,9 +118,7 @@ def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
     if entry.remote is not None:
         until = entry.remote.at if entry.remote.state in REMOTE_DONE else time.time()  # done: lag no longer grows
         lag = round(max(0.0, until - created), 3)
-    return Row(
-        **{**row.__dict__, "copies": copies, "remote": entry.remote, "replicate_s": replicate_s, "lag_s": lag}
-    )
+    return Row(**{**row.__dict__, "copies": copies, "remote": entry.remote, "replicate_s": replicate_s, "lag_s": lag})
 
 
 def peer_copies_held(root: str) -> dict[str, list[int]]:
