@@ -108,7 +108,7 @@ def _with_status(row: Row, root: str, save_id: str, created: float) -> Row:
     except (CkptError, OSError):  # shown without its copies; a GC refuses to run on it
         return row
     entry = None if status is None else status.versions.get(row.step)
-    if entry is None or entry.save_id != save_id:
+    if status is None or entry is None or entry.save_id != save_id:
         return row
     # the copies on the destinations the replicator requires now: those the GC counts
     copies = {u: c for u, c in entry.copies.items() if status.replicas is None or u in status.replicas}
