@@ -34,6 +34,7 @@ class SaveStats:
     """Per-rank timings of one save, in seconds."""
 
     step: int
+    milestone: bool = False  # the save's tag (milestone=True)
     stage_s: float = 0.0  # the training stall: staging copy (and any bounded-memory writes)
     write_s: float = 0.0  # chunk files written and fsynced, after the copy ended (overlap_writes: the tail)
     first_write_s: float | None = None  # save() call to the first chunk written (< stage_s with overlap_writes)
@@ -107,7 +108,7 @@ class SaveJob:
     _claimed: bool = False  # the commit has started (under _claim)
 
     def __post_init__(self) -> None:
-        self.stats = SaveStats(self.request.step)
+        self.stats = SaveStats(self.request.step, milestone=self.request.milestone)
 
     @property
     def step(self) -> int:

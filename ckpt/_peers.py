@@ -419,6 +419,8 @@ class PeerCopier:
             self._committed.add(step)
             if milestone:
                 self._milestones.add(step)
+            else:  # (an overwrite of a milestone with a plain save)
+                self._milestones.discard(step)
             if step > self._done:
                 self._pending = max(self._pending, step)
             elif step in self._copied:

@@ -115,7 +115,6 @@ class Saver:
     ) -> None:
         self.config, self._ctl, self._data, self._ctx, self._tier = config, ctl, data, ctx, tier
         self._on_commit = on_commit  # called with the step and its milestone tag after each commit that succeeded
-        self.milestones: set[int] = set()  # the steps queued with milestone=True
         self.rank = ctl.rank
         self._pending: Future[SaveStats] | None = None
         self.stats: list[SaveStats] = []
@@ -360,8 +359,6 @@ class Saver:
     def _queue(self, job: SaveJob) -> None:
         """Queue the job's commit; again is harmless (run_once)."""
         self._committer.submit(run_once, job, self._ctx, self._data, self._writer_pool, self.config.straggler_threshold)
-        if job.request.milestone:
-            self.milestones.add(job.step)
         if self._on_commit is not None:
             on_commit, step, milestone = self._on_commit, job.step, job.request.milestone
             job.outcome.add_done_callback(

@@ -8,7 +8,6 @@ and the commit protocol live in ckpt.store, reading in ckpt.restore.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -431,7 +430,7 @@ class Checkpointer:
         self._ctl.agree(error)  # (a rank that raised alone would leave the others in the next collective)
         # Every rank plans the files from its arguments: ranks that differ would read in
         # rounds that do not pair up (a hang), or export mixed trees.
-        args = json.dumps([step, prefix, str(max_shard_size), dtype, force])
+        args = repr((step, prefix, max_shard_size, dtype, force))  # (never raises, whatever their types)
         mine = xxhash.xxh3_64_intdigest(args.encode()) >> 1
         high, low = self._ctl.reduce_max([mine, -mine])
         if high != -low:
@@ -487,8 +486,8 @@ class Checkpointer:
         try:
             self._saver.wait()
             if self._peers is not None and self._saver.stats:  # its done-callback may not have run yet
-                step = self._saver.stats[-1].step  # (a step already copied is not copied again)
-                self._peers.committed(step, step in self._saver.milestones)
+                last = self._saver.stats[-1]  # (a step already copied is not copied again)
+                self._peers.committed(last.step, last.milestone)
         finally:
             self._closed = True
             if self._peers is not None:

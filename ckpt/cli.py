@@ -296,18 +296,15 @@ def restore_cmd(
 
         def export(located: Located) -> tuple[int, str]:
             manifest = _manifest_of(located)
+            if to_dir is not None:  # a copy of every file: no tree is merged
+                with progress(f"step {located.step}", manifest.total_bytes) as advance:
+                    return manifest.total_bytes, copy_version(manifest, located.sources, to_dir, advance)
             tree, names = selected(manifest, located.sources, wanted)
             missing = sorted(wanted - set(tree)) if wanted is not None and isinstance(tree, dict) else []
             if missing:  # (without --step, only a version that holds them is chosen)
                 raise VersionNotFoundError(f"step {located.step} holds no {', '.join(missing)}: --keys names them")
-            total = (
-                manifest.total_bytes
-                if out is None
-                else sum(manifest.arrays[n].nbytes for n in names if n in manifest.arrays)
-            )
+            total = sum(manifest.arrays[n].nbytes for n in names if n in manifest.arrays)
             with progress(f"step {located.step}", total) as advance:
-                if to_dir is not None:
-                    return total, copy_version(manifest, located.sources, to_dir, advance)
                 from ckpt._dist import Comm
 
                 state = assemble(Comm.solo(), manifest, located.sources, advance, wanted)

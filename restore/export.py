@@ -190,7 +190,12 @@ def merged_tree(first: Any, other: Any) -> Any:
             out[k] = merged_tree(out[k], v) if k in out else v
         return out
     if isinstance(first, list) and isinstance(other, list):  # item by item: pipeline stages in a list
-        return [*(merged_tree(a, b) for a, b in zip(first, other)), *first[len(other) :], *other[len(first) :]]
+        more = other[len(first) :]  # (taken where it holds tensors: else `first` is the value, as it stands)
+        return [
+            *(merged_tree(a, b) for a, b in zip(first, other)),
+            *first[len(other) :],
+            *(more if referenced_arrays(more) else []),
+        ]
     if isinstance(first, dict) and isinstance(other, dict) and len(first) == len(other) == 1:
         if OBJECT in first and OBJECT in other:
             return {OBJECT: merged_tree(first[OBJECT], other[OBJECT])}

@@ -207,9 +207,10 @@ def test_an_open_that_fails_after_the_peer_copier_started_stops_it(tmp_path: Pat
 
 
 def milestones_passed_over(ctx: Any, base: str) -> dict[str, Any]:
-    """Two ranks, a node each. Step 1's copies go slowly (a bandwidth cap), and steps 2 (saved
-    as a milestone), 3 (a multiple of keep_every), 4 and 5 commit meanwhile: the next round
-    copies step 5, the newest, and then the milestones it passed over; never step 4."""
+    """Two ranks, a node each. Step 1's copies go slowly (a bandwidth cap), and meanwhile
+    steps 2 (saved as a milestone), 3 and 6 (multiples of keep_every), 4, 5, 7 (saved as a
+    milestone, then again as none: overwrite=True) and 9 commit: the next round copies step
+    9, the newest, then the milestones it passed over, newest first; never 4, 5 or 7."""
     import datetime
     import os
 
@@ -217,17 +218,24 @@ def milestones_passed_over(ctx: Any, base: str) -> dict[str, Any]:
     from ckpt.store.versions import committed_steps
 
     os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
-    big = torch.full((1 << 20,), float(ctx.rank))  # 4 MiB a root: 2 s a copy at 2 MB/s
+    big = torch.full((1 << 20,), float(ctx.rank))  # 4 MiB a root: 4 s a copy at 1 MB/s
+    small = torch.full((256,), float(ctx.rank))  # the later ones: quick copies
     with Checkpointer(
         lambda r: f"{base}/n{r}",
         peer_copies=1,
-        peer_bwlimit_mbps=2.0,
+        peer_bwlimit_mbps=1.0,
         keep_last=10,
         keep_every=3,
         timeout=datetime.timedelta(seconds=90),
     ) as ck:
-        for step in (1, 2, 3, 4, 5):
-            ck.save(step, {"w": big + step}, milestone=step == 2)
+        for step in (1, 2, 3, 4, 5, 6, 7, 8, 9):  # 7: a milestone saved again as none
+            overwrite = step == 8
+            ck.save(
+                7 if overwrite else step,
+                {"w": (big if step == 1 else small) + step},
+                milestone=step in (2, 7),
+                overwrite=overwrite,
+            )
             ck.wait()
     (held,) = peer_dirs(f"{base}/n{ctx.rank}").values()
     return {"copied": committed_steps(held)}
@@ -239,7 +247,7 @@ def test_a_milestone_a_newer_round_passed_over_is_copied_after_it(tmp_path: Path
     its part of the version that retention keeps for good."""
     results, failures = launch(__file__, "milestones_passed_over", 2, tmp_path / "job", base=str(tmp_path))
     assert not failures, failures
-    assert [r["copied"] for r in results] == [[1, 2, 3, 5]] * 2, results
+    assert [r["copied"] for r in results] == [[1, 2, 3, 6, 9]] * 2, results
 
 
 def milestone_unreadable_on_one_root(ctx: Any, base: str) -> dict[str, Any]:

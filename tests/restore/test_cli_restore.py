@@ -195,7 +195,8 @@ def save_stages(ctx: Ctx, root: str) -> dict:
         model(torch.ones(1, 2)).sum().backward()
         opt.step()
     with Checkpointer(f"{root}/parts", capture_rng=False) as ck:
-        ck.save(1, {"model": [part], "pos": torch.tensor([ctx.rank]), "optim": opt.state_dict(), "step": 1})
+        sampler = {"indices": list(range(ctx.rank, 8, 2))[: 3 + ctx.rank]}  # per-rank lists: [0, 2, 4], [1, 3, 5, 7]
+        ck.save(1, {"model": [part], "pos": torch.tensor([ctx.rank]), "optim": opt.state_dict(), "sampler": sampler})
     torch.save(opt.state_dict(), f"{root}/optim{ctx.rank}.pt")
     # trees that cannot be one: a tuple of one tensor on rank 0, of two on rank 1
     with Checkpointer(f"{root}/odd", capture_rng=False) as ck:
@@ -231,6 +232,7 @@ def test_an_export_to_torch_holds_what_every_saved_rank_held(tmp_path: Path) -> 
     for i in range(4):
         assert_bitwise(got["model"][0][f"layers.{i}.w"], torch.full((2,), 10.0 * i))
     assert_bitwise(got["pos"], torch.tensor([0]))  # a tensor both ranks hold, differently: the lower rank's
+    assert got["sampler"] == {"indices": [0, 2, 4]}  # and a list: the lower rank's, never a mix
     stepped = torch.load(tmp_path / "optim1.pt", weights_only=True)["state"]
     assert sorted(got["optim"]["state"]) == [0, 1]  # rank 0's held none: rank 1's stands
     for k in (0, 1):
@@ -240,6 +242,10 @@ def test_an_export_to_torch_holds_what_every_saved_rank_held(tmp_path: Path) -> 
     r = runner.invoke(cli, ["restore", str(tmp_path / "odd"), "--to-torch", str(tmp_path / "odd.pt")])
     assert r.exit_code == 3 and "do not merge" in r.output, r.output
     assert not (tmp_path / "odd.pt").exists()
+    r = runner.invoke(
+        cli, ["restore", str(tmp_path / "odd"), "--to", str(tmp_path / "odd-copy")]
+    )  # a copy merges nothing
+    assert r.exit_code == 0 and (tmp_path / "odd-copy" / "v000000000001").is_dir(), r.output
     out = tmp_path / "dcp.pt"
     r = runner.invoke(cli, ["restore", str(tmp_path / "dcp"), "--to-torch", str(out)])
     assert r.exit_code == 0, r.output

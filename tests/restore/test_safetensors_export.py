@@ -353,7 +353,7 @@ def test_the_exported_files_are_readable_as_ckpt_files_are(saved: tuple[Path, An
 
 def export_with_other_arguments(ctx: Any, base: str) -> dict[str, Any]:
     """Two ranks export the version saved by save_two_roots (reached through both roots)
-    with a step rank 1 alone refuses, then other max_shard_size, then other prefixes: each
+    with a step rank 1 alone refuses, then other max_shard_size, dtype, prefixes: each
     is an error on every rank at once. Before, the first two waited for the group's timeout
     (a gloo error), and the third exported a mix of the two prefixes' trees."""
     import time
@@ -364,6 +364,7 @@ def export_with_other_arguments(ctx: Any, base: str) -> dict[str, Any]:
     for kwargs in (
         {"step": 5 if ctx.rank == 0 else -1},  # refused on rank 1 alone: RankFailures on rank 0, at once
         {"max_shard_size": "40B" if ctx.rank == 0 else "5GB"},
+        {"dtype": "bf16" if ctx.rank == 0 else torch.bfloat16},  # (which JSON would not take)
         {"prefix": "model" if ctx.rank else "model.emb"},
     ):
         with ckpt.Checkpointer(
