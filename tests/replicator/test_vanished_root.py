@@ -46,8 +46,7 @@ def test_a_journal_of_a_vanished_root_is_not_saved_below_it(tmp_path: Path) -> N
     dest = Destination(str(tmp_path / "disk1" / "replica"), "replica", open_tier(str(tmp_path / "disk1" / "replica")))
     journal = journal_for(str(root / ".replicator"), dest, 3, "ab" * 16)
     journal.add("state/w/c.0")
-    with pytest.raises(FileNotFoundError):
-        journal.save()
+    journal.save()  # a warning (kept in memory), never the root made again below its path
     assert not root.exists()
 
 
