@@ -36,6 +36,7 @@ from ckpt.replicator.service import Replicator
 from ckpt.restore.locate import Located, restore_newest
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError, CorruptVersionError, UnsupportedStateError
+from ckpt.store.faults import fault_delay
 from ckpt.store.manifest import Manifest
 from ckpt.store.tier import Tier, is_url, open_tier
 from ckpt.store.versions import check_step, committed_steps
@@ -163,6 +164,7 @@ class Checkpointer:
             resume_peer_copies(self.root)
         self._retention = Retention(self._tier, self.root, policy) if self._ctx.is_leader else None
         self._peer_comm, self._peers = self._open_peers()
+        fault_delay("open-saver", self.rank)  # tests: an open interrupted once its threads run
         self._saver = Saver(
             self.config,
             self._ctl,
