@@ -44,7 +44,7 @@ __all__ = [
 PEER_STATUS = ".ckpt-peers.json"
 
 
-_PEER_NAME = re.compile(r"^peer-([0-9a-f]{32}|\d+)$")  # a root's identity; a root index before schema 5
+_PEER_NAME = re.compile(r"^peer-([0-9a-f]{32}|\d+)$")  # a root's identity; a root's index, as older ckpt named them
 
 
 def peer_dir(root: str, source: str) -> str:

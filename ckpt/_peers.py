@@ -410,7 +410,7 @@ class PeerCopier:
         self._thread = threading.Thread(target=self._run, name="ckpt-peers", daemon=True)
         self._thread.start()
 
-    def committed(self, step: int, milestone: bool = False) -> None:
+    def committed(self, step: int, milestone: bool) -> None:
         """A commit of this root, and whether it was saved with milestone=True (the job's
         save, the same on every leader). Again for a step already copied: the thread
         compares the version's save id with the one it copied, and copies an overwrite
