@@ -27,21 +27,20 @@ from ckpt.config import CheckpointerConfig
 from ckpt.restore.execute import ReadRequest, full_tensor
 from ckpt.restore.locate import Located
 from ckpt.restore.to_safetensors import (
+    ExportTarget,
     as_exported,
     check_dtype,
-    check_target,
-    export_dirname,
+    close_export,
     export_sizes,
     finish_export,
+    open_export,
     parse_size,
     plan_files,
     tree_tensors,
     write_file,
 )
 from ckpt.store.errors import CkptError, RankFailures, VersionNotFoundError
-from ckpt.store.fsio import DIR_MODE, makedirs
 from ckpt.store.manifest import ArrayEntry, Manifest
-from ckpt.store.removal import remove_tree
 
 __all__ = ["export_version"]
 
@@ -67,7 +66,9 @@ def export_version(
     manifest = agreed_manifest(ctl, located)
     names = _names(ctl, manifest, located, prefix)
     files = plan_files(export_sizes(names, dtype), limit)
-    tmp = _agreed_tmp(ctl, manifest, out_dir, force)
+    target = _agreed_target(ctl, manifest, out_dir, force)
+    tmp = target.tmp
+    ok = False
     try:
         for first in range(0, len(files), ctl.world):
             mine = files[first + ctl.rank] if first + ctl.rank < len(files) else None
@@ -94,7 +95,7 @@ def export_version(
         ok, paths = ctl.broadcast(result, src=0)
     finally:
         if ctl.rank == 0:  # after the broadcast or an agreed failure: no rank still writes into it
-            remove_tree(tmp, ignore_errors=True)
+            close_export(target, ok)
     if not ok:
         raise RankFailures({0: str(paths)})
     assert isinstance(paths, list)
@@ -149,16 +150,15 @@ def _merge(into: Names, other: dict[str, Any]) -> str | None:
     return None
 
 
-def _agreed_tmp(ctl: Comm, manifest: Manifest, out_dir: str, force: bool) -> str:
-    """Rank 0 checks the target and makes the temporary directory; every rank must see it."""
+def _agreed_target(ctl: Comm, manifest: Manifest, out_dir: str, force: bool) -> ExportTarget:
+    """Rank 0 checks the target and makes the temporary directory; every rank must see it.
+    Rank 0's record names the directories made for the target; the others' name none."""
     made: tuple[str | None, str] | None = None
+    target: ExportTarget | None = None
     if ctl.rank == 0:
         try:
-            check_target(out_dir, force)
-            makedirs(out_dir)
-            tmp = os.path.join(out_dir, export_dirname(manifest))
-            os.mkdir(tmp, DIR_MODE)
-            made = (tmp, "")
+            target = open_export(manifest, out_dir, force)
+            made = (target.tmp, "")
         except Exception as e:  # noqa: BLE001 - every rank raises it
             made = (None, describe_error(e))
     tmp_or_none, why = ctl.broadcast(made, src=0)
@@ -172,7 +172,7 @@ def _agreed_tmp(ctl: Comm, manifest: Manifest, out_dir: str, force: bool) -> str
     try:
         ctl.agree(error)
     except BaseException:
-        if ctl.rank == 0:
-            remove_tree(tmp_or_none, ignore_errors=True)
+        if target is not None:
+            close_export(target, done=False)
         raise
-    return str(tmp_or_none)
+    return target if target is not None else ExportTarget(str(tmp_or_none), ())

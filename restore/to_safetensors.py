@@ -281,10 +281,8 @@ def write_safetensors(
     cast = check_dtype(dtype)
     names = tensor_names(manifest, sources, prefix)
     files = plan_files(export_sizes(names, dtype), parse_size(max_shard_size))
-    check_target(out_dir, force)
-    makedirs(out_dir)
-    tmp = os.path.join(out_dir, export_dirname(manifest))
-    os.mkdir(tmp, DIR_MODE)
+    target = open_export(manifest, out_dir, force)
+    tmp = target.tmp
 
     def write(f: OutFile) -> None:
         tensors = {}
@@ -296,13 +294,69 @@ def write_safetensors(
             progress(array.nbytes)
         write_file(os.path.join(tmp, f.name), tensors, manifest.step)
 
+    done = False
     try:
         with ThreadPoolExecutor(max(1, min(threads, len(files))), thread_name_prefix="ckpt-export") as pool:
             for _ in pool.map(write, files):
                 pass
-        return finish_export(tmp, out_dir, files)
+        written = finish_export(tmp, out_dir, files)
+        done = True
+        return written
     finally:
-        remove_tree(tmp, ignore_errors=True)
+        close_export(target, done)
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """An export's temporary directory inside its target, and the directories made for the
+    target (deepest first), which a failed export removes again."""
+
+    tmp: str
+    made: tuple[str, ...]
+
+
+def open_export(manifest: Manifest, out_dir: str, force: bool) -> ExportTarget:
+    """Check the target, make it (and its missing parents) and the temporary directory in it."""
+    check_target(out_dir, force)
+    made = _missing_dirs(out_dir)
+    try:
+        makedirs(out_dir)
+        tmp = os.path.join(out_dir, export_dirname(manifest))
+        os.mkdir(tmp, DIR_MODE)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    return ExportTarget(tmp, tuple(made))
+
+
+def close_export(target: ExportTarget, done: bool) -> None:
+    """Remove the temporary directory; after a failure (not `done`) also the directories made
+    for the target, while they are empty: a failed export leaves nothing it made behind."""
+    remove_tree(target.tmp, ignore_errors=True)
+    if not done:
+        _remove_empty(target.made)
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """`path` and those of its parents that do not exist, deepest first."""
+    out: list[str] = []
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        out.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return out
+
+
+def _remove_empty(dirs: Sequence[str]) -> None:
+    """Remove `dirs` (deepest first) while they are empty directories."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 def export_dirname(manifest: Manifest) -> str:

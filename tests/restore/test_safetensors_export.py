@@ -131,6 +131,28 @@ def test_a_damaged_chunk_fails_the_export_before_any_file_lands(tmp_path: Path) 
     assert not list(out.glob("*.safetensors")) and not list(out.glob(".ckpt-export-*"))
 
 
+def test_a_failed_export_leaves_no_directory_it_made(tmp_path: Path) -> None:
+    """The directories an export creates for its target go when it fails; one that was there stays."""
+    import ckpt
+
+    root = tmp_path / "root"
+    with ckpt.Checkpointer(str(root)) as ck:
+        ck.save(1, {"model": {"w": torch.arange(4096, dtype=torch.float32)}})
+    chunk = next((root / "v000000000001" / "state" / "model" / "w").glob("c*"))
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 1
+    chunk.write_bytes(bytes(raw))
+    res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "new" / "out"))
+    assert res.returncode == 1 and "checksum" in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+    (tmp_path / "mine").mkdir()
+    res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "mine"))
+    assert res.returncode == 1 and (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())
+    with ckpt.Checkpointer(str(root)) as ck, pytest.raises(ckpt.CkptError):  # the job's export too
+        ck.export_safetensors(str(tmp_path / "new" / "out"), step=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "root"]
+
+
 def save_two_roots(ctx: Any, base: str) -> None:
     import ckpt
 
