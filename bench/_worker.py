@@ -55,6 +55,7 @@ import _workload  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+MEDIUM = ["disk"]  # of --dir (main sets it)
 
 
 def log(msg: str) -> None:
@@ -102,10 +103,18 @@ def barrier() -> None:
         dist.barrier()
 
 
-def cold() -> None:
-    """Every rank's data out of the page cache before a restore."""
+def cold(reads: str) -> None:
+    """Before a restore: on a disk, every rank's data out of the page cache. On tmpfs, where
+    there is no cache to drop, every file under `reads` (what the restore reads) read once,
+    untimed, by the ranks together: on this VM memory left idle for a few seconds reads
+    1.5-2x slower (a 1.5 GB restore from tmpfs 3 s after its files were last touched took
+    0.62 s, 0.46 s right after), and the same-layout restores read what their save had just
+    written while the resharded ones read what an earlier phase wrote minutes before. So
+    every restore, of every library, starts from files just touched."""
     barrier()
-    if RANK == 0:
+    if MEDIUM[0] == "tmpfs":
+        _sys.read_tree(reads, RANK, WORLD)
+    elif RANK == 0:
         _sys.drop_caches()
     barrier()
 
@@ -226,6 +235,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
 
     from ckpt import Checkpointer
     from ckpt.store.spare import spares
+    from ckpt.store.versions import version_dirname
 
     base = os.path.join(args.dir, f"w{WORLD}")
     rmtree(base)
@@ -277,9 +287,9 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     def out(name: str) -> str:
         return os.path.join(root, f"out-{name}")
 
-    def restore(op: str, rep: int, fn: Callable[[], Any], verify: bool = True) -> None:
+    def restore(op: str, rep: int, fn: Callable[[], Any], reads: str, verify: bool = True) -> None:
         spoil(state)
-        cold()
+        cold(reads)
         timed(rec, op, rep, fn)
         check(state, fp if verify else None, op)
 
@@ -346,7 +356,12 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             direct_bytes=s.direct_bytes,
         )
         if not first and not new_tree:
-            restore(f"restore/ckpt_{WORLD}to{WORLD}", rep, lambda: ck.restore(state, step=step[0]))
+            restore(
+                f"restore/ckpt_{WORLD}to{WORLD}",
+                rep,
+                lambda: ck.restore(state, step=step[0]),
+                os.path.join(root, version_dirname(step[0])),
+            )
 
     ckpt_save(-1, first=True)
 
@@ -413,7 +428,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         rec.add(f"written/torch_checkpointing{tag}", rep, written, extra)
         rec.add(f"durable/torch_checkpointing{tag}", rep, durable, extra, cpu)
         if not first:
-            restore(f"restore/torch_checkpointing_{WORLD}to{WORLD}", rep, lambda: tc.load(path, state))
+            restore(f"restore/torch_checkpointing_{WORLD}to{WORLD}", rep, lambda: tc.load(path, state), path)
 
     tc_save(-1, first=True)
 
@@ -446,6 +461,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                 f"restore/same_work_read_{name}",
                 rep,
                 lambda: same.read(path, RANK, threads, direct=direct_read),
+                path,
                 verify=False,
             )
             check(state, fp, "same-work read")
@@ -479,7 +495,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                 for k, t in s.items():
                     t.copy_(loaded["optim"]["state"][name][k])
 
-        restore("restore/torch_load", rep, load)
+        restore("restore/torch_load", rep, load, path)
 
     def dcp_save(threads: int) -> Callable[[int], None]:
         def run(rep: int) -> None:
@@ -493,7 +509,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                 warm,
             )
             if threads == 1:  # DCP's default
-                restore(f"restore/dcp_{WORLD}to{WORLD}", rep, lambda: dcp.load(state, checkpoint_id=path))
+                restore(f"restore/dcp_{WORLD}to{WORLD}", rep, lambda: dcp.load(state, checkpoint_id=path), path)
 
         return run
 
@@ -507,12 +523,17 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
             files = _floors.WRITE_STRATEGIES[strategy][0]
             if strategy == "one_file":
                 restore(
-                    "restore/floor_read_1_thread", rep, lambda: _floors.read_floor(path, RANK, tensors, 1), verify=False
+                    "restore/floor_read_1_thread",
+                    rep,
+                    lambda: _floors.read_floor(path, RANK, tensors, 1),
+                    path,
+                    verify=False,
                 )
                 restore(
                     "restore/floor_read_1_file_4_threads",
                     rep,
                     lambda: _floors.read_floor_ranges(path, RANK, tensors, 4),
+                    path,
                     verify=False,
                 )
                 check(state, fp, "floor reads")
@@ -521,6 +542,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                     "restore/floor_read_4_files_4_threads",
                     rep,
                     lambda: _floors.read_floor(path, RANK, tensors, files),
+                    path,
                     verify=False,
                 )
                 check(state, fp, "floor reads")
@@ -601,11 +623,22 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
         w2 = os.path.join(args.dir, "w2")
         ck2 = Checkpointer(os.path.join(w2, "ckpt"))
         step2 = ck2.latest_step()
-        ops.insert(3, lambda rep: restore("restore/ckpt_2to1", rep, lambda: ck2.restore(state, step=step2)))
+        ops.insert(
+            3,
+            lambda rep: restore(
+                "restore/ckpt_2to1",
+                rep,
+                lambda: ck2.restore(state, step=step2),
+                os.path.join(w2, "ckpt", version_dirname(step2)),
+            ),
+        )
         ops.insert(
             7,
             lambda rep: restore(
-                "restore/dcp_2to1", rep, lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))
+                "restore/dcp_2to1",
+                rep,
+                lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp")),
+                os.path.join(w2, "dcp"),
             ),
         )
         ops.insert(
@@ -614,6 +647,7 @@ def phase_save(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
                 "restore/torch_checkpointing_2to1",
                 rep,
                 lambda: tc.load(os.path.join(w2, "torch_checkpointing"), state),
+                os.path.join(w2, "torch_checkpointing"),
             ),
         )
     for rep in range(args.reps):
@@ -650,6 +684,7 @@ def phase_restore(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     from ckpt import Checkpointer
+    from ckpt.store.versions import version_dirname
 
     with open(os.path.join(args.dir, "meta-w2.json")) as f:
         fp = json.load(f)["fingerprint"]
@@ -658,18 +693,27 @@ def phase_restore(args: argparse.Namespace, rec: Recorder, mesh: Any) -> None:
     ck2 = Checkpointer(os.path.join(w2, "ckpt"))
     step2 = ck2.latest_step()
     tc = _torchckpt.TorchCheckpointing()
-    ops: list[tuple[str, Callable[[], Any]]] = [
-        (f"restore/ckpt_2to{WORLD}", lambda: ck2.restore(state, step=step2)),
-        (f"restore/dcp_2to{WORLD}", lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp"))),
+    ops: list[tuple[str, Callable[[], Any], str]] = [
+        (
+            f"restore/ckpt_2to{WORLD}",
+            lambda: ck2.restore(state, step=step2),
+            os.path.join(w2, "ckpt", version_dirname(step2)),
+        ),
+        (
+            f"restore/dcp_2to{WORLD}",
+            lambda: dcp.load(state, checkpoint_id=os.path.join(w2, "dcp")),
+            os.path.join(w2, "dcp"),
+        ),
         (
             f"restore/torch_checkpointing_2to{WORLD}",
             lambda: tc.load(os.path.join(w2, "torch_checkpointing"), state),
+            os.path.join(w2, "torch_checkpointing"),
         ),
     ]
     for rep in range(args.reps):
-        for op, fn in rotate(ops, rep):
+        for op, fn, reads in rotate(ops, rep):
             spoil(state)
-            cold()
+            cold(reads)
             timed(rec, op, rep, fn)
             check(state, fp, op)
         gc.collect()
@@ -749,6 +793,7 @@ def main() -> None:
             mesh = init_device_mesh("cpu", (WORLD,))
     name = {"save": f"save_w{WORLD}", "restore": f"restore_w{WORLD}", "replicate": "replicate"}[args.phase]
     rec = Recorder(args.results, name, args.medium)
+    MEDIUM[0] = args.medium
     try:
         if args.phase == "save":
             phase_save(args, rec, mesh)
