@@ -161,15 +161,15 @@ def _agreed_target(ctl: Comm, manifest: Manifest, out_dir: str, force: bool) -> 
             made = (target.tmp, "")
         except Exception as e:  # noqa: BLE001 - every rank raises it
             made = (None, describe_error(e))
-    tmp_or_none, why = ctl.broadcast(made, src=0)
-    if tmp_or_none is None:
-        raise CkptError(why)
-    error = None
-    if not os.path.isdir(tmp_or_none):
-        error = CkptError(
-            f"rank {ctl.rank} cannot see {tmp_or_none}: the export's target must be a directory every rank reaches"
-        )
     try:
+        tmp_or_none, why = ctl.broadcast(made, src=0)
+        if tmp_or_none is None:
+            raise CkptError(why)
+        error = None
+        if not os.path.isdir(tmp_or_none):
+            error = CkptError(
+                f"rank {ctl.rank} cannot see {tmp_or_none}: the export's target must be a directory every rank reaches"
+            )
         ctl.agree(error)
     except BaseException:
         if target is not None:

@@ -38,6 +38,9 @@ from ckpt.store.removal import remove_tree
 from ckpt.store.root import version_above
 
 __all__ = [
+    "ExportTarget",
+    "close_export",
+    "open_export",
     "OutFile",
     "parse_size",
     "tensor_names",
@@ -262,6 +265,48 @@ def export_safetensors(
     return found[1]
 
 
+@dataclass(frozen=True)
+class ExportTarget:
+    """An export's temporary directory inside its target, and the directories made for the
+    target (deepest first), which a failed export removes again."""
+
+    tmp: str
+    made: tuple[str, ...]
+
+
+def open_export(manifest: Manifest, out_dir: str, force: bool) -> ExportTarget:
+    """Check the target, make it (and its missing parents) and the temporary directory in it."""
+    check_target(out_dir, force)
+    made = makedirs(out_dir)[::-1]  # those this call created (not another's, nor ones found there)
+    try:
+        tmp = os.path.join(out_dir, export_dirname(manifest))
+        os.mkdir(tmp, DIR_MODE)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    return ExportTarget(tmp, tuple(made))
+
+
+def close_export(target: ExportTarget, done: bool) -> None:
+    """Remove the temporary directory; after a failure (not `done`) also the directories made
+    for the target, while they are empty: a failed export leaves nothing it made behind."""
+    remove_tree(target.tmp, ignore_errors=True)
+    if not done:
+        _remove_empty(target.made)
+
+
+def _remove_empty(dirs: Sequence[str]) -> None:
+    """Remove `dirs` (deepest first) while they are empty directories (one already gone: on
+    to its parent)."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
+
+
 def write_safetensors(
     manifest: Manifest,
     sources: Sequence[Source],
@@ -304,59 +349,6 @@ def write_safetensors(
         return written
     finally:
         close_export(target, done)
-
-
-@dataclass(frozen=True)
-class ExportTarget:
-    """An export's temporary directory inside its target, and the directories made for the
-    target (deepest first), which a failed export removes again."""
-
-    tmp: str
-    made: tuple[str, ...]
-
-
-def open_export(manifest: Manifest, out_dir: str, force: bool) -> ExportTarget:
-    """Check the target, make it (and its missing parents) and the temporary directory in it."""
-    check_target(out_dir, force)
-    made = _missing_dirs(out_dir)
-    try:
-        makedirs(out_dir)
-        tmp = os.path.join(out_dir, export_dirname(manifest))
-        os.mkdir(tmp, DIR_MODE)
-    except BaseException:
-        _remove_empty(made)
-        raise
-    return ExportTarget(tmp, tuple(made))
-
-
-def close_export(target: ExportTarget, done: bool) -> None:
-    """Remove the temporary directory; after a failure (not `done`) also the directories made
-    for the target, while they are empty: a failed export leaves nothing it made behind."""
-    remove_tree(target.tmp, ignore_errors=True)
-    if not done:
-        _remove_empty(target.made)
-
-
-def _missing_dirs(path: str) -> list[str]:
-    """`path` and those of its parents that do not exist, deepest first."""
-    out: list[str] = []
-    path = os.path.abspath(path)
-    while not os.path.lexists(path):
-        out.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return out
-
-
-def _remove_empty(dirs: Sequence[str]) -> None:
-    """Remove `dirs` (deepest first) while they are empty directories."""
-    for d in dirs:
-        try:
-            os.rmdir(d)
-        except OSError:
-            return
 
 
 def export_dirname(manifest: Manifest) -> str:

@@ -6,7 +6,6 @@ Everything the commit protocol relies on for durability goes through here.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -71,8 +70,9 @@ def in_ram(path: str) -> bool:
     return ctypes.c_long.from_buffer(buf).value in _RAM_FILESYSTEMS
 
 
-def makedirs(path: str) -> None:
-    """`os.makedirs(path, exist_ok=True)`, except that every directory it creates gets DIR_MODE.
+def makedirs(path: str) -> list[str]:
+    """`os.makedirs(path, exist_ok=True)`, except that every directory it creates gets DIR_MODE;
+    the directories its own calls created, parents first.
 
     os.makedirs gives its mode to the last directory only: the parents it creates get
     0o777 & ~umask, world-writable under a permissive umask (0).
@@ -82,13 +82,18 @@ def makedirs(path: str) -> None:
     except FileExistsError:
         if not os.path.isdir(path):
             raise
+        return []
     except FileNotFoundError:
         parent = os.path.dirname(path.rstrip("/"))
         if not parent or parent == path:
             raise
-        makedirs(parent)
-        with contextlib.suppress(FileExistsError):
+        made = makedirs(parent)
+        try:
             os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            return made
+        return [*made, path]
+    return [path]
 
 
 def makedirs_within(root: str, path: str) -> None:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 SHM = Path("/dev/shm")
-PREFIXES = ("ckpt-test-", "ckpt-placement-")  # what tests name their directories in /dev/shm
+# What this session's tests name their entries in /dev/shm: with the pid, so that another
+# session on the machine (its tests' entries) is never taken for a leak of this one.
+PREFIXES = (f"ckpt-test-{os.getpid()}-", f"ckpt-placement-{os.getpid()}-")
 _before: set[str] = set()
 _left: list[str] = []
 
@@ -29,22 +31,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _before.update(_ours())
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+@pytest.hookimpl(trylast=True)  # after the runner's, which tears down the fixtures still set up
+def pytest_sessionfinish(session: pytest.Session) -> None:
     _left[:] = sorted(_ours() - _before)
-    if _left:
+    if _left and session.exitstatus == pytest.ExitCode.OK:  # (an interrupted run keeps its own status)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _left:
         terminalreporter.section("left in /dev/shm", red=True)
-        terminalreporter.line(f"tests left {len(_left)} directories in {SHM}: {', '.join(_left[:5])}")
+        shown = ", ".join(_left[:5]) + (", ..." if len(_left) > 5 else "")
+        terminalreporter.line(f"tests left {len(_left)} entries in {SHM}: {shown}")
 
 
 @pytest.fixture
 def shm_root() -> Iterator[Path]:
     if not os.access(SHM, os.W_OK):
         pytest.fail("/dev/shm is not writable on this machine")
-    path = SHM / f"ckpt-test-{uuid.uuid4().hex[:8]}"
+    path = SHM / f"{PREFIXES[0]}{uuid.uuid4().hex[:8]}"
     yield path
     shutil.rmtree(path, ignore_errors=True)

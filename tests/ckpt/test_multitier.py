@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,16 +17,10 @@ from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed_steps, version_dirname
 from tests._states import assert_bitwise
 
-SHM = Path("/dev/shm")
-
 
 @pytest.fixture
-def ram() -> Iterator[Path]:
-    if not SHM.is_dir():
-        pytest.skip("no /dev/shm")
-    path = SHM / f"ckpt-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def ram(shm_root: Path) -> Path:
+    return shm_root
 
 
 def _state(step: int) -> dict[str, torch.Tensor | int]:

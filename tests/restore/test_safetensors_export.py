@@ -151,6 +151,11 @@ def test_a_failed_export_leaves_no_directory_it_made(tmp_path: Path) -> None:
     with ckpt.Checkpointer(str(root)) as ck, pytest.raises(ckpt.CkptError):  # the job's export too
         ck.export_safetensors(str(tmp_path / "new" / "out"), step=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "root"]
+    # `..` after a symlink: the kernel resolves it where the link points, and so does the cleanup
+    (tmp_path / "m" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "m" / "sub")
+    res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "link" / ".." / "new"))
+    assert res.returncode == 1 and sorted(p.name for p in (tmp_path / "m").iterdir()) == ["sub"]
 
 
 def save_two_roots(ctx: Any, base: str) -> None:
