@@ -7,9 +7,9 @@ Phases (each on the medium under --dir: the disk, or tmpfs):
             save (thread_count 1/2/4), DCP async_save with a reused stager,
             torch-checkpointing (bench/_torchckpt.py), the copy and raw write floors and
             the same-work floors (bench/_floors.SameWork: copy, xxh3, one file, fsync);
-            each write that has a reader is followed by a cold restore of what it wrote
+            each write that has a reader is followed by a restore of what it wrote
             (ckpt, torch.load, DCP load, torch-checkpointing, the raw and same-work read
-            floors), same layout. Also ckpt with overlap_writes=True (stall and durable,
+            floors; cold: see cold()), same layout. Also ckpt with overlap_writes=True (stall and durable,
             no restore), and a training step (fixed compute) without a save and with one
             from ckpt, ckpt with deferred staging, ckpt with overlap_writes, and DCP
             async_save. At world 1 (which runs after world 2) also the resharded 2->1
@@ -104,13 +104,13 @@ def barrier() -> None:
 
 
 def cold(reads: str) -> None:
-    """Before a restore: on a disk, every rank's data out of the page cache. On tmpfs, where
-    there is no cache to drop, every file under `reads` (what the restore reads) read once,
-    untimed, by the ranks together: on this VM memory left idle for a few seconds reads
-    1.5-2x slower (a 1.5 GB restore from tmpfs 3 s after its files were last touched took
-    0.62 s, 0.46 s right after), and the same-layout restores read what their save had just
-    written while the resharded ones read what an earlier phase wrote minutes before. So
-    every restore, of every library, starts from files just touched."""
+    """Before a restore: on a disk, every rank's data out of the page cache. On tmpfs, whose
+    files stay in memory whatever is dropped, every file under `reads` (what the restore
+    reads) is read once, untimed, by the ranks together: on this VM memory left idle for a
+    few seconds reads 1.5-2x slower (a 1.5 GB restore from tmpfs 3 s after its files were
+    last touched took 0.62 s, 0.46 s right after), and the same-layout restores read what
+    their save had just written while the resharded ones read what an earlier phase wrote
+    minutes before. So every tmpfs restore, of every library, starts from files just read."""
     barrier()
     if MEDIUM[0] == "tmpfs":
         _sys.read_tree(reads, RANK, WORLD)

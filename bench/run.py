@@ -28,7 +28,8 @@ repetition), ratios taken within a repetition, then the median:
   4 threads, with early writeback by sync_file_range, with O_DIRECT straight from the
   tensors) and the same-work floor (copy into a reused buffer, xxh3 every byte, one file
   per rank, fsync: fastest of 1 buffered thread, 4 buffered threads, 4 O_DIRECT threads);
-- cold restore (page cache dropped before each): ckpt, torch.load, DCP load,
+- restore, cold on the disk (page cache dropped before each; on tmpfs, whose files stay
+  in memory, every file the restore reads is read once just before: _worker.cold): ckpt, torch.load, DCP load,
   torch-checkpointing, the raw read floor (fastest of 1 thread, 4 files by 4 threads,
   1 file by 4 threads) and the same-work read floor (read + verify every byte) at the
   same layout (1->1, 2->2), and resharded 2->1 and 2->3 (ckpt, DCP, torch-checkpointing).
