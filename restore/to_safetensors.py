@@ -277,14 +277,15 @@ class ExportTarget:
 def open_export(manifest: Manifest, out_dir: str, force: bool) -> ExportTarget:
     """Check the target, make it (and its missing parents) and the temporary directory in it."""
     check_target(out_dir, force)
-    made = makedirs(out_dir)[::-1]  # those this call created (not another's, nor ones found there)
+    made: list[str] = []  # those this call creates (not another's, nor ones found there)
     try:
+        makedirs(out_dir, made)
         tmp = os.path.join(out_dir, export_dirname(manifest))
         os.mkdir(tmp, DIR_MODE)
     except BaseException:
-        _remove_empty(made)
+        _remove_empty(made[::-1])
         raise
-    return ExportTarget(tmp, tuple(made))
+    return ExportTarget(tmp, tuple(made[::-1]))
 
 
 def close_export(target: ExportTarget, done: bool) -> None:

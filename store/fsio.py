@@ -70,30 +70,37 @@ def in_ram(path: str) -> bool:
     return ctypes.c_long.from_buffer(buf).value in _RAM_FILESYSTEMS
 
 
-def makedirs(path: str) -> list[str]:
+def makedirs(path: str, made: list[str] | None = None) -> list[str]:
     """`os.makedirs(path, exist_ok=True)`, except that every directory it creates gets DIR_MODE;
-    the directories its own calls created, parents first.
+    the directories its own calls created, parents first (as `path` names them). `made`, if
+    given, gets each as it is created: a caller can remove them even when this raises part-way.
 
     os.makedirs gives its mode to the last directory only: the parents it creates get
     0o777 & ~umask, world-writable under a permissive umask (0).
     """
+    out = made if made is not None else []
+    start = len(out)
+    _makedirs(path, out)
+    return out[start:]
+
+
+def _makedirs(path: str, made: list[str]) -> None:
     try:
         os.mkdir(path, DIR_MODE)
     except FileExistsError:
         if not os.path.isdir(path):
             raise
-        return []
+        return
     except FileNotFoundError:
         parent = os.path.dirname(path.rstrip("/"))
         if not parent or parent == path:
             raise
-        made = makedirs(parent)
+        _makedirs(parent, made)
         try:
             os.mkdir(path, DIR_MODE)
         except FileExistsError:
-            return made
-        return [*made, path]
-    return [path]
+            return
+    made.append(path)
 
 
 def makedirs_within(root: str, path: str) -> None:

@@ -156,6 +156,9 @@ def test_a_failed_export_leaves_no_directory_it_made(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(tmp_path / "m" / "sub")
     res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "link" / ".." / "new"))
     assert res.returncode == 1 and sorted(p.name for p in (tmp_path / "m").iterdir()) == ["sub"]
+    # making the target fails part-way (a name too long for the filesystem): its parent goes too
+    res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "made" / ("x" * 300)))
+    assert res.returncode != 0 and not (tmp_path / "made").exists(), res.stderr
 
 
 def save_two_roots(ctx: Any, base: str) -> None:
