@@ -37,6 +37,7 @@ class Comm:
     def __init__(self, group: Any, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.calls: Counter[str] = Counter()  # collective and point-to-point calls made, by kind
+        self.messages = 0  # point-to-point messages posted by exchanges (sent and received)
 
     @staticmethod
     def solo() -> Comm:
@@ -154,6 +155,7 @@ class Comm:
     ) -> Callable[[], None]:
         """exchange(), posted now; the function returned waits for it (call it once)."""
         self.calls["p2p"] += 1
+        self.messages += len(sends) + len(recvs)
         if self.world == 1:
             if sends or recvs:
                 raise ValueError("a single process has no peer to exchange with")

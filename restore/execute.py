@@ -43,6 +43,7 @@ from ckpt.restore.reshard import (
     ChunkRead,
     Request,
     block_at,
+    block_count,
     blocks,
     direct_rows,
     overlap,
@@ -63,6 +64,7 @@ from ckpt.store.tier import ReadHandle
 __all__ = ["ReadRequest", "ReadsUnreached", "load_arrays", "full_tensor", "Comm"]
 
 log = logging.getLogger("ckpt")
+PACK_BYTES = LIGHT_BYTES  # chunks below it travel in packs (see _packed)
 SEND_ROUND_BYTES = 64 << 20  # chunks a holder reads, and a rank receives, per round of the hand-off (two in flight)
 
 
@@ -643,7 +645,12 @@ def _hand_off(
     sends: list[Outgoing] = []
     answers: list[list[tuple[int, int]] | None] = [None] * comm.world
     try:
-        sends, answers = plan_sends(asked, lambda k: manifest.arrays[k[0]].chunk_at(k[1]).nbytes, SEND_ROUND_BYTES)
+        sends, answers = plan_sends(
+            asked,
+            lambda k: _travels(manifest.arrays[k[0]].chunk_at(k[1])),
+            SEND_ROUND_BYTES,
+            lambda k: _packed(manifest.arrays[k[0]].chunk_at(k[1])),
+        )
     except Exception as e:  # noqa: BLE001 - this rank still answers (nothing: its askers fail) and joins the rounds
         error = error or e
     got = comm.all_to_all(answers)
@@ -728,15 +735,22 @@ def load_arrays(
     remote_set = set(remote)
     local: list[ChunkRead] = [p for p in plan if (p.name, p.index) not in remote_set] if remote else list(plan)
     local.sort(key=lambda p: -p.chunk.nbytes)  # largest first: no lone big read at the end
-    first: dict[int, list[ChunkRead]] = {}  # per source (by position): the chunks it is read first for
+    first: dict[int, list[tuple[str, ChunkEntry]]] = {}  # per source (by position): the chunks it is read first for
     for p in local:
-        c = p.chunk
-        at = next((i for i, s in enumerate(sources) if c.inline is None and c.writer in s.writers), None)
+        at = _first_source(sources, p.chunk)
         if at is not None:
-            first.setdefault(at, []).append(p)
+            first.setdefault(at, []).append((p.name, p.chunk))
+    # The chunks this rank reads to send (the hand-off): their files' metadata read ahead
+    # too, or each send's open walks a cold directory tree behind the data reads.
+    passing = {i: list(reads) for i, reads in first.items()}
+    for o in sends:
+        chunk = manifest.arrays[o.key[0]].chunk_at(o.key[1])
+        at = _first_source(sources, chunk)
+        if at is not None:
+            passing.setdefault(at, []).append((o.key[0], chunk))
     # Each source read first holds a read pass (Tier.reading) until every read of this rank is done.
     with contextlib.ExitStack() as passes:
-        for i, reads in first.items():
+        for i, reads in passing.items():
             passes.enter_context(sources[i].tier.reading(_keys(sources[i], manifest, reads)))
         solo = 0
         if first and all(sources[i].tier.in_memory() for i in first):
@@ -781,34 +795,44 @@ def load_arrays(
             sends_in[o.round].append(o)
         for inc in recvs:
             recvs_in[inc.round].append(inc)
-        prepare = functools.partial(_prepare_round, sources, manifest, requests, by_key)
-        with ThreadPoolExecutor(1, thread_name_prefix="ckpt-send-ahead") as ahead:
-            nxt = ahead.submit(prepare, sends_in[0], recvs_in[0], verify, threads, dead) if rounds else None
-            for k in range(rounds):
-                if nxt is None:
-                    break
-                rnd: _Round | None = None
-                try:
-                    rnd = nxt.result()
-                except Exception as e:  # noqa: BLE001 - outside the read lanes (a buffer not allocated)
-                    error = error or e
-                more = rnd is not None and k + 1 < rounds
-                nxt = ahead.submit(prepare, sends_in[k + 1], recvs_in[k + 1], verify, threads, dead) if more else None
-                # One all-reduce a round: a rank that has no part to send or receive in it
-                # must not leave the others waiting in the exchange until the timeout. No
-                # rank sends it or any later round; the caller's agreement names the cause.
-                if comm.any(rnd is None):
-                    break
-                assert rnd is not None
-                failure = _finish_round(comm, rnd)
-                if isinstance(failure, SourcesUnreachable):  # what it sent in their place was zeros
-                    dead.update(failure.locations)
-                    unsent.append(failure)
-                else:
-                    error = error or failure
-        if rounds:
-            reader.join()
-        else:
+        # The send lanes live through every round: a lane's buffers (its O_DIRECT window)
+        # are faulted in once, not again for each round's fresh threads.
+        lanes = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-send")
+        prepare = functools.partial(_prepare_round, sources, manifest, requests, by_key, lanes)
+        # A round that raises (a peer gone from the group) is raised only once this rank's
+        # own reads have stopped writing into the state: the caller may read another version
+        # into it.
+        try:
+            with lanes, ThreadPoolExecutor(1, thread_name_prefix="ckpt-send-ahead") as ahead:
+                nxt = ahead.submit(prepare, sends_in[0], recvs_in[0], verify, threads, dead) if rounds else None
+                for k in range(rounds):
+                    if nxt is None:
+                        break
+                    rnd: _Round | None = None
+                    try:
+                        rnd = nxt.result()
+                    except Exception as e:  # noqa: BLE001 - outside the read lanes (a buffer not allocated)
+                        error = error or e
+                    more = rnd is not None and k + 1 < rounds
+                    nxt = (
+                        ahead.submit(prepare, sends_in[k + 1], recvs_in[k + 1], verify, threads, dead) if more else None
+                    )
+                    # One all-reduce a round: a rank that has no part to send or receive in it
+                    # must not leave the others waiting in the exchange until the timeout. No
+                    # rank sends it or any later round; the caller's agreement names the cause.
+                    if comm.any(rnd is None):
+                        break
+                    assert rnd is not None
+                    failure = _finish_round(comm, rnd)
+                    if isinstance(failure, SourcesUnreachable):  # what it sent in their place was zeros
+                        dead.update(failure.locations)
+                        unsent.append(failure)
+                    else:
+                        error = error or failure
+        finally:
+            if rounds:
+                reader.join()
+        if not rounds:
             try:
                 reader.run()
             finally:
@@ -838,9 +862,18 @@ def load_arrays(
     return tuple(received)
 
 
-def _keys(src: Source, manifest: Manifest, reads: Sequence[ChunkRead]) -> Iterator[str]:
-    """The keys of `reads` on `src`, made as a read pass asks for them (a pass in memory does not)."""
-    return (src.key(manifest.arrays[p.name], p.chunk) for p in reads)
+def _first_source(sources: Sequence[Source], chunk: ChunkEntry) -> int | None:
+    """The position of the source a chunk file is read from first (None: an inline value, or
+    a chunk this rank reaches on no source)."""
+    if chunk.inline is not None:
+        return None
+    return next((i for i, s in enumerate(sources) if chunk.writer in s.writers), None)
+
+
+def _keys(src: Source, manifest: Manifest, reads: Sequence[tuple[str, ChunkEntry]]) -> Iterator[str]:
+    """The keys of `reads` (array name, chunk) on `src`, made as a read pass asks for them
+    (a pass in memory does not)."""
+    return (src.key(manifest.arrays[name], chunk) for name, chunk in reads)
 
 
 @dataclass
@@ -858,6 +891,7 @@ def _prepare_round(
     manifest: Manifest,
     requests: Sequence[ReadRequest],
     by_key: Mapping[ChunkKey, ChunkRead],
+    lanes: ThreadPoolExecutor,
     outgoing: Sequence[Outgoing],
     arriving: Sequence[Incoming],
     verify: bool,
@@ -865,33 +899,57 @@ def _prepare_round(
     dead: set[str],
 ) -> _Round:
     """This rank's part of a round: the chunks it holds, read (verified) into send buffers,
-    and receive buffers for the chunks it needs (the destination itself where the chunk
-    lands there whole and contiguous). A holder that cannot read a chunk still sends it
+    and receive buffers for the chunks it needs (the destination itself where a chunk that
+    travels alone lands there whole and contiguous). Small chunks (_packed) travel in
+    packs: one message a round for each set of ranks they go to. A holder that cannot read a chunk still sends it
     (what it could not read as zeros) so that no rank waits; its error fails the version on every rank."""
     sends: list[tuple[int, int, torch.Tensor]] = []
     reads: list[tuple[ArrayEntry, ChunkEntry, range, torch.Tensor]] = []
     recvs: list[tuple[int, int, torch.Tensor]] = []
     places: list[tuple[torch.Tensor, ArrayEntry, ChunkEntry, list[ReadRequest]]] = []
+    packs: dict[int, list[Outgoing]] = {}  # per message: the small chunks that share it
     for out in outgoing:
         array = manifest.arrays[out.key[0]]
         chunk = array.chunk_at(out.key[1])
+        if _packed(chunk):
+            packs.setdefault(out.tag, []).append(out)
+            continue
         parts = blocks(array, chunk)
-        buf = torch.empty(sum(b.nbytes for b in parts), dtype=torch.uint8)  # every byte read into it, or zeroed below
+        buf = torch.empty(_file_bytes(array, chunk), dtype=torch.uint8)  # every byte read into it, or zeroed below
         for span in _spans(len(parts), threads):  # a span: read in file order through one open file
             lo, hi = parts[span[0]], parts[span[-1]]
             reads.append((array, chunk, span, buf[lo.offset : hi.offset + hi.nbytes]))
         sends += [(r, out.tag, buf) for r in out.to]
+    for tag, outs in packs.items():  # one message to the ranks they all go to (restore.handoff.plan_sends)
+        keys = sorted(o.key for o in outs)
+        pack, slots = _pack(manifest, keys, torch.zeros)  # its gaps leave this rank as zeros
+        for key, slot in zip(keys, slots):
+            array = manifest.arrays[key[0]]
+            chunk = array.chunk_at(key[1])
+            reads.append((array, chunk, range(block_count(array, chunk)), slot))
+        sends += [(r, tag, pack) for r in outs[0].to]
+    unpacked: dict[tuple[int, int], list[Incoming]] = {}  # per (holder, tag): the small chunks of a message
     for inc in arriving:
         array = manifest.arrays[inc.key[0]]
         chunk = array.chunk_at(inc.key[1])
+        if _packed(chunk):
+            unpacked.setdefault((inc.holder, inc.tag), []).append(inc)
+            continue
         mine = [requests[i] for i in by_key[inc.key].requests]
         rows = (0, (array.chunk_shape or (1,))[0])
         if len(mine) == 1 and _direct(array, chunk, mine[0]) == rows:
             recvs.append((inc.holder, inc.tag, _dest_bytes(mine[0], chunk, rows, row_bytes(array))))
             continue
-        buf = torch.empty(sum(b.nbytes for b in blocks(array, chunk)), dtype=torch.uint8)
+        buf = torch.empty(_file_bytes(array, chunk), dtype=torch.uint8)
         recvs.append((inc.holder, inc.tag, buf))
         places.append((buf, array, chunk, mine))
+    for (holder, tag), incs in unpacked.items():
+        keys = sorted(inc.key for inc in incs)
+        pack, slots = _pack(manifest, keys, torch.empty)
+        recvs.append((holder, tag, pack))
+        for key, slot in zip(keys, slots):
+            array = manifest.arrays[key[0]]
+            places.append((slot, array, array.chunk_at(key[1]), [requests[i] for i in by_key[key].requests]))
 
     def read(item: tuple[ArrayEntry, ChunkEntry, range, torch.Tensor]) -> None:
         array, chunk, span, out = item
@@ -904,10 +962,44 @@ def _prepare_round(
             functools.partial(_blocks, array=array, span=span, out=out, verify=verify),
         )
 
-    _, failed = run_lanes(reads, read, max(1, threads), name="ckpt-send")
+    _, failed = run_lanes(reads, read, max(1, threads), pool=lanes)
     for i, _ in failed:  # sent as zeros: no stale memory leaves this rank
         reads[i][3].zero_()
     return _Round(sends, recvs, places, _first_real([e for _, e in failed]) if failed else None)
+
+
+def _file_bytes(array: ArrayEntry, chunk: ChunkEntry) -> int:
+    """The bytes of a chunk file, as its blocks lay them out (what travels between ranks)."""
+    return sum(b.nbytes for b in blocks(array, chunk))
+
+
+_PACK_ALIGN = 64  # each chunk in a pack starts at a multiple: its bytes are viewed as its dtype in place
+
+
+def _travels(chunk: ChunkEntry) -> int:
+    """The bytes a chunk takes in a round of the hand-off: in a pack, its aligned slot."""
+    return -(-chunk.nbytes // _PACK_ALIGN) * _PACK_ALIGN if _packed(chunk) else chunk.nbytes
+
+
+def _pack(
+    manifest: Manifest, keys: Sequence[ChunkKey], make: Callable[..., torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A message of small chunks (`keys`, in key order) and each chunk's slot in it, laid out
+    alike by the holder and the receiver from the manifest alone."""
+    sizes = [_file_bytes(manifest.arrays[name], manifest.arrays[name].chunk_at(index)) for name, index in keys]
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += -(-n // _PACK_ALIGN) * _PACK_ALIGN
+    pack = make(at, dtype=torch.uint8)
+    return pack, [pack[a : a + n] for a, n in zip(starts, sizes)]
+
+
+def _packed(chunk: ChunkEntry) -> bool:
+    """Whether a chunk sent between ranks travels in its holder's pack for the asker (one
+    message a holder, asker and round), not as a message of its own: both sides decide it
+    from the manifest alone."""
+    return chunk.nbytes < PACK_BYTES
 
 
 def _finish_round(comm: Comm, rnd: _Round) -> BaseException | None:

@@ -37,7 +37,8 @@ ChunkKey = tuple[str, tuple[int, ...]]  # (array name, chunk index)
 
 @dataclass(frozen=True, slots=True)
 class Outgoing:
-    """A chunk this rank reads and sends to `to`, as the `tag`-th message of round `round`."""
+    """A chunk this rank reads and sends to `to`, in message `tag` of round `round` (a
+    small chunk shares its message with the others of that round that go to the same ranks)."""
 
     round: int
     tag: int
@@ -47,7 +48,7 @@ class Outgoing:
 
 @dataclass(frozen=True, slots=True)
 class Incoming:
-    """A chunk this rank receives from `holder`, as the `tag`-th message of its round `round`."""
+    """A chunk this rank receives from `holder`, in message `tag` of its round `round`."""
 
     round: int
     tag: int
@@ -158,12 +159,17 @@ class Ask(NamedTuple):
 
 
 def plan_sends(
-    asked: Sequence[Ask | None], nbytes: Callable[[ChunkKey], int], round_bytes: int
+    asked: Sequence[Ask | None],
+    nbytes: Callable[[ChunkKey], int],
+    round_bytes: int,
+    packed: Callable[[ChunkKey], bool] = lambda key: False,
 ) -> tuple[list[Outgoing], list[list[tuple[int, int]] | None]]:
     """This holder's sends (each distinct chunk asked of it once, in key order, in rounds of
     at most `round_bytes`, and at most each asker's budget of bytes for it, unless a round
     holds one chunk only), and for each rank that asked, the (round, tag) of each key it
-    asked for, in its order."""
+    asked for, in its order. The chunks that are `packed` (small: a message costs more
+    than their copy) share one tag a round for each set of ranks they go to: one message,
+    the chunks in key order (restore.execute lays it out alike on both sides)."""
     askers: dict[ChunkKey, list[int]] = {}
     budget: dict[int, int] = {}
     for rank, ask in enumerate(asked):
@@ -175,15 +181,21 @@ def plan_sends(
     where: dict[ChunkKey, tuple[int, int]] = {}
     rnd, tag, held = 0, 0, 0
     taken: dict[int, int] = {}  # bytes of this round, per asker
+    packs: dict[tuple[int, ...], int] = {}  # this round's tag for the packed chunks, per set of askers
     for key in sorted(askers):
-        n, to = nbytes(key), askers[key]
+        n, to = nbytes(key), tuple(askers[key])
         full = held + n > round_bytes or any(taken.get(r, 0) + n > budget[r] for r in to)
         if tag and full:
             rnd, tag, held = rnd + 1, 0, 0
             taken.clear()
-        sends.append(Outgoing(rnd, tag, key, tuple(to)))
-        where[key] = (rnd, tag)
-        tag += 1
+            packs.clear()
+        at = tag
+        if packed(key):
+            at = packs.setdefault(to, tag)
+        if at == tag:
+            tag += 1
+        sends.append(Outgoing(rnd, at, key, to))
+        where[key] = (rnd, at)
         held += n
         for r in to:
             taken[r] = taken.get(r, 0) + n

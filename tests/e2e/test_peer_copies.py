@@ -40,13 +40,23 @@ def _full(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 BIG_ROWS = 4 * 1100  # x 1000 float32: 4.4 MB a rank at world 4, five ~1 MiB blocks, the last short
 
 
-def _state(rank: int, step: int, world: int = 4, big: bool = False) -> dict[str, Any]:
-    """`big` adds an array whose chunks span several checksummed blocks."""
+SMALL = 40  # `small` tensors of 8 float32 a rank: chunk files of 32 bytes
+
+
+def _state(rank: int, step: int, world: int = 4, big: bool = False, small: bool = False) -> dict[str, Any]:
+    """`big` adds an array whose chunks span several checksummed blocks; `small` adds SMALL
+    sharded tensors of tiny chunks and a tensor every rank holds whole (saved once)."""
     import ckpt
 
     w, own = _full(step)
     rows, n = 64 // world, 4000 // world
-    extra = {}
+    extra: dict[str, Any] = {}
+    if small:
+        k = 32 // world
+        for i in range(SMALL):
+            whole = torch.arange(32, dtype=torch.float32) * (i + 1) + step
+            extra[f"s{i}"] = ckpt.Shard(whole[k * rank : k * (rank + 1)].clone(), (32,), (k * rank,))
+        extra["shared"] = torch.arange(3000, dtype=torch.float64) + step
     if big:
         k = BIG_ROWS // world
         part = torch.arange(k * 1000, dtype=torch.float32).reshape(k, 1000) + (1e6 * rank + step)
@@ -83,13 +93,15 @@ def _view(ctx: Any, view: str) -> str:
     return f"{view}/node{{node}}"
 
 
-def save_job(ctx: Any, view: str, steps: list[int], keep_last: int | None, big: bool = False) -> dict[str, Any]:
+def save_job(
+    ctx: Any, view: str, steps: list[int], keep_last: int | None, big: bool = False, small: bool = False
+) -> dict[str, Any]:
     import ckpt
 
     root = _view(ctx, view)
     with ckpt.Checkpointer(root, peer_copies=1, keep_last=keep_last, timeout=TIMEOUT) as ck:
         for step in steps:
-            ck.save(step, _state(ctx.rank, step, big=big))
+            ck.save(step, _state(ctx.rank, step, big=big, small=small))
         ck.wait()
     return {}
 
@@ -229,21 +241,24 @@ def save_again(ctx: Any, view: str) -> dict[str, Any]:
     return {}
 
 
-def restore_job(ctx: Any, view: str, big: bool = False) -> dict[str, Any]:
+def restore_job(ctx: Any, view: str, big: bool = False, small: bool = False) -> dict[str, Any]:
     import ckpt
 
     root = _view(ctx, view)
-    state = _state(ctx.rank, 0, ctx.world, big=big)
+    state = _state(ctx.rank, 0, ctx.world, big=big, small=small)
     with ckpt.Checkpointer(root, timeout=TIMEOUT) as ck:
         try:
             got = ck.restore(state)
         except (ckpt.IncompleteVersionError, ckpt.CorruptVersionError) as e:
             return {"error": f"{type(e).__name__}: {e}"}
-    want = _state(ctx.rank, got if got is not None else 0, ctx.world, big=big)
-    keys = ("w", "own", "big") if big else ("w", "own")
-    same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in keys)
+        messages = ck._ctl.messages + (ck._data.messages if ck._data is not ck._ctl else 0)
+    want = _state(ctx.rank, got if got is not None else 0, ctx.world, big=big, small=small)
+    shards = [k for k, v in want.items() if isinstance(v, ckpt.Shard)]
+    same = all(torch.equal(state[k].local_tensor, want[k].local_tensor) for k in shards)
     same = same and torch.equal(state["scale"], want["scale"])
-    return {"step": got, "bitwise": bool(same) and state["step"] == got}
+    if small:
+        same = same and torch.equal(state["shared"], want["shared"])
+    return {"step": got, "bitwise": bool(same) and state["step"] == got, "messages": messages}
 
 
 def resume_and_save_again(ctx: Any, view: str) -> dict[str, Any]:
@@ -495,6 +510,52 @@ def test_a_damaged_block_in_the_only_surviving_copy_falls_back_to_the_older_step
     raw[len(raw) // 2] ^= 0x01  # the third of its five blocks
     chunks[0].write_bytes(bytes(raw))
     results, failures = launch(THIS, "restore_job", 4, tmp_path / "job3", isolate=nodes, view=str(nodes.view), big=True)
+    assert not failures, failures
+    assert [(r.get("step"), r.get("bitwise")) for r in results] == [(2, True)] * 4, results
+
+
+def test_small_chunks_travel_in_one_message_a_holder_and_one_damaged_falls_back(tmp_path: Path) -> None:
+    """Node 1 is lost. Its ranks' many tiny chunks come from node 0's copy in one message a
+    holder (restore.execute's packs), and the tensor every rank holds whole, needed by both
+    of node 1's ranks from the same holder, reaches both, bitwise. Then one tiny chunk of
+    the newest step's copy is damaged: its holder still sends the pack, and every rank
+    restores the older step bitwise instead."""
+    nodes = _nodes(tmp_path)
+    _, failures = launch(
+        THIS,
+        "save_job",
+        4,
+        tmp_path / "job",
+        isolate=nodes,
+        view=str(nodes.view),
+        steps=[2, 4],
+        keep_last=None,
+        small=True,
+    )
+    assert not failures, failures
+    whole, failures = launch(THIS, "restore_job", 4, tmp_path / "job1", isolate=nodes, view=str(nodes.view), small=True)
+    assert not failures, failures
+    assert [(r.get("step"), r.get("bitwise")) for r in whole] == [(4, True)] * 4, whole
+    _wipe(nodes.disks / "node1")
+    results, failures = launch(
+        THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view), small=True
+    )
+    assert not failures, failures
+    assert [(r.get("step"), r.get("bitwise")) for r in results] == [(4, True)] * 4, results
+    # Each of node 1's ranks needs SMALL + 3 chunks of its own and the shared one from node
+    # 0's two ranks: from each, one message for its own and one for what both need, where
+    # each chunk was a message of its own (the plan's two all-to-alls post a few more).
+    assert all(w["messages"] == 0 for w in whole), whole
+    assert all(r["messages"] < SMALL // 2 for r in results), results
+    copy = _held(nodes.disks / "node0") / "v000000000004" / "state" / "s7"
+    chunks = sorted(p for p in copy.rglob("c.*") if p.is_file())
+    assert len(chunks) == 2 and all(p.stat().st_size == 32 for p in chunks), chunks
+    raw = bytearray(chunks[1].read_bytes())
+    raw[5] ^= 0x01
+    chunks[1].write_bytes(bytes(raw))
+    results, failures = launch(
+        THIS, "restore_job", 4, tmp_path / "job3", isolate=nodes, view=str(nodes.view), small=True
+    )
     assert not failures, failures
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(2, True)] * 4, results
 

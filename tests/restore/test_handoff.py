@@ -76,6 +76,31 @@ def test_a_holder_answers_each_key_with_its_round_and_tag() -> None:
     assert answers == [None, [(1, 0), (0, 0)], [(0, 0)], None]
 
 
+def test_small_chunks_share_one_tag_a_round_for_each_set_of_askers() -> None:
+    """Packed chunks going to the same ranks in a round share a message (a tag); those going
+    to other ranks, the large ones and those of the next round get tags of their own, and
+    each asker's answers name the message each of its chunks travels in."""
+    small = {("s", (i,)) for i in range(6)}
+    asked = [
+        None,
+        Ask(100, [("s", (0,)), ("s", (1,)), ("s", (2,)), ("b", (0,)), ("s", (4,)), ("s", (5,))]),
+        Ask(100, [("s", (2,)), ("s", (3,))]),
+    ]
+    sends, answers = plan_sends(asked, lambda k: 10, 60, lambda k: k in small)
+    got = {o.key: (o.round, o.tag, o.to) for o in sends}
+    assert got == {
+        ("b", (0,)): (0, 0, (1,)),
+        ("s", (0,)): (0, 1, (1,)),
+        ("s", (1,)): (0, 1, (1,)),
+        ("s", (2,)): (0, 2, (1, 2)),  # wanted by both: a message of its own set of ranks
+        ("s", (3,)): (0, 3, (2,)),
+        ("s", (4,)): (0, 1, (1,)),
+        ("s", (5,)): (1, 0, (1,)),  # a new round: the 60 bytes of this holder's round are full
+    }, got
+    assert answers[1] == [(0, 1), (0, 1), (0, 2), (0, 0), (0, 1), (1, 0)]
+    assert answers[2] == [(0, 2), (0, 3)]
+
+
 def test_an_answer_that_does_not_match_the_asks_is_an_error_for_that_holder_only() -> None:
     """The other holders send their chunks whatever this rank's error: it still receives them
     (a send with no receive posted would wait for the group's timeout)."""
