@@ -65,7 +65,9 @@ __all__ = ["ReadRequest", "ReadsUnreached", "load_arrays", "full_tensor", "Comm"
 
 log = logging.getLogger("ckpt")
 PACK_BYTES = LIGHT_BYTES  # chunks below it travel in packs (see _packed)
-SEND_ROUND_BYTES = 64 << 20  # chunks a holder reads, and a rank receives, per round of the hand-off (two in flight)
+# Bytes a holder reads, and a rank receives, per round of the hand-off (two in flight); a
+# packed chunk counts its aligned slot (_travels).
+SEND_ROUND_BYTES = 64 << 20
 
 
 class Comm(Protocol):
@@ -760,7 +762,11 @@ def load_arrays(
             # and readers competing for the GIL at every system call cost more than it.
             solo = sum(1 for p in local if p.chunk.nbytes < LIGHT_BYTES)
 
+        stop = threading.Event()  # the rounds raised: the reads left are not made
+
         def read(p: ChunkRead) -> None:
+            if stop.is_set():
+                raise CkptError("not read: the hand-off's rounds failed")
             array, chunk = manifest.arrays[p.name], p.chunk
             reqs = [requests[i] for i in p.requests]
             if chunk.inline is not None:  # in the manifest: a rank whose node was replaced holds no tier of it
@@ -800,8 +806,8 @@ def load_arrays(
         lanes = ThreadPoolExecutor(max(1, threads), thread_name_prefix="ckpt-send")
         prepare = functools.partial(_prepare_round, sources, manifest, requests, by_key, lanes)
         # A round that raises (a peer gone from the group) is raised only once this rank's
-        # own reads have stopped writing into the state: the caller may read another version
-        # into it.
+        # own reads have stopped writing into the state (the caller may read another
+        # version into it); the reads not begun by then are not made.
         try:
             with lanes, ThreadPoolExecutor(1, thread_name_prefix="ckpt-send-ahead") as ahead:
                 nxt = ahead.submit(prepare, sends_in[0], recvs_in[0], verify, threads, dead) if rounds else None
@@ -829,6 +835,9 @@ def load_arrays(
                         unsent.append(failure)
                     else:
                         error = error or failure
+        except BaseException:
+            stop.set()
+            raise
         finally:
             if rounds:
                 reader.join()
@@ -996,9 +1005,9 @@ def _pack(
 
 
 def _packed(chunk: ChunkEntry) -> bool:
-    """Whether a chunk sent between ranks travels in its holder's pack for the asker (one
-    message a holder, asker and round), not as a message of its own: both sides decide it
-    from the manifest alone."""
+    """Whether a chunk sent between ranks travels in one message with the other small chunks
+    its holder sends to the same set of ranks that round (restore.handoff.plan_sends), not
+    as a message of its own: both sides decide it from the manifest alone."""
     return chunk.nbytes < PACK_BYTES
 
 

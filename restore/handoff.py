@@ -8,7 +8,8 @@ all-to-all: each rank receives only what is asked of it), with the bytes it take
 that holder in one round: the round's bytes over the number of holders it asks, so that
 its receive buffers stay within one round's bytes. The holder reads each distinct chunk
 once, for every rank that asked, in rounds within its own bound and each asker's
-(`plan_sends`), and answers each asker with the round and tag of every key it asked for. No rank handles
+(`plan_sends`), and answers each asker with the round and tag of every key it asked for
+(small chunks going to the same ranks share a tag: one message). No rank handles
 another pair's requests: a rank's work and bytes grow with what it needs and what is asked
 of it, not with the world size times the neediest rank's list.
 

@@ -411,8 +411,9 @@ def _nodes(tmp_path: Path) -> Nodes:
     return nodes
 
 
-def _saved_2_and_4(tmp_path: Path, keep_last: int | None) -> Nodes:
-    """Steps 2 and 4 of the big state saved by 4 ranks on 2 nodes, with peer copies."""
+def _saved_2_and_4(tmp_path: Path, keep_last: int | None, big: bool = True, small: bool = False) -> Nodes:
+    """Steps 2 and 4 of the state (by default the big one) saved by 4 ranks on 2 nodes, with
+    peer copies."""
     nodes = _nodes(tmp_path)
     _, failures = launch(
         THIS,
@@ -423,7 +424,8 @@ def _saved_2_and_4(tmp_path: Path, keep_last: int | None) -> Nodes:
         view=str(nodes.view),
         steps=[2, 4],
         keep_last=keep_last,
-        big=True,
+        big=big,
+        small=small,
     )
     assert not failures, failures
     return nodes
@@ -514,25 +516,13 @@ def test_a_damaged_block_in_the_only_surviving_copy_falls_back_to_the_older_step
     assert [(r.get("step"), r.get("bitwise")) for r in results] == [(2, True)] * 4, results
 
 
-def test_small_chunks_travel_in_one_message_a_holder_and_one_damaged_falls_back(tmp_path: Path) -> None:
-    """Node 1 is lost. Its ranks' many tiny chunks come from node 0's copy in one message a
-    holder (restore.execute's packs), and the tensor every rank holds whole, needed by both
-    of node 1's ranks from the same holder, reaches both, bitwise. Then one tiny chunk of
-    the newest step's copy is damaged: its holder still sends the pack, and every rank
+def test_small_chunks_travel_in_packs_and_one_damaged_falls_back(tmp_path: Path) -> None:
+    """Node 1 is lost. Its ranks' many tiny chunks come from node 0's copy in a few messages
+    a holder (restore.execute's packs), and the tensor every rank holds whole, needed by
+    both of node 1's ranks from the same holder, reaches both, bitwise. Then one tiny chunk
+    of the newest step's copy is damaged: its holder still sends the pack, and every rank
     restores the older step bitwise instead."""
-    nodes = _nodes(tmp_path)
-    _, failures = launch(
-        THIS,
-        "save_job",
-        4,
-        tmp_path / "job",
-        isolate=nodes,
-        view=str(nodes.view),
-        steps=[2, 4],
-        keep_last=None,
-        small=True,
-    )
-    assert not failures, failures
+    nodes = _saved_2_and_4(tmp_path, keep_last=None, big=False, small=True)
     whole, failures = launch(THIS, "restore_job", 4, tmp_path / "job1", isolate=nodes, view=str(nodes.view), small=True)
     assert not failures, failures
     assert [(r.get("step"), r.get("bitwise")) for r in whole] == [(4, True)] * 4, whole
