@@ -985,9 +985,14 @@ def _file_bytes(array: ArrayEntry, chunk: ChunkEntry) -> int:
 _PACK_ALIGN = 64  # each chunk in a pack starts at a multiple: its bytes are viewed as its dtype in place
 
 
+def _slot(nbytes: int) -> int:
+    """The bytes a chunk of `nbytes` takes in a pack."""
+    return -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
+
+
 def _travels(chunk: ChunkEntry) -> int:
     """The bytes a chunk takes in a round of the hand-off: in a pack, its aligned slot."""
-    return -(-chunk.nbytes // _PACK_ALIGN) * _PACK_ALIGN if _packed(chunk) else chunk.nbytes
+    return _slot(chunk.nbytes) if _packed(chunk) else chunk.nbytes
 
 
 def _pack(
@@ -999,7 +1004,7 @@ def _pack(
     starts, at = [], 0
     for n in sizes:
         starts.append(at)
-        at += -(-n // _PACK_ALIGN) * _PACK_ALIGN
+        at += _slot(n)
     pack = make(at, dtype=torch.uint8)
     return pack, [pack[a : a + n] for a, n in zip(starts, sizes)]
 
