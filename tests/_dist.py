@@ -14,11 +14,14 @@ and the scenario goes on, so no rank leaves the others hanging in a collective.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import importlib.util
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+STACKS_SIGNAL = signal.SIGUSR2  # a rank still running when the parent stops it logs its threads' stacks
 
 
 @dataclass
@@ -105,7 +109,9 @@ def launch(
     Raises AssertionError when a process crashed, timed out or wrote no result. With
     `isolate`, each rank sees only its own node's disk (Nodes). The ranks
     in `killed` must die of SIGKILL (the scenario kills them: a node lost); the others then
-    exit without the final barrier, and their results are returned in rank order.
+    exit without the final barrier, and their results are returned in rank order. A rank
+    still running when launch stops it (past `timeout`, or 10 s after another rank failed)
+    first logs every thread's stack, as do its child processes.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -163,10 +169,17 @@ def launch(
                 break
             time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        hung = [p for p in procs if p.poll() is None]
+        for pid in [q for p in hung for q in (p.pid, *_descendants(p.pid))]:
+            # Its children (DataLoader workers) inherit the handler: a worker that hangs
+            # leaves its rank waiting, and its stack says why.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, STACKS_SIGNAL)
+        if hung:
+            time.sleep(1.0)  # for the stacks to reach the logs
+        for p in hung:
+            p.kill()
+            p.wait()
         for log in logs:
             log.close()
     problems: list[str] = []
@@ -183,7 +196,7 @@ def launch(
         if p.returncode != 0 or res is None:
             problems.append(
                 f"rank {rank}: exit code {p.returncode}{' (timed out)' if timed_out else ''}, "
-                f"result {'missing' if res is None else 'written'}\n--- output ---\n{out[-4000:]}"
+                f"result {'missing' if res is None else 'written'}\n--- output ---\n{out[-12000:]}"
             )
             if res is not None:
                 problems.extend(res["failures"])
@@ -195,7 +208,29 @@ def launch(
     return results, failures
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Linux /proc), children first."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 def _worker(spec_json: str, rank: int, world: int) -> None:
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # (stderr is the rank's log)
     spec = json.loads(spec_json)
     import torch.distributed as dist
 

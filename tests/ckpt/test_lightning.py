@@ -506,7 +506,13 @@ class Seen(pl.LightningModule):
     def train_dataloader(self) -> Any:
         ds = TensorDataset(torch.arange(SEEN_SAMPLES, dtype=torch.float32).unsqueeze(1))
         sampler = ckpt.DistributedSampler(ds, seed=3, even_after_reshard=True)  # DDP steps are collective
-        return StatefulDataLoader(ds, batch_size=2, sampler=sampler, num_workers=self.workers)
+        # Workers from a fork server: forking this process, whose gloo threads run, can copy a
+        # lock one of them holds into the child (pytorch#130610), and a worker stuck at its
+        # start leaves the rank waiting for it (twice in CI: rank 1 missed the next collective).
+        context = "forkserver" if self.workers else None
+        return StatefulDataLoader(
+            ds, batch_size=2, sampler=sampler, num_workers=self.workers, multiprocessing_context=context
+        )
 
 
 def seen_fit(ctx: Any, root: str, max_steps: int, workers: int) -> dict[str, Any]:
