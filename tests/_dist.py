@@ -209,7 +209,7 @@ def launch(
 
 
 def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (Linux /proc), children first."""
+    """The processes below `pid`, at any depth (Linux /proc)."""
     found: list[int] = []
     todo = [pid]
     while todo:
