@@ -172,11 +172,13 @@ def launch(
         hung = [p for p in procs if p.poll() is None]
         for pid in [q for p in hung for q in (p.pid, *_descendants(p.pid))]:
             # Its children (DataLoader workers) inherit the handler: a worker that hangs
-            # leaves its rank waiting, and its stack says why.
+            # leaves its rank waiting, and its stack says why. One at a time: a rank and
+            # its children write to the same log.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, STACKS_SIGNAL)
+            time.sleep(0.3)
         if hung:
-            time.sleep(1.0)  # for the stacks to reach the logs
+            time.sleep(0.5)  # for the last stacks to reach the logs
         for p in hung:
             p.kill()
             p.wait()
