@@ -7,9 +7,10 @@
 `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}) that
 transformers' `from_pretrained` and `safetensors.torch.load_file` read.
 
-Every tensor is read through the restore path (restore.execute): each chunk from the
-first tier that holds a good copy, every byte checked against its xxh3, so a version
-split over several node-local roots exports from wherever its parts are. Files are
+Every tensor is read through the restore path (restore.execute), a file's tensors a batch
+at a time: each chunk from the first tier that holds a good copy, every byte checked
+against its xxh3, so a version split over several node-local roots exports from wherever
+its parts are. Files are
 written on a few threads, one file per thread at a time (memory: about one file per
 thread), into a temporary directory inside DIR, fsynced, then renamed into place with
 the index last: a reader never sees a partial export.
@@ -61,6 +62,7 @@ _FLOATS = {"bfloat16", "float16", "float32", "float64"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20}
 _UNITS.update({"GIB": 1 << 30, "TIB": 1 << 40})
 _HEADER_KEY = "__metadata__"  # the header's own entry: a tensor of this name makes the file unreadable
+READ_BATCH_BYTES = 256 << 20  # tensors a single-process export reads at once (one read, one progress step)
 _EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
@@ -331,13 +333,17 @@ def write_safetensors(
     tmp = target.tmp
 
     def write(f: OutFile) -> None:
+        # The file's tensors read in batches of READ_BATCH_BYTES, each one read whose reader
+        # lanes share its chunks: a read per tensor waited for each small one in turn
+        # (0.60-0.75 s against ~0.3 s for a 389 MiB model from a cold disk); progress
+        # moves a batch at a time.
         tensors = {}
-        for name in f.tensors:
-            array = names[name]
-            dest = full_tensor(array)
-            load_arrays(Comm.solo(), sources, manifest, [ReadRequest(array, dest, (0,) * len(array.shape))])
-            tensors[name] = as_exported(dest, array, cast)
-            progress(array.nbytes)
+        for batch in _batches([(name, names[name]) for name in f.tensors], READ_BATCH_BYTES):
+            requests = [ReadRequest(a, full_tensor(a), (0,) * len(a.shape)) for _, a in batch]
+            load_arrays(Comm.solo(), sources, manifest, requests)
+            for (name, a), r in zip(batch, requests):
+                tensors[name] = as_exported(r.dest, a, cast)
+            progress(sum(a.nbytes for _, a in batch))
         write_file(os.path.join(tmp, f.name), tensors, manifest.step)
 
     done = False
@@ -350,6 +356,19 @@ def write_safetensors(
         return written
     finally:
         close_export(target, done)
+
+
+def _batches(arrays: Sequence[tuple[str, ArrayEntry]], limit: int) -> list[list[tuple[str, ArrayEntry]]]:
+    """Consecutive runs of arrays of at most `limit` bytes (an array larger than it alone)."""
+    out: list[list[tuple[str, ArrayEntry]]] = []
+    size = 0
+    for name, array in arrays:
+        if not out or size + array.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append((name, array))
+        size += array.nbytes
+    return out
 
 
 def export_dirname(manifest: Manifest) -> str:

@@ -87,6 +87,43 @@ def test_single_file_export_with_cast(saved: tuple[Path, Any], tmp_path: Path) -
         assert f.metadata() == {"format": "pt", "ckpt_step": "3"}
 
 
+def test_a_file_read_in_several_batches_is_whole_and_reports_progress_per_batch(
+    saved: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single-process export reads a file's tensors a batch at a time (one read each):
+    with small batches, the one file still holds every tensor bitwise, and progress
+    comes once a batch, adding up to the model's bytes."""
+    from ckpt._dist import Comm
+    from ckpt.restore import to_safetensors
+    from ckpt.restore.locate import Located, first_manifest, restore_newest
+    from ckpt.store.tier import open_tier
+
+    root, model = saved
+    monkeypatch.setattr(to_safetensors, "READ_BATCH_BYTES", 20_000)
+    steps: list[int] = []
+
+    def load(located: Located) -> list[str]:
+        manifest = first_manifest(located)
+        assert manifest is not None
+        return to_safetensors.write_safetensors(manifest, located.sources, str(tmp_path / "one"), progress=steps.append)
+
+    found = restore_newest(Comm.solo(), lambda: [open_tier(str(root))], load, step=None, missing_ok=False)
+    assert found is not None
+    [path] = found[1]
+    want = model.state_dict()
+    batches: list[int] = []  # in saved order, runs of at most 20,000 bytes (a larger tensor alone)
+    for t in want.values():
+        n = t.numel() * t.element_size()
+        if not batches or batches[-1] + n > 20_000:
+            batches.append(0)
+        batches[-1] += n
+    assert steps == batches and len(steps) > 3, (steps, batches)
+    got = safetensors_torch.load_file(path)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert not bitwise_diff(got[name], t), name
+
+
 def test_force_replaces_an_earlier_export_whole(saved: tuple[Path, Any], tmp_path: Path) -> None:
     """A single-file export, then a sharded one over it: no model.safetensors may be left,
     since transformers would load it instead of the index."""
