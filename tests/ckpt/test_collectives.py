@@ -149,11 +149,11 @@ def _rows(k: int, fill: bool = True) -> dict[str, Any]:
     }
 
 
-def _saved_by_nodes(ctx: Any, base: str, timeout: datetime.timedelta = TIMEOUT) -> Any:
+def _saved_by_nodes(ctx: Any, base: str, timeout: datetime.timedelta = TIMEOUT, **overrides: Any) -> Any:
     """A Checkpointer on this rank's node's root (2 ranks a node), with step 1 of its rows saved."""
     import ckpt
 
-    ck = ckpt.Checkpointer(f"{base}/node{ctx.rank // 2}", timeout=timeout)
+    ck = ckpt.Checkpointer(f"{base}/node{ctx.rank // 2}", timeout=timeout, **overrides)
     ck.save(1, {"m": _rows(ctx.rank)})
     ck.wait()
     return ck
@@ -251,6 +251,63 @@ def test_a_holder_that_cannot_plan_fails_the_restore_promptly_on_every_rank(tmp_
         assert r["err"] is not None, (rank, r)
         assert r["seconds"] < 10, (rank, r)  # well under the group's timeout
         assert "Timed out" not in r["err"] and "timeout" not in r["err"].lower(), (rank, r)
+
+
+def broken_rounds_job(ctx: Any, base: str) -> dict[str, Any]:
+    import threading
+
+    import ckpt
+    import ckpt.restore.execute as execute
+
+    full = _full()
+    names = sorted(full)
+    other = (ctx.rank + 2) % 4
+    out: dict[str, Any] = {"own_reads": 0}
+    with _saved_by_nodes(ctx, base, reader_threads=1) as ck:
+        execute.SEND_ROUND_BYTES = 1  # one chunk a round a holder: many rounds
+        real = execute._read_whole
+        reading = threading.Event()
+
+        def slow(*a: Any, **k: Any) -> Any:
+            if not threading.current_thread().name.startswith("ckpt-send"):  # this rank's own reads, not the sends
+                out["own_reads"] += 1
+                reading.set()
+                time.sleep(0.25)
+            return real(*a, **k)
+
+        execute._read_whole = slow
+
+        def gone(*a: Any, **k: Any) -> None:  # the group broke: every rank's first round raises, mid-read
+            reading.wait(10)
+            raise RuntimeError("a peer left the group")
+
+        execute._finish_round = gone  # (the plan's all-to-all before the rounds still works)
+        # The first half of the arrays: this rank's own rows (its node's disk, 12 reads);
+        # the rest: the other node's rows (the hand-off's rounds).
+        target = {
+            "m": {
+                n: ckpt.Shard(torch.zeros(ROWS, 16), tuple(full[n].shape), ((ctx.rank if i < 12 else other) * ROWS, 0))
+                for i, n in enumerate(names)
+            }
+        }
+        try:
+            ck.restore(target, step=1)
+            out["err"] = None
+        except Exception as e:  # noqa: BLE001
+            out["err"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def test_rounds_that_raise_stop_the_rest_of_this_ranks_own_reads(tmp_path: Path) -> None:
+    """A hand-off whose rounds raise (a peer gone from the group) fails the restore; the
+    rank's own reads not begun by then are not made (each here takes 0.25 s: 12 of them),
+    so the failure comes back without waiting for them. Before, every own read was made
+    first, into a state the restore was about to give up on."""
+    results, failures = launch(THIS, "broken_rounds_job", 4, tmp_path, timeout=180, base=str(tmp_path))
+    assert not failures, failures
+    for rank, r in enumerate(results):
+        assert r["err"] is not None and "a peer left the group" in r["err"], (rank, r)
+        assert 1 <= r["own_reads"] <= 2, (rank, r)
 
 
 def swapped_nodes_job(ctx: Any, base: str) -> dict[str, Any]:
