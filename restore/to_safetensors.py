@@ -10,10 +10,9 @@ transformers' `from_pretrained` and `safetensors.torch.load_file` read.
 Every tensor is read through the restore path (restore.execute), a file's tensors a batch
 at a time: each chunk from the first tier that holds a good copy, every byte checked
 against its xxh3, so a version split over several node-local roots exports from wherever
-its parts are. Files are
-written on a few threads, one file per thread at a time (memory: about one file per
-thread), into a temporary directory inside DIR, fsynced, then renamed into place with
-the index last: a reader never sees a partial export.
+its parts are. Files are written on a few threads, one file per thread at a time (memory:
+about one file per thread), into a temporary directory inside DIR, fsynced, then renamed
+into place with the index last: a reader never sees a partial export.
 """
 
 from __future__ import annotations
