@@ -36,7 +36,7 @@ from ckpt.store.tier import Tier, is_url, local_location, open_tier
 from ckpt.store.versions import MAX_STEP, committed_steps
 
 if TYPE_CHECKING:
-    from ckpt.restore.locate import AllKeys, Located
+    from ckpt.restore.locate import Located, Needs
     from ckpt.store.manifest import Manifest
 
 __all__ = ["main"]
@@ -207,9 +207,7 @@ def _manifest_of(located: Located) -> Manifest:
     return manifest
 
 
-def _newest(
-    sources: list[Tier], load: Callable[[Located], T], step: int | None, needs: frozenset[str] | AllKeys | None = None
-) -> tuple[int, T]:
+def _newest(sources: list[Tier], load: Callable[[Located], T], step: int | None, needs: Needs = None) -> tuple[int, T]:
     """restore.locate's choice of version (the newest intact one holding `needs`, or `step`), loaded."""
     from ckpt._dist import Comm  # imports torch
     from ckpt.restore.locate import restore_newest

@@ -50,7 +50,7 @@ from ckpt.store.rank_ranges import expand
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import Candidate, damaged_entries, full_steps, listing, read_manifest, version_dirname
 
-__all__ = ["ALL_KEYS", "AllKeys", "Listing", "Located", "restore_newest", "first_manifest"]
+__all__ = ["ALL_KEYS", "AllKeys", "KeyPath", "Needs", "Listing", "Located", "restore_newest", "first_manifest"]
 
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
@@ -177,7 +177,7 @@ def restore_newest(
     *,
     step: int | None = None,
     missing_ok: bool = True,
-    needs: frozenset[str] | AllKeys | None = None,
+    needs: Needs = None,
     if_incomplete: Literal["raise", "fresh"] = "raise",
     passed_over: set[int] | None = None,
 ) -> tuple[int, T] | None:
@@ -187,8 +187,9 @@ def restore_newest(
 
     `needs`: this rank's state's top-level keys; a version must hold every rank's (ranks
     may hold different trees; their union travels with the listing, so every rank chooses
-    the same version) to be chosen (ALL_KEYS: every key any listed version holds); newer
-    versions that hold fewer are passed over, each said in one log line.
+    the same version) to be chosen (ALL_KEYS: every key any listed version holds; a KeyPath:
+    the top-level key a dotted path starts with); newer versions that hold fewer are passed
+    over, each said in one log line.
 
     `if_incomplete`: when versions are committed but none is complete on the tiers searched,
     "raise" (IncompleteVersionError, naming them and the missing ranks' parts) or "fresh"
@@ -257,7 +258,7 @@ def restore_newest(
         held = holdings([g.candidates for g in gathered] + [c for g in gathered for _, c in g.shared if c])
         searched = sorted({where for g in gathered for where in g.locations})
         sent = [g.keys for g in gathered if g.keys is not None]
-        if sent and not isinstance(needs, AllKeys):  # every rank's keys: one choice on every rank
+        if sent and not isinstance(needs, AllKeys | KeyPath):  # every rank's keys: one choice on every rank
             needs = frozenset(k for keys in sent for k in keys)
         needed = _needed(held, needs)
         params_only = _params_only(held, needs)
@@ -365,9 +366,34 @@ class AllKeys:
 ALL_KEYS = AllKeys()
 
 
-def _needed(held: Holdings, needs: frozenset[str] | AllKeys | None) -> frozenset[str] | None:
+@dataclass(frozen=True)
+class KeyPath:
+    """`needs` of an export of what is under a dot-separated path: the top-level key the path
+    starts with, which may itself hold dots ("ema.model"), so it is one of the path's
+    leading parts joined."""
+
+    path: str
+
+    def keys(self) -> list[str]:
+        parts = self.path.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+Needs = frozenset[str] | AllKeys | KeyPath | None
+
+
+def _needed(held: Holdings, needs: Needs) -> frozenset[str] | None:
     """The keys a version must hold. ALL_KEYS: none where the versions record which are
-    params-only ones (_params_only passes over those), else every key any version holds."""
+    params-only ones (_params_only passes over those), else every key any version holds.
+    A KeyPath: the longest of its keys that the newest version holding one of them holds
+    (its first part where none does: the error then names it)."""
+    if isinstance(needs, KeyPath):
+        keys = needs.keys()
+        for h in sorted(held, key=lambda h: -h.step):
+            hit = [k for k in keys if h.keys is not None and k in h.keys]
+            if hit:
+                return frozenset(hit[-1:])
+        return frozenset(keys[:1])
     if not isinstance(needs, AllKeys):
         return needs
     if any(h.partial is not None for h in held):
@@ -375,7 +401,7 @@ def _needed(held: Holdings, needs: frozenset[str] | AllKeys | None) -> frozenset
     return frozenset(k for h in held if h.keys is not None for k in h.keys)
 
 
-def _params_only(held: Holdings, needs: frozenset[str] | AllKeys | None) -> frozenset[int]:
+def _params_only(held: Holdings, needs: Needs) -> frozenset[int]:
     """ALL_KEYS: the steps saved as params-only versions, where the versions record it (none
     where they do not: _needed then asks for every key any holds)."""
     if not isinstance(needs, AllKeys) or all(h.partial is None for h in held):

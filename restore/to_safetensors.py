@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt.restore.locate import KeyPath
 from ckpt.restore.saved_ranks import saved_trees
 from ckpt.restore.sources import Source
 from ckpt.store.dtypes import ITEMSIZE
@@ -118,10 +119,14 @@ def _keys(trees: Sequence[Any]) -> list[str]:
 
 
 def tree_tensors(manifest: Manifest, tree: Any, prefix: str) -> list[tuple[str, ArrayEntry]]:
-    """The tensors of one rank's tree under `prefix`, in its order, by their exported names."""
-    node = _unwrap(tree)
-    for part in prefix.split(".") if prefix else []:
-        node = _unwrap(node[part]) if isinstance(node, dict) and part in node else None
+    """The tensors of one rank's tree under `prefix`, in its order, by their exported names.
+    A key may hold dots ("ema.model"); a prefix that names two entries is refused (CkptError)."""
+    node, last = _unwrap(tree), ""
+    if prefix:
+        found = _under(tree, prefix.split("."))
+        if len(found) > 1:
+            raise CkptError(f"{prefix!r} names {len(found)} entries of the state (keys holding dots): not exporting")
+        node, last = found[0] if found else (None, "")
     out: list[tuple[str, ArrayEntry]] = []
 
     def walk(n: Any, path: str) -> None:
@@ -143,14 +148,28 @@ def tree_tensors(manifest: Manifest, tree: Any, prefix: str) -> list[tuple[str, 
 
     if node is not None:
         walk(node, "")
-    last = prefix.rsplit(".", 1)[-1]
-    return [(name or last, array) for name, array in out]  # (a prefix naming a tensor: by its own name)
+    return [(name or last, array) for name, array in out]  # (a prefix naming a tensor: by its own key)
 
 
-def export_needs(step: int | None, prefix: str) -> frozenset[str] | None:
-    """The top-level state key a version must hold to be the export's choice (None: any
-    version, when the step is given or the export takes the whole state)."""
-    return None if step is not None or not prefix else frozenset({prefix.split(".")[0]})
+def _under(node: Any, parts: Sequence[str]) -> list[tuple[Any, str]]:
+    """Every entry the path `parts` reaches from `node`, and its own key: each step one key,
+    which may be several parts joined by dots."""
+    node = _unwrap(node)
+    if not isinstance(node, dict):
+        return []
+    out: list[tuple[Any, str]] = []
+    for i in range(1, len(parts) + 1):
+        key = ".".join(parts[:i])
+        if key in node:
+            out += _under(node[key], parts[i:]) if i < len(parts) else [(_unwrap(node[key]), key)]
+    return out
+
+
+def export_needs(step: int | None, prefix: str) -> KeyPath | None:
+    """What a version must hold to be the export's choice: the top-level key `prefix`
+    starts with (None: any version, when the step is given or the export takes the whole
+    state)."""
+    return None if step is not None or not prefix else KeyPath(prefix)
 
 
 def check_dtype(dtype: str | None) -> Any:

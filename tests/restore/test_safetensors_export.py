@@ -347,6 +347,45 @@ def test_a_prefix_naming_a_tensor_exports_it_by_that_name(tmp_path: Path) -> Non
     assert list(got) == ["avg"] and torch.equal(got["avg"], torch.full((3,), 2.0))
 
 
+def test_a_top_level_key_holding_dots_is_chosen_by_prefix(tmp_path: Path) -> None:
+    """A state key may hold dots ("ema.model"): --prefix finds it, and without --step the
+    newest version that holds it is chosen (a newer one without it is passed over)."""
+    import ckpt
+
+    root = str(tmp_path / "root")
+    ema = {"w": torch.arange(6.0), "b": torch.full((2,), 3.0)}
+    with ckpt.Checkpointer(root) as ck:
+        ck.save(1, {"model": {"w": torch.ones(2)}, "ema.model": ema})
+        ck.save(2, {"model": {"w": torch.zeros(2)}})
+    res = _ckpt("restore", root, "--to-safetensors", str(tmp_path / "cli"), "--prefix", "ema.model")
+    assert res.returncode == 0 and "exported step 1" in res.stdout, res.stderr
+    got = safetensors_torch.load_file(str(tmp_path / "cli" / "model.safetensors"))
+    assert sorted(got) == ["b", "w"] and all(torch.equal(got[k], ema[k]) for k in ema)
+    paths = ckpt.export_safetensors(root, str(tmp_path / "one"), prefix="ema.model.w")
+    got = safetensors_torch.load_file(paths[0])
+    assert list(got) == ["w"] and torch.equal(got["w"], ema["w"])
+    paths = ckpt.export_safetensors(root, str(tmp_path / "step"), prefix="ema.model", step=1)
+    assert sorted(safetensors_torch.load_file(paths[0])) == ["b", "w"]
+    with ckpt.Checkpointer(root) as ck:  # the job export chooses alike
+        paths = ck.export_safetensors(str(tmp_path / "job"), prefix="ema.model")
+    got = safetensors_torch.load_file(paths[0])
+    assert sorted(got) == ["b", "w"] and all(torch.equal(got[k], ema[k]) for k in ema)
+
+
+def test_a_prefix_two_entries_answer_to_is_refused(tmp_path: Path) -> None:
+    """{"a": {"b": ...}} and {"a.b": ...} in one state: "a.b" names both, so nothing is exported."""
+    import ckpt
+
+    root = str(tmp_path / "root")
+    with ckpt.Checkpointer(root) as ck:
+        ck.save(1, {"a": {"b": {"w": torch.ones(2)}}, "a.b": {"w": torch.zeros(2)}})
+    res = _ckpt("restore", root, "--to-safetensors", str(tmp_path / "out"), "--prefix", "a.b")
+    assert res.returncode == 3 and "'a.b' names 2 entries" in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ckpt.CkptError, match="'a.b.w' names 2 entries"):
+        ckpt.export_safetensors(root, str(tmp_path / "one"), prefix="a.b.w")
+
+
 # -- what safetensors cannot hold, and who can read the files (found by review, 2026-12-05) --
 
 
