@@ -13,7 +13,28 @@ from dataclasses import dataclass
 from ckpt.store.rank_ranges import RankRanges, missing, union
 from ckpt.store.versions import Candidate
 
-__all__ = ["Holding", "Holdings", "holdings", "reachable_steps", "partial_steps", "missing_writers", "choose_step"]
+__all__ = [
+    "Holding",
+    "Holdings",
+    "Needed",
+    "OneOf",
+    "holdings",
+    "reachable_steps",
+    "partial_steps",
+    "missing_writers",
+    "choose_step",
+]
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Top-level keys of which a version must hold one (an export's dotted prefix: its
+    top-level key may itself hold dots, so it is one of the prefix's leading parts joined)."""
+
+    keys: frozenset[str]
+
+
+Needed = frozenset[str] | OneOf | None  # the keys a version must hold all of, or one of (None: any version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +53,12 @@ class Holding:
     def whole(self) -> bool:
         return not missing(self.writers, self.world_size)
 
-    def holds(self, needs: frozenset[str] | None) -> bool:
-        return needs is None or self.keys is None or needs <= self.keys
+    def holds(self, needs: Needed) -> bool:
+        if needs is None or self.keys is None:
+            return True
+        if isinstance(needs, OneOf):
+            return not needs.keys.isdisjoint(self.keys)
+        return needs <= self.keys
 
 
 Holdings = list[Holding]
@@ -57,7 +82,7 @@ def holdings(per_rank: Sequence[Sequence[Candidate]]) -> Holdings:
     return [Holding(*at, union(parts), keys[at], created[at], partial[at]) for at, parts in seen.items()]
 
 
-def reachable_steps(held: Holdings, needs: frozenset[str] | None = None) -> dict[int, str]:
+def reachable_steps(held: Holdings, needs: Needed = None) -> dict[int, str]:
     """Steps whose every writer's chunks some current rank holds, with one save_id
     throughout, and that save_id; with `needs`, only saves holding those keys.
 
@@ -97,7 +122,7 @@ def choose_step(
     held: Holdings,
     step: int | None = None,
     exclude: frozenset[int] = frozenset(),
-    needs: frozenset[str] | None = None,
+    needs: Needed = None,
 ) -> int | None:
     """The requested step if reachable, else the newest reachable step not excluded."""
     ok = sorted((s for s in reachable_steps(held, needs) if s not in exclude), reverse=True)

@@ -34,7 +34,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
-from ckpt.restore.discover import Holdings, choose_step, holdings, missing_writers, partial_steps, reachable_steps
+from ckpt.restore.discover import (
+    Holdings,
+    Needed,
+    OneOf,
+    choose_step,
+    holdings,
+    missing_writers,
+    partial_steps,
+    reachable_steps,
+)
 from ckpt.restore.sources import Source
 from ckpt.store.errors import (
     CkptError,
@@ -50,7 +59,7 @@ from ckpt.store.rank_ranges import expand
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import Candidate, damaged_entries, full_steps, listing, read_manifest, version_dirname
 
-__all__ = ["ALL_KEYS", "AllKeys", "KeyPath", "Needs", "Listing", "Located", "restore_newest", "first_manifest"]
+__all__ = ["ALL_KEYS", "AllKeys", "ExportPrefix", "Needs", "Listing", "Located", "restore_newest", "first_manifest"]
 
 log = logging.getLogger("ckpt")
 T = TypeVar("T")
@@ -187,9 +196,9 @@ def restore_newest(
 
     `needs`: this rank's state's top-level keys; a version must hold every rank's (ranks
     may hold different trees; their union travels with the listing, so every rank chooses
-    the same version) to be chosen (ALL_KEYS: every key any listed version holds; a KeyPath:
-    the top-level key a dotted path starts with); newer versions that hold fewer are passed
-    over, each said in one log line.
+    the same version) to be chosen (ALL_KEYS: every key any listed version holds; an
+    ExportPrefix: the top-level key a dotted prefix starts with); newer versions that hold
+    fewer are passed over, each said in one log line.
 
     `if_incomplete`: when versions are committed but none is complete on the tiers searched,
     "raise" (IncompleteVersionError, naming them and the missing ranks' parts) or "fresh"
@@ -258,7 +267,7 @@ def restore_newest(
         held = holdings([g.candidates for g in gathered] + [c for g in gathered for _, c in g.shared if c])
         searched = sorted({where for g in gathered for where in g.locations})
         sent = [g.keys for g in gathered if g.keys is not None]
-        if sent and not isinstance(needs, AllKeys | KeyPath):  # every rank's keys: one choice on every rank
+        if sent and not isinstance(needs, AllKeys | ExportPrefix):  # every rank's keys: one choice on every rank
             needs = frozenset(k for keys in sent for k in keys)
         needed = _needed(held, needs)
         params_only = _params_only(held, needs)
@@ -367,33 +376,26 @@ ALL_KEYS = AllKeys()
 
 
 @dataclass(frozen=True)
-class KeyPath:
-    """`needs` of an export of what is under a dot-separated path: the top-level key the path
-    starts with, which may itself hold dots ("ema.model"), so it is one of the path's
-    leading parts joined."""
+class ExportPrefix:
+    """`needs` of an export of what is under a dot-separated prefix: a version must hold
+    the prefix's top-level key, which may itself hold dots ("ema.model")."""
 
-    path: str
+    prefix: str
 
-    def keys(self) -> list[str]:
-        parts = self.path.split(".")
-        return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-
-
-Needs = frozenset[str] | AllKeys | KeyPath | None
+    def keys(self) -> OneOf:
+        parts = self.prefix.split(".")
+        return OneOf(frozenset(".".join(parts[:i]) for i in range(1, len(parts) + 1)))
 
 
-def _needed(held: Holdings, needs: Needs) -> frozenset[str] | None:
+Needs = frozenset[str] | AllKeys | ExportPrefix | None
+
+
+def _needed(held: Holdings, needs: Needs) -> Needed:
     """The keys a version must hold. ALL_KEYS: none where the versions record which are
     params-only ones (_params_only passes over those), else every key any version holds.
-    A KeyPath: the longest of its keys that the newest version holding one of them holds
-    (its first part where none does: the error then names it)."""
-    if isinstance(needs, KeyPath):
-        keys = needs.keys()
-        for h in sorted(held, key=lambda h: -h.step):
-            hit = [k for k in keys if h.keys is not None and k in h.keys]
-            if hit:
-                return frozenset(hit[-1:])
-        return frozenset(keys[:1])
+    An ExportPrefix: one of its leading parts joined, whichever each version holds."""
+    if isinstance(needs, ExportPrefix):
+        return needs.keys()
     if not isinstance(needs, AllKeys):
         return needs
     if any(h.partial is not None for h in held):
@@ -429,7 +431,7 @@ def _report_passed(
     comm: _Comm,
     held: Holdings,
     chosen: int | None,
-    needed: frozenset[str] | None,
+    needed: Needed,
     skip: set[int],
     passed: set[int],
 ) -> None:
@@ -441,11 +443,12 @@ def _report_passed(
     for s in sorted((s for s in fewer if chosen is None or s > chosen), reverse=True):
         passed.add(s)
         have = sorted(holds.get(s) or ())
+        lacks = f"any of {sorted(needed.keys)}" if isinstance(needed, OneOf) else sorted(needed - set(have))
         log.warning(
             "step %d holds only %s, not %s: passed over%s",
             s,
             have,
-            sorted(needed - set(have)),
+            lacks,
             "" if chosen is None else f" for step {chosen}",
         )
 
@@ -481,15 +484,19 @@ def _report_incomplete(
         )
 
 
-def _lacking(held: Holdings, needed: frozenset[str], tiers: Sequence[Tier]) -> None:
+def _lacking(held: Holdings, needed: frozenset[str] | OneOf, tiers: Sequence[Tier]) -> None:
     """Versions exist, but none holds every key the state needs: no silent fresh start."""
     holds = _holds(held)
     steps = sorted(reachable_steps(held))
     where = ", ".join(t.location for t in tiers)
+    have = sorted({k for s in steps for k in (holds.get(s) or ())})
+    if isinstance(needed, OneOf):  # an export's prefix
+        raise VersionNotFoundError(
+            f"no version in {where} holds any of {sorted(needed.keys)}: steps {steps} hold {have}"
+        )
     raise VersionNotFoundError(
         f"no version in {where} holds every key of the state {sorted(needed)}: steps {steps} hold only "
-        f"{sorted({k for s in steps for k in (holds.get(s) or ())})}; restore(state, strict=False) (the CLI: --keys) "
-        "loads such a version into the keys it has"
+        f"{have}; restore(state, strict=False) (the CLI: --keys) loads such a version into the keys it has"
     )
 
 

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.restore.locate import KeyPath
+from ckpt.restore.locate import ExportPrefix
 from ckpt.restore.saved_ranks import saved_trees
 from ckpt.restore.sources import Source
 from ckpt.store.dtypes import ITEMSIZE
@@ -120,7 +120,8 @@ def _keys(trees: Sequence[Any]) -> list[str]:
 
 def tree_tensors(manifest: Manifest, tree: Any, prefix: str) -> list[tuple[str, ArrayEntry]]:
     """The tensors of one rank's tree under `prefix`, in its order, by their exported names.
-    A key may hold dots ("ema.model"); a prefix that names two entries is refused (CkptError)."""
+    The prefix goes by those names too; a key may hold dots ("ema.model"), and a prefix
+    that names two entries is refused (CkptError)."""
     node, last = _unwrap(tree), ""
     if prefix:
         found = _under(tree, prefix.split("."))
@@ -133,43 +134,51 @@ def tree_tensors(manifest: Manifest, tree: Any, prefix: str) -> list[tuple[str, 
         n = _unwrap(n)
         if isinstance(n, dict) and ("__tensor__" in n or "__ndarray__" in n):
             out.append((path, manifest.arrays[str(n.get("__tensor__", n.get("__ndarray__")))]))
-        elif isinstance(n, dict) and "__tuple__" in n and isinstance(n["__tuple__"], list):
-            walk(n["__tuple__"], path)
-        elif isinstance(n, dict) and "__dict__" in n and isinstance(n["__dict__"], list):
-            for item in n["__dict__"]:  # a dict with keys of other types than str: [key, value] pairs
-                if isinstance(item, list) and len(item) == 2:
-                    walk(item[1], f"{path}.{item[0]}" if path else str(item[0]))
-        elif isinstance(n, dict) and "__float__" not in n:
-            for k, v in n.items():
-                walk(v, f"{path}.{k}" if path else str(k))
-        elif isinstance(n, list):
-            for i, v in enumerate(n):
-                walk(v, f"{path}.{i}" if path else str(i))
+            return
+        for name, child in _children(n):
+            walk(child, f"{path}.{name}" if path else name)
 
     if node is not None:
         walk(node, "")
     return [(name or last, array) for name, array in out]  # (a prefix naming a tensor: by its own key)
 
 
-def _under(node: Any, parts: Sequence[str]) -> list[tuple[Any, str]]:
-    """Every entry the path `parts` reaches from `node`, and its own key: each step one key,
-    which may be several parts joined by dots."""
-    node = _unwrap(node)
-    if not isinstance(node, dict):
+def _children(node: Any) -> list[tuple[str, Any]]:
+    """The entries inside a saved tree's node, by the names an export gives them: a dict's
+    keys (`str(key)` for keys of other types than str), a list's or tuple's indices."""
+    n = _unwrap(node)
+    if isinstance(n, dict) and ("__tensor__" in n or "__ndarray__" in n or "__float__" in n):
         return []
+    if isinstance(n, dict) and "__tuple__" in n and isinstance(n["__tuple__"], list):
+        return _children(n["__tuple__"])
+    if isinstance(n, dict) and "__dict__" in n and isinstance(n["__dict__"], list):
+        return [(str(i[0]), i[1]) for i in n["__dict__"] if isinstance(i, list) and len(i) == 2]
+    if isinstance(n, dict):
+        return [(str(k), v) for k, v in n.items()]
+    if isinstance(n, list):
+        return [(str(i), v) for i, v in enumerate(n)]
+    return []
+
+
+def _under(node: Any, parts: Sequence[str]) -> list[tuple[Any, str]]:
+    """Every entry the path `parts` reaches from `node`, and its own name: each step one
+    name, which may be several parts joined by dots."""
+    by_name: dict[str, list[Any]] = {}
+    for name, child in _children(node):
+        by_name.setdefault(name, []).append(child)
     out: list[tuple[Any, str]] = []
     for i in range(1, len(parts) + 1):
         key = ".".join(parts[:i])
-        if key in node:
-            out += _under(node[key], parts[i:]) if i < len(parts) else [(_unwrap(node[key]), key)]
+        for child in by_name.get(key, []):
+            out += _under(child, parts[i:]) if i < len(parts) else [(_unwrap(child), key)]
     return out
 
 
-def export_needs(step: int | None, prefix: str) -> KeyPath | None:
+def export_needs(step: int | None, prefix: str) -> ExportPrefix | None:
     """What a version must hold to be the export's choice: the top-level key `prefix`
     starts with (None: any version, when the step is given or the export takes the whole
     state)."""
-    return None if step is not None or not prefix else KeyPath(prefix)
+    return None if step is not None or not prefix else ExportPrefix(prefix)
 
 
 def check_dtype(dtype: str | None) -> Any:

@@ -321,6 +321,11 @@ def test_tensors_in_tuples_and_typed_key_dicts_are_exported(tmp_path: Path, inne
         got = safetensors_torch.load_file(paths[0])
         assert sorted(got) == ["w", "x.0", "x.1"]
         assert torch.equal(got["x.1"], torch.full((1,), 3.0))
+    # A prefix goes by the exported names: into the tuple or the typed keys too.
+    got = safetensors_torch.load_file(ckpt.export_safetensors(root, str(tmp_path / "x"), prefix="model.x")[0])
+    assert sorted(got) == ["0", "1"] and torch.equal(got["1"], torch.full((1,), 3.0))
+    got = safetensors_torch.load_file(ckpt.export_safetensors(root, str(tmp_path / "x1"), prefix="model.x.1")[0])
+    assert list(got) == ["1"] and torch.equal(got["1"], torch.full((1,), 3.0))
 
 
 def test_two_tensors_of_one_name_are_refused_by_the_job_export_too(tmp_path: Path) -> None:
@@ -372,6 +377,36 @@ def test_a_top_level_key_holding_dots_is_chosen_by_prefix(tmp_path: Path) -> Non
     assert sorted(got) == ["b", "w"] and all(torch.equal(got[k], ema[k]) for k in ema)
 
 
+@pytest.mark.parametrize("splits", [("nested", "dotted"), ("dotted", "nested", "dotted")])
+def test_the_newest_intact_version_holding_a_dotted_prefix_is_exported_whatever_its_split(
+    tmp_path: Path, splits: tuple[str, ...]
+) -> None:
+    """Each version holds the entry as {"ema.model": ...} or as {"ema": {"model": ...}}; the
+    newest is damaged: the export takes the newest intact one, whichever way it holds it
+    (found by review: the first way of choosing fixed the split from the newest version
+    listed, so a damaged one made the export fail, or take an older version)."""
+    import ckpt
+
+    root = tmp_path / "root"
+
+    def state(step: int, split: str) -> dict[str, Any]:
+        w = torch.full((1024,), float(step))
+        return {"ema.model": {"w": w}} if split == "dotted" else {"ema": {"model": {"w": w}}}
+
+    with ckpt.Checkpointer(str(root)) as ck:
+        for step, split in enumerate(splits, 1):
+            ck.save(step, state(step, split))
+    newest = len(splits)
+    chunk = next((root / f"v{newest:012d}" / "state").rglob("c*"))
+    raw = bytearray(chunk.read_bytes())
+    raw[10] ^= 1
+    chunk.write_bytes(bytes(raw))
+    res = _ckpt("restore", str(root), "--to-safetensors", str(tmp_path / "out"), "--prefix", "ema.model")
+    assert res.returncode == 0 and f"exported step {newest - 1}" in res.stdout, res.stderr
+    got = safetensors_torch.load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert torch.equal(got["w"], torch.full((1024,), float(newest - 1)))
+
+
 def test_a_prefix_two_entries_answer_to_is_refused(tmp_path: Path) -> None:
     """{"a": {"b": ...}} and {"a.b": ...} in one state: "a.b" names both, so nothing is exported."""
     import ckpt
@@ -384,6 +419,10 @@ def test_a_prefix_two_entries_answer_to_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
     with pytest.raises(ckpt.CkptError, match="'a.b.w' names 2 entries"):
         ckpt.export_safetensors(root, str(tmp_path / "one"), prefix="a.b.w")
+    with ckpt.Checkpointer(root) as ck:  # a list's index is a name too
+        ck.save(2, {"a": [{"b": torch.ones(2)}], "a.0": {"b": torch.zeros(2)}})
+    with pytest.raises(ckpt.CkptError, match="'a.0.b' names 2 entries"):
+        ckpt.export_safetensors(root, str(tmp_path / "two"), prefix="a.0.b")
 
 
 # -- what safetensors cannot hold, and who can read the files (found by review, 2026-12-05) --
