@@ -77,7 +77,7 @@ from ckpt.store.pins import deleting
 from ckpt.store.rank_file import RANKS_DIR
 from ckpt.store.removal import remove_tree
 from ckpt.store.root import root_id
-from ckpt.store.spare import retire, spares, take
+from ckpt.store.spare import drop, retire, spares, take
 from ckpt.store.tier import open_tier
 from ckpt.store.verify import ChunkProblem, ExpectedChunk, expected_chunks
 from ckpt.store.versions import committed_steps, delete_version, read_root_info, version_dirname
@@ -506,7 +506,7 @@ class PeerCopier:
                 log.error("%s: cannot record that peer copies stopped: %s", self._root, e2)
             for home in peer_dirs(self._root).values():  # no copy will reuse them
                 for tree in spares(home):
-                    remove_tree(tree, ignore_errors=True)
+                    drop(home, tree)
 
     def _owed_milestone(self) -> int:
         """The newest step committed in this job that a newer round passed over and that
@@ -677,7 +677,7 @@ class PeerCopier:
                 if committed_steps(tier):
                     continue
                 for tree in spares(home):
-                    remove_tree(tree)
+                    drop(home, tree)
                 remove_tree(home)
                 fsync_dir(os.path.dirname(home))
                 log.info("%s: deleted the peer copies of root %s, no longer copied here", self._root, source)

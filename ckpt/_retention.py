@@ -28,8 +28,7 @@ from ckpt.replicator.policy import Policy
 from ckpt.replicator.status import read_status, redundant_saves
 from ckpt.store import metrics
 from ckpt.store.errors import CkptError
-from ckpt.store.removal import remove_tree
-from ckpt.store.spare import retire, spare_key, spares
+from ckpt.store.spare import drop, retire, spare_key, spares
 from ckpt.store.tier import Tier
 from ckpt.store.versions import read_manifest_facts, read_root_info, version_dirname
 
@@ -123,7 +122,7 @@ class Retention:
         if kept:  # the space is worth more than the files: a save of another layout needs it
             log.info("%s: low on space, deleting the spare trees %s", self._root, kept)
             for tree in kept:
-                remove_tree(tree, ignore_errors=True)
+                drop(self._root, tree)
             free = shutil.disk_usage(self._root).free
         metrics.ROOT_FREE_BYTES.set(free)
         if free < 2 * size:

@@ -26,14 +26,14 @@ from collections.abc import Sequence
 
 import xxhash
 
+from ckpt.store.commit import discard
 from ckpt.store.fsio import fsync_dir, makedirs_within
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME
 from ckpt.store.pins import deleting
-from ckpt.store.removal import remove_tree
 from ckpt.store.tier import Tier
 from ckpt.store.versions import version_dirname
 
-__all__ = ["SPARE", "MAX_LAYOUTS", "retire", "spare_key", "spares", "take"]
+__all__ = ["SPARE", "MAX_LAYOUTS", "drop", "retire", "spare_key", "spares", "take"]
 
 SPARE = ".spare"  # `.spare` (peer copies, any layout) or `.spare-<layout key>`
 MAX_LAYOUTS = 2  # e.g. full versions and params-only ones between them
@@ -73,9 +73,18 @@ def retire(tier: Tier, home: str, step: int, key: str = "") -> bool:
         os.rename(os.path.join(home, version_dirname(step)), target)  # unpublished, as a deletion does
     os.utime(target)  # the newest spare: kept longest
     for old in spares(home)[:-MAX_LAYOUTS]:
-        remove_tree(old, ignore_errors=True)
+        drop(home, old)
     fsync_dir(home)
     return True
+
+
+def drop(home: str, spare: str) -> None:
+    """Delete a spare tree of `home`. It goes into the trash with one rename first: a save's
+    `take` on another thread then gets the whole tree or none, never one that `rm` is
+    emptying under its new name (best effort: what is left, the next open's recovery
+    deletes)."""
+    with contextlib.suppress(OSError):
+        discard(home, spare)
 
 
 def take(home: str, dest: str, key: str = "") -> bool:

@@ -229,3 +229,29 @@ def test_a_root_low_on_space_keeps_no_spare_tree(tmp_path: Path) -> None:
     assert "SPARES 0" in lines, out.stdout + out.stderr
     assert "ENTRIES ['v000000000002']" in lines
     assert "LATEST 3" in lines
+
+
+def test_a_spare_deleted_while_the_next_save_takes_it_costs_that_save_nothing(tmp_path: Path) -> None:
+    """Four layouts in turn with keep_last=1: each retention pass keeps a third spare and
+    deletes the oldest, the very spare the next save's commit thread takes at the same time.
+    The deletion walked the tree under its new name, so the save failed (ENOENT) or, where it
+    had kept a spare's zarr.json files, committed a version without them that zarr cannot
+    open (found by review: 15 of 15 runs of this sequence failed). Now a deletion moves the
+    spare out of reach with one rename first: a save takes a whole spare or none."""
+    root = tmp_path / "root"
+    arrays = 300
+
+    def state(step: int) -> dict[str, dict[str, torch.Tensor]]:
+        n = 1024 + (step - 1) % 4  # the layout changes each save: four in turn
+        return {"model": {f"w{i}": torch.full((n,), float(step * 1000 + i)) for i in range(arrays)}}
+
+    with Checkpointer(str(root), keep_last=1) as ck:
+        for step in range(1, 18):
+            ck.save(step, state(step))
+    problems = [p for c in verify_tier(open_tier(str(root))) for p in c.problems + c.unreadable]
+    assert problems == []
+    last = root / version_dirname(17)
+    names = [f for _, _, fs in os.walk(last) for f in fs]
+    assert names.count("zarr.json") == arrays + 3 and sum(f.startswith("c") and f != "c" for f in names) >= arrays
+    group = zarr.open_group(str(last / "state"), mode="r")
+    assert all(float(group[f"model/w{i}"][0]) == 17000 + i for i in range(arrays))
