@@ -14,7 +14,7 @@ from ckpt.store.errors import CkptError, TierUnavailableError, VersionNotFoundEr
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME
 from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
-from ckpt.store.verify import verify_chunks
+from ckpt.store.verify import verify_chunks, verify_documents
 from ckpt.store.versions import committed_steps, damaged_entries, read_manifest, read_root_info, version_dirname
 
 __all__ = ["Checked", "verify_tier"]
@@ -45,7 +45,7 @@ def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
     except TierUnavailableError as e:
         return Checked(step, (), "", (f"UNREADABLE {ROOT_INFO_NAME}: {e}",))
     held = set(info.writers) if info is not None else None
-    found = list(verify_chunks(tier, step, manifest, held))
+    found = [*verify_chunks(tier, step, manifest, held), *verify_documents(tier, step, manifest)]
     n = sum(1 for a in manifest.arrays.values() for c in a.iter_chunks() if held is None or c.writer in held)
     return Checked(
         step,

@@ -6,7 +6,9 @@ error is read twice more before it counts. An I/O error on every read is reporte
 
 from __future__ import annotations
 
+import json
 import os
+import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -14,13 +16,14 @@ from functools import partial
 from ckpt.store.chunk_read import READ_BLOCK, open_checked, read_chunk, read_exact
 from ckpt.store.digest import ChunkHasher
 from ckpt.store.errors import CorruptVersionError
-from ckpt.store.manifest import Manifest
+from ckpt.store.manifest import ArrayEntry, Manifest
 from ckpt.store.rank_file import RankFiles, rank_file_path
 from ckpt.store.rereads import reread, unproven_damage
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import version_dirname
+from ckpt.store.zarr_meta import ArrayNode, array_document
 
-__all__ = ["ChunkProblem", "ExpectedChunk", "expected_chunks", "verify_chunks"]
+__all__ = ["ChunkProblem", "ExpectedChunk", "expected_chunks", "verify_chunks", "verify_documents"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +123,71 @@ def _check_chunk(tier: Tier, step: int, expected: ExpectedChunk, view: memoryvie
         raise CorruptVersionError(
             f"xxh3 {got} != manifest {expected.xxh3}", path=where, expected=expected.xxh3, actual=got
         )
+
+
+_DOC = "zarr.json"
+_UNSAID = ("attributes", "storage_transformers")  # an array document's parts the manifest does not say
+
+
+def verify_documents(tier: Tier, step: int, manifest: Manifest) -> Iterator[ChunkProblem]:
+    """The zarr.json files by which zarr-python and tensorstore open the version (a restore
+    reads the manifest alone): the root group's, naming the step, every group's above an
+    array, and every array's, saying what the manifest says of it. Each is read as a chunk
+    is: one that fails is read twice more, and one no read of which succeeds is unreadable."""
+    groups: set[str] = set()
+    for array in manifest.arrays.values():
+        parts = array.path.split("/")
+        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    for group in sorted(groups):
+        yield from _check_document(tier, step, group, None)
+    yield from _check_document(tier, step, "", None)
+    for array in manifest.arrays.values():
+        yield from _check_document(tier, step, array.path, array)
+
+
+def _check_document(tier: Tier, step: int, path: str, array: ArrayEntry | None) -> Iterator[ChunkProblem]:
+    rel = posixpath.join(path, _DOC) if path else _DOC
+    name = "" if array is None else array.name
+    try:
+        reread(partial(_read_document, tier, step, rel, path, array), unproven_damage)
+    except CorruptVersionError as e:
+        yield ChunkProblem(name, rel, str(e), e.io_error)
+    except FileNotFoundError:
+        yield ChunkProblem(name, rel, "missing: zarr-python and tensorstore cannot open it")
+    except OSError as e:  # a store's refusal or a local I/O error: no proof of damage
+        yield ChunkProblem(name, rel, f"cannot be read: {e}", unreadable=True)
+
+
+def _read_document(tier: Tier, step: int, rel: str, path: str, array: ArrayEntry | None) -> None:
+    """CorruptVersionError where the document does not say what it must."""
+    key = join_key(version_dirname(step), rel)
+    where = os.path.join(tier.location, key)
+    try:
+        raw = tier.get(key)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError) or not tier.capabilities.local_files:
+            raise
+        raise CorruptVersionError(f"cannot be read: {e.strerror or e}", path=where, io_error=True) from None
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        raise CorruptVersionError("is not a JSON document", path=where, actual="unparsable") from None
+    if not isinstance(doc, dict):
+        raise CorruptVersionError("is not a zarr v3 document", path=where, actual="other")
+    if array is not None:
+        want = {k: v for k, v in array_document(ArrayNode.of(array), {}).items() if k not in _UNSAID}
+        got = {k: doc.get(k) for k in want}
+        wrong = sorted(k for k in want if got[k] != want[k])
+        if wrong:
+            raise CorruptVersionError(
+                f"says {', '.join(f'{k}={got[k]!r}' for k in wrong)}, the manifest "
+                f"{', '.join(f'{k}={want[k]!r}' for k in wrong)}",
+                path=where,
+                actual="other",
+            )
+        return
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise CorruptVersionError("is not a zarr v3 group's document", path=where, actual="other")
+    attributes = doc.get("attributes")
+    if not path and not (isinstance(attributes, dict) and attributes.get("ckpt") == {"step": step}):
+        raise CorruptVersionError(f"names another step than {step}: {attributes!r}", path=where, actual="other")

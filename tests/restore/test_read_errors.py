@@ -168,3 +168,38 @@ def test_verify_goes_on_past_a_manifest_that_fails_every_read(tmp_path: Path, mo
     assert "step 1: BAD state/b/c.0.0: xxh3" in out.output, out.output
     assert "step 2: UNREADABLE manifest.json:" in out.output and "Input/output error" in out.output, out.output
     assert "step 3: ok" in out.output, out.output
+
+
+# -- the zarr.json documents (found by review, 2026-12-07: a version missing some was "ok") --
+
+
+@pytest.mark.parametrize("damage", ["missing", "other shape", "not json", "root group"])
+def test_verify_finds_the_zarr_documents_that_zarr_python_needs(tmp_path: Path, damage: str) -> None:
+    """ckpt restores from the manifest alone, but zarr-python and tensorstore open an array
+    by its zarr.json: verify checks that each is there and says what the manifest says."""
+    two_steps(tmp_path)
+    doc = tmp_path / version_dirname(2) / ("zarr.json" if damage == "root group" else "state/b/zarr.json")
+    if damage == "missing":
+        doc.unlink()
+    elif damage == "other shape":
+        doc.write_text(doc.read_text().replace("[300, 256]", "[256, 300]"))
+    elif damage == "not json":
+        doc.write_bytes(doc.read_bytes()[:-3])
+    else:
+        doc.write_text(doc.read_text().replace('"step": 2', '"step": 1'))
+    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert out.exit_code == 1, out.output
+    rel = doc.relative_to(tmp_path / version_dirname(2)).as_posix()
+    assert "step 1: ok" in out.output and f"step 2: BAD {rel}:" in out.output, out.output
+    assert "UNREADABLE" not in out.output
+
+
+def test_verify_calls_a_zarr_document_that_keeps_failing_to_read_unreadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    two_steps(tmp_path)
+    failing = _fail_reads(monkeypatch, f"{version_dirname(2)}/state/b/zarr.json", 1_000)
+    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert failing.raised == 3, out.output
+    assert out.exit_code == 3, out.output
+    assert "step 2: UNREADABLE state/b/zarr.json:" in out.output and "BAD" not in out.output
