@@ -153,7 +153,7 @@ def _check_document(tier: Tier, step: int, path: str, array: ArrayEntry | None) 
     except CorruptVersionError as e:
         yield ChunkProblem(name, rel, str(e), e.io_error)
     except FileNotFoundError:
-        yield ChunkProblem(name, rel, "missing: zarr-python and tensorstore cannot open it")
+        yield ChunkProblem(name, rel, "missing (zarr-python and tensorstore open the version by it)")
     except OSError as e:  # a store's refusal or a local I/O error: no proof of damage
         yield ChunkProblem(name, rel, f"cannot be read: {e}", unreadable=True)
 
@@ -167,27 +167,27 @@ def _read_document(tier: Tier, step: int, rel: str, path: str, array: ArrayEntry
     except OSError as e:
         if isinstance(e, FileNotFoundError) or not tier.capabilities.local_files:
             raise
-        raise CorruptVersionError(f"cannot be read: {e.strerror or e}", path=where, io_error=True) from None
+        raise CorruptVersionError(f"{where} cannot be read: {e.strerror or e}", path=where, io_error=True) from None
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
-        raise CorruptVersionError("is not a JSON document", path=where, actual="unparsable") from None
+        raise CorruptVersionError(f"{where} is not a JSON document", path=where, actual="unparsable") from None
     if not isinstance(doc, dict):
-        raise CorruptVersionError("is not a zarr v3 document", path=where, actual="other")
+        raise CorruptVersionError(f"{where} is not a zarr v3 document", path=where, actual="other")
     if array is not None:
         want = {k: v for k, v in array_document(ArrayNode.of(array), {}).items() if k not in _UNSAID}
         got = {k: doc.get(k) for k in want}
         wrong = sorted(k for k in want if got[k] != want[k])
         if wrong:
             raise CorruptVersionError(
-                f"says {', '.join(f'{k}={got[k]!r}' for k in wrong)}, the manifest "
+                f"{where} says {', '.join(f'{k}={got[k]!r}' for k in wrong)}, the manifest "
                 f"{', '.join(f'{k}={want[k]!r}' for k in wrong)}",
                 path=where,
                 actual="other",
             )
         return
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
-        raise CorruptVersionError("is not a zarr v3 group's document", path=where, actual="other")
+        raise CorruptVersionError(f"{where} is not a zarr v3 group's document", path=where, actual="other")
     attributes = doc.get("attributes")
     if not path and not (isinstance(attributes, dict) and attributes.get("ckpt") == {"step": step}):
-        raise CorruptVersionError(f"names another step than {step}: {attributes!r}", path=where, actual="other")
+        raise CorruptVersionError(f"{where} names another step than {step}: {attributes!r}", path=where, actual="other")

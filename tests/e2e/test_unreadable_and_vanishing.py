@@ -230,10 +230,13 @@ def test_root_dies_mid_save(tmp_path: Path) -> None:
     assert _lines(out, "REPLICATED") == ["True"], out
 
     # an unreadable version directory: restore reads its chunks from the replica; verify names
-    # every unreadable chunk (exit 3, not damage); ls still lists it (its manifest is readable)
+    # every unreadable chunk and zarr document below it (exit 3, not damage); ls still lists
+    # it (its manifest is readable)
     assert _lines(out, "RESTORE_V2") == ["ok (2, True)"], out
     bad = ast.literal_eval(_lines(out, "VERIFY_V2")[0])
-    assert len(bad) == 2 and all("UNREADABLE" in line and "Input/output error" in line for line in bad), out  # w, b
+    assert all("UNREADABLE" in line and "Input/output error" in line for line in bad), out
+    named = sorted(line.split(": ")[1].removeprefix("UNREADABLE ") for line in bad)
+    assert named == ["state/b/c.0", "state/b/zarr.json", "state/w/c.0.0", "state/w/zarr.json", "state/zarr.json"], out
     assert _lines(out, "LS_V2") == ["[1, 2, 3]"], out
 
     # the save in flight and the next one fail with the documented error, errno kept
