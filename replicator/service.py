@@ -66,11 +66,12 @@ from ckpt.store.errors import (
     VersionNotFoundError,
 )
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
-from ckpt.store.pins import deleting
+from ckpt.store.pins import deleting, pin_version
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.storage_options import redact
 from ckpt.store.tier import Tier, join_key, open_tier
 from ckpt.store.versions import (
+    RootInfo,
     committed_steps,
     delete_version,
     is_committed,
@@ -320,37 +321,11 @@ class Replicator:
             entry = status.versions.get(step)
             if info is not None and entry is not None and entry.save_id == info.save_id and self._done(entry, dests):
                 continue  # every copy is made: no manifest to read (a pass over many versions stays short)
-            try:
-                manifest = read_manifest(tier, step)
-            except VersionNotFoundError:
-                continue  # deleted (a GC) since the listing: nothing to copy
-            except CkptError as e:  # tried again on the next pass; `--once` reports it
-                log.warning("step %d on %s is unreadable, not replicated: %s", step, source, e)
-                self.errors.append(f"step {step} on {source} is unreadable, not replicated: {self._redact(str(e))}")
-                continue
-            writers = list(info.writers) if info is not None else []
-            if entry is None or entry.save_id != manifest.save_id:
-                entry = status.versions[step] = VersionStatus(manifest.save_id, manifest.created)
-            for dest in dests:
-                copy = entry.copies.get(dest.url)
-                if copy is not None and copy.state == "verified":
-                    continue
-                if dest.url in failed:
-                    if copy is None or copy.state == "pending":
-                        entry.copies[dest.url] = CopyState("failed", time.time(), error=self._not_tried(dest))
-                    continue
-                try:
-                    ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
-                except StoppedError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - a lost disk must not stop the other copies: recorded as failed
-                    if not _of_the_version(e):
-                        failed.add(dest.url)
-                    entry.copies[dest.url] = CopyState("failed", time.time(), error=self._failed(step, dest, e))
-                    continue
-                entry.copies[dest.url] = CopyState("verified" if ok else "pending", time.time())
-            if self.remote is not None:
-                self._push_remote(source, step, manifest, writers, entry, state_dir, failed)
+            # Held against GC while it is read: the Checkpointer's retention would otherwise
+            # delete it, or retire it as a spare tree the next save overwrites in place.
+            with pin_version(tier, step) as held:
+                if held:
+                    self._copy(source, step, info, dests, state_dir, failed)
             if time.monotonic() - written > 1.0:  # progress for `ckpt ls`, without an fsync per version
                 self._write_status(source)
                 written = time.monotonic()
@@ -360,6 +335,45 @@ class Replicator:
             self._gc(source, dests)
         finally:  # a GC that failed (the next pass tries again) loses none of this pass's record
             self._write_status(source)
+
+    def _copy(
+        self, source: str, step: int, info: RootInfo | None, dests: list[Destination], state_dir: str, failed: set[str]
+    ) -> None:
+        """Make the copies of `step` that its status lacks (the caller holds a pin on it)."""
+        status = self._status[source]
+        tier = self._source_tiers[source]
+        entry = status.versions.get(step)
+        try:
+            manifest = read_manifest(tier, step)
+        except VersionNotFoundError:
+            return  # deleted (a GC) since the listing: nothing to copy
+        except CkptError as e:  # tried again on the next pass; `--once` reports it
+            log.warning("step %d on %s is unreadable, not replicated: %s", step, source, e)
+            self.errors.append(f"step {step} on {source} is unreadable, not replicated: {self._redact(str(e))}")
+            return
+        writers = list(info.writers) if info is not None else []
+        if entry is None or entry.save_id != manifest.save_id:
+            entry = status.versions[step] = VersionStatus(manifest.save_id, manifest.created)
+        for dest in dests:
+            copy = entry.copies.get(dest.url)
+            if copy is not None and copy.state == "verified":
+                continue
+            if dest.url in failed:
+                if copy is None or copy.state == "pending":
+                    entry.copies[dest.url] = CopyState("failed", time.time(), error=self._not_tried(dest))
+                continue
+            try:
+                ok = self._push(source, step, manifest, writers, dest, state_dir, 0)
+            except StoppedError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a lost disk must not stop the other copies: recorded as failed
+                if not _of_the_version(e):
+                    failed.add(dest.url)
+                entry.copies[dest.url] = CopyState("failed", time.time(), error=self._failed(step, dest, e))
+                continue
+            entry.copies[dest.url] = CopyState("verified" if ok else "pending", time.time())
+        if self.remote is not None:
+            self._push_remote(source, step, manifest, writers, entry, state_dir, failed)
 
     def _write_status(self, source: str) -> None:
         """Record the status beside the source, if its disk lets it: on a full disk the

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,3 +59,30 @@ def test_two_gcs_deleting_the_same_version_both_succeed(tmp_path: Path) -> None:
     versions.delete_version(str(tmp_path), 1)
     versions.delete_version(str(tmp_path), 1)  # already gone: not an error
     assert versions.committed_steps(str(tmp_path)) == [2]
+
+
+def test_a_version_the_replicator_copies_is_held_against_gc(tmp_path: Path, monkeypatch: Any) -> None:
+    """A copy reads the source version's files for as long as it takes: a GC (the
+    Checkpointer's retention, `ckpt gc`) must not delete it, nor retire it as a spare tree
+    that the next save overwrites in place, meanwhile (found by review: the replicator read
+    without a pin)."""
+    import ckpt.replicator.service as service
+    from ckpt.replicator.config import ReplicatorConfig
+    from ckpt.replicator.service import Replicator
+
+    root, remote = tmp_path / "root", tmp_path / "remote"
+    _versions(root, 2)
+    seen: list[tuple[int, bool]] = []
+    real = service.copy_files
+
+    def copy_files(t: Any, progress: Any = None) -> Any:
+        with pins.deleting(as_tier(str(root)), t.step) as free:  # what a GC asks before deleting
+            seen.append((t.step, free))
+        return real(t) if progress is None else real(t, progress)
+
+    monkeypatch.setattr(service, "copy_files", copy_files)
+    status = Replicator([str(root)], ReplicatorConfig(remote=f"file://{remote}")).run_once()[str(root)]
+    assert seen == [(1, False), (2, False)]
+    assert all(v.remote is not None and v.remote.state == "verified" for v in status.versions.values())
+    assert pins.pinned_steps(as_tier(str(root))) == set()  # released
+    assert collect(as_tier(str(root)), KeepLast(1)).deleted == [1]
