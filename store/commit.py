@@ -37,7 +37,6 @@ __all__ = [
     "prepare",
     "publish",
     "remove_tmp",
-    "discard",
     "empty_trash",
 ]
 
@@ -110,13 +109,13 @@ def publish(root: str, tmp_name: str, step: int, *, overwrite: bool) -> None:
         # Damaged (see versions.damaged_entries): no restore can use it, and leaving it would
         # block this step forever. It goes into the trash like any deletion.
         log.warning("%s: replacing %s, which is no committed version", root, version_dirname(step))
-        discard(root, final)
+        _discard(root, final)
     if os.path.isdir(final):
         if not overwrite:
             raise VersionExistsError(f"step {step} is already committed in {root}")
         if exchange_dirs(tmp, final):
             fsync_dir(root)
-            discard(root, tmp)  # now the old version
+            _discard(root, tmp)  # now the old version
             return
         # No RENAME_EXCHANGE: move the old version aside first; recovery restores it on a crash.
         aside = os.path.join(root, TRASH_NAME, f"{version_dirname(step)}.old-{tmp_name[-32:]}")
@@ -138,14 +137,13 @@ def remove_tmp(root: str, tmp_name: str) -> None:
     """Best effort: it runs while a failed save unwinds, where an error of its own (the disk
     is gone) would replace the save's error; what it cannot remove, the next open does."""
     try:
-        discard(root, os.path.join(root, tmp_name))
+        _discard(root, os.path.join(root, tmp_name))
     except OSError as e:
         log.warning("cannot remove the unfinished save %s in %s: %s", tmp_name, root, e.strerror or e)
 
 
-def discard(root: str, path: str) -> None:
-    """Move into the trash with one rename, then delete: a crash mid-delete leaves only trash,
-    and nothing that renames `path` meanwhile (store.spare.take) gets a tree being deleted."""
+def _discard(root: str, path: str) -> None:
+    """Move into the trash with one rename, then delete: a crash mid-delete leaves only trash."""
     if not os.path.lexists(path):
         return
     trash = os.path.join(root, TRASH_NAME)

@@ -21,22 +21,27 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import uuid
 from collections.abc import Sequence
 
 import xxhash
 
-from ckpt.store.commit import discard
 from ckpt.store.fsio import fsync_dir, makedirs_within
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME
 from ckpt.store.pins import deleting
+from ckpt.store.removal import remove_tree
 from ckpt.store.tier import Tier
 from ckpt.store.versions import version_dirname
 
 __all__ = ["SPARE", "MAX_LAYOUTS", "drop", "retire", "spare_key", "spares", "take"]
 
+log = logging.getLogger("ckpt")
+
 SPARE = ".spare"  # `.spare` (peer copies, any layout) or `.spare-<layout key>`
 MAX_LAYOUTS = 2  # e.g. full versions and params-only ones between them
+_DROPPED = ".del-"  # in the name a spare is renamed to before it is deleted (drop)
 
 
 def spare_key(layout: str, writers: Sequence[int]) -> str:
@@ -50,14 +55,14 @@ def _name(key: str) -> str:
 
 
 def spares(home: str) -> list[str]:
-    """The spare trees under `home`, oldest first."""
+    """The spare trees under `home`, oldest first (what a drop left first of all)."""
     found = []
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         with os.scandir(home) as it:
             for e in it:
                 if (e.name == SPARE or e.name.startswith(SPARE + "-")) and e.is_dir(follow_symlinks=False):
-                    found.append((e.stat(follow_symlinks=False).st_mtime, e.path))
-    return [p for _, p in sorted(found)]
+                    found.append((_DROPPED not in e.name, e.stat(follow_symlinks=False).st_mtime, e.path))
+    return [p for _, _, p in sorted(found)]
 
 
 def retire(tier: Tier, home: str, step: int, key: str = "") -> bool:
@@ -79,12 +84,20 @@ def retire(tier: Tier, home: str, step: int, key: str = "") -> bool:
 
 
 def drop(home: str, spare: str) -> None:
-    """Delete a spare tree of `home`. It goes into the trash with one rename first: a save's
-    `take` on another thread then gets the whole tree or none, never one that `rm` is
-    emptying under its new name (best effort: what is left, the next open's recovery
-    deletes)."""
-    with contextlib.suppress(OSError):
-        discard(home, spare)
+    """Delete a spare tree of `home`. It is renamed first, within `home` (no directory to
+    make on a full disk, where deleting it matters most): a save's `take` on another thread
+    then gets the whole tree or none, never one that `rm` is emptying under its new name.
+    What a crash or a failed `rm` leaves is still a spare by its name (`.spare-….del-…`),
+    which no save takes and the next drop deletes."""
+    gone = f"{spare}{_DROPPED}{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(spare, gone)
+    except FileNotFoundError:
+        return  # taken or deleted meanwhile
+    except OSError as e:
+        log.warning("cannot delete the spare tree %s: %s", spare, e.strerror or e)
+        return
+    remove_tree(gone, ignore_errors=True)
 
 
 def take(home: str, dest: str, key: str = "") -> bool:
