@@ -7,8 +7,10 @@ error is read twice more before it counts. An I/O error on every read is reporte
 from __future__ import annotations
 
 import json
+import math
 import os
 import posixpath
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -177,7 +179,7 @@ def _read_document(tier: Tier, step: int, rel: str, path: str, array: ArrayEntry
     if array is not None:
         want = {k: v for k, v in array_document(ArrayNode.of(array), {}).items() if k not in _UNSAID}
         got = {k: doc.get(k) for k in want}
-        wrong = sorted(k for k in want if got[k] != want[k])
+        wrong = sorted(k for k in want if got[k] != want[k] and not _same_fill(k, array.data_type, got[k], want[k]))
         if wrong:
             raise CorruptVersionError(
                 f"{where} says {', '.join(f'{k}={got[k]!r}' for k in wrong)}, the manifest "
@@ -191,3 +193,34 @@ def _read_document(tier: Tier, step: int, rel: str, path: str, array: ArrayEntry
     attributes = doc.get("attributes")
     if not path and not (isinstance(attributes, dict) and attributes.get("ckpt") == {"step": step}):
         raise CorruptVersionError(f"{where} names another step than {step}: {attributes!r}", path=where, actual="other")
+
+
+_FLOATS = {"float16": "<e", "float32": "<f", "float64": "<d"}
+_SPECIAL = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _same_fill(field: str, data_type: str, got: object, want: object) -> bool:
+    """Whether two fill_values of a float array are one value: zarr-python, annotating an
+    array, writes the one ckpt gives as the hex of its bits ("0x399d4952") as a decimal."""
+    fmt = _FLOATS.get(data_type)
+    if field != "fill_value" or fmt is None:
+        return False
+    bits = _bits(fmt, got)
+    return bits is not None and bits == _bits(fmt, want)
+
+
+def _bits(fmt: str, value: object) -> bytes | None:
+    if isinstance(value, str) and value.startswith("0x"):
+        try:
+            raw = bytes.fromhex(value[2:])[::-1]
+        except ValueError:
+            return None
+        return raw if len(raw) == struct.calcsize(fmt) else None
+    if isinstance(value, str):
+        value = _SPECIAL.get(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return struct.pack(fmt, value)
+    except (OverflowError, struct.error):
+        return None

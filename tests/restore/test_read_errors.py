@@ -203,3 +203,23 @@ def test_verify_calls_a_zarr_document_that_keeps_failing_to_read_unreadable(
     assert failing.raised == 3, out.output
     assert out.exit_code == 3, out.output
     assert "step 2: UNREADABLE state/b/zarr.json:" in out.output and "BAD" not in out.output
+
+
+def test_verify_takes_arrays_annotated_with_zarr_python_and_finds_a_changed_value(tmp_path: Path) -> None:
+    """zarr-python rewrites a document it annotates, an inline float's fill_value ("0x...",
+    its bits) as a decimal: the same value, no damage (found by review). Another value is."""
+    import zarr
+
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"lr": torch.tensor(3e-4), "v": torch.ones(4), "n": torch.tensor(7), "flag": torch.tensor(True)})
+    group = zarr.open_group(str(tmp_path / version_dirname(1) / "state"), mode="r+")
+    for name in ("lr", "v", "n", "flag"):
+        group[name].attrs["note"] = "annotated"
+    assert '"0x' not in (tmp_path / version_dirname(1) / "state/lr/zarr.json").read_text()  # as zarr writes it
+    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert out.exit_code == 0 and "step 1: ok" in out.output, out.output
+    assert group["lr"][()] == torch.tensor(3e-4).item()  # zarr reads the value ckpt saved
+    doc = tmp_path / version_dirname(1) / "state/lr/zarr.json"
+    doc.write_text(doc.read_text().replace("0.0003000000142492354", "0.0004000000189989805"))
+    out = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert out.exit_code == 1 and "step 1: BAD state/lr/zarr.json:" in out.output, out.output
