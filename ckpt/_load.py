@@ -350,6 +350,8 @@ def load_version(
                 if isinstance(leaf.value, np.ndarray) and not leaf.value.flags.writeable:
                     raise StateMismatchError(f"{leaf.key}: the state's array is read-only (restore fills it in place)")
                 piece = describe(leaf.value, leaf.key)
+                if piece.mesh is not None and ctl.rank not in piece.mesh.ranks:  # as a save refuses it
+                    raise StateMismatchError(f"{leaf.key}: rank {ctl.rank} is not in its DTensor's mesh")
                 if isinstance(leaf.value, np.ndarray) and not leaf.value.ndim and array.shape == (1,):
                     piece = describe(leaf.value.reshape(1), leaf.key)  # saved as (1,) before 0-d arrays were kept 0-d
                 if (piece.data_type, piece.global_shape) != (array.data_type, array.shape):

@@ -172,3 +172,37 @@ def test_a_strided_shard_restores_where_its_rows_are_one_run_and_is_refused_else
     for r in results:
         assert "_StridedShard" in r["placements"] or "StridedShard" in r["placements"], r
         assert r["refused"] is not None and "is not one block of the global tensor" in r["refused"], r
+
+
+def outside_the_mesh_job(ctx: Any, root: str, mode: str) -> str:
+    import datetime
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckpt
+
+    full = torch.arange(24.0).reshape(6, 4)
+    mesh = DeviceMesh("cpu", [0, 1, 2] if mode == "save" else [0, 1])
+    d = distribute_tensor(full.clone() if mode == "save" else torch.zeros(6, 4), mesh, [Shard(0)], src_data_rank=None)
+    with ckpt.Checkpointer(root, timeout=datetime.timedelta(seconds=60)) as ck:
+        if mode == "save":
+            ck.save(1, {"m": {"w": d}})
+            return "saved"
+        try:
+            return f"restored step {ck.restore({'m': {'w': d}})}"
+        except Exception as e:  # noqa: BLE001 - the result under test
+            return f"{type(e).__name__}: {e}"
+
+
+def test_a_dtensor_whose_mesh_leaves_a_rank_out_is_refused_not_taken_for_damage(tmp_path: Path) -> None:
+    """Rank 2 restores into a DTensor on the mesh [0, 1]: it holds no piece. A save refuses
+    that layout (StateMismatchError); a restore called the intact version damaged, and every
+    older one (found by review: the rank's piece had no offsets, a 0-d box)."""
+    kw = {"root": str(tmp_path / "root"), "timeout": 120}
+    results, failures = launch(THIS, "outside_the_mesh_job", 3, tmp_path / "save", mode="save", **kw)
+    assert failures == [] and results == ["saved"] * 3
+    results, failures = launch(THIS, "outside_the_mesh_job", 3, tmp_path / "restore", mode="restore", **kw)
+    assert failures == []
+    assert results[2].startswith("StateMismatchError") and "rank 2 is not in its DTensor's mesh" in results[2], results
+    assert all(r.startswith("RankFailures") and "rank 2: StateMismatchError" in r for r in results[:2]), results
