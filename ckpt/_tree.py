@@ -263,16 +263,23 @@ class Bound:
 def _init_optimizer_state(opt: torch.optim.Optimizer, saved_state: Any) -> None:
     """Give a fresh optimizer its state tensors (as DCP does), so restore fills them in place
     with the parameters' own placement. Only parameters that have state in the checkpoint
-    keep any; their gradients are left as they were."""
+    keep any; their gradients are left as they were. The step runs at lr 0 on zero
+    gradients with no weight decay, so it adds exactly -0.0 to each parameter, which leaves
+    every value bitwise (weight decay would add lr x (decay x p) = 0 x inf = NaN to an
+    infinite one, and +0.0 to a -0.0)."""
     if opt.state:
         return
     saved_keys = {k for k, _ in saved_state[DICT]} if isinstance(saved_state, dict) and DICT in saved_state else set()
     params = [p for g in opt.param_groups for p in g["params"]]
     grads = [p.grad for p in params]
     saved_lr = []
+    saved_decay = []
     for group in opt.param_groups:
         saved_lr.append(group["lr"])
         group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        saved_decay.append(group.get("weight_decay"))
+        if "weight_decay" in group:
+            group["weight_decay"] = 0.0
     try:
         for p in params:
             if p.requires_grad:
@@ -287,8 +294,10 @@ def _init_optimizer_state(opt: torch.optim.Optimizer, saved_state: Any) -> None:
             "take one optimizer step before restore()"
         ) from e
     finally:
-        for group, lr in zip(opt.param_groups, saved_lr):
+        for group, lr, decay in zip(opt.param_groups, saved_lr, saved_decay):
             group["lr"] = lr
+            if "weight_decay" in group:
+                group["weight_decay"] = decay
         for p, g in zip(params, grads):
             p.grad = g
     for i, p in enumerate(params):

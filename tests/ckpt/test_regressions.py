@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -61,6 +62,44 @@ def test_fresh_optimizer_gets_state_only_where_the_checkpoint_has_it(tmp_path: P
     assert len(opt2.state) == 2 and all(p in opt2.state for p in used2.parameters())
     assert used2.weight.grad is grad  # the user's gradients are left alone
     assert_bitwise(unused2.state_dict(), unused.state_dict(), "unused")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=0.1),
+        lambda ps: torch.optim.RAdam(ps, lr=0.1, weight_decay=0.1),
+    ],
+    ids=["adam", "sgd", "adagrad", "radam"],
+)
+def test_restoring_an_optimizer_alone_leaves_its_parameters_bitwise(tmp_path: Path, make: Any) -> None:
+    """A fresh optimizer gets its state from one step at lr=0 on zero gradients; its weight
+    decay added inf x 0 = NaN to an inf parameter, and turned -0.0 into 0.0 (found by review:
+    harmless where the model is restored in the same call, not where the optimizer is alone)."""
+    values = torch.tensor([[1.0, float("inf"), -0.0], [float("-inf"), float("nan"), -2.5]])
+
+    def model() -> torch.nn.Linear:
+        m = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            m.weight.copy_(values)
+            m.bias.copy_(torch.tensor([-0.0, 3.0]))
+        return m
+
+    m = model()
+    opt = make(list(m.parameters()))
+    m.weight.grad, m.bias.grad = torch.ones(2, 3), torch.ones(2)
+    opt.step()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"optim": opt})
+    m2 = model()
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
+    opt2 = make(list(m2.parameters()))
+    with Checkpointer(tmp_path) as ck:
+        ck.restore({"optim": opt2})
+    assert_bitwise(m2.state_dict(), before, "parameters")
+    assert_bitwise(opt2.state_dict()["state"], opt.state_dict()["state"], "optimizer state")
 
 
 def test_lbfgs_restores(tmp_path: Path) -> None:
