@@ -206,3 +206,52 @@ def test_a_dtensor_whose_mesh_leaves_a_rank_out_is_refused_not_taken_for_damage(
     assert failures == []
     assert results[2].startswith("StateMismatchError") and "rank 2 is not in its DTensor's mesh" in results[2], results
     assert all(r.startswith("RankFailures") and "rank 2: StateMismatchError" in r for r in results[:2]), results
+
+
+def replicated_submesh_job(ctx: Any, root: str, mode: str) -> Any:
+    """DDP + TP: each tensor a DTensor on the "tp" sub-mesh of a (dp=2, tp=2) mesh, so the
+    ranks of each dp replica hold it on a mesh of their own."""
+    import datetime
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import ckpt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = {"w": torch.arange(40.0).reshape(10, 4), "b": torch.arange(5.0), "r": torch.arange(6.0).reshape(2, 3)}
+    placements = {"w": [Shard(0)], "b": [Shard(0)], "r": [Replicate()]}
+
+    def state(fill: bool) -> dict[str, Any]:
+        out = {}
+        for k, v in full.items():
+            out[k] = distribute_tensor(v.clone() if fill else torch.zeros_like(v), mesh["tp"], placements[k])
+        return out
+
+    with ckpt.Checkpointer(root, timeout=datetime.timedelta(seconds=60)) as ck:
+        if mode == "save":
+            ck.save(1, {"m": state(True)})
+            ck.wait()
+            return "saved"
+        into = state(False)
+        step = ck.restore({"m": into})
+        plain = {k: torch.zeros_like(v) for k, v in full.items()}  # and into plain tensors on every rank
+        ck.restore({"m": plain})
+    return [step, all(torch.equal(into[k].full_tensor(), v) and torch.equal(plain[k], v) for k, v in full.items())]
+
+
+def test_dtensors_on_the_sub_meshes_of_data_parallel_replicas_save_and_restore(tmp_path: Path) -> None:
+    """Each dp replica's ranks hold the tensors on a "tp" mesh of their own: the same layout
+    on other ranks, one copy of the state. A save refused it ("ranks 0 and 2 place it on
+    different DTensor meshes") while a restore into it worked (found by review)."""
+    from ckpt.store.manifest import parse_manifest
+    from ckpt.store.versions import version_dirname
+
+    kw = {"root": str(tmp_path / "root"), "timeout": 120}
+    results, failures = launch(THIS, "replicated_submesh_job", 4, tmp_path / "save", mode="save", **kw)
+    assert failures == [] and results == ["saved"] * 4, results
+    manifest = parse_manifest((tmp_path / "root" / version_dirname(1) / "manifest.json").read_bytes())
+    writers = {c.writer for a in manifest.arrays.values() for c in a.iter_chunks() if c.inline is None}
+    assert len(writers) > 1  # the replicas share the writing, as on a whole (dp, tp) mesh
+    results, failures = launch(THIS, "replicated_submesh_job", 4, tmp_path / "restore", mode="restore", **kw)
+    assert failures == [] and results == [[1, True]] * 4, results
