@@ -100,17 +100,16 @@ class Comm:
             out[r] = pickle.loads(b.numpy().tobytes())  # a part this job's own rank pickled, as all_gather does
         return out
 
-    def all_gather_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """A few int64s from every rank (as many on each), to every rank: a fixed-size
-        tensor (8 bytes each), no pickling."""
+    def all_gather_int(self, value: int) -> list[int]:
+        """One int64 from every rank, to every rank: a fixed-size tensor (8 bytes per rank),
+        no pickling."""
         self.calls["all_gather"] += 1
         if self.world == 1:
-            return [values]
-        out = torch.empty(self.world * len(values), dtype=torch.int64)
+            return [value]
+        out = torch.empty(self.world, dtype=torch.int64)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.12
-        gather(out, torch.tensor(values, dtype=torch.int64), group=self.group)
-        flat = out.tolist()
-        return [tuple(flat[r * len(values) : (r + 1) * len(values)]) for r in range(self.world)]
+        gather(out, torch.tensor([value], dtype=torch.int64), group=self.group)
+        return [int(v) for v in out.tolist()]
 
     def any(self, flag: bool) -> bool:
         """Whether any rank's flag is set: one all-reduce of a single int (no pickling, O(1)

@@ -84,9 +84,6 @@ class Announcement:
     plain: tuple[PlainEntry, ...] | None  # its group's plain arrays, when it speaks for the group
     error: str | None = None  # why this rank cannot describe its state
     owned: Owned | None = None  # the listed arrays this rank owns
-    # Instead of `meshed`: the rank whose led meshes hold the same arrays in the same layout
-    # (a data-parallel replica's sub-meshes), and this rank's own meshes in that order.
-    replica: tuple[int, tuple[Mesh, ...]] | None = None
 
 
 def owner_of(name: str, world: int) -> int:
@@ -148,34 +145,9 @@ def _piece_at(
     return tuple(offsets), tuple(sizes)
 
 
-def _by_mesh(specs: Iterable[MeshSpec]) -> list[tuple[Mesh, list[MeshSpec]]]:
-    """Mesh arrays grouped by their mesh, in an order that does not depend on the meshes'
-    ranks (their arrays' names): the same on every replica of a layout."""
-    groups: dict[Mesh, list[MeshSpec]] = {}
-    for m in specs:
-        groups.setdefault(m.mesh, []).append(m)
-    return sorted(((mesh, sorted(g, key=lambda m: m.name)) for mesh, g in groups.items()), key=lambda g: g[1][0].name)
-
-
-def mesh_signature(rank: int, pieces: Mapping[str, LocalPiece]) -> int:
-    """A digest of the mesh arrays this rank leads (as the lowest rank of their meshes),
-    without the meshes' ranks, as a non-negative int64 (0: none): equal on the leads of the
-    sub-meshes of data-parallel replicas, whose announcements then need not repeat them."""
-    led = [
-        MeshSpec(n, p.data_type, p.global_shape, p.mesh, p.placements)
-        for n, p in pieces.items()
-        if p.kind == "mesh" and p.mesh is not None and min(p.mesh.ranks) == rank
-    ]
-    if not led:
-        return 0
-    shown = [(mesh.shape, [(m.name, m.data_type, m.shape, m.placements) for m in g]) for mesh, g in _by_mesh(led)]
-    return xxhash.xxh3_64_intdigest(repr(shown).encode()) >> 1 or 1
-
-
-def announce(rank: int, pieces: Mapping[str, LocalPiece], speaks: bool, repeats: int | None = None) -> Announcement:
+def announce(rank: int, pieces: Mapping[str, LocalPiece], speaks: bool) -> Announcement:
     """This rank's announcement. A mesh piece that is not where the layout rule puts it is
-    refused here, before anything is planned from the rule. `repeats`: a rank of lower
-    number whose led mesh arrays are these (mesh_signature): only this rank's meshes go."""
+    refused here, before anything is planned from the rule."""
     meshed = []
     listed = []
     for name, p in pieces.items():
@@ -200,9 +172,6 @@ def announce(rank: int, pieces: Mapping[str, LocalPiece], speaks: bool, repeats:
     plain = None
     if speaks:
         plain = tuple(sorted((n, p.data_type, p.global_shape) for n, p in pieces.items() if p.kind == "plain"))
-    if repeats is not None and meshed:
-        own = tuple(mesh for mesh, _ in _by_mesh(meshed))
-        return Announcement(rank, (), tuple(listed), plain, replica=(repeats, own))
     return Announcement(rank, tuple(meshed), tuple(listed), plain)
 
 
@@ -238,28 +207,14 @@ def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> l
     specs: dict[str, ArraySpec | MeshSpec] = {}
     held: dict[str, list[HeldRegion]] = {}
     plain: dict[str, list[int]] = {}  # name -> the signatures of the groups holding it
-    replicas = _Replicas()
-    resolved: dict[int, list[Mesh]] = {}  # a rank that announced mesh arrays -> where each group is first announced
     for a in announcements:
         for m in a.meshed:
             claims.claim(m.name, "mesh", m.data_type, m.shape, a.rank)
-        if a.replica is not None:  # the lead's mesh arrays on this rank's meshes: O(meshes), not O(arrays)
-            found = resolved.get(a.replica[0])
-            if found is None or len(found) != len(a.replica[1]):
-                raise StateMismatchError(f"rank {a.rank}: its DTensor meshes do not match rank {a.replica[0]}'s")
-            for known, mesh in zip(found, a.replica[1]):
-                replicas.repeat(known, mesh, a.rank)
-        found = []  # the mesh each of this rank's groups is first announced on
-        for mesh, g in _by_mesh(a.meshed):
-            if all(m.name not in specs for m in g):
-                for m in g:
-                    specs[m.name] = m
-                replicas.led(mesh, g)
-                found.append(mesh)
-            else:
-                found.append(replicas.add(mesh, g, specs, a.rank, claims))
-        if found:
-            resolved[a.rank] = found
+            known = specs.get(m.name)
+            if known is not None and known != m:
+                first = claims.first[m.name][3]
+                raise StateMismatchError(f"{m.name}: ranks {first} and {a.rank} place it on different DTensor meshes")
+            specs[m.name] = m
         for name, dtype, shape, offsets, local in a.listed:
             claims.claim(name, "listed", dtype, shape, a.rank)
             held.setdefault(name, []).append(HeldRegion(a.rank, offsets, local))
@@ -270,7 +225,6 @@ def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> l
             specs.setdefault(name, ArraySpec(name, dtype, shape, ()))
         for name, dtype, shape, first in a.owned.claims if a.owned is not None else ():
             claims.claim(name, "listed", dtype, shape, first)
-    specs.update(replicas.stacked(specs))
     # An owner's error after every claim: an array held as two kinds is named as such, not
     # as the gaps its listed regions alone leave.
     for a in announcements:
@@ -293,74 +247,6 @@ def merge(announcements: Sequence[Announcement], signatures: Sequence[int]) -> l
     return out
 
 
-class _Replicas:
-    """Data-parallel replicas of mesh arrays: the same arrays, in the same layout, on
-    disjoint meshes of one shape (DDP or HSDP beside tensor parallelism puts each replica's
-    DTensors on a sub-mesh of its own). They become one mesh with a replicated leading
-    dimension, as the whole (dp, tp) DeviceMesh with placements (Replicate, ...) is: rank
-    0 handles each replica's meshes, never its arrays again (mesh_signature)."""
-
-    def __init__(self) -> None:
-        self.names: dict[Mesh, tuple[str, ...]] = {}  # a mesh first announced -> its arrays
-        self.more: dict[Mesh, dict[Mesh, None]] = {}  # such a mesh -> its replicas' meshes, in order
-
-    def led(self, mesh: Mesh, group: Sequence[MeshSpec]) -> None:
-        self.names[mesh] = tuple(m.name for m in group)
-
-    def add(
-        self,
-        mesh: Mesh,
-        group: Sequence[MeshSpec],
-        specs: Mapping[str, ArraySpec | MeshSpec],
-        rank: int,
-        claims: _Claims,
-    ) -> Mesh:
-        """The mesh `group`'s arrays were first announced on, of which `mesh` holds a replica;
-        StateMismatchError where it is not one."""
-        first = specs.get(group[0].name)
-        if (
-            not isinstance(first, MeshSpec)
-            or self.names.get(first.mesh) != tuple(m.name for m in group)
-            or mesh.shape != first.mesh.shape
-            or any(
-                not isinstance(k := specs.get(m.name), MeshSpec)
-                or (k.data_type, k.shape, k.placements, k.mesh) != (m.data_type, m.shape, m.placements, first.mesh)
-                for m in group
-            )
-        ):
-            name = next((m.name for m in group if specs.get(m.name) not in (None, m)), group[0].name)
-            who = claims.first[name][3] if name in claims.first else "?"
-            raise StateMismatchError(f"{name}: ranks {who} and {rank} place it on different DTensor meshes")
-        self.repeat(first.mesh, mesh, rank)
-        return first.mesh
-
-    def repeat(self, first: Mesh, mesh: Mesh, rank: int) -> None:
-        """`mesh` holds a replica of the arrays first announced on `first`."""
-        if mesh.shape != first.shape:
-            raise StateMismatchError(
-                f"{self.names[first][0]}: rank {rank} holds it on a DTensor mesh of shape {list(mesh.shape)}, "
-                f"others on one of {list(first.shape)}"
-            )
-        if mesh != first:
-            self.more.setdefault(first, {})[mesh] = None
-
-    def stacked(self, specs: Mapping[str, ArraySpec | MeshSpec]) -> dict[str, MeshSpec]:
-        out: dict[str, MeshSpec] = {}
-        for mesh, more in self.more.items():
-            meshes = sorted([mesh, *more], key=lambda m: m.ranks)
-            ranks = tuple(r for m in meshes for r in m.ranks)
-            if len(set(ranks)) != len(ranks):
-                raise StateMismatchError(
-                    f"{self.names[mesh][0]}: ranks {list(mesh.ranks)} and others hold it on DTensor meshes that overlap"
-                )
-            whole = Mesh((len(meshes), *mesh.shape), ranks)
-            for name in self.names[mesh]:
-                m = specs[name]
-                assert isinstance(m, MeshSpec)
-                out[name] = MeshSpec(name, m.data_type, m.shape, whole, (REPLICATE, *m.placements))
-        return out
-
-
 Outcome = tuple[list[ArrayPlan] | None, tuple[str, str] | None]  # (plans, (error type, message))
 
 
@@ -379,12 +265,10 @@ def plans_of(announcements: Sequence[Announcement], signatures: Sequence[int], s
 
 def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -> list[ArrayPlan]:
     """Collective: the plans of the job's layout, the same on every rank; raises alike on every rank."""
-    sig, msig = plain_signature(pieces), mesh_signature(ctl.rank, pieces)
-    both = ctl.all_gather_ints((sig, msig))
-    signatures = [b[0] for b in both]
-    lead = next(r for r, b in enumerate(both) if b[1] == msig) if msig else None
+    sig = plain_signature(pieces)
+    signatures = ctl.all_gather_int(sig)
     try:
-        mine = announce(ctl.rank, pieces, signatures.index(sig) == ctl.rank, None if lead == ctl.rank else lead)
+        mine = announce(ctl.rank, pieces, signatures.index(sig) == ctl.rank)
     except Exception as e:  # noqa: BLE001 - rank 0 reports it to every rank
         mine = Announcement(ctl.rank, (), (), None, f"rank {ctl.rank}: {type(e).__name__}: {e}")
     # Hand-made shards: each region to its array's owner, never to rank 0 (16,384 ranks

@@ -384,8 +384,8 @@ def dtensors_by_their_mesh(ctx: Any, root: str) -> dict[str, Any]:
     announced: list[tuple[int, int]] = []  # (listed regions, meshed arrays) per first save
     announce = ckpt._plan.announce
 
-    def counting(rank: int, pieces: Any, speaks: bool, repeats: int | None = None) -> Any:
-        got = announce(rank, pieces, speaks, repeats)
+    def counting(rank: int, pieces: Any, speaks: bool) -> Any:
+        got = announce(rank, pieces, speaks)
         announced.append((len(got.listed), len(got.meshed)))
         return got
 

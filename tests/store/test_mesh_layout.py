@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from ckpt._plan import announce, merge, mesh_signature, plain_signature
+from ckpt._plan import announce, merge, plain_signature
 from ckpt._tensors import LocalPiece
 from ckpt.store.errors import StateMismatchError
 from ckpt.store.layout import (
@@ -196,58 +196,3 @@ def test_a_piece_the_placements_do_not_put_there_is_refused() -> None:
             ],
             [0, 0],
         )
-
-
-def _replica_states(world: int, tp: int, arrays: int) -> dict[int, dict[str, LocalPiece]]:
-    """The pieces of the ranks that lead a tp sub-mesh (DDP beside TP): rank r's replica holds
-    every array on the mesh (r, ..., r + tp - 1); each lead holds the first rows."""
-    out = {}
-    for lead in range(0, world, tp):
-        mesh = Mesh((tp,), tuple(range(lead, lead + tp)))
-        out[lead] = {
-            f"w{i}": _piece(torch.zeros(2, 3), (2 * tp, 3), (0, 0), kind="mesh", mesh=mesh, placements=(0,))
-            for i in range(arrays)
-        }
-    return out
-
-
-def test_the_sub_meshes_of_data_parallel_replicas_plan_as_one_mesh_and_reach_rank_0_once() -> None:
-    """16,384 ranks, tp=8: 2,048 replicas hold 50 arrays each on a sub-mesh of their own.
-    Only the first replica's lead announces the arrays; the other 2,047 send their mesh
-    alone (rank 0 never handles replicas x arrays), and the plan is that of the whole
-    (2048, 8) mesh with the arrays replicated along its first dimension."""
-    world, tp, arrays = 16_384, 8, 50
-    states = _replica_states(world, tp, arrays)
-    sigs = {r: mesh_signature(r, s) for r, s in states.items()}
-    assert len(set(sigs.values())) == 1 and 0 not in sigs.values()
-    anns = [
-        announce(r, states[r], r == 0, None if r == 0 else 0) if r in states else announce(r, {}, False)
-        for r in range(world)
-    ]
-    assert sum(len(a.meshed) for a in anns) == arrays  # the first lead's, and no other
-    assert all(
-        a.replica == (0, (Mesh((tp,), tuple(range(r, r + tp))),)) for r, a in enumerate(anns) if r and r in states
-    )
-    specs = merge(anns, [0] * world)
-    assert len(specs) == arrays
-    for spec in specs:
-        assert isinstance(spec, MeshSpec) and spec.placements == (REPLICATE, 0)
-        assert spec.mesh.shape == (world // tp, tp) and spec.mesh.ranks == tuple(range(world))
-    assert len({id(s.mesh) for s in specs if isinstance(s, MeshSpec)}) == 1  # one mesh object: sent once
-    plans = plan_arrays(specs)
-    assert len({c.writer for p in plans for c in p.chunks}) > tp  # the replicas take turns writing
-
-
-def test_sub_meshes_that_are_no_replicas_are_refused() -> None:
-    """The second replica's mesh holding fewer of the arrays, and meshes that overlap."""
-    a, b = _replica_states(4, 2, 3), _replica_states(4, 2, 2)
-    anns = [announce(0, a[0], True), announce(1, {}, False), announce(2, b[2], False), announce(3, {}, False)]
-    with pytest.raises(StateMismatchError, match="ranks 0 and 2 place it on different DTensor meshes"):
-        merge(anns, [0, 0, 0, 0])
-    shifted = {
-        k: _piece(p.data, p.global_shape, p.offsets, kind="mesh", mesh=Mesh((2,), (1, 2)), placements=(0,))
-        for k, p in a[0].items()
-    }
-    anns = [announce(0, a[0], True), announce(1, shifted, False, 0), announce(2, {}, False), announce(3, {}, False)]
-    with pytest.raises(StateMismatchError, match="overlap"):
-        merge(anns, [0, 0, 0, 0])
