@@ -196,3 +196,18 @@ def test_a_piece_the_placements_do_not_put_there_is_refused() -> None:
             ],
             [0, 0],
         )
+
+
+def test_one_name_on_disjoint_sub_meshes_is_refused_for_they_may_hold_different_values() -> None:
+    """Data-parallel replicas (DDP beside TP) and pipeline stages (an optimizer's state keyed
+    0, 1, ... on each stage's tp mesh) look alike here; only the values differ, so neither
+    is taken for a copy of the other."""
+    pieces = {
+        lead: {
+            "opt/state/0/exp_avg": _piece(torch.zeros(2, 3), (4, 3), (0, 0), kind="mesh", mesh=mesh, placements=(0,))
+        }
+        for lead, mesh in ((0, Mesh((2,), (0, 1))), (2, Mesh((2,), (2, 3))))
+    }
+    anns = [announce(0, pieces[0], True), announce(1, {}, False), announce(2, pieces[2], False), announce(3, {}, False)]
+    with pytest.raises(StateMismatchError, match="ranks 0 and 2 place it on different DTensor meshes"):
+        merge(anns, [0, 0, 0, 0])
