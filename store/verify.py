@@ -23,7 +23,7 @@ from ckpt.store.rank_file import RankFiles, rank_file_path
 from ckpt.store.rereads import reread, unproven_damage
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import version_dirname
-from ckpt.store.zarr_meta import ArrayNode, array_document
+from ckpt.store.zarr_meta import ArrayNode, array_document, group_paths
 
 __all__ = ["ChunkProblem", "ExpectedChunk", "expected_chunks", "verify_chunks", "verify_documents"]
 
@@ -136,13 +136,8 @@ def verify_documents(tier: Tier, step: int, manifest: Manifest) -> Iterator[Chun
     reads the manifest alone): the root group's, naming the step, every group's above an
     array, and every array's, saying what the manifest says of it. Each is read as a chunk
     is: one that fails is read twice more, and one no read of which succeeds is unreadable."""
-    groups: set[str] = set()
-    for array in manifest.arrays.values():
-        parts = array.path.split("/")
-        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
-    for group in sorted(groups):
+    for group in group_paths(a.path for a in manifest.arrays.values()):
         yield from _check_document(tier, step, group, None)
-    yield from _check_document(tier, step, "", None)
     for array in manifest.arrays.values():
         yield from _check_document(tier, step, array.path, array)
 

@@ -20,7 +20,15 @@ from ckpt.store.fsio import DIR_MODE, fsync_files, write_new
 from ckpt.store.layout import CHUNK_SEPARATOR
 from ckpt.store.manifest import ArrayEntry
 
-__all__ = ["ArrayNode", "DOCUMENT_FORMAT", "array_document", "documents", "write_documents", "write_hierarchy"]
+__all__ = [
+    "ArrayNode",
+    "DOCUMENT_FORMAT",
+    "array_document",
+    "documents",
+    "group_paths",
+    "write_documents",
+    "write_hierarchy",
+]
 
 _INT_TYPES = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 
@@ -83,6 +91,15 @@ DOCUMENT_FORMAT = json.dumps(array_document(ArrayNode("a/b", "float32", (3, 2), 
 (ckpt._plan.layout_key), so a spare tree's documents are this code's when the key matches."""
 
 
+def group_paths(array_paths: Iterable[str]) -> list[str]:
+    """The groups above these arrays, relative to the version directory ("" the root), in order."""
+    groups: set[str] = {""}
+    for path in array_paths:
+        parts = path.split("/")
+        groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return sorted(groups)
+
+
 def documents(
     version_dir: str, arrays: Iterable[ArrayNode], root_attributes: dict[str, Any] | None
 ) -> tuple[list[tuple[str, bytes]], set[str]]:
@@ -92,12 +109,7 @@ def documents(
     docs: list[tuple[str, bytes]] = []
     nodes = list(arrays)
     if root_attributes is not None:
-        groups: set[str] = {""}
-        for a in nodes:
-            parts = a.path.split("/")
-            for i in range(1, len(parts)):
-                groups.add("/".join(parts[:i]))
-        for g in sorted(groups):
+        for g in group_paths(a.path for a in nodes):
             d = os.path.join(version_dir, g) if g else version_dir
             dirs.add(d)
             doc = {"zarr_format": 3, "node_type": "group", "attributes": root_attributes if not g else {}}
