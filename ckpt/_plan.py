@@ -1,6 +1,7 @@
 """The first save of a layout: who holds what, agreed without any rank learning ranks x arrays.
 
-Four collectives, only when some rank's layout changed since its last save:
+Four collectives, only when some rank's layout changed since its last save (and a fifth
+where ranks of different groups share a plain array's name: ckpt._replicas):
 1. an all-gather of one int64 per rank: the signature of the rank's plain arrays (whole
    tensors, held alike by every rank of a group: data-parallel replicas, a pipeline
    stage). Ranks with equal signatures hold the same plain arrays; the lowest of them
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ckpt._dist import Comm
+from ckpt._replicas import check_shared_copies
 from ckpt._tensors import LocalPiece
 from ckpt.store import errors
 from ckpt.store.errors import CkptError, StateMismatchError
@@ -290,6 +292,7 @@ def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -
     if error is not None:
         raise _error(error)
     assert plans is not None
+    check_shared_copies(ctl, plans, pieces, signatures)
     return plans
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from ckpt._plan import announce, merge, plain_signature
+from ckpt._replicas import shared_across_groups
 from ckpt._tensors import LocalPiece
 from ckpt.store.errors import StateMismatchError
 from ckpt.store.layout import (
@@ -169,6 +171,30 @@ def test_plain_arrays_are_held_by_their_signature_group() -> None:
     assert isinstance(specs["s1/w"], MeshSpec) and specs["s1/w"].mesh.ranks == (2, 3)
     plans = {p.spec.name: p for p in plan_arrays(list(specs.values()))}
     assert plans["s0/w"].chunks[0].writer in (0, 1) and plans["s1/w"].chunks[0].writer in (2, 3)
+
+
+def test_names_shared_by_pipeline_stages_are_found_among_16384_ranks() -> None:
+    """4 pipeline stages of 4,096 data-parallel replicas each: each stage's layers are its
+    own, its optimizer's state is keyed like every other stage's. Only the shared names are
+    compared (ckpt._replicas), found on any rank from the broadcast plans alone."""
+    world, stages, layers = 16384, 4, 64
+    per = world // stages
+
+    def state(stage: int) -> dict[str, LocalPiece]:
+        own = {f"model/layer{stage * layers + i}/w": _piece(torch.zeros(8), (8,), (0,)) for i in range(layers)}
+        shared = {f"opt/state/{i}/exp_avg": _piece(torch.zeros(8), (8,), (0,)) for i in range(layers)}
+        return own | shared
+
+    speakers = {s * per: state(s) for s in range(stages)}
+    sigs = [plain_signature(speakers[r - r % per]) for r in range(world)]
+    anns = [announce(r, speakers[r], True) if r in speakers else announce(r, {}, False) for r in range(world)]
+    plans = pickle.loads(pickle.dumps(plan_arrays(merge(anns, sigs))))  # as the broadcast sends them
+    names = [plans[i].spec.name for i in shared_across_groups(plans, sigs)]
+    assert names == sorted(f"opt/state/{i}/exp_avg" for i in range(layers))
+    held = next(p for p in plans if p.spec.name == "opt/state/0/exp_avg").spec
+    assert isinstance(held, MeshSpec) and held.mesh.ranks == tuple(range(world))
+    # Data-parallel replicas alone (every rank one group): nothing to compare, no collective.
+    assert shared_across_groups(plans, [0] * world) == []
 
 
 def test_disagreements_name_both_ranks() -> None:
