@@ -21,7 +21,7 @@ from typing import Any
 
 from ckpt._dist import Comm
 
-__all__ = ["PreemptionWatch"]
+__all__ = ["PreemptionWatch", "pass_on"]
 
 log = logging.getLogger("ckpt")
 _Handler = Callable[[int, FrameType | None], Any] | int | None
@@ -95,6 +95,11 @@ class PreemptionWatch:
             signal.signal(sig, self._handle)
         self._kept.add(sig)
 
+    @property
+    def agreed(self) -> bool:
+        """Whether reached() has returned True (on every rank alike)."""
+        return self._reached
+
     def reached(self, comm: Comm) -> bool:
         """Collective (every rank, at the same point of each step): True on every rank from
         the first call after any rank had a notice."""
@@ -108,17 +113,28 @@ class PreemptionWatch:
                 log.warning("rank %d: preemption notice (%s); the ranks agreed to stop", comm.rank, name)
         return self._reached
 
-    def close(self) -> None:
+    def close(self, *, resend: bool = True) -> int | None:
         """Put the previous handlers back where ours is still the one installed (from the
         main thread); where it cannot be, ours forwards to them from now on. A notice no
         agreement acted on (it came after the last reached(), as while close() waited for
         the last save) is then sent again, to those handlers: the signal does what it
-        would have done without this watch (SIGTERM's default: the process ends)."""
+        would have done without this watch (SIGTERM's default: the process ends). With
+        `resend=False` it is returned instead, for the caller to send once the other
+        Checkpointers it closes have committed (MultiTier)."""
         self._closed = True
         main = threading.current_thread() is threading.main_thread()
         for sig, previous in list(self._previous.items()):
             if main and signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        if self._signum is not None and not self._reached:
-            log.warning("preemption notice (%s) after the last check: passed on", signal.Signals(self._signum).name)
-            os.kill(os.getpid(), self._signum)
+        if self._signum is None or self._reached:
+            return None
+        if not resend:
+            return self._signum
+        pass_on(self._signum)
+        return None
+
+
+def pass_on(signum: int) -> None:
+    """Send a notice no agreement acted on again, to the handlers from before ckpt's."""
+    log.warning("preemption notice (%s) after the last check: passed on", signal.Signals(signum).name)
+    os.kill(os.getpid(), signum)

@@ -83,6 +83,7 @@ class Checkpointer:
         self.config = replace(config or CheckpointerConfig(), **overrides)
         # Installed first: a signal that cannot be handled fails before any root is locked.
         self._preemption = PreemptionWatch(self.config.preemption_signals) if self.config.preemption_signals else None
+        self.unsent_signal: int | None = None  # see _close
         try:
             self._open(root, tiers, storage_options, replicate_to, replication)
         except BaseException:
@@ -158,6 +159,9 @@ class Checkpointer:
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
         self._saves = 0  # save() calls that staged a version since the schedule (re)started: full_every counts them
+        self._last_saved: tuple[int, bool] | None = (
+            None  # (step, whole state) of the last save staged, unless it failed
+        )
         if self._ctx.is_leader and not self.config.peer_copies:
             forget_peer_copies(self.root)  # an earlier job's peer copies hold nothing back on this root now
         elif self._ctx.is_leader:
@@ -225,6 +229,9 @@ class Checkpointer:
         `only`: save just these top-level keys (a params-only version, say ("model",));
         with `full_every`, the schedule chooses. A milestone is always full.
         Raises a previous save's error, VersionExistsError, UnsupportedStateError.
+
+        After reached_preemption() returned True, a save is the job's last one: see
+        `_final_save` (the whole state; a step just saved whole is not saved again).
         """
         self._check_open()
         check_step(step)
@@ -232,7 +239,35 @@ class Checkpointer:
             raise TypeError(f"overwrite and milestone must be bools, not {overwrite!r} and {milestone!r}")
         if not isinstance(state, Mapping):
             raise UnsupportedStateError(f"state must be a dict, got {type(state).__name__}")
-        keys = self._keys_to_save(state, only, milestone, step)
+        if self._preemption is not None and self._preemption.agreed:
+            return self._final_save(step, state, only=only, overwrite=overwrite, milestone=milestone)
+        return self._save_keys(step, state, self._keys_to_save(state, only, milestone, step), overwrite, milestone)
+
+    def _final_save(
+        self, step: int, state: Mapping[str, Any], *, only: Sequence[str] | None, overwrite: bool, milestone: bool
+    ) -> bool:
+        """The save of a job that stops (preemption; MultiTier's force): the whole state,
+        whatever full_every's schedule says (`only=` still chooses), after the save in
+        flight even if that one failed (its error is logged: this save supersedes it). A
+        step this Checkpointer's last save holds whole is not saved again (False); a
+        params-only version of the step that it made is replaced. Every rank decides alike:
+        the saves and their outcomes are the job's."""
+        self._check_open()
+        try:
+            self._saver.wait()
+        except Exception:  # logged: the state now is what must be committed
+            log.exception("rank %d: the save in flight failed; the final save of step %d goes on", self.rank, step)
+            self._restart_schedule()
+        keys = self._keys_to_save(state, only, milestone, step, final=True)
+        if self._last_saved == (step, True) and keys is None and not overwrite:
+            return False
+        if self._last_saved == (step, False):
+            overwrite = True  # (its own params-only version of this step)
+        return self._save_keys(step, state, keys, overwrite, milestone)
+
+    def _save_keys(
+        self, step: int, state: Mapping[str, Any], keys: tuple[str, ...] | None, overwrite: bool, milestone: bool
+    ) -> bool:
         if keys is not None:
             state = {k: state[k] for k in keys}
         try:
@@ -241,6 +276,8 @@ class Checkpointer:
             self._restart_schedule()
             raise
         self._saves += saved
+        if saved:
+            self._last_saved = (step, keys is None)
         return saved
 
     def _restart_schedule(self) -> None:
@@ -248,12 +285,13 @@ class Checkpointer:
         the full_every schedule counts on, so the next save is full. Params-only versions
         with no full one behind them leave nothing to resume from."""
         self._saves = 0
+        self._last_saved = None
 
     def _keys_to_save(
-        self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool, step: int
+        self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool, step: int, *, final: bool = False
     ) -> tuple[str, ...] | None:
         """The top-level keys this save holds; None: all of them. The schedule saves a
-        milestone (tagged, or a step keep_every keeps) in full."""
+        milestone (tagged, or a step keep_every keeps), and a `final` save, in full."""
         every = self.config.keep_every
         if only is not None:
             if milestone:
@@ -261,6 +299,7 @@ class Checkpointer:
             keys = (only,) if isinstance(only, str) else tuple(only)
         elif (
             self.config.full_every is not None
+            and not final
             and not milestone
             and not (every and step % every == 0)
             and self._saves % self.config.full_every
@@ -483,6 +522,11 @@ class Checkpointer:
         """Wait for pending saves (raising their error), let the replicator make its last
         pass (at most `drain_timeout_s`; versions left unreplicated are reported, not
         raised), then release the root."""
+        self._close(resend=True)
+
+    def _close(self, *, resend: bool) -> None:
+        """close(); `resend=False`: a late preemption notice is kept in `unsent_signal`
+        instead of being sent again (MultiTier sends it after closing every tier)."""
         if self._closed:
             return
         try:
@@ -512,7 +556,7 @@ class Checkpointer:
                 # Last: it sends a notice that came too late again, and the handler it reaches
                 # may raise (KeyboardInterrupt, SystemExit) with the root released.
                 if self._preemption is not None:
-                    self._preemption.close()
+                    self.unsent_signal = self._preemption.close(resend=resend)
 
     def _drain_replicator(self, replicator: Replicator) -> None:
         """One last pass so the final versions reach their copies and the remote before exit,

@@ -263,8 +263,7 @@ class CkptCallback(Callback):
             if not stepped or _loop_goes_on_after_batch(trainer):
                 trainer._signal_connector.received_sigterm = False
                 return
-            ck.wait()  # a save in flight first: this one must not be skipped (if_busy="skip")
-            self.save(trainer)
+            self.save(trainer)  # after the save in flight, even a failed one (Checkpointer._final_save)
         ck.wait()
         trainer.should_stop = True
 

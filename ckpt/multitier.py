@@ -25,8 +25,10 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
+from ckpt._preemption import pass_on
 from ckpt.checkpointer import Checkpointer, close_on_exit
 from ckpt.store.errors import CorruptVersionError, IncompleteVersionError, VersionNotFoundError
+from ckpt.store.versions import check_step
 
 __all__ = ["MultiTier"]
 
@@ -46,25 +48,33 @@ class MultiTier:
         if len(set(roots)) != len(roots):
             raise ValueError(f"two tiers share a root: {roots}")
         self.tiers = tuple(tiers)
-        self._saved: list[int | None] = [None] * len(self.tiers)  # the step each tier's last save staged
 
     def save(
         self, step: int, state: Mapping[str, Any], *, force: bool = False, milestone: bool = False, **kwargs: Any
     ) -> list[str]:
-        """Save to every tier whose cadence divides `step` (all of them with `force`, but
-        those whose cadence saved this step already); the roots saved to. Each returns as
-        its own save() does: the commits go on behind."""
+        """Save to every tier whose cadence divides `step` (all of them with `force`); the
+        roots saved to. Each returns as its own save() does: the commits go on behind.
+
+        A forced save is each tier's final one (as a save after reached_preemption()): the
+        whole state, after a failed save in flight too, and nothing on a tier whose last
+        save holds this step whole (its cadence saved it just before), so that no
+        VersionExistsError stops the tiers after it (the disk, where RAM goes with the
+        node); a params-only version of the step that the cadence made is replaced."""
+        unknown = set(kwargs) - {"only", "overwrite"}
+        if unknown:
+            raise TypeError(f"MultiTier.save() got unexpected keyword arguments {sorted(unknown)}")
+        overwrite = kwargs.get("overwrite", False)
+        if type(overwrite) is not bool or type(milestone) is not bool:
+            raise TypeError(f"overwrite and milestone must be bools, not {overwrite!r} and {milestone!r}")
         saved = []
-        for i, (ck, every) in enumerate(self.tiers):
-            # A forced save (preemption) comes after the cadence's save of the same step: a
-            # tier holding it already is skipped, so its VersionExistsError cannot stop the
-            # save of the tiers after it (the disk, where RAM goes with the node).
-            if force and self._saved[i] == step and not kwargs.get("overwrite"):
-                continue
-            if force or step % every == 0:
-                if ck.save(step, state, milestone=milestone, **kwargs):
-                    self._saved[i] = step
-                    saved.append(ck.root)
+        for ck, every in self.tiers:
+            if force:
+                check_step(step)
+                done = ck._final_save(step, state, only=kwargs.get("only"), overwrite=overwrite, milestone=milestone)
+            else:
+                done = step % every == 0 and ck.save(step, state, milestone=milestone, **kwargs)
+            if done:
+                saved.append(ck.root)
         return saved
 
     def restore(self, state: Mapping[str, Any], **kwargs: Any) -> int | None:
@@ -116,12 +126,21 @@ class MultiTier:
             ck.wait()
 
     def close(self) -> None:
+        """Close every tier, then pass on a preemption notice that came after the last
+        reached_preemption(): sent by the first tier's close, SIGTERM's default would end
+        the process before the next tier's last save had committed."""
         errors = []
-        for ck, _ in self.tiers:
-            try:
-                ck.close()
-            except Exception as e:  # noqa: BLE001 - every tier is closed; the first error is raised
-                errors.append(e)
+        unsent: int | None = None
+        try:
+            for ck, _ in self.tiers:
+                try:
+                    ck._close(resend=False)
+                except Exception as e:  # noqa: BLE001 - every tier is closed; the first error is raised
+                    errors.append(e)
+                unsent = unsent or ck.unsent_signal
+        finally:
+            if unsent is not None:
+                pass_on(unsent)
         if errors:
             raise errors[0]
 

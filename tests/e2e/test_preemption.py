@@ -42,7 +42,9 @@ def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def train_until_preempted(ctx: Any, root: str, save_every: int, slow_save: bool) -> dict[str, Any]:
+def train_until_preempted(
+    ctx: Any, root: str, save_every: int, slow_save: bool, full_every: int | None = None
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     from ckpt import Checkpointer
@@ -56,7 +58,8 @@ def train_until_preempted(ctx: Any, root: str, save_every: int, slow_save: bool)
     handled: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda s, f: handled.append(s))  # chained by the Checkpointer
     stopped_at, signalled_at, committed_s = None, None, None
-    with Checkpointer(root, preemption_signals=(signal.SIGTERM,)) as ck:
+    schedule: dict[str, Any] = {} if full_every is None else {"full_every": full_every, "partial_keys": ("model",)}
+    with Checkpointer(root, preemption_signals=(signal.SIGTERM,), **schedule) as ck:
         for step in range(1, STEPS + 1):
             torch.manual_seed(1000 * step)
             model(torch.randn(16, 8)).pow(2).mean().backward()
@@ -69,7 +72,9 @@ def train_until_preempted(ctx: Any, root: str, save_every: int, slow_save: bool)
                 signalled_at = time.monotonic()
                 os.kill(pids[1], signal.SIGTERM)  # rank 1 only
             if ck.reached_preemption():
-                if step % save_every:
+                if full_every is not None:
+                    ck.save(step, state)  # the whole state; nothing if this step was just saved whole
+                elif step % save_every:  # (the loop of earlier READMEs: still right without full_every)
                     ck.save(step, state)
                 ck.wait()
                 committed_s = None if signalled_at is None else time.monotonic() - signalled_at
@@ -95,10 +100,17 @@ def resume(ctx: Any, root: str) -> dict[str, Any]:
     return {"restored": got, "step": state["step"]}
 
 
-def _run(tmp_path: Path, save_every: int, slow_save: bool) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, save_every: int, slow_save: bool, full_every: int | None = None) -> list[dict[str, Any]]:
     root = str(tmp_path / "root")
     results, failures = launch(
-        THIS, "train_until_preempted", 2, tmp_path, root=root, save_every=save_every, slow_save=slow_save
+        THIS,
+        "train_until_preempted",
+        2,
+        tmp_path,
+        root=root,
+        save_every=save_every,
+        slow_save=slow_save,
+        full_every=full_every,
     )
     assert not failures, failures
     stops = [r["stopped_at"] for r in results]
@@ -124,6 +136,15 @@ def test_sigterm_during_a_save_in_flight_still_ends_with_a_committed_version(tmp
     results = _run(tmp_path, save_every=4, slow_save=True)
     steps, stop = results[0]["steps"], results[0]["stopped_at"]
     assert 4 in steps and steps[-1] == stop, steps  # the save in flight committed, then the preemption's
+
+
+def test_the_save_on_preemption_holds_the_whole_state_under_a_params_only_schedule(tmp_path: Path) -> None:
+    """full_every=3: a save every 2 steps, params-only but every third; the signal at step
+    5. The save on preemption holds the whole state (or the step was saved whole just
+    before), and a restart restores that step, optimizer too, not an older full version."""
+    results = _run(tmp_path, save_every=2, slow_save=False, full_every=3)
+    steps, stop = results[0]["steps"], results[0]["stopped_at"]
+    assert steps[-1] == stop and 2 in steps, steps
 
 
 def test_a_handler_left_installed_after_close_passes_the_signal_on(tmp_path: Path) -> None:
