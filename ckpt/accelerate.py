@@ -328,9 +328,12 @@ def load_state(
     found = checkpointer.restore(state, step, **restore_kwargs)
     if found is None:
         return None
-    saved = [state["dataloaders"][str(i)] for i in range(len(loaders))]
+    # strict=False: a slot the version does not hold (a loader added since; a params-only
+    # version's loaders and accelerator) stays None, and its object as it is.
+    held = state["dataloaders"] if isinstance(state["dataloaders"], dict) else {}
+    saved = [held.get(str(i)) for i in range(len(loaders))]
     for i, (dl, mine) in enumerate(zip(loaders, saved)):  # every loader checked before any is changed
-        if mine.get("state") is not None and not _stateful(dl):
+        if mine is not None and mine.get("state") is not None and not _stateful(dl):
             raise StateMismatchError(
                 f"step {found}: dataloader {i} was saved as a stateful loader (accelerate's "
                 "DataLoaderConfiguration(use_stateful_dataloader=True)), and this accelerator's cannot "
@@ -338,8 +341,10 @@ def load_state(
                 "and schedulers are loaded, the loaders and accelerator.step are not)"
             )
     for dl, mine in zip(loaders, saved):
-        _load_loader(dl, mine)
+        if mine is not None:
+            _load_loader(dl, mine)
     extra = state["accelerator"]
-    accelerator.step = int(extra["step"])
-    _load_device_rng(extra.get("device_rng") or {})
+    if extra is not None:
+        accelerator.step = int(extra["step"])
+        _load_device_rng(extra.get("device_rng") or {})
     return found

@@ -176,3 +176,40 @@ except StateMismatchError as e:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["raised"] == "StateMismatchError", got
     assert "use_stateful_dataloader=True" in got["message"] and got["step"] == 0
+
+
+@pytest.mark.parametrize("case", ["params_only", "loader_added"])
+def test_load_state_with_strict_false_leaves_what_the_version_lacks(tmp_path: Path, case: str) -> None:
+    """strict=False with a version that lacks slots the accelerator now has (a params-only
+    version's loaders and step; a loader added since): those stay as they are. Before,
+    load_state raised AttributeError on the empty slot after the model was loaded."""
+    code = f"""
+import json, torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+from ckpt import Checkpointer
+import ckpt.accelerate as ca
+
+def build(loaders):
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    data = torch.arange(20.0).reshape(10, 2)
+    dls = [torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(i))
+           for i in range(loaders)]
+    return (acc, *acc.prepare(torch.nn.Linear(3, 2), *dls))
+
+acc, m, dl = build(1)
+with torch.no_grad():
+    m.weight.fill_(7.0)
+acc.step = 5
+with Checkpointer({str(tmp_path / "r")!r}) as ck:
+    ca.save_state(acc, ck, 1, **({{"only": ("models",)}} if {case!r} == "params_only" else {{}}))
+acc2, m2, *dls = build(1 if {case!r} == "params_only" else 2)
+with Checkpointer({str(tmp_path / "r")!r}) as ck:
+    got = ca.load_state(acc2, ck, strict=False)
+print(json.dumps({{"got": got, "weight": bool((m2.weight == 7.0).all()), "step": acc2.step}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"got": 1, "weight": True, "step": 0 if case == "params_only" else 5}, out
