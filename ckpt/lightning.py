@@ -22,17 +22,26 @@ loader's generator also draws the loader's base seed, which the saved state miss
 resumed run would draw another order from the next epoch on. For a seeded order pass
 `sampler=torchdata.stateful_dataloader.sampler.RandomSampler(ds, generator=g)`.
 
-Restoring happens in `on_fit_start`, where Lightning restores `fit(ckpt_path=...)`'s
-training state: after the strategy set up the model and the optimizers, before the train
-loader is built. It goes through Lightning's own restore functions (model, datamodule,
-callbacks, loops, optimizers, schedulers, precision plugin), and the newest ckpt version
-takes precedence over a `ckpt_path`. The RNG state restored with the version is set again
-in `on_train_start`, after the loader was built (building it may draw from the global RNG,
-as `DataLoader.__iter__` does), so the first batch after the restore draws what the
-uninterrupted run drew.
+The version is read in `setup` and handed to Lightning as the checkpoint `fit(ckpt_path=...)`
+would have loaded, so Lightning restores it in its own order: the model, datamodule and
+callbacks before any `on_fit_start` hook, the training state (loops, optimizers,
+schedulers, precision plugin) after them, as callbacks that rebuild the optimizer in
+`on_fit_start` (`BackboneFinetuning`) need. The newest ckpt version takes precedence over a
+`ckpt_path`. The module's state dict keeps its `_metadata` (each module's `_version`, for
+its `_load_from_state_dict`), saved with the version. The RNG state restored with the
+version is set again in `on_train_start`, after the loader was built (building it may draw
+from the global RNG, as `DataLoader.__iter__` does), so the first batch after the restore
+draws what the uninterrupted run drew. A second `fit` of the same Trainer goes on from the
+Trainer's own state, as Lightning's does, and restores nothing.
 
 Saving happens in `on_train_batch_end` right after an optimizer step, once `global_step`
-has reached a multiple of `every_n_steps`; the version's step is `global_step`. A save due
+has reached a multiple of `every_n_steps`; the version's step is `global_step`. The callback
+runs that hook after every other callback's (it moves itself to the end of the Trainer's
+list in `setup`, as Lightning does with its own checkpoint callbacks), so what they do at
+that batch's end is in the version; the LightningModule's own `on_train_batch_end` runs
+after every callback's, so state it changes there (an EMA of the weights) is saved one step
+behind, as with Lightning's `ModelCheckpoint`: update it in `on_before_zero_grad` or
+`optimizer_step` instead. A save due
 on a batch after which the epoch ends or validation runs waits for the next optimizer
 step: Lightning resumes a loop saved there by skipping that validation, or (at an epoch's
 end) by running one more epoch without data, since the loader's restored iterator is
@@ -59,13 +68,15 @@ Lightning sets the sampler's epoch. On another world size (pass the sampler
 `even_after_reshard=True`: DDP steps are collective), the resumed epoch's batch count
 (`batch_idx`) starts over from 0, since the saved one counts batches of the old world size.
 Other strategies (FSDP, DeepSpeed, ModelParallel) are refused in `setup`; for FSDP, save
-through DCP with `ckpt.dcp`.
+through DCP with `ckpt.dcp`. So is an optimizer whose state_dict() is consolidated on one
+rank (`ZeroRedundancyOptimizer`, in `on_fit_start`): the other ranks' would be empty.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,6 +86,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from ckpt._roots import RootSpec
@@ -131,15 +143,21 @@ class CkptCallback(Callback):
                 f"CkptCallback supports the single-device and DDP strategies, not {type(strategy).__name__}: "
                 "it saves whole state dicts; for FSDP, save through DCP with ckpt.dcp.StorageWriter"
             )
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Last in the list, as Lightning puts its own Checkpoint callbacks: the others'
+        # on_train_batch_end changes are then in the version. (A new list: the list of this
+        # setup call goes on as it was.)
+        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]  # type: ignore[attr-defined]
+        _unhook(trainer)
         self._close()  # a Trainer that fits again opens a fresh one
         self.restored_step = None
         self._last_saved = None
         self._rng_after_restore = None
-        self._seen_step, self._due, self._postponed = trainer.global_step, False, 0
+        self._due, self._postponed = False, 0
         self._world_size, self._saved_world_size = trainer.world_size, None
         self.checkpointer = ck = Checkpointer(self.root, **self.checkpointer_options)
+        if trainer.global_step:  # the same Trainer fits again: it goes on from its own state
+            log.info("rank %d: the Trainer is at global_step %d: nothing restored", ck.rank, trainer.global_step)
+            return
         state: dict[str, Any] = {KEY: None}  # None takes whatever the version holds there
         step = ck.restore(state)
         if step is None:
@@ -149,26 +167,19 @@ class CkptCallback(Callback):
         checkpoint = state[KEY]
         if not isinstance(checkpoint, dict):
             raise UnsupportedStateError(f"step {step} under {ck.root}: {KEY!r} is not a Lightning checkpoint")
-        connector = trainer._checkpoint_connector
-        if connector._loaded_checkpoint:
-            rank_zero_warn(
-                f"CkptCallback: ckpt step {step} is restored instead of fit(ckpt_path={connector._ckpt_path!r})"
-            )
-        # Lightning's own restore, as Trainer.fit(ckpt_path=...) runs it (model, datamodule and
-        # callbacks before on_fit_start, the training state just after it).
-        connector._loaded_checkpoint = checkpoint
-        try:
-            connector.restore_datamodule()
-            connector.restore_model()
-            connector.restore_callbacks()
-            connector.restore_training_state()
-        finally:
-            connector._loaded_checkpoint = {}  # so that Trainer restores nothing over it
-        if self._resharded(trainer):
-            _count_epoch_from_restore(trainer)
+        checkpoint = _pl_migrate_checkpoint(checkpoint)
+        _with_metadata(checkpoint, pl_module)
+        _hook(trainer, checkpoint, step)
         self.restored_step = self._last_saved = step
-        self._seen_step = trainer.global_step
-        log.info("rank %d: resumed from step %d (global_step %d)", ck.rank, step, trainer.global_step)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _unhook(trainer)  # (Lightning called it before the strategy's setup)
+        for opt in trainer.optimizers:
+            if callable(getattr(opt, "consolidate_state_dict", None)):
+                raise TypeError(
+                    f"CkptCallback saves each rank's optimizer state_dict(); that of {type(opt).__name__} is "
+                    "consolidated on one rank (empty on the others), so a resume would lose it"
+                )
 
     def state_dict(self) -> dict[str, Any]:
         return {"world_size": self._world_size} if self._world_size else {}
@@ -182,6 +193,13 @@ class CkptCallback(Callback):
         return self._saved_world_size is not None and self._saved_world_size != trainer.world_size
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After Lightning restored the training state (ours, or fit(ckpt_path=...)'s).
+        self._seen_step = trainer.global_step
+        if self.restored_step is not None:
+            if self._resharded(trainer):
+                _count_epoch_from_restore(trainer)
+            rank = self.checkpointer.rank if self.checkpointer is not None else 0
+            log.info("rank %d: resumed from step %d (global_step %d)", rank, self.restored_step, trainer.global_step)
         if self.checkpointer is not None:
             # Lightning installed its SIGTERM handler after on_fit_start, over ckpt's. Under
             # DDP that handler broadcasts on the default group from inside the handler, so a
@@ -225,6 +243,7 @@ class CkptCallback(Callback):
             ck.close()  # waits for the last save and raises its error
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        _unhook(trainer)
         self._close()
 
     # -- saving ----------------------------------------------------------------------
@@ -240,6 +259,9 @@ class CkptCallback(Callback):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         problems: list[str] = []
         plain = _plain(checkpoint, (), problems)
+        versions = _module_versions(checkpoint.get("state_dict"))
+        if versions is not None:
+            plain[_METADATA] = versions
         # Every rank learns whether one failed before any raises: ck.save() is collective.
         if trainer.strategy.reduce_boolean_decision(bool(problems), all=False):
             raise UnsupportedStateError(
@@ -296,6 +318,58 @@ class CkptCallback(Callback):
             ck.close()
         except Exception:
             log.exception("rank %d: a pending ckpt save failed while fit was interrupted", ck.rank)
+
+
+_METADATA = "ckpt_state_dict_metadata"  # the module state dict's _metadata, in the saved checkpoint
+
+
+def _module_versions(state_dict: Any) -> dict[str, dict[str, Any]] | None:
+    """The `_metadata` of a module's state dict (each submodule's `_version`, which its
+    `_load_from_state_dict` reads to convert older layouts), as plain values."""
+    meta = getattr(state_dict, "_metadata", None)
+    if not isinstance(meta, Mapping):
+        return None
+    return {
+        str(prefix): {str(k): v for k, v in entry.items() if isinstance(v, (bool, int, float, str, type(None)))}
+        for prefix, entry in meta.items()
+        if isinstance(entry, Mapping)
+    }
+
+
+def _with_metadata(checkpoint: dict[str, Any], pl_module: pl.LightningModule) -> None:
+    """Give the restored state dict its `_metadata` again: without it every module reads its
+    version as None and converts the current layout as an old one. Versions saved before it
+    was kept take the live module's (the code resuming is the code that saved)."""
+    versions = checkpoint.pop(_METADATA, None)
+    state_dict = checkpoint.get("state_dict")
+    if not isinstance(state_dict, dict):
+        return
+    if not isinstance(versions, dict):
+        versions = _module_versions(pl_module.state_dict(keep_vars=True))
+    restored = OrderedDict(state_dict)
+    restored._metadata = OrderedDict(versions or {})  # type: ignore[attr-defined]
+    checkpoint["state_dict"] = restored
+
+
+def _hook(trainer: pl.Trainer, checkpoint: dict[str, Any], step: int) -> None:
+    """Make the restore Lightning runs after the setup hooks (`resume_start`, for a
+    `fit(ckpt_path=...)` the file's) take this checkpoint: Lightning then restores the
+    model, datamodule and callbacks, and after every on_fit_start hook the training state,
+    in its own order. Called once, it is taken off again."""
+    connector = trainer._checkpoint_connector
+
+    def resume_start(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
+        _unhook(trainer)
+        if checkpoint_path:
+            rank_zero_warn(f"CkptCallback: ckpt step {step} is restored instead of fit(ckpt_path={checkpoint_path!r})")
+        connector._ckpt_path = None  # (resume_end would say the file was restored)
+        connector._loaded_checkpoint = checkpoint
+
+    connector.resume_start = resume_start  # type: ignore[method-assign]
+
+
+def _unhook(trainer: pl.Trainer) -> None:
+    trainer._checkpoint_connector.__dict__.pop("resume_start", None)
 
 
 def _count_epoch_from_restore(trainer: pl.Trainer) -> None:
