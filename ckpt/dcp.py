@@ -183,10 +183,13 @@ def _meshed(planner: SavePlanner) -> dict[str, DTensor]:
     holds every DTensor of the state, so each rank passes the same ones, also those whose
     replicated piece DCP's plan gives another rank."""
     found = getattr(planner, "state_dict", None)
-    # Only where the local plan holds every item of that state_dict (DefaultSavePlanner's
-    # own create_local_plan): a planner that leaves items out plans them itself, as pieces.
-    own = isinstance(planner, DefaultSavePlanner) and (
-        type(planner).create_local_plan is DefaultSavePlanner.create_local_plan
+    # Only where the local plan holds every item of that state_dict and the global plan
+    # keeps them (DefaultSavePlanner's own create_local_plan, create_global_plan and
+    # finish_plan): a planner that leaves items out plans them itself, as pieces.
+    kind = type(planner)
+    own = isinstance(planner, DefaultSavePlanner) and all(
+        getattr(kind, f) is getattr(DefaultSavePlanner, f)
+        for f in ("create_local_plan", "create_global_plan", "finish_plan")
     )
     if not own or not isinstance(found, dict):
         return {}
@@ -214,6 +217,13 @@ def _is_local_piece(data: torch.Tensor, size: tuple[int, ...], offsets: tuple[in
         and data.device == local.device
         and data.data_ptr() == local.data_ptr()
     )
+
+
+def _collective(kwargs: Mapping[str, Any], what: str) -> None:
+    """Refuse DCP's use_collectives=False: each rank then saves (loads) its own values under
+    every name, where ckpt keeps one copy of a name for every rank."""
+    if kwargs.get("use_collectives", True) is False:
+        raise ValueError(f"ckpt.dcp does not {what} with use_collectives=False: every rank's values are one job's")
 
 
 def _no_checkpoint_id(checkpoint_id: Any) -> None:
@@ -286,10 +296,22 @@ class StorageWriter(_StorageWriter):
         with _unwritten_lock:
             if self._token in _unwritten:
                 _unwritten[self._token].thread = threading.get_ident()
+        if not self._owned and threading.current_thread() is not threading.main_thread():
+            # async_save: the training thread goes on using the Checkpointer (save,
+            # reached_preemption), whose collectives would then run beside this thread's
+            # on the same group, mismatched (gloo aborts, or a rank waits to its timeout).
+            raise ValueError(
+                "ckpt.dcp.StorageWriter: a Checkpointer passed in (checkpointer=) is used from the training "
+                "thread; async_save runs on another: give the writer no checkpointer=, and it opens its own"
+            )
         return None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        return None
+        try:
+            _collective(kwargs, "save")
+        except ValueError:
+            self.close()  # DCP calls nothing more on this writer
+            raise
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -309,7 +331,12 @@ class StorageWriter(_StorageWriter):
                 state, results = {TENSORS: {}, BYTES: {}}, []
                 error, _ = self._describe(plan, planner, state, results, {})
             self._ck._ctl.agree(error)  # raises alike on every rank
-            self._ck.save(self.step, state, overwrite=self._overwrite, milestone=self._milestone)
+            # A Checkpointer passed in: its save in flight first (its error is this save's),
+            # then every item DCP planned, whatever its full_every schedule would keep.
+            self._ck.wait()
+            self._ck._save_keys(
+                self.step, state, None, self._overwrite, self._milestone
+            )  # (none in flight: not skipped)
             self._ck.wait()
         finally:
             if self._owned:
@@ -533,15 +560,17 @@ class StorageReader(_StorageReader):
                 found = ck._locate(self._asked)
             if found is None:
                 raise self._nothing()
+            planned = metadata_of(found[0])
         except Exception as e:  # noqa: BLE001 - raised from set_up_storage_reader, which DCP keeps
             return _Unread(e)
         self.step = found[0].step
-        self._planned = metadata_of(found[0])
+        self._planned = planned
         return self._planned
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if isinstance(metadata, _Unread):
             raise metadata.error
+        _collective(kwargs, "load")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
