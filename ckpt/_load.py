@@ -383,3 +383,7 @@ def load_version(
             seed_new_rank(manifest.save_id, ctl.rank)
     how = "" if saved_world == ctl.world else f" (saved by {saved_world} ranks, resharded)"
     log.info("rank %d step %d: restored%s", ctl.rank, located.step, how)
+    left = sorted(str(k) for k in state if held is not None and str(k) not in held)
+    if left and ctl.rank == 0:  # (strict=False: the version chosen need not hold every key)
+        kind = "a params-only version" if manifest.partial else "a version"
+        log.warning("step %d is %s without %s: left as they were (strict=False)", located.step, kind, left)

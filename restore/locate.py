@@ -280,7 +280,13 @@ def restore_newest(
                 passed_over.update(partial_steps(held))
                 if step is None:
                     passed_over.update(reachable_steps(held))
-            if needed is not None and step is None and reachable_steps(held) and not reachable_steps(held, needed):
+            if (
+                needed is not None
+                and step is None
+                and reachable_steps(held)
+                and not reachable_steps(held, needed)
+                and not any(h.holds(needed) for h in held)  # (one there in part: _nothing names it)
+            ):
                 _lacking(held, needed, listed)
             if params_only and not set(reachable_steps(held)) - params_only - excluded - vanished:
                 raise VersionNotFoundError(
@@ -494,9 +500,14 @@ def _lacking(held: Holdings, needed: frozenset[str] | OneOf, tiers: Sequence[Tie
         raise VersionNotFoundError(
             f"no version in {where} holds any of {sorted(needed.keys)}: steps {steps} hold {have}"
         )
+    # The newest version holding the most of the state's keys: restoring those keys loads it.
+    best = max(steps, key=lambda s: (len(needed & (holds.get(s) or frozenset())), s))
+    keys = sorted(needed & (holds.get(best) or frozenset()))
     raise VersionNotFoundError(
         f"no version in {where} holds every key of the state {sorted(needed)}: steps {steps} hold only "
-        f"{have}; restore(state, strict=False) (the CLI: --keys) loads such a version into the keys it has"
+        f"{have}; restore a dict of the keys a version holds (the newest holding {keys} is step {best}), "
+        "or restore(state, strict=False) (the CLI: --keys) to load the newest version, whatever it holds, "
+        "into the keys it has"
     )
 
 

@@ -161,8 +161,9 @@ def test_restore_is_strict_both_ways_below_the_top_by_default(tmp_path: Path) ->
         top = {"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}}
         assert ck.restore(top) == 1  # the state's top-level keys choose what is restored
         assert_bitwise(top, {"w": torch.ones(3), "opt": {"lr": 0.1, "m": torch.ones(2)}})
-        with pytest.raises(VersionNotFoundError, match=r"holds every key of the state \['n', 'opt', 'w', 'x'\]"):
+        with pytest.raises(VersionNotFoundError, match=r"holds every key of the state \['n', 'opt', 'w', 'x'\]") as e:
             ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}, "n": 0, "x": 1})
+        assert "the newest holding ['n', 'opt', 'w'] is step 1" in str(e.value)
         with pytest.raises(StateMismatchError, match=r"\['x'\] are in the state but not in the checkpoint"):
             ck.restore({"w": torch.zeros(3), "opt": {"lr": 0.0, "m": torch.zeros(2)}, "n": 0, "x": 1}, step=1)
         with pytest.raises(StateMismatchError, match=r"\['m'\] are in the checkpoint"):

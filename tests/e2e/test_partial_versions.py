@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,10 @@ def test_a_milestone_is_never_partial_and_only_names_real_keys(tmp_path: Path) -
         Checkpointer(tmp_path, full_every=3)
 
 
-def test_strict_false_loads_a_params_only_version_into_a_full_state(tmp_path: Path) -> None:
+def test_strict_false_loads_a_params_only_version_into_a_full_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As documented, with a warning naming what it left (before, an INFO line alone)."""
     model, opt = _build(0)
     _train(model, opt, 1)
     with Checkpointer(tmp_path) as ck:
@@ -215,10 +219,11 @@ def test_strict_false_loads_a_params_only_version_into_a_full_state(tmp_path: Pa
         ck.save(2, {"model": model, "optim": opt}, only=("model",))
     want = {k: v.clone() for k, v in model.state_dict().items()}
     m2, o2 = _build(5)
-    with Checkpointer(tmp_path) as ck:
+    with Checkpointer(tmp_path) as ck, caplog.at_level(logging.WARNING, logger="ckpt"):
         assert ck.restore({"model": m2, "optim": o2}, strict=False) == 2
     assert not bitwise_diff(m2.state_dict(), want)
     assert not o2.state  # the params-only version has no optimizer state: left as it was
+    assert "step 2 is a params-only version without ['optim']: left as they were" in caplog.text, caplog.text
 
 
 # -- found by a review: retention when the state's keys change, schedules, selection ------
@@ -382,3 +387,35 @@ def test_a_full_save_whose_error_any_call_reports_makes_the_next_save_full(tmp_p
     with Checkpointer(tmp_path / "root") as ck:
         assert ck.restore(got) == 2  # saved in full
     assert torch.equal(got["optim"]["m"], torch.ones(8))
+
+
+def lost_full_version_part(ctx: Any, root: str, phase: str) -> dict[str, Any]:
+    """One root a rank (node-local disks); full_every=4: step 2 full, 4, 6 and 8 params-only."""
+    model, opt = _build(0)
+    state = {"model": model, "optim": opt}
+    with Checkpointer(root + "/r{rank}", full_every=4, partial_keys=("model",)) as ck:
+        if phase == "train":
+            for step in (2, 4, 6, 8):
+                _train(model, opt, step)
+                ck.save(step, state)
+            return {}
+        try:
+            ck.restore(state)
+        except Exception as e:  # noqa: BLE001 - what each rank saw
+            return {"error": type(e).__name__, "message": str(e)}
+        return {"error": None}
+
+
+def test_a_full_version_missing_a_part_is_named_not_taken_for_one_no_version_holds(tmp_path: Path) -> None:
+    """Rank 1's part of the one full version is gone; the newer params-only ones are whole.
+    Before: VersionNotFoundError "no version holds every key", advising strict=False (which
+    loads a params-only version and leaves the optimizer fresh)."""
+    root = str(tmp_path / "root")
+    _, failures = launch(THIS, "lost_full_version_part", 2, tmp_path / "a", root=root, phase="train")
+    assert not failures, failures
+    assert committed_steps(root + "/r1") == [2, 4, 6, 8]
+    shutil.rmtree(root + "/r1/v000000000002")
+    results, failures = launch(THIS, "lost_full_version_part", 2, tmp_path / "b", root=root, phase="resume")
+    assert not failures, failures
+    for r in results:
+        assert r["error"] == "IncompleteVersionError" and "step 2 lacks the part of ranks [1]" in r["message"], r
