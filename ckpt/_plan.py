@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -265,8 +265,12 @@ def plans_of(announcements: Sequence[Announcement], signatures: Sequence[int], s
     return sorted(plans, key=lambda p: p.spec.name)
 
 
-def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -> list[ArrayPlan]:
-    """Collective: the plans of the job's layout, the same on every rank; raises alike on every rank."""
+def agree_plans(
+    ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int, positional: Container[str] = frozenset()
+) -> list[ArrayPlan]:
+    """Collective: the plans of the job's layout, the same on every rank; raises alike on every
+    rank. `positional`: the names whose key path holds an int key or a list index (compared
+    across groups of ranks: ckpt._replicas)."""
     sig = plain_signature(pieces)
     signatures = ctl.all_gather_int(sig)
     try:
@@ -292,7 +296,7 @@ def agree_plans(ctl: Comm, pieces: Mapping[str, LocalPiece], split_bytes: int) -
     if error is not None:
         raise _error(error)
     assert plans is not None
-    check_shared_copies(ctl, plans, pieces, signatures)
+    check_shared_copies(ctl, plans, pieces, signatures, positional)
     return plans
 
 

@@ -1,21 +1,25 @@
-"""Plain tensors that ranks of different groups hold under one name, compared by value at
+"""Plain tensors that pipeline stages hold under one positional name, compared by value at
 the first save of a layout.
 
 A plain tensor is taken to be replicated and written once. Ranks with the same plain
 arrays (one signature: ckpt._plan) are data-parallel replicas and are not compared: their
 buffers may differ (BatchNorm statistics under DDP), and a save has always kept one
-replica's. Ranks of different groups that share a name are what pipeline stages make (an
-optimizer's state keyed 0, 1, ... on every stage): one stage's values would be saved for
-all of them. So the lowest rank of each group digests every such tensor it holds, and one
-all-reduce of two int64 per such array (O(arrays) bytes, whatever the world size) tells
-every rank whether the digests agree; different values are a StateMismatchError on every
-rank. A job whose ranks are all replicas of one another has no such array and makes no
+replica's. Ranks of different groups that share a name under a positional key (an integer
+key or a list index) are what pipeline stages make: an optimizer's state is keyed 0, 1, ...
+by parameter on every stage, and one stage's values would be saved for all of them. So the
+lowest rank of each group digests every such tensor it holds, and one all-reduce of two
+int64 per array that groups share (O(arrays) bytes, whatever the world size) tells every
+rank whether the digests agree; different values are a StateMismatchError on every rank.
+Names under string keys (a module's state dict, an optimizer state keyed by parameter
+name) are not compared: a rank holding one tensor more than the others (a metric on rank
+0) forms a group of its own, and its replicas' buffers may still differ from the others'.
+A job whose ranks are all replicas of one another has no such array and makes no
 collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
 import torch
 import xxhash
@@ -66,10 +70,15 @@ def digest(t: torch.Tensor) -> int:
 
 
 def check_shared_copies(
-    ctl: Comm, plans: Sequence[ArrayPlan], pieces: Mapping[str, LocalPiece], signatures: Sequence[int]
+    ctl: Comm,
+    plans: Sequence[ArrayPlan],
+    pieces: Mapping[str, LocalPiece],
+    signatures: Sequence[int],
+    positional: Container[str],
 ) -> None:
-    """Collective (when the job has such arrays): raise StateMismatchError on every rank if
-    ranks of different groups hold different values under one plain array's name."""
+    """Collective (when the job has arrays that groups share): raise StateMismatchError on
+    every rank if ranks of different groups hold different values under one plain array's
+    name that is `positional` (its key path holds an int key or a list index) on them."""
     shared = shared_across_groups(plans, signatures)
     if not shared:
         return
@@ -77,11 +86,14 @@ def check_shared_copies(
     mine = [_NONE] * len(shared)
     if speaks:
         for k, i in enumerate(shared):
-            piece = pieces.get(plans[i].spec.name)
-            if piece is not None:
+            name = plans[i].spec.name
+            piece = pieces.get(name)
+            if piece is not None and piece.kind == "plain" and name in positional:
                 mine[k] = digest(piece.data)
     highest = ctl.reduce_max([*mine, *(-d if d != _NONE else _NONE for d in mine)])
-    bad = next((k for k in range(len(shared)) if highest[k] != -highest[len(shared) + k]), None)
+    n = len(shared)
+    # (_NONE: no rank digested it, a name under string keys, or a DTensor's)
+    bad = next((k for k in range(n) if highest[k] != _NONE and highest[k] != -highest[n + k]), None)
     if bad is None:
         return
     # Rare: which ranks, so that the error names two of them (one int per rank).

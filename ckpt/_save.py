@@ -218,7 +218,8 @@ class Saver:
             )
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
             self._plan_sig, self._batches, self._last_split = None, None, None
-            self._plans = agree_plans(self._ctl, described.pieces, self.config.split_bytes)
+            positional = {n for n, path in leaves.paths.items() if any(type(k) is int for k in path)}
+            self._plans = agree_plans(self._ctl, described.pieces, self.config.split_bytes, positional)
             self._exchange = schedule(self._plans, self.rank)
             if any(plan.slivers for plan in self._plans):  # (the plans are the job's: every rank agrees)
                 self._exchange = _with_buffers(self._ctl, self._exchange)
