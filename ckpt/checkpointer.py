@@ -249,8 +249,8 @@ class Checkpointer:
         """The save of a job that stops (preemption; MultiTier's force): the whole state,
         whatever full_every's schedule says (`only=` still chooses), after the save in
         flight even if that one failed (its error is logged: this save supersedes it). A
-        step this Checkpointer's last save holds whole is not saved again (False); a
-        params-only version of the step that it made is replaced. Every rank decides alike:
+        step this Checkpointer's last save holds whole is not saved again (False), unless
+        as a milestone; a params-only version of the step that it made is replaced. Every rank decides alike:
         the saves and their outcomes are the job's."""
         self._check_open()
         try:
@@ -259,10 +259,10 @@ class Checkpointer:
             log.exception("rank %d: the save in flight failed; the final save of step %d goes on", self.rank, step)
             self._restart_schedule()
         keys = self._keys_to_save(state, only, milestone, step, final=True)
-        if self._last_saved == (step, True) and keys is None and not overwrite:
+        if self._last_saved == (step, True) and keys is None and not overwrite and not milestone:
             return False
-        if self._last_saved == (step, False):
-            overwrite = True  # (its own params-only version of this step)
+        if self._last_saved is not None and self._last_saved[0] == step:
+            overwrite = True  # (its own version of this step: params-only, or now a milestone)
         return self._save_keys(step, state, keys, overwrite, milestone)
 
     def _save_keys(
@@ -423,6 +423,7 @@ class Checkpointer:
         if if_incomplete not in ("raise", "fresh"):
             raise ValueError(f"if_incomplete must be 'raise' or 'fresh', not {if_incomplete!r}")
         self.wait()
+        self._last_saved = None  # the state is another from here: a save of the same step is not "done"
 
         passed_over: set[int] = set()
         try:

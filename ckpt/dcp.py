@@ -237,7 +237,11 @@ class StorageWriter(_StorageWriter):
     Construct it on every rank (it opens a Checkpointer, which is collective), or pass an
     open `checkpointer` to reuse. Other keyword arguments go to Checkpointer (by default
     `config=CheckpointerConfig(capture_rng=False)`). With `overwrite`, an existing version
-    of the step is replaced; `milestone` marks the version for retention."""
+    of the step is replaced; `milestone` marks the version for retention. A `checkpointer`
+    passed in is used on the thread that made the writer; `exclusive=True` says that
+    nothing else uses it until this save has completed (its future, for async_save: as
+    torchtitan's manager, which waits for a save before the next one), so that DCP may
+    save on another thread."""
 
     def __init__(
         self,
@@ -247,11 +251,13 @@ class StorageWriter(_StorageWriter):
         checkpointer: Checkpointer | None = None,
         overwrite: bool = False,
         milestone: bool = False,
+        exclusive: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
         check_step(step)
         self.step = step
+        self._thread, self._exclusive = threading.get_ident(), exclusive
         self._overwrite, self._milestone = overwrite, milestone
         self._owned = checkpointer is None
         try:
@@ -296,13 +302,14 @@ class StorageWriter(_StorageWriter):
         with _unwritten_lock:
             if self._token in _unwritten:
                 _unwritten[self._token].thread = threading.get_ident()
-        if not self._owned and threading.current_thread() is not threading.main_thread():
+        if not self._owned and not self._exclusive and threading.get_ident() != self._thread:
             # async_save: the training thread goes on using the Checkpointer (save,
             # reached_preemption), whose collectives would then run beside this thread's
             # on the same group, mismatched (gloo aborts, or a rank waits to its timeout).
             raise ValueError(
-                "ckpt.dcp.StorageWriter: a Checkpointer passed in (checkpointer=) is used from the training "
-                "thread; async_save runs on another: give the writer no checkpointer=, and it opens its own"
+                "ckpt.dcp.StorageWriter: a Checkpointer passed in (checkpointer=) is used from the thread that "
+                "made the writer; async_save saves on another: give the writer no checkpointer= (it opens its "
+                "own), or exclusive=True if nothing else uses the Checkpointer until the save completes"
             )
         return None
 

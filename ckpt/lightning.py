@@ -281,6 +281,11 @@ class CkptCallback(Callback):
         on SIGTERM, due right after this batch, is held off."""
         ck = self.checkpointer
         assert ck is not None
+        try:
+            ck.wait()  # whether the last save committed: if it failed, its step is saved again
+        except Exception:  # logged: the state now is what must be committed
+            log.exception("rank %d: the save in flight failed; the save on preemption goes on", ck.rank)
+            self._last_saved = None
         if trainer.global_step != self._last_saved:
             if not stepped or _loop_goes_on_after_batch(trainer):
                 trainer._signal_connector.received_sigterm = False

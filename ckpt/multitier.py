@@ -137,7 +137,7 @@ class MultiTier:
                     ck._close(resend=False)
                 except Exception as e:  # noqa: BLE001 - every tier is closed; the first error is raised
                     errors.append(e)
-                unsent = unsent or ck.unsent_signal
+                unsent, ck.unsent_signal = unsent or ck.unsent_signal, None
         finally:
             if unsent is not None:
                 pass_on(unsent)

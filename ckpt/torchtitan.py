@@ -127,7 +127,9 @@ class CheckpointManager(_DCPManager):  # type: ignore[misc]  # torchtitan ships 
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
             return done
-        writer = ckpt_dcp.StorageWriter(self.folder, step, checkpointer=self._ckpt, overwrite=True)
+        # exclusive: torchtitan waits for a save before the next one and before closing, and
+        # uses the Checkpointer for nothing else meanwhile, so an async save may run on DCP's thread.
+        writer = ckpt_dcp.StorageWriter(self.folder, step, checkpointer=self._ckpt, overwrite=True, exclusive=True)
         if async_mode == AsyncMode.DISABLED:
             dcp_save(state_dict, storage_writer=writer)
             return None

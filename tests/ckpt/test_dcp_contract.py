@@ -78,6 +78,38 @@ def test_async_save_through_a_checkpointer_passed_in_is_refused(tmp_path: Path) 
     assert torch.equal(_load(root)["optim"]["m"], _state(2)["optim"]["m"])
 
 
+def test_a_save_on_the_thread_that_made_the_writer_is_not_refused(tmp_path: Path) -> None:
+    """A training loop on a worker thread (as Ray Train runs one): the writer is made and
+    used there. The first version of the refusal took every thread but the main one for
+    async_save's."""
+    import threading
+
+    root = tmp_path / "root"
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            with Checkpointer(root, capture_rng=False) as ck:
+                writer = ckpt.dcp.StorageWriter(str(root), 1, checkpointer=ck)
+                dcp.save(_state(1), storage_writer=writer, no_dist=True)
+        except BaseException as e:  # noqa: BLE001 - the test's thread asserts
+            errors.append(e)
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    worker.join(timeout=120)
+    assert not errors, errors
+    assert torch.equal(_load(root, 1)["model"]["w"], _state(1)["model"]["w"])
+
+
+def test_an_exclusive_checkpointer_saves_through_async_save(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with Checkpointer(root, capture_rng=False) as ck:
+        writer = ckpt.dcp.StorageWriter(str(root), 1, checkpointer=ck, exclusive=True)
+        dcp.async_save(_state(1), storage_writer=writer, no_dist=True).result(timeout=60)
+        assert ck.steps() == [1]
+
+
 def test_use_collectives_false_is_refused(tmp_path: Path) -> None:
     """Each rank would save its own values under every name; ckpt keeps one copy of a name
     for the job (on 2 ranks, one rank's values were loaded into the other)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import Checkpointer, MultiTier, NonFiniteError
+from ckpt import Checkpointer, MultiTier, NonFiniteError, VersionExistsError
 from ckpt.store.manifest import parse_manifest
 from ckpt.store.tier import open_tier
 from ckpt.store.versions import committed_steps, version_dirname
@@ -125,3 +125,49 @@ def test_a_late_notice_ends_the_process_only_after_every_tier_committed(tmp_path
     assert "not reached" not in run.stdout
     for tier in ("ram", "disk"):
         assert committed_steps(open_tier(str(tmp_path / tier))) == [1], (tier, os.listdir(tmp_path / tier))
+
+
+def test_a_step_saved_before_a_restore_is_saved_again_on_preemption(tmp_path: Path) -> None:
+    """Saved step 5, went back to step 3, trained to step 5 again: the preemption's save of
+    step 5 is the new state. Before, it returned False and step 5 kept the old values."""
+    root = tmp_path / "root"
+    with Checkpointer(root, preemption_signals=(signal.SIGUSR1,)) as ck:
+        ck.save(3, _state(3))
+        ck.save(5, _state(5))
+        ck.wait()
+        again = _state(0)
+        assert ck.restore(again, step=3) == 3
+        _preempted(ck)
+        with pytest.raises(VersionExistsError):  # as without preemption: not this state's version
+            ck.save(5, _state(55))
+        assert ck.save(5, _state(55), overwrite=True) is True
+    state = _state(0)
+    with Checkpointer(root) as ck:
+        assert ck.restore(state) == 5
+    assert_bitwise(state, _state(55))
+
+
+def test_a_milestone_asked_for_on_preemption_is_saved_as_one(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    with Checkpointer(root, preemption_signals=(signal.SIGUSR1,)) as ck:
+        ck.save(6, _state(6))
+        _preempted(ck)
+        assert ck.save(6, _state(6), milestone=True) is True  # its own version of step 6, tagged now
+    meta = parse_manifest((root / version_dirname(6) / "manifest.json").read_bytes()).meta
+    assert meta.get("milestone") is True, meta
+
+
+def test_a_late_notice_is_passed_on_once_however_often_multitier_closes(tmp_path: Path) -> None:
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))
+    try:
+        ram = Checkpointer(tmp_path / "a", preemption_signals=(signal.SIGUSR2,))
+        with MultiTier((ram, 1), (Checkpointer(tmp_path / "b"), 1)) as ck:
+            ck.save(1, _state(1))
+            os.kill(os.getpid(), signal.SIGUSR2)  # after the last reached_preemption()
+            ck.close()
+        # Once by the watch's handler as it came, once passed on at close(); before, a third
+        # time at __exit__'s close().
+        assert seen == [signal.SIGUSR2] * 2, seen
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

@@ -121,9 +121,10 @@ def replicated_dtensor_per_stage_job(ctx: Any, root: str) -> dict[str, Any]:
     """2 pipeline stages x 2 tensor-parallel ranks: each stage's norm weight a DTensor
     replicated over its tp mesh; plain tensors per tp rank (ranks 0 and 2 hold "tp0/x",
     1 and 3 "tp1/x"), so the groups' lowest ranks (0, 1) hold no piece of stage 1's."""
-    import ckpt
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import ckpt
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     stage, tp = divmod(ctx.rank, 2)
