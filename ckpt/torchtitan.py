@@ -8,8 +8,10 @@ model-only saves) whose DCP saves and loads go through `ckpt.dcp` onto the root
 `<dump folder>/<folder>`: a checkpoint of step N is version N, committed atomically,
 checksummed, listed by `ckpt ls`, replicated and retained by ckpt. A resume without
 `load_step` loads the newest intact version (a damaged one is passed over for the one
-before). `keep_latest_k` becomes ckpt's retention (`keep_last`), which never deletes the
-newest intact version. `async_with_pinned_mem` stages with DCP's pinned-memory stager and
+before); a folder holding none, but torchtitan's own `step-N` checkpoints, resumes from
+those. `keep_latest_k` becomes ckpt's retention (`keep_last`), which never deletes the
+newest intact version. A `load_only` manager opens no Checkpointer (it reads beside the
+training job, which holds the root's lock). `async_with_pinned_mem` stages with DCP's pinned-memory stager and
 writes on a thread (the writer holds the job's open Checkpointer, which cannot move to
 another process). The last-step save in Hugging Face format is torchtitan's own, into
 `<folder>-hf/step-N`. Needs `torchtitan` (0.3; `pip install torchtitan --no-deps tyro
@@ -25,6 +27,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
@@ -35,7 +39,8 @@ from torchtitan.components.checkpointer.dcp import CheckpointManager as _DCPMana
 from ckpt import dcp as ckpt_dcp
 from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
-from ckpt.store.versions import version_dirname
+from ckpt.store.tier import open_tier
+from ckpt.store.versions import committed_steps, version_dirname
 
 __all__ = ["CheckpointManager"]
 
@@ -67,8 +72,11 @@ class CheckpointManager(_DCPManager):  # type: ignore[misc]  # torchtitan ships 
             config.keep_latest_k = keep
         self._ckpt: Checkpointer | None = None
         self._auto_step = False
-        if self.enable:
+        self._native = False  # torchtitan's own step-N checkpoints are being looked for (see _load)
+        if self.enable and not self.load_only:
             # DCP saves no RNG: neither does ckpt for it, and a load leaves the RNG alone.
+            # (load_only, an evaluation beside the training job: no Checkpointer, which would
+            # take the root's writer lock; the reader reads without one.)
             self._ckpt = Checkpointer(self.folder, keep_last=keep or None, config=CheckpointerConfig(capture_rng=False))
 
     def _close(self) -> None:
@@ -83,27 +91,49 @@ class CheckpointManager(_DCPManager):  # type: ignore[misc]  # torchtitan ships 
                 self._ckpt = None
 
     def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
+        if self._native:
+            return str(super()._create_checkpoint_id(step, folder))
         return os.path.join(folder or self.folder, version_dirname(step))
 
     def _find_load_step(self, folder: str = "") -> int:
-        if folder and folder != self.folder:
-            return int(super()._find_load_step(folder))
-        assert self._ckpt is not None
-        latest = self._ckpt.latest_step()
+        if self._native or (folder and folder != self.folder):
+            found = int(super()._find_load_step(folder))
+            if self._native and found != -1:
+                log.warning("%s holds no ckpt version: resuming from torchtitan's own step-%d", self.folder, found)
+            return found
+        if self._ckpt is None:  # load_only: the newest step listed here
+            steps = committed_steps(open_tier(self.folder)) if os.path.isdir(self.folder) else []
+            latest = torch.tensor([steps[-1] if steps else -1])
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+            return int(latest.item())
+        latest_step = self._ckpt.latest_step()
         # Agreed by the ranks: one whose node came back with empty disks lists nothing here,
         # and ckpt reads its part from the other tiers (peer copies, the remote).
-        return self._ckpt._ctl.reduce_max([-1 if latest is None else latest])[0]
+        return self._ckpt._ctl.reduce_max([-1 if latest_step is None else latest_step])[0]
 
     def _load(self, step: int = -1) -> bool:
         """torchtitan's, except that a version of this root is loaded by every rank alike
-        (torchtitan looks for the checkpoint's directory on each rank's own disk)."""
+        (torchtitan looks for the checkpoint's directory on each rank's own disk). A folder
+        with no ckpt version is torchtitan's: its own step-N checkpoints (a job that moves
+        to ckpt resumes from them), its initial load, or a fresh start."""
         load_step = self._find_load_step() if step == -1 else step
-        if load_step == -1:  # nothing here on any rank: torchtitan's initial load or a fresh start
-            return bool(super()._load(step))
+        if load_step == -1 or (step != -1 and self._native_step(step)):
+            self._native = True
+            try:
+                return bool(super()._load(step))
+            finally:
+                self._native = False
         self._auto_step = step == -1  # the newest intact version, with ckpt's fallback
         states = self._states_to_load(load_step == 0)  # torchtitan's seed checkpoint (step 0) is the model only
         self.dcp_load(states, self._create_checkpoint_id(load_step), False, False)
         return True
+
+    def _native_step(self, step: int) -> bool:
+        """Whether `step` is one of torchtitan's own checkpoints here and no ckpt version."""
+        if not os.path.isdir(os.path.join(self.folder, f"step-{step}")):
+            return False
+        return not os.path.isdir(os.path.join(self.folder, version_dirname(step)))
 
     def _ours(self, checkpoint_id: str) -> int | None:
         """The step of a checkpoint id of this root; None for another place (an initial load)."""

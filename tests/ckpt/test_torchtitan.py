@@ -54,9 +54,13 @@ class _TrainState:
         self.step = int(sd["step"])
 
 
-def train(ctx: Any, folder: str, mode: str, until: int) -> dict[str, Any]:
+def train(
+    ctx: Any, folder: str, mode: str, until: int, manager_kind: str = "ckpt", load_only: bool = False
+) -> dict[str, Any]:
     """Train to step `until` (every rank the same batches, so the replicas stay equal),
-    resuming from the newest checkpoint in `folder` if there is one; the loss of each step."""
+    resuming from the newest checkpoint in `folder` if there is one; the loss of each step.
+    `manager_kind="torchtitan"`: torchtitan's own manager (step-N directories); `load_only`:
+    load, and report the step loaded, without training."""
     import torch
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
@@ -72,8 +76,17 @@ def train(ctx: Any, folder: str, mode: str, until: int) -> dict[str, Any]:
     optimizers = opt_config.build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=8)
     loader, train_state = _Loader(), _TrainState()
-    config = ckpt.torchtitan.CheckpointManager.Config(
-        enable=True, folder="ckpt", interval=2, async_mode=mode, keep_latest_k=0, last_save_model_only=False
+    from torchtitan.components.checkpointer.dcp import CheckpointManager as TorchtitanManager
+
+    kind = ckpt.torchtitan.CheckpointManager if manager_kind == "ckpt" else TorchtitanManager
+    config = kind.Config(
+        enable=True,
+        folder="ckpt",
+        interval=2,
+        async_mode=mode,
+        keep_latest_k=0,
+        last_save_model_only=False,
+        load_only=load_only,
     )
     manager = config.build(
         dataloader=loader,
@@ -84,8 +97,11 @@ def train(ctx: Any, folder: str, mode: str, until: int) -> dict[str, Any]:
         sd_adapter=None,
         base_folder=folder,
     )
-    ctx.check(isinstance(manager, ckpt.torchtitan.CheckpointManager), "torchtitan built ckpt's manager")
+    ctx.check(isinstance(manager, kind), "torchtitan built the manager its config names")
     resumed = manager.load()
+    if load_only:
+        manager.close()
+        return {"resumed": resumed, "step": train_state.step}
     losses = {}
     while train_state.step < until:
         train_state.step += 1
@@ -146,3 +162,41 @@ def test_torchtitan_passes_over_a_damaged_newest_version(tmp_path: Path) -> None
         assert again[r]["resumed"] and sorted(again[r]["losses"]) == ["3", "4", "5", "6"], again[r]
         for step in ("3", "4", "5", "6"):
             assert again[r]["losses"][step] == whole[r]["losses"][step], (r, step)
+
+
+def test_a_folder_of_torchtitan_s_own_checkpoints_is_resumed(tmp_path: Path) -> None:
+    """A job that moves to ckpt's manager: its folder holds torchtitan's step-N checkpoints
+    and no ckpt version. Before, they were ignored and training started over at step 1."""
+    whole, failures = launch(
+        THIS, "train", 2, tmp_path / "whole", folder=str(tmp_path / "whole"), mode="disabled", until=6
+    )
+    assert not failures, failures
+    cut = str(tmp_path / "cut")
+    _, failures = launch(
+        THIS, "train", 2, tmp_path / "cut", folder=cut, mode="disabled", until=3, manager_kind="torchtitan"
+    )
+    assert not failures, failures
+    assert sorted(os.listdir(os.path.join(cut, "ckpt"))) == ["step-2", "step-3"]
+    again, failures = launch(THIS, "train", 2, tmp_path / "cut", folder=cut, mode="disabled", until=6)
+    assert not failures, failures
+    for r in range(2):
+        assert again[r]["resumed"] and sorted(again[r]["losses"]) == ["4", "5", "6"], again[r]
+        for step in ("4", "5", "6"):
+            assert again[r]["losses"][step] == whole[r]["losses"][step], (r, step)
+    assert "v000000000004" in os.listdir(os.path.join(cut, "ckpt"))  # from then on, ckpt versions
+
+
+def test_a_load_only_manager_reads_beside_the_training_job(tmp_path: Path) -> None:
+    """An evaluation job (load_only) while the training job holds the root. Before, its
+    manager opened a Checkpointer, which takes the root's writer lock: RootLockedError."""
+    from ckpt import Checkpointer
+
+    folder = str(tmp_path / "run")
+    _, failures = launch(THIS, "train", 2, tmp_path / "train", folder=folder, mode="disabled", until=4)
+    assert not failures, failures
+    with Checkpointer(os.path.join(folder, "ckpt")):  # the training job, still running
+        loaded, failures = launch(
+            THIS, "train", 2, tmp_path / "eval", folder=folder, mode="disabled", until=4, load_only=True
+        )
+    assert not failures, failures
+    assert [(r["resumed"], r["step"]) for r in loaded] == [(True, 4), (True, 4)], loaded
