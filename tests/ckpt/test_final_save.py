@@ -32,6 +32,18 @@ def _partial(root: Path, step: int) -> bool | None:
     return parse_manifest((root / version_dirname(step) / "manifest.json").read_bytes()).partial
 
 
+def _newest(root: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The state a restart restores; it must be `step`'s."""
+    state = _state(99)
+    with Checkpointer(root) as ck:
+        assert ck.restore(state) == step
+    return state
+
+
+def _watching(root: Path, **options: object) -> Checkpointer:
+    return Checkpointer(root, preemption_signals=(signal.SIGUSR1,), **options)  # type: ignore[arg-type]
+
+
 def _preempted(ck: Checkpointer) -> None:
     os.kill(os.getpid(), signal.SIGUSR1)
     assert ck.reached_preemption()
@@ -51,15 +63,12 @@ def test_the_save_on_preemption_replaces_a_params_only_version_of_its_step(tmp_p
         ck.wait()
         assert ck.save(2, _state(2)) is False  # held whole now: nothing again
     assert _partial(root, 2) is False
-    state = _state(99)
-    with Checkpointer(root) as ck:
-        assert ck.restore(state) == 2
-    assert_bitwise(state, _state(2))
+    assert_bitwise(_newest(root, 2), _state(2))
 
 
 def test_a_step_just_saved_whole_is_not_saved_again_on_preemption(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    with Checkpointer(root, preemption_signals=(signal.SIGUSR1,)) as ck:
+    with _watching(root) as ck:
         ck.save(3, _state(3))
         _preempted(ck)
         assert ck.save(3, _state(3)) is False  # no VersionExistsError: the loop saves unconditionally
@@ -131,7 +140,7 @@ def test_a_step_saved_before_a_restore_is_saved_again_on_preemption(tmp_path: Pa
     """Saved step 5, went back to step 3, trained to step 5 again: the preemption's save of
     step 5 is the new state. Before, it returned False and step 5 kept the old values."""
     root = tmp_path / "root"
-    with Checkpointer(root, preemption_signals=(signal.SIGUSR1,)) as ck:
+    with _watching(root) as ck:
         ck.save(3, _state(3))
         ck.save(5, _state(5))
         ck.wait()
@@ -141,15 +150,12 @@ def test_a_step_saved_before_a_restore_is_saved_again_on_preemption(tmp_path: Pa
         with pytest.raises(VersionExistsError):  # as without preemption: not this state's version
             ck.save(5, _state(55))
         assert ck.save(5, _state(55), overwrite=True) is True
-    state = _state(0)
-    with Checkpointer(root) as ck:
-        assert ck.restore(state) == 5
-    assert_bitwise(state, _state(55))
+    assert_bitwise(_newest(root, 5), _state(55))
 
 
 def test_a_milestone_asked_for_on_preemption_is_saved_as_one(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    with Checkpointer(root, preemption_signals=(signal.SIGUSR1,)) as ck:
+    with _watching(root) as ck:
         ck.save(6, _state(6))
         _preempted(ck)
         assert ck.save(6, _state(6), milestone=True) is True  # its own version of step 6, tagged now
