@@ -77,6 +77,8 @@ class OutFile:
 
 def parse_size(text: str | int) -> int:
     """ "5GB" (10^9 bytes, as transformers counts), "500MiB", or a number of bytes."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MiB, 1000000)")
     if isinstance(text, int):
         size = text
     else:

@@ -533,3 +533,13 @@ def test_ranks_that_pass_an_export_other_arguments_are_refused_together(tmp_path
         assert all(s < 30 for _, s in r["outcomes"]), r
         assert all("different" in why for why, _ in r["outcomes"][1:]), r
     assert "step must be" in results[1]["outcomes"][0][0] and "rank 1" in results[0]["outcomes"][0][0], results
+
+
+def test_a_shard_size_of_another_type_is_a_value_error() -> None:
+    """Before, 5.5 raised AttributeError ('float' object has no attribute 'upper')."""
+    from ckpt.restore.to_safetensors import parse_size
+
+    for bad in (5.5, None, True, b"5GB"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)  # type: ignore[arg-type]
+    assert parse_size("5GB") == 5 * 10**9 and parse_size(1000) == 1000
