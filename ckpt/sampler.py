@@ -61,6 +61,7 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         self._segment_start = 0  # elements of the epoch list consumed before the current layout
         self._segment_world = self.num_replicas  # the world size that padded the epoch list
         self._segment_offset = 0  # the position at which the current layout began
+        self._pending = False  # a restored position the next pass goes on from (later passes start over)
 
     def _epoch_list(self) -> list[int]:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -103,6 +104,10 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         return rest[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
+        if not self._pending:  # a pass of its own: the whole epoch, in this world's layout (as torch)
+            self._resume_from = self._segment_start = self._segment_offset = 0
+            self._segment_world = self.num_replicas
+        self._pending = False
         start, self._resume_from = self._resume_from, 0
         self.position = start
         for index in self._indices()[start - self._segment_offset :]:
@@ -119,6 +124,7 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         if epoch != self.epoch:
             self.position = self._resume_from = self._segment_start = self._segment_offset = 0
             self._segment_world = self.num_replicas
+            self._pending = False
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,10 +160,13 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         world = state.get("segment_world", state["num_replicas"])
         offset = state.get("segment_offset", 0)
         self.position = self._resume_from = state["position"]
+        self._pending = True
         if state["num_replicas"] == self.num_replicas and state["rank"] == self.rank:
             self._segment_start, self._segment_world, self._segment_offset = start, world, offset
-            return
-        # Another layout: what all old ranks consumed is a prefix of the epoch list.
-        self._segment_start = start + (state["position"] - offset) * state["num_replicas"]
-        self._segment_world = world
-        self._segment_offset = state["position"]
+        else:
+            # Another layout: what all old ranks consumed is a prefix of the epoch list.
+            self._segment_start = start + (state["position"] - offset) * state["num_replicas"]
+            self._segment_world = world
+            self._segment_offset = state["position"]
+        if self._segment_start == 0:  # nothing of the epoch consumed: torch's layout for this world
+            self._segment_world = self.num_replicas

@@ -346,6 +346,62 @@ def test_sampler_even_after_reshard_gives_every_rank_the_same_count():
         assert got <= rest and (drop_last or got == rest)
 
 
+def test_sampler_passes_after_a_resharded_resume_are_whole_epochs():
+    """torch yields the whole epoch at every iter(), set_epoch or not. After a resume on
+    another world size the first pass is the rest of the epoch; the later ones were the
+    tail of the old list (or, for a sampler saved after a full pass, empty forever)."""
+    data = list(range(12))
+    olds = [DistributedSampler(data, 4, r, shuffle=False) for r in range(4)]
+    for s in olds:
+        next(iter(s))
+    for r in range(2):
+        s = DistributedSampler(data, 2, r, shuffle=False)
+        s.load_state_dict(olds[r].state_dict())
+        torch_pass = list(torch.utils.data.DistributedSampler(data, 2, r, shuffle=False))
+        assert list(s) == torch_pass[2:]  # the rest: 4 samples of 12 consumed on 4 ranks
+        assert list(s) == torch_pass and list(s) == torch_pass
+    done = [DistributedSampler(data, 4, r, shuffle=False) for r in range(4)]
+    for s in done:
+        list(s)
+    s = DistributedSampler(data, 2, 0, shuffle=False)
+    s.load_state_dict(done[0].state_dict())
+    assert list(s) == [] and list(s) == list(torch.utils.data.DistributedSampler(data, 2, 0, shuffle=False))
+
+
+@pytest.mark.parametrize(("n", "old", "new", "drop_last"), [(10, 4, 3, True), (3, 8, 2, False), (3, 4, 2, True)])
+def test_sampler_resumed_before_any_sample_takes_torch_s_layout_for_the_new_world(n, old, new, drop_last):
+    """Nothing of the epoch consumed (a save at step 0, or right after set_epoch): torch's
+    epoch for the new world. Before, the old world's padding or truncation stayed: 4->3
+    with drop_last lost sample 7 and gave rank 2 two samples where len() said three."""
+    data = list(range(n))
+    saved = [DistributedSampler(data, old, r, seed=2, drop_last=drop_last) for r in range(old)]
+    for s in saved:
+        s.set_epoch(1)
+    for even in (False, True):
+        for r in range(new):
+            s = DistributedSampler(data, new, r, seed=0, even_after_reshard=even)
+            s.load_state_dict(saved[r % old].state_dict())
+            ref = torch.utils.data.DistributedSampler(data, new, r, seed=2, drop_last=drop_last)
+            ref.set_epoch(1)
+            assert list(s) == list(ref) and len(s) == len(ref), (r, even)
+
+
+def test_a_version_saved_without_rng_leaves_the_ranks_rng_as_it_is(tmp_path):
+    """Only ranks that did not exist are seeded. Before, every rank was re-seeded when the
+    version held no RNG (saved with capture_rng=False), over the job's own seeding."""
+    with Checkpointer(tmp_path, capture_rng=False) as ck:
+        ck.save(1, {"w": torch.ones(3)})
+    random.seed(1234)
+    torch.manual_seed(1234)
+    want = (random.random(), torch.rand(2))
+    random.seed(1234)
+    torch.manual_seed(1234)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"w": torch.zeros(3)}) == 1
+    got = (random.random(), torch.rand(2))
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+
+
 def _spec(name, shape, *regions, dtype="float32"):
     return ArraySpec(name, dtype, shape, tuple(HeldRegion(r, o, s) for r, o, s in regions))
 
