@@ -38,6 +38,8 @@ def gc_policy(
     --keep-last-partial): alone they would delete everything else, so that must be said
     (--all-but-milestones)."""
     by_kind = keep_full is not None or keep_partial is not None
+    if by_kind and (keep_full is None or keep_partial is None):  # the other kind would keep none
+        raise ValueError("give --keep-last-full and --keep-last-partial together")
     if by_kind and keep_last is not None:
         raise ValueError("give --keep-last, or --keep-last-full and --keep-last-partial, not both")
     if all_but_milestones and (keep_last is not None or by_kind):
@@ -52,7 +54,7 @@ def gc_policy(
     parts: list[Policy] = []
     kept: list[str] = []
     if by_kind:
-        full, partial = keep_full or 0, keep_partial or 0
+        full, partial = keep_full or 0, keep_partial or 0  # (both given)
         parts += [KeepLast(full, of="full"), KeepLast(partial, of="partial")]
         kept += [f"the newest {full} full version(s)", f"the newest {partial} params-only version(s)"]
     elif keep_last is not None:

@@ -19,7 +19,7 @@ from ckpt._timings import summarize
 from ckpt.replicator.status import REMOTE_DONE, CopyState, read_status
 from ckpt.store import commit
 from ckpt.store.errors import CkptError, CorruptVersionError, TierUnavailableError, VersionNotFoundError
-from ckpt.store.manifest import MANIFEST_NAME, Manifest
+from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
 from ckpt.store.root import writer_active
 from ckpt.store.tier import Tier, join_key, open_tier
 from ckpt.store.versions import (
@@ -36,7 +36,7 @@ __all__ = ["Row", "version_rows"]
 Status = Literal["committed", "partial", "damaged", "unreadable", "incomplete"]
 STATUS_HELP = {
     "partial": "this root holds some ranks' chunks; the other ranks' are on other roots",
-    "damaged": "its manifest fails its checks, or it has none (gc removes it once retention does not keep it; a save of its step replaces it)",
+    "damaged": "its manifest fails its checks, or it has none, or its root.json (gc removes it once retention does not keep it; a save of its step replaces it)",
     "unreadable": "its manifest could not be read",
     "incomplete": "a save that never committed (removed when a writer opens the root)",
 }
@@ -145,6 +145,9 @@ def version_rows(tier: Tier) -> list[Row]:
         row = _committed_row(tier, step, m)
         if not row.writers_here and not tier.exists(join_key(version_dirname(step), MANIFEST_NAME)):
             continue  # GC unpublished it between the manifest and the root info: gone, not partial
+        if not row.writers_here and read_root_info(tier, step) is None:  # as a restore judges it
+            rows.append(Row(step, "damaged", f"{version_dirname(step)}/{ROOT_INFO_NAME} is missing or damaged"))
+            continue
         if root is not None:
             row = _with_status(row, root, m.save_id, m.created)
             row = replace(row, peers=peer_status.get(step))

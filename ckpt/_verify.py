@@ -15,7 +15,7 @@ from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME
 from ckpt.store.pins import pin_version
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.verify import verify_chunks, verify_documents
-from ckpt.store.versions import committed_steps, damaged_entries, read_manifest, read_root_info, version_dirname
+from ckpt.store.versions import committed_steps, damaged_entries, read_manifest, root_info_verdict, version_dirname
 
 __all__ = ["Checked", "verify_tier"]
 
@@ -41,10 +41,14 @@ def _check(tier: Tier, step: int, asked: bool) -> Checked | None:
     except CkptError as e:
         return Checked(step, (f"BAD manifest: {e}",), "", whole=True)
     try:
-        info = read_root_info(tier, step)
+        info = root_info_verdict(tier, step)
     except TierUnavailableError as e:
         return Checked(step, (), "", (f"UNREADABLE {ROOT_INFO_NAME}: {e}",))
-    held = set(info.writers) if info is not None else None
+    if isinstance(info, OSError):
+        return Checked(step, (), "", (f"UNREADABLE {ROOT_INFO_NAME}: {info.strerror or info}",))
+    if isinstance(info, str):  # a restore cannot choose it: which ranks' chunks it holds is unknown
+        return Checked(step, (f"BAD {info}",), "", whole=True)
+    held = set(info.writers)
     found = [*verify_chunks(tier, step, manifest, held), *verify_documents(tier, step, manifest)]
     n = sum(1 for a in manifest.arrays.values() for c in a.iter_chunks() if held is None or c.writer in held)
     return Checked(

@@ -278,8 +278,21 @@ def restore_cmd(
 
     if sum(x is not None for x in (to_dir, to_torch, to_safetensors)) != 1:
         raise click.UsageError("give exactly one of --to DIR, --to-torch FILE or --to-safetensors DIR")
+    to_dir, to_torch, to_safetensors = (
+        None if target is None else _local_target(target, option)
+        for target, option in ((to_dir, "--to"), (to_torch, "--to-torch"), (to_safetensors, "--to-safetensors"))
+    )
     if force and to_dir is not None:
         raise click.UsageError("--force applies to --to-torch and --to-safetensors only")
+    if to_safetensors is None:
+        ctx = click.get_current_context()
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in ("prefix", "max_shard_size", "dtype")
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+        ]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} applies to --to-safetensors only")
     if to_safetensors is not None:
         if keys is not None:
             raise click.UsageError("--keys does not apply to --to-safetensors (--prefix chooses the tensors)")
@@ -314,6 +327,19 @@ def restore_cmd(
     click.echo(f"restored step {chosen} ({human(total)}) to {where}")
 
 
+def _local_target(target: str, option: str) -> str:
+    """A place to write on this machine: a path, or a `file://` URL's path. Any other URL is
+    a usage error (its path would be written as a local relative one, `./s3:/...`)."""
+    if not target:
+        raise click.UsageError(f"{option} is empty")
+    local = local_location(target)
+    if local is None:
+        raise click.UsageError(f"{option} writes to this machine: give a path or a file:// URL, not {target}")
+    if not local:
+        raise click.UsageError(f"{option} {target} names no path")
+    return local
+
+
 @main.command("import")
 @click.argument("source", type=click.Path(exists=True))
 @click.argument("root")
@@ -330,6 +356,7 @@ def import_cmd(source: str, root: str, step: int, trust: bool, overwrite: bool) 
 
     if not root:
         raise click.UsageError("ROOT is empty")
+    root = _local_target(root, "ROOT")
     check_writable_root(root)
     nbytes = import_checkpoint(source, root, step, trust=trust, overwrite=overwrite)
     click.echo(f"imported {source} as step {step} ({human(nbytes)}) under {root}")

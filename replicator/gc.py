@@ -48,6 +48,7 @@ from ckpt.store.versions import (
     finish_deletions,
     parse_version_dirname,
     read_manifest_facts,
+    root_info_verdict,
 )
 
 __all__ = ["GcResult", "judge", "collect", "collect_abandoned", "collect_damaged"]
@@ -83,6 +84,20 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
             continue
         except CorruptVersionError:  # proven: a checksum or parse failure
             versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
+            continue
+        # Its root info, as a restore's listing judges it: a version without a valid one
+        # cannot be chosen, so it is no intact version to keep in place of older ones.
+        try:
+            info = root_info_verdict(tier, step)
+        except TierUnavailableError as e:
+            info = e
+        if isinstance(info, OSError):
+            unjudged[step] = f"{type(info).__name__}: {info}"
+            log.warning("gc %s: step %d's root info cannot be read, kept: %s", tier.location, step, info)
+            versions.append(VersionInfo(step, m.created, None, m.milestone, ok is None or step in ok))
+            continue
+        if isinstance(info, str):
+            versions.append(VersionInfo(step, m.created, False, m.milestone, ok is None or step in ok))
             continue
         copied = ok is None or (step in ok and ok[step] in (None, m.save_id))
         versions.append(VersionInfo(step, m.created, True, m.milestone, copied, m.keys, m.partial))

@@ -68,6 +68,7 @@ from ckpt.store.errors import (
 from ckpt.store.manifest import MANIFEST_NAME, Manifest
 from ckpt.store.pins import deleting, pin_version
 from ckpt.store.retry import RetryPolicy
+from ckpt.store.root import ROOT_ID_NAME
 from ckpt.store.storage_options import redact
 from ckpt.store.tier import Tier, join_key, open_tier
 from ckpt.store.versions import (
@@ -95,6 +96,11 @@ def _refuse_a_source_as_remote(remote: str, sources: list[str]) -> None:
     for source in sources:
         if path == os.path.realpath(source):
             raise CkptError(f"the remote {remote} is the root {source} itself: give another place")
+    if os.path.exists(os.path.join(path, ROOT_ID_NAME)):  # (a remote the replicator makes has none)
+        raise CkptError(
+            f"the remote {remote} is another job's checkpoint root (it holds {ROOT_ID_NAME}): the remote's "
+            "retention would delete its versions; give another place"
+        )
 
 
 class Replicator:

@@ -283,24 +283,30 @@ class TorchFile:
     def __init__(self, path: str, *, force: bool) -> None:
         self.path = path
         self.force = force
-        full = os.path.abspath(path)
-        self._dir = os.path.dirname(full)
+        # The directory as the kernel resolves it (symbolic links, then ".."), and the file
+        # checked and written in it: os.path.abspath collapses ".." by the text alone, so
+        # "link/../f" would be checked at one place and written at another.
+        name = os.path.basename(path)
+        if name in ("", ".", ".."):
+            raise CkptError(f"cannot write {path}: it names a directory, not a file")
+        self._dir = os.path.realpath(os.path.dirname(path) or ".")
+        full = os.path.join(self._dir, name)
+        self._target = full
         if not os.path.isdir(self._dir):
             raise CkptError(f"cannot write {path}: {self._dir} is not a directory")
         above = version_above(self._dir)
         if above is not None:  # a deletion of the version would take the file with it
             raise CkptError(f"cannot write {path}: it is inside the version {above}")
         self._check()
-        self._tmp = os.path.join(self._dir, f".{os.path.basename(full)}.tmp-{uuid.uuid4().hex[:12]}")
+        self._tmp = os.path.join(self._dir, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
             self._fd: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         except OSError as e:
             raise CkptError(f"cannot write {path}: {e.strerror} (creating a file in {self._dir})") from None
-        self._target = full
 
     def _check(self) -> None:
         try:
-            mode = os.lstat(self.path).st_mode
+            mode = os.lstat(self._target).st_mode
         except FileNotFoundError:
             return
         if not stat.S_ISREG(mode):

@@ -62,6 +62,7 @@ __all__ = [
     "read_manifest_facts",
     "remember_manifest",
     "read_root_info",
+    "root_info_verdict",
     "delete_version",
     "delete_uncommitted",
     "delete_damaged",
@@ -299,6 +300,18 @@ def read_root_info(where: Tier | str | os.PathLike[str], step: int) -> RootInfo 
     """The version's root info on this tier; None if it has none or it does not parse."""
     info = _root_info(as_tier(where), step)
     return None if isinstance(info, OSError) else info
+
+
+def root_info_verdict(where: Tier | str | os.PathLike[str], step: int) -> RootInfo | str | OSError:
+    """The version's root info; or why none can be had, as a restore's listing judges it: a
+    str where it is missing or does not parse (damage: the version cannot be chosen), the
+    OSError of a local file that cannot be read (no proof of damage). TierUnavailableError
+    where the store does not answer."""
+    tier = as_tier(where)
+    info = _root_info(tier, step)
+    if info is None:
+        return f"{version_dirname(step)}/{ROOT_INFO_NAME} is missing or damaged"
+    return info
 
 
 def _root_info(tier: Tier, step: int) -> RootInfo | OSError | None:

@@ -95,6 +95,54 @@ def test_to_torch_never_replaces_what_is_not_a_regular_file(root: Path, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.pt", "real.pt", "root"]
 
 
+def test_to_torch_through_a_link_and_dot_dot_checks_the_file_it_writes(root: Path, tmp_path: Path) -> None:
+    """`L/../fifo` with L a link elsewhere: the kernel resolves it in L's target's parent.
+    Before, the file checked was that one and the file replaced (os.path.abspath) the one
+    beside L: the FIFO and the link were replaced with --force."""
+    elsewhere = tmp_path / "elsewhere" / "sub"
+    elsewhere.mkdir(parents=True)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "L").symlink_to(elsewhere)
+    os.mkfifo(here / "fifo")
+    (here / "real.pt").write_bytes(b"keep")
+    (here / "precious.pt").symlink_to(here / "real.pt")
+    for name in ("fifo", "precious.pt"):
+        r = run("restore", root, "--to-torch", f"{here}/L/../{name}", "--force")
+        assert r.exit_code == 0, r.output
+        assert torch.load(tmp_path / "elsewhere" / name, weights_only=False)["meta"] == {"seed": 3}
+    assert (here / "fifo").is_fifo() and (here / "precious.pt").is_symlink()
+    assert (here / "real.pt").read_bytes() == b"keep"
+
+
+def test_targets_that_are_urls_or_empty_are_usage_errors(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, `--to-torch file:///x` wrote `./file:/x`, and `import SRC s3://b/p` wrote a
+    root under `./s3:/b/p` and said it had imported there."""
+    monkeypatch.chdir(tmp_path)
+    for option in ("--to", "--to-torch", "--to-safetensors"):
+        r = run("restore", root, option, "s3://bucket/x")
+        assert r.exit_code == 2 and "not s3://bucket/x" in r.output, r.output
+        r = run("restore", root, option, "")
+        assert r.exit_code == 2 and f"{option} is empty" in r.output, r.output
+    assert run("restore", root, "--to-torch", f"file://{tmp_path}/out.pt").exit_code == 0
+    assert (tmp_path / "out.pt").is_file()
+    source = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(2)}, source)
+    r = run("import", source, "s3://bucket/p", "--step", "1", "--trust")
+    assert r.exit_code == 2 and "not s3://bucket/p" in r.output, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.pt", "plain.pt", "root"]  # no ./file: or ./s3:
+
+
+def test_export_options_are_refused_where_they_do_nothing(root: Path, tmp_path: Path) -> None:
+    for option, value in (("--dtype", "bf16"), ("--prefix", "model"), ("--max-shard-size", "1GB")):
+        for target in ("--to-torch", "--to"):
+            r = run("restore", root, target, tmp_path / "out", option, value)
+            assert r.exit_code == 2 and f"{option} applies to --to-safetensors only" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_to_torch_into_a_missing_directory_or_proc_is_one_line(root: Path, tmp_path: Path) -> None:
     one_line_error(run("restore", root, "--to-torch", tmp_path / "nope" / "x.pt"), 3, "is not a directory")
     one_line_error(run("restore", root, "--to-torch", "/proc/ckpt-test.pt"), 3, "/proc/ckpt-test.pt")
@@ -217,6 +265,45 @@ def test_replicate_refuses_an_empty_remote_and_its_own_root_as_the_remote(
     for remote in (str(root), f"file://{root}/"):
         one_line_error(run("replicate", root, "--once", "--to", remote, "--remote-keep-last", "1"), 3, "itself")
     assert versions.committed_steps(str(root)) == [1, 2, 3]
+
+
+def test_replicate_refuses_another_job_s_root_as_the_remote(root: Path, tmp_path: Path) -> None:
+    """Before, the remote's retention deleted the other job's versions (kept the newest)."""
+    other = tmp_path / "other"
+    with Checkpointer(other) as ck:
+        for step in (10, 20, 30):
+            ck.save(step, _state(step))
+    one_line_error(
+        run("replicate", root, "--once", "--to", other, "--remote-keep-last", "1"), 3, "another job's checkpoint root"
+    )
+    assert versions.committed_steps(str(other)) == [10, 20, 30]
+
+
+def test_a_version_whose_root_json_is_damaged_is_damaged_to_gc_verify_and_ls(root: Path, tmp_path: Path) -> None:
+    """A restore cannot choose it (which ranks' chunks the root holds is unknown). Before, gc
+    took it for the newest intact version and deleted every version a restore could use,
+    verify said ok and ls called it partial."""
+    (root / versions.version_dirname(3) / "root.json").write_text("{bad")
+    r = run("verify", root)
+    assert r.exit_code == 1 and "step 3: BAD" in r.output and "root.json" in r.output, r.output
+    assert "damaged" in next(line for line in run("ls", root).output.splitlines() if line.strip().startswith("3 "))
+    r = run("gc", root, "--keep-last", "1")
+    assert r.exit_code == 0, r.output
+    assert 2 in versions.committed_steps(str(root)), r.output
+    r = run("restore", root, "--to-torch", tmp_path / "out.pt")
+    assert r.exit_code == 0 and "restored step 2" in r.output, r.output
+
+
+def test_gc_by_kind_needs_both_counts(tmp_path: Path) -> None:
+    """`--keep-last-partial 2` alone kept no full version (the other count was taken as 0)."""
+    root = tmp_path / "root"
+    with Checkpointer(root) as ck:
+        ck.save(1, _state(1))
+        ck.save(2, _state(2), only=("model",))
+    for option in ("--keep-last-full", "--keep-last-partial"):
+        r = run("gc", root, option, "2")
+        assert r.exit_code == 2 and "together" in r.output, r.output
+    assert versions.committed_steps(str(root)) == [1, 2]
 
 
 def test_the_remote_keeps_the_milestones_and_milestones_alone_are_refused(tmp_path: Path) -> None:
