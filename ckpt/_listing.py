@@ -28,6 +28,7 @@ from ckpt.store.versions import (
     full_steps,
     read_manifest,
     read_root_info,
+    root_info_verdict,
     version_dirname,
 )
 
@@ -37,7 +38,7 @@ Status = Literal["committed", "partial", "damaged", "unreadable", "incomplete"]
 STATUS_HELP = {
     "partial": "this root holds some ranks' chunks; the other ranks' are on other roots",
     "damaged": "its manifest fails its checks, or it has none, or its root.json (gc removes it once retention does not keep it; a save of its step replaces it)",
-    "unreadable": "its manifest could not be read",
+    "unreadable": "its manifest or root.json could not be read",
     "incomplete": "a save that never committed (removed when a writer opens the root)",
 }
 
@@ -145,9 +146,14 @@ def version_rows(tier: Tier) -> list[Row]:
         row = _committed_row(tier, step, m)
         if not row.writers_here and not tier.exists(join_key(version_dirname(step), MANIFEST_NAME)):
             continue  # GC unpublished it between the manifest and the root info: gone, not partial
-        if not row.writers_here and read_root_info(tier, step) is None:  # as a restore judges it
-            rows.append(Row(step, "damaged", f"{version_dirname(step)}/{ROOT_INFO_NAME} is missing or damaged"))
-            continue
+        if not row.writers_here:  # its root info as a restore judges it: damaged, or unreadable
+            verdict = root_info_verdict(tier, step)
+            if isinstance(verdict, OSError):
+                rows.append(Row(step, "unreadable", f"{ROOT_INFO_NAME}: {verdict.strerror or verdict}"))
+                continue
+            if isinstance(verdict, str):
+                rows.append(Row(step, "damaged", verdict))
+                continue
         if root is not None:
             row = _with_status(row, root, m.save_id, m.created)
             row = replace(row, peers=peer_status.get(step))

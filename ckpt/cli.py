@@ -16,8 +16,10 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
+import urllib.parse
 from collections.abc import Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -332,12 +334,14 @@ def _local_target(target: str, option: str) -> str:
     a usage error (its path would be written as a local relative one, `./s3:/...`)."""
     if not target:
         raise click.UsageError(f"{option} is empty")
-    local = local_location(target)
-    if local is None:
+    if target.startswith("file:"):
+        url = urllib.parse.urlsplit(target)
+        if url.netloc not in ("", "localhost") or not url.path:
+            raise click.UsageError(f"{option} {target} names no path of this machine")
+        return urllib.parse.unquote(url.path)
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", target):
         raise click.UsageError(f"{option} writes to this machine: give a path or a file:// URL, not {target}")
-    if not local:
-        raise click.UsageError(f"{option} {target} names no path")
-    return local
+    return target
 
 
 @main.command("import")

@@ -27,8 +27,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
@@ -37,6 +35,7 @@ from torchtitan.components.checkpointer.dcp import MODEL, AsyncMode
 from torchtitan.components.checkpointer.dcp import CheckpointManager as _DCPManager
 
 from ckpt import dcp as ckpt_dcp
+from ckpt._dist import destroy_comms, make_comm
 from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
 from ckpt.store.tier import open_tier
@@ -101,12 +100,13 @@ class CheckpointManager(_DCPManager):  # type: ignore[misc]  # torchtitan ships 
             if self._native and found != -1:
                 log.warning("%s holds no ckpt version: resuming from torchtitan's own step-%d", self.folder, found)
             return found
-        if self._ckpt is None:  # load_only: the newest step listed here
+        if self._ckpt is None:  # load_only: the newest step listed here, agreed over a gloo group
             steps = committed_steps(open_tier(self.folder)) if os.path.isdir(self.folder) else []
-            latest = torch.tensor([steps[-1] if steps else -1])
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(latest, op=dist.ReduceOp.MAX)
-            return int(latest.item())
+            comm = make_comm(CheckpointerConfig().timeout)  # (torchtitan's default group may be NCCL alone)
+            try:
+                return comm.reduce_max([steps[-1] if steps else -1])[0]
+            finally:
+                destroy_comms(comm)
         latest_step = self._ckpt.latest_step()
         # Agreed by the ranks: one whose node came back with empty disks lists nothing here,
         # and ckpt reads its part from the other tiers (peer copies, the remote).

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ckpt.replicator.policy import Policy, VersionInfo, plan_deletions
 from ckpt.replicator.publish import GC_CLAIM
 from ckpt.store.errors import (
+    CkptError,
     CorruptVersionError,
     RootLockedError,
     TierUnavailableError,
@@ -86,9 +89,11 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
             versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
             continue
         # Its root info, as a restore's listing judges it: a version without a valid one
-        # cannot be chosen, so it is no intact version to keep in place of older ones.
+        # cannot be chosen, so it is no intact version to keep in place of older ones. A
+        # save's root info found valid once is not read again (a pass judges every version).
+        seen = (tier.location, step, m.save_id)
         try:
-            info = root_info_verdict(tier, step)
+            info = True if seen in _VALID_ROOT_INFO else root_info_verdict(tier, step)
         except TierUnavailableError as e:
             info = e
         if isinstance(info, OSError):
@@ -97,11 +102,30 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
             versions.append(VersionInfo(step, m.created, None, m.milestone, ok is None or step in ok))
             continue
         if isinstance(info, str):
+            if not _still_published(tier, step, m.save_id):
+                continue  # unpublished, or replaced by an overwrite, since its manifest was read: not damage
             versions.append(VersionInfo(step, m.created, False, m.milestone, ok is None or step in ok))
             continue
+        with _VALID_LOCK:
+            _VALID_ROOT_INFO[seen] = None
+            while len(_VALID_ROOT_INFO) > _VALID_KEPT:
+                _VALID_ROOT_INFO.popitem(last=False)
         copied = ok is None or (step in ok and ok[step] in (None, m.save_id))
         versions.append(VersionInfo(step, m.created, True, m.milestone, copied, m.keys, m.partial))
     return versions, unjudged
+
+
+_VALID_ROOT_INFO: OrderedDict[tuple[str, int, str], None] = OrderedDict()  # (tier, step, save id) judged valid
+_VALID_LOCK = threading.Lock()
+_VALID_KEPT = 4096
+
+
+def _still_published(tier: Tier, step: int, save_id: str) -> bool:
+    """Whether the save whose manifest judge read is still the committed one of `step`."""
+    try:
+        return read_manifest_facts(tier, step).save_id == save_id
+    except (CkptError, OSError):
+        return False
 
 
 def collect(

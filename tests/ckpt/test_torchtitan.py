@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckpt.cli import main as ckpt_cli
-from tests._dist import launch
+from tests._dist import REPO, launch
 
 THIS = os.path.abspath(__file__)
 
@@ -55,12 +55,19 @@ class _TrainState:
 
 
 def train(
-    ctx: Any, folder: str, mode: str, until: int, manager_kind: str = "ckpt", load_only: bool = False
+    ctx: Any,
+    folder: str,
+    mode: str,
+    until: int,
+    manager_kind: str = "ckpt",
+    load_only: bool = False,
+    find_only: bool = False,
 ) -> dict[str, Any]:
     """Train to step `until` (every rank the same batches, so the replicas stay equal),
     resuming from the newest checkpoint in `folder` if there is one; the loss of each step.
     `manager_kind="torchtitan"`: torchtitan's own manager (step-N directories); `load_only`:
-    load, and report the step loaded, without training."""
+    load, and report the step loaded, without training; `find_only`: the step the manager
+    would load, not loaded."""
     import torch
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
@@ -98,6 +105,10 @@ def train(
         base_folder=folder,
     )
     ctx.check(isinstance(manager, kind), "torchtitan built the manager its config names")
+    if find_only:
+        found = manager._find_load_step()
+        manager.close()
+        return {"found": found}
     resumed = manager.load()
     if load_only:
         manager.close()
@@ -200,3 +211,29 @@ def test_a_load_only_manager_reads_beside_the_training_job(tmp_path: Path) -> No
         )
     assert not failures, failures
     assert [(r["resumed"], r["step"]) for r in loaded] == [(True, 4), (True, 4)], loaded
+
+
+def test_a_load_only_manager_agrees_on_the_step_where_the_default_group_has_no_cpu_backend(tmp_path: Path) -> None:
+    """torchtitan's trainer makes the default group NCCL alone; the manager's agreement on the
+    step went through it with a CPU tensor: "No backend type associated with device type
+    cpu". It goes through a gloo group of its own now. (One process; "cuda:gloo" is a group
+    without a CPU backend that needs no GPU.)"""
+    import json
+    import subprocess
+    import sys
+
+    folder = str(tmp_path / "run")
+    _, failures = launch(THIS, "train", 1, tmp_path / "train", folder=folder, mode="disabled", until=4)
+    assert not failures, failures
+    script = f"""
+import json, torch.distributed as dist
+from pathlib import Path
+from tests._dist import Ctx
+from tests.ckpt.test_torchtitan import train
+dist.init_process_group("cuda:gloo", rank=0, world_size=1, store=dist.HashStore())
+ctx = Ctx(0, 1, Path({str(tmp_path)!r}))
+print(json.dumps(train(ctx, {folder!r}, "disabled", 4, load_only=True, find_only=True)))
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"found": 4}

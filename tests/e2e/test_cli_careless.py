@@ -128,6 +128,14 @@ def test_targets_that_are_urls_or_empty_are_usage_errors(
         assert r.exit_code == 2 and f"{option} is empty" in r.output, r.output
     assert run("restore", root, "--to-torch", f"file://{tmp_path}/out.pt").exit_code == 0
     assert (tmp_path / "out.pt").is_file()
+    # file: URLs of this machine in every form, and a local name holding "::" (no URL)
+    for target in (f"file://localhost{tmp_path}/out.pt", f"file:{tmp_path}/out.pt", "a::b.pt"):
+        r = run("restore", root, "--to-torch", target, "--force")
+        assert r.exit_code == 0, (target, r.output)
+    assert (tmp_path / "a::b.pt").is_file()
+    (tmp_path / "a::b.pt").unlink()
+    r = run("restore", root, "--to-torch", "file://otherhost/x.pt")
+    assert r.exit_code == 2 and "names no path of this machine" in r.output, r.output
     source = tmp_path / "plain.pt"
     torch.save({"w": torch.ones(2)}, source)
     r = run("import", source, "s3://bucket/p", "--step", "1", "--trust")
