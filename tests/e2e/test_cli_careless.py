@@ -110,7 +110,7 @@ def test_to_torch_through_a_link_and_dot_dot_checks_the_file_it_writes(root: Pat
     for name in ("fifo", "precious.pt"):
         r = run("restore", root, "--to-torch", f"{here}/L/../{name}", "--force")
         assert r.exit_code == 0, r.output
-        assert torch.load(tmp_path / "elsewhere" / name, weights_only=False)["meta"] == {"seed": 3}
+        assert torch.load(tmp_path / "elsewhere" / name, weights_only=True)["meta"] == {"seed": 3}
     assert (here / "fifo").is_fifo() and (here / "precious.pt").is_symlink()
     assert (here / "real.pt").read_bytes() == b"keep"
 
