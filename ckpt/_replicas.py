@@ -99,7 +99,7 @@ def check_shared_copies(
     # Rare: which ranks, so that the error names two of them (one int per rank).
     held = ctl.all_gather_int(mine[bad])
     a = held.index(highest[bad])
-    b = held.index(-highest[len(shared) + bad])
+    b = held.index(-highest[n + bad])
     a, b = min(a, b), max(a, b)
     name = plans[shared[bad]].spec.name
     raise StateMismatchError(

@@ -159,9 +159,8 @@ class Checkpointer:
         if self.config.metrics_port is not None:
             metrics.serve(self.config.metrics_port + _roots.local_rank(self._ctl))
         self._saves = 0  # save() calls that staged a version since the schedule (re)started: full_every counts them
-        self._last_saved: tuple[int, bool] | None = (
-            None  # (step, whole state) of the last save staged, unless it failed
-        )
+        # (step, whole state) of the last save staged, unless it failed: see _final_save
+        self._last_saved: tuple[int, bool] | None = None
         if self._ctx.is_leader and not self.config.peer_copies:
             forget_peer_copies(self.root)  # an earlier job's peer copies hold nothing back on this root now
         elif self._ctx.is_leader:
@@ -250,8 +249,8 @@ class Checkpointer:
         whatever full_every's schedule says (`only=` still chooses), after the save in
         flight even if that one failed (its error is logged: this save supersedes it). A
         step this Checkpointer's last save holds whole is not saved again (False), unless
-        as a milestone; a params-only version of the step that it made is replaced. Every rank decides alike:
-        the saves and their outcomes are the job's."""
+        as a milestone; a params-only version of the step that it made is replaced. Every
+        rank decides alike: the saves and their outcomes are the job's."""
         self._check_open()
         try:
             self._saver.wait()

@@ -66,10 +66,11 @@ class MultiTier:
         overwrite = kwargs.get("overwrite", False)
         if type(overwrite) is not bool or type(milestone) is not bool:
             raise TypeError(f"overwrite and milestone must be bools, not {overwrite!r} and {milestone!r}")
+        if force:
+            check_step(step)
         saved = []
         for ck, every in self.tiers:
             if force:
-                check_step(step)
                 done = ck._final_save(step, state, only=kwargs.get("only"), overwrite=overwrite, milestone=milestone)
             else:
                 done = step % every == 0 and ck.save(step, state, milestone=milestone, **kwargs)
