@@ -28,7 +28,7 @@ from ckpt._dist import Comm
 from ckpt._peer_status import peer_dirs
 from ckpt.cli import main as ckpt_cli
 from ckpt.replicator.placement import source_label
-from ckpt.restore.discover import choose_step, holdings, partial_steps, reachable_steps
+from ckpt.restore.discover import choose_step, holdings, reachable_steps
 from ckpt.restore.export import assemble
 from ckpt.restore.locate import Located, first_manifest, restore_newest
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
@@ -287,13 +287,13 @@ def _views(layout: Layout) -> list[list[Candidate]]:
     return views
 
 
-def expected_restore(layout: Layout) -> tuple[int | None, set[int]]:
+def expected_restore(layout: Layout) -> tuple[int | None, set[tuple[int, str]]]:
     """The step a restart must restore at least (the newest one the ranks together can
-    reach), and the newer steps committed only in part (a lost node's part): the job's next
-    saves of those may replace what is left of them."""
+    reach), and the newer saves, (step, save_id), committed only in part (a lost node's
+    part): the job's next saves of their steps may replace what is left of them."""
     held = holdings(_views(layout))
     chosen = choose_step(held)
-    return chosen, {s for s in partial_steps(held) if chosen is None or s > chosen}
+    return chosen, {(h.step, h.save_id) for h in held if not h.whole and (chosen is None or h.step > chosen)}
 
 
 def groups(layout: Layout) -> dict[str, list[str]]:

@@ -245,7 +245,9 @@ class Harness:
         self.checked: set[tuple[str, int, str]] = set()
         self.verified_remote: set[tuple[int, str]] = set()
         self.gc_durations: list[float] = []
-        self.replaceable: set[int] = set()  # steps left incomplete (a lost node's part): re-saved anew
+        # saves (step, save_id) left incomplete (a lost node's part), so far: a save of such a
+        # step may replace what is left of them, in any later round (a lost part never returns)
+        self.replaceable: set[tuple[int, str]] = set()
         self.lost_through = -1  # the newest step committed when a node was last lost
         self._lock = threading.Lock()
         self._stop_monitor = threading.Event()
@@ -558,7 +560,7 @@ class Harness:
                         continue  # back again: a new save of the step (judged below)
                     self.gone.setdefault(tier, set()).add(step)
                     self.fig.deletions_seen += 1
-                    if step in self.replaceable:  # a part of a save no tier holds whole: nothing restorable
+                    if (step, prev[step]) in self.replaceable:  # a part of a save no tier holds whole
                         self.fig.note("a part of an incomplete save was deleted (its step saved anew)")
                         continue
                     if not self.policy(tier, gc_tier).may_delete(step, cum, self.journals.tagged):
@@ -573,7 +575,7 @@ class Harness:
                         self.lose(f"{tier} step {step}: gone, but it is among the newest {keep} versions listed there")
             for step, save_id in self.last.get(tier, {}).items():
                 if step in now[tier] and now[tier][step] != save_id:
-                    if step in self.replaceable:
+                    if (step, save_id) in self.replaceable:
                         self.fig.note("a version a node's loss left incomplete was replaced by a new save of its step")
                         continue
                     self.lose(f"{tier} step {step}: replaced by another save ({save_id} -> {now[tier][step]})")
@@ -721,7 +723,7 @@ class Harness:
             if lost is not None:
                 self.lose_node(lost)
             self.check_tiers()
-            expected, self.replaceable = expected_restore(self.layout)
+            expected = self.take_stock()
             t = self.fig.timed("check", t)
             resumed = self.journals.restored.get((self.inc, 0), {}).get("step")
             print(
@@ -739,6 +741,13 @@ class Harness:
                 self.run_on(self.c.remote_keep_last + 2)
             self.stop_trainers()
         self.finish()
+
+    def take_stock(self) -> int | None:
+        """The step the next incarnation must restore at least; the saves the tiers hold only
+        in part join those the job may replace."""
+        expected, partial = expected_restore(self.layout)
+        self.replaceable |= partial
+        return expected
 
     def run_on(self, steps: int) -> None:
         """Let the last incarnation commit `steps` more steps: after a node's loss, the

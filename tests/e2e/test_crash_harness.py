@@ -70,3 +70,34 @@ def test_a_listing_across_a_retention_pass_still_shows_what_it_published(
 
     monkeypatch.setattr(versions, "_root_info", racing)
     assert sorted(listing(str(root))) == [237, 238, 239]
+
+
+def test_a_copy_of_a_save_a_node_left_partial_may_be_replaced_rounds_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's loss leaves step 33's save X whole nowhere; node 0's replica keeps X's part.
+    The next round saves 33 anew (Y) and its daemon is killed before it copies Y; a round
+    later the replica's X becomes Y. That is no loss (CI saw it called one: 'replica0 step
+    33: replaced by another save'), while a whole save's replacement still is."""
+    from tests import crash_harness
+
+    h = Harness(HarnessConfig(out=str(tmp_path / "harness"), kills=3, seed=1))
+    rounds = iter(
+        [  # (the listing, what expected_restore finds then)
+            ({"replica0": {32: "W", 33: "X"}}, (32, {(33, "X")})),
+            ({"replica0": {32: "W", 33: "X"}, "root0": {33: "Y"}}, (33, set())),
+            ({"replica0": {32: "W", 33: "Y"}, "root0": {33: "Y"}}, (33, set())),
+            ({"replica0": {32: "W", 33: "Z"}, "root0": {33: "Z"}}, (33, set())),
+        ]
+    )
+    now: list[Any] = [None, None]  # this round's listing and expected_restore's answer
+    monkeypatch.setattr(crash_harness, "snapshot", lambda layout: now[0])
+    monkeypatch.setattr(crash_harness, "expected_restore", lambda layout: now[1])
+    for listed, found in rounds:
+        now[:] = [listed, found]
+        h.check_deletions(None, quiet=True)
+        h.take_stock()
+    assert sorted(h.fig.lost_detail) == [
+        "replica0 step 33: replaced by another save (Y -> Z)",
+        "root0 step 33: replaced by another save (Y -> Z)",
+    ]
