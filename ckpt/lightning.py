@@ -92,7 +92,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from ckpt._roots import RootSpec
 from ckpt.checkpointer import Checkpointer
 from ckpt.rng import capture_rng, restore_rng
-from ckpt.store.errors import UnsupportedStateError
+from ckpt.store.errors import CkptError, UnsupportedStateError
 
 __all__ = ["CkptCallback", "KEY"]
 
@@ -173,7 +173,14 @@ class CkptCallback(Callback):
         self.restored_step = self._last_saved = step
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _unhook(trainer)  # (Lightning called it before the strategy's setup)
+        if _unhook(trainer) and self.restored_step is not None:
+            # Lightning calls resume_start before the strategy's setup; a Lightning that no
+            # longer does would otherwise start from scratch with the version read.
+            raise CkptError(
+                f"CkptCallback: Lightning {pl.__version__} did not call its checkpoint connector's "
+                f"resume_start after the setup hooks, so step {self.restored_step} read from {self.root} "
+                "could not be handed to it: this Lightning version is not supported"
+            )
         for opt in trainer.optimizers:
             if callable(getattr(opt, "consolidate_state_dict", None)):
                 raise TypeError(
@@ -373,8 +380,9 @@ def _hook(trainer: pl.Trainer, checkpoint: dict[str, Any], step: int) -> None:
     connector.resume_start = resume_start  # type: ignore[method-assign]
 
 
-def _unhook(trainer: pl.Trainer) -> None:
-    trainer._checkpoint_connector.__dict__.pop("resume_start", None)
+def _unhook(trainer: pl.Trainer) -> bool:
+    """Whether the hook was still there (Lightning never called it)."""
+    return trainer._checkpoint_connector.__dict__.pop("resume_start", None) is not None
 
 
 def _count_epoch_from_restore(trainer: pl.Trainer) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import types
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torch import nn
 
 import ckpt
@@ -218,6 +220,28 @@ def test_a_second_fit_of_one_trainer_goes_on_from_its_own_state(tmp_path: Path) 
     assert cb.restored_step is None and trainer.global_step == 10
     steps = [r[0] for r in model.losses]
     assert steps == list(range(10)), steps
+
+
+def test_a_lightning_that_never_takes_the_version_read_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version read in setup reaches Lightning only through the override of its
+    connector's resume_start. A Lightning that renames it or calls it otherwise (here: a
+    class property that bypasses the instance's override) must not train from scratch as
+    though nothing was saved."""
+    _quiet()
+    root = tmp_path / "root"
+    torch.manual_seed(0)
+    _trainer([CkptCallback(str(root), every_n_steps=4)], max_steps=4).fit(Net())
+    own = _CheckpointConnector.resume_start
+    bypass = property(
+        lambda self: types.MethodType(own, self), lambda self, value: self.__dict__.__setitem__("resume_start", value)
+    )
+    monkeypatch.setattr(_CheckpointConnector, "resume_start", bypass)
+    model = Net()
+    with pytest.raises(ckpt.CkptError, match="did not call its checkpoint connector's resume_start"):
+        _trainer([CkptCallback(str(root), every_n_steps=4)], max_steps=8).fit(model)
+    assert model.losses == []
 
 
 def test_an_optimizer_consolidated_on_one_rank_is_refused(tmp_path: Path) -> None:
