@@ -177,7 +177,7 @@ class CkptCallback(Callback):
             # Lightning calls resume_start before the strategy's setup; a Lightning that no
             # longer does would otherwise start from scratch with the version read.
             raise CkptError(
-                f"CkptCallback: Lightning {pl.__version__} did not call its checkpoint connector's "
+                f"CkptCallback: Lightning {getattr(pl, '__version__', '')} did not call its checkpoint connector's "
                 f"resume_start after the setup hooks, so step {self.restored_step} read from {self.root} "
                 "could not be handed to it: this Lightning version is not supported"
             )
