@@ -4,7 +4,8 @@ ckpt.replicator (listing: ckpt._listing, checks: ckpt._verify, text: ckpt._rende
 Exit codes: 0 success, 1 damage (verification found bad chunks, or the version asked for
 is corrupt), 2 usage error (click), 3 any other error (one readable line on stderr, never
 a traceback; `verify` found no damage but files it could not read), 4 `ckpt gc` kept
-versions it could not read (a transient error is no proof of damage: run it again).
+versions it could not read (a transient error is no proof of damage: run it again), 141
+(quietly, as a tool SIGPIPE ends) when the reader of its output went away (`ckpt ls | head`).
 
 Starting fast: `ckpt --help`, `ls` and `verify` never import torch (about 2 s) nor rich's
 progress bars; `inspect` and `restore` import them when they run.
@@ -22,7 +23,7 @@ import sys
 import urllib.parse
 from collections.abc import Callable
 from functools import wraps
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -48,12 +49,20 @@ T = TypeVar("T")
 EXIT_BAD_CHUNKS = 1
 EXIT_CKPT_ERROR = 3
 EXIT_UNJUDGED = 4
+EXIT_OUTPUT_GONE = 128 + 13  # as the shell reports a process SIGPIPE ended
 ABANDON_AFTER_S = 6 * 3600.0
 
 
 def _fail(message: str, code: int) -> None:
     click.echo(f"ckpt: error: {message}", err=True)
     sys.exit(code)
+
+
+def _output_gone() -> NoReturn:
+    # The rest of stdout's buffer would fail again when the interpreter exits.
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(EXIT_OUTPUT_GONE)
 
 
 def _os_error(e: OSError) -> str:
@@ -70,6 +79,8 @@ def _errors_to_exit(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except BrokenPipeError:  # the reader of the output went away: not an error to report
+            _output_gone()
         except CorruptVersionError as e:  # a damaged version: as `verify`'s bad chunks
             _fail(str(e), EXIT_BAD_CHUNKS)
         except CkptError as e:

@@ -428,3 +428,20 @@ def test_replicate_says_what_it_does_in_words(root: Path) -> None:
     assert "none" not in listing.stdout and " 0/0 " in listing.stdout, listing.stdout
     rows = json.loads(run("ls", root, "--json").stdout)
     assert [row["copies"] for row in rows] == [{}, {}, {}]
+
+
+@pytest.mark.parametrize("command", ["ls", "verify"])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(root: Path, command: str) -> None:
+    """`ckpt verify ROOT | head -1`: the pipe's reader goes away. Before, the command printed
+    'ckpt: error: [Errno 32] Broken pipe' and exited 3, as for a failure of its own."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from ckpt.cli import main; main()", command, str(root)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes: its first write finds no reader
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
