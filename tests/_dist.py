@@ -170,7 +170,8 @@ def launch(
             time.sleep(0.05)
     finally:
         hung = [p for p in procs if p.poll() is None]
-        for pid in [q for p in hung for q in (p.pid, *_descendants(p.pid))]:
+        below = [q for p in hung for q in _descendants(p.pid)]
+        for pid in [*(p.pid for p in hung), *below]:
             # Its children (DataLoader workers) inherit the handler: a worker that hangs
             # leaves its rank waiting, and its stack says why. One at a time: a rank and
             # its children write to the same log.
@@ -182,6 +183,9 @@ def launch(
         for p in hung:
             p.kill()
             p.wait()
+        for pid in below:  # orphaned by their rank's death, they would run on past the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for log in logs:
             log.close()
     problems: list[str] = []
