@@ -376,12 +376,11 @@ def load_version(
             e if isinstance(e, CkptError) else StateMismatchError(f"loading into the state: {type(e).__name__}: {e}")
         )
     ctl.agree(error)
-    if config.capture_rng:
+    if config.capture_rng and mine.rng is not None:  # (a version without RNG leaves every rank's as it is)
         if ctl.rank >= saved_world:  # a rank that did not exist: seeded, deterministically
             seed_new_rank(manifest.save_id, ctl.rank)
-        elif mine.rng is not None:
+        else:
             restore_rng(mine.rng)
-        # (a version saved without RNG leaves the RNG of the ranks it had as it is)
     how = "" if saved_world == ctl.world else f" (saved by {saved_world} ranks, resharded)"
     log.info("rank %d step %d: restored%s", ctl.rank, located.step, how)
     left = sorted(str(k) for k in state if held is not None and str(k) not in held)

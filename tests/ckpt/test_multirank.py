@@ -27,6 +27,7 @@ import pytest
 import torch
 import zarr
 
+import ckpt
 from ckpt.store import versions
 from ckpt.store.manifest import STATE_PREFIX
 from tests._dist import launch
@@ -604,3 +605,35 @@ def test_training_resume_world2(world2: dict[str, Any]) -> None:
     w0 = torch.load(f"{base}.resumed.rank0.pt")["model"]
     w1 = torch.load(f"{base}.resumed.rank1.pt")["model"]
     assert_bitwise(w1, w0, "rank 1's weights vs rank 0's")
+
+
+def rng_after_growing_restore(ctx: Any, root: str) -> dict[str, Any]:
+    """Each rank seeds its own RNG, restores a version a world of 1 saved, and draws."""
+    import ckpt
+
+    random.seed(1234 + ctx.rank)
+    torch.manual_seed(1234 + ctx.rank)
+    with ckpt.Checkpointer(root, timeout=datetime.timedelta(seconds=60)) as ck:
+        ck.restore({"w": torch.zeros(3)})
+    return {"python": random.random(), "torch": torch.rand(2).tolist()}
+
+
+@pytest.mark.parametrize("with_rng", [False, True])
+def test_a_rank_new_to_the_version_is_seeded_only_if_the_version_holds_rng(tmp_path: Path, with_rng: bool) -> None:
+    """A version saved without RNG (capture_rng=False) leaves every rank's RNG as the job
+    seeded it. Before, a rank the saving world did not have was seeded anew all the same:
+    rank 1 drew other numbers than its own seeding gives, and rank 0 did not."""
+    root = tmp_path / "root"
+    with ckpt.Checkpointer(root, capture_rng=with_rng) as ck:
+        ck.save(1, {"w": torch.ones(3)})
+    results, failures = launch(THIS, "rng_after_growing_restore", 2, tmp_path, timeout=120, root=str(root))
+    assert failures == []
+    own = []
+    for rank in range(2):
+        random.seed(1234 + rank)
+        torch.manual_seed(1234 + rank)
+        own.append({"python": random.random(), "torch": torch.rand(2).tolist()})
+    if with_rng:  # rank 0 continues the saved stream, rank 1 is seeded from the version
+        assert results[0] != own[0] and results[1] != own[1]
+    else:
+        assert results == own
