@@ -27,7 +27,7 @@ from ckpt.store.rank_file import rank_file_path
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import COMMIT_CLAIM, DELETING_MARKER, RootInfo, read_root_info, version_dirname
 
-__all__ = ["GC_CLAIM", "committed_info", "publish"]
+__all__ = ["GC_CLAIM", "clear_to_send", "committed_info", "publish"]
 
 log = logging.getLogger("ckpt.replicator")
 GC_CLAIM = b"gc"
@@ -80,6 +80,45 @@ def _other_save_committed(tier: Tier, name: str, save_id: str) -> bool:
         return True
 
 
+def clear_to_send(t: Transfer, part_index: int) -> bool:
+    """Whether this node may send its part of the save to the shared remote now. The step's
+    directory there may hold another save of the step (the source saved it again): this
+    node's part record of that save is withdrawn first, as its files are about to hold this
+    save's bytes; and nothing is sent while another save (or a collector) holds the commit
+    claim, as that save may be committing over the files this upload would change. A
+    committer claims and then checks the parts: one that claims after this check finds the
+    record withdrawn and commits nothing; one that claimed before it is seen here."""
+    tier, name, save_id = t.dest.tier, t.name, t.manifest.save_id
+    key = join_key(name, PARTS, f"{part_index}.json")
+    try:
+        doc = json.loads(tier.get(key))
+    except FileNotFoundError:
+        doc = None
+    except ValueError:
+        doc = {}
+    if doc is not None and (not isinstance(doc, dict) or doc.get("save_id") != save_id):
+        log.info("%s: withdrawing this node's part record of another save of step %d", t.where(), t.step)
+        tier.delete(key)
+    try:
+        holder = tier.get(join_key(name, COMMIT_CLAIM))
+    except FileNotFoundError:
+        return True
+    if holder != save_id.encode():
+        log.warning("%s: another save of step %d or a collector holds it; not sent now", t.where(), t.step)
+        return False
+    return True
+
+
+def _release(tier: Tier, name: str, save_id: str) -> None:
+    """Give up this save's commit claim: a claim left behind by a commit that did not
+    happen would keep the next save of the step from being sent."""
+    try:
+        if _still_ours(tier, name, save_id):
+            tier.delete(join_key(name, COMMIT_CLAIM))
+    except OSError as e:  # (a stale claim is collected with the upload, past the abandon age)
+        log.warning("%s: cannot give up the commit claim of %s: %s", tier.location, name, e)
+
+
 def _still_ours(tier: Tier, name: str, save_id: str) -> bool:
     try:
         return tier.get(join_key(name, COMMIT_CLAIM)) == save_id.encode()
@@ -103,6 +142,17 @@ def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, i
     if t.dest.kind == "shared" and not _claim(tier, name, m.save_id):
         log.warning("%s: held by a collector or another save of step %d; not committed now", t.where(), t.step)
         return False
+    committed = False
+    try:
+        committed = _commit(t, holders, sizes)
+    finally:
+        if not committed and t.dest.kind == "shared":
+            _release(tier, name, m.save_id)
+    return committed
+
+
+def _commit(t: Transfer, holders: tuple[int, ...], sizes: dict[str, int]) -> bool:
+    tier, name, m = t.dest.tier, t.name, t.manifest
     # With the claim held nothing is collected here: what the checks find stays.
     if tier.exists(join_key(name, DELETING_MARKER)):
         return False

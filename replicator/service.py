@@ -39,7 +39,7 @@ from ckpt.replicator.placement import (
     source_label,
 )
 from ckpt.replicator.policy import Policy, VersionInfo, expired
-from ckpt.replicator.publish import committed_info, publish
+from ckpt.replicator.publish import clear_to_send, committed_info, publish
 from ckpt.replicator.ratelimit import RateLimiter
 from ckpt.replicator.status import (
     REMOTE_DONE,
@@ -520,6 +520,8 @@ class Replicator:
             threads=self.config.threads,
             readback=self.config.readback,
         )
+        if dest.kind == "shared" and not clear_to_send(transfer, part):
+            return False  # another save of the step is being committed there: next pass
         sizes = copy_files(transfer, count)
         return publish(transfer, writers, part, sizes)
 

@@ -263,9 +263,15 @@ def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) ->
             t.journal.discard(rel)
     else:
         raise TierUnavailableError(f"{t.where()}: files keep vanishing after upload")
-    # Temp files of copies that never finished (a disk unmounted mid-copy takes them along
-    # and brings them back) are not the version's.
-    t.dest.tier.delete_many(o.key for o in t.dest.tier.find(t.name) if _TEMP.search(o.key))
+    # Temp files of this part's copies that never finished (a disk unmounted mid-copy takes
+    # them along and brings them back) are not the version's. Other nodes' parts on a shared
+    # remote are theirs: their temp files may be copies in flight.
+    prefix = t.name + "/"
+    t.dest.tier.delete_many(
+        o.key
+        for o in t.dest.tier.find(t.name)
+        if _TEMP.search(o.key) and _TEMP.sub("", o.key).removeprefix(prefix) in sizes
+    )
     t.dest.tier.sync(t.name)
     return sizes
 

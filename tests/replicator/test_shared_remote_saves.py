@@ -1,0 +1,103 @@
+"""Two nodes' uploads to one shared remote, with a step saved twice and copies in flight.
+Versions come from a real 2-rank gloo job, each rank on its own root (its own node); each
+node runs its own replicator, driven here pass by pass, to a file:// remote. Each test
+failed before its fix."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt import Checkpointer, Shard
+from ckpt.replicator import service
+from ckpt.replicator.config import ReplicatorConfig
+from ckpt.replicator.service import Replicator
+from ckpt.store import versions
+from ckpt.store.rank_file import rank_file_path
+from ckpt.store.tier import open_tier
+from tests._dist import Ctx, launch
+from tests._states import assert_bitwise
+
+
+def save_step_one(ctx: Ctx, base: str, value: float, overwrite: bool) -> None:
+    piece = torch.full((4, 8), value + ctx.rank)
+    with Checkpointer(f"{base}/node{ctx.rank}") as ck:
+        ck.save(1, {"w": Shard(piece, (8, 8), (4 * ctx.rank, 0))}, overwrite=overwrite)
+
+
+def _save(tmp_path: Path, value: float, *, overwrite: bool = False) -> None:
+    job = tmp_path / f"job{value:g}"
+    _, failures = launch(__file__, "save_step_one", 2, job, base=str(tmp_path), value=value, overwrite=overwrite)
+    assert not failures, failures
+
+
+def _restored(fresh: Path, url: str) -> torch.Tensor:
+    state = {"w": torch.zeros(8, 8)}
+    with Checkpointer(fresh, tiers=[url]) as ck:
+        assert ck.restore(state) == 1
+    return state["w"]
+
+
+def test_a_step_saved_again_while_its_upload_is_in_flight_never_commits_mixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 1 has sent its files of step 1's first save but not yet recorded its part; the
+    step is saved again. Node 0 sends its files of the new save over its files of the first
+    (same names, same sizes) and pauses before it records its new part; node 1 then records
+    its part of the first save and commits it. Before, the commit checked sizes alone: the
+    remote held step 1 committed with node 0's chunks from the other save (`ckpt verify`:
+    bad chunks), and the new save was never uploaded ('holds step 1 from another save')."""
+    _save(tmp_path, 1.0)
+    remote = f"file://{tmp_path / 'remote'}"
+    config = ReplicatorConfig(remote=remote)
+    node0, node1 = Replicator([str(tmp_path / "node0")], config), Replicator([str(tmp_path / "node1")], config)
+    node0.run_once()  # its part of the first save: sent and recorded; waits for node 1's
+
+    paused: list[tuple[Any, ...]] = []
+    real = service.publish
+
+    def pause(*args: Any) -> bool:
+        paused.append(args)
+        return False
+
+    monkeypatch.setattr(service, "publish", pause)
+    node1.run_once()  # its files of the first save are there, its part not recorded yet
+    _save(tmp_path, 10.0, overwrite=True)
+    node0.run_once()  # the new save: sent, and paused before its part record
+    monkeypatch.setattr(service, "publish", real)
+    real(*paused[0])  # node 1 goes on with the first save: records its part and commits if it can
+
+    node0.run_once()
+    node1.run_once()
+    assert versions.committed_steps(remote) == [1]
+    assert versions.read_manifest(remote, 1).save_id == versions.read_manifest(str(tmp_path / "node0"), 1).save_id
+    want = torch.cat([torch.full((4, 8), 10.0), torch.full((4, 8), 11.0)])
+    assert_bitwise(_restored(tmp_path / "fresh", remote), want)
+
+
+def test_a_node_leaves_the_temp_files_of_other_nodes_uploads_alone(tmp_path: Path) -> None:
+    """Node 0's part waits on the remote for node 1's; each of its passes sends what is
+    missing and cleans up temp files of copies that never finished. Before, it deleted
+    every temp file under the version, node 1's copies in flight too: node 1's uploads
+    failed ('vanished while it was copied') for as long as node 0 waited."""
+    _save(tmp_path, 1.0)
+    remote = tmp_path / "remote"
+    node0 = Replicator([str(tmp_path / "node0")], ReplicatorConfig(remote=f"file://{remote}"))
+    node0.run_once()
+    version = remote / versions.version_dirname(1)
+    in_flight = version / f"{rank_file_path(1)}.tmp-{uuid.uuid4().hex}"  # node 1's, being written
+    stale = version / f"{rank_file_path(0)}.tmp-{uuid.uuid4().hex}"  # node 0's, of a copy cut off
+    for path in (in_flight, stale):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partly written")
+    node0.run_once()
+    assert in_flight.exists()
+    assert not stale.exists()
+    assert versions.committed_steps(str(remote)) == []
+    assert sorted(os.listdir(version / "parts")) == ["0.json"]
+    assert open_tier(str(remote)).exists(f"{versions.version_dirname(1)}/{rank_file_path(0)}")
