@@ -8,9 +8,9 @@ one. After a node's loss that version is whole on the survivors (their own parts
 lost node's as peer copies; the same rule keeps it on every root). A step whose own copies
 were verified while another root's failed does not count: after that other node's loss
 its part of the step is missing, and this root must still hold an older version whole. A
-root whose copier stopped for good (a peer stopped answering), or that a job without peer
-copies opened since, is judged by its other rules alone, until a job with peer copies
-opens it again.
+root whose copier stopped for good (a peer stopped answering) keeps that version alone
+past its other rules; one that a job without peer copies opened since is judged by its
+other rules alone, until a job with peer copies opens it again.
 """
 
 from __future__ import annotations
@@ -139,14 +139,20 @@ def verified_peer_steps(root: str) -> set[int]:
 
 def peer_redundant(root: str) -> set[int] | None:
     """The root's steps the peer-copy rule lets a GC delete: those older than the newest
-    step whose peer copies are verified. None when the rule does not apply (no peer copies
-    are made of this root, or its copier stopped for good). A record that cannot be read
-    raises (OSError, CkptError): the GC pass fails, and the next one tries again."""
+    step whose peer copies are verified. Once its copier stopped for good (a peer stopped
+    answering: most often the node loss the rule is for), every step but that one: newer
+    ones will have no verified copies, and that one is what the survivors restore. None
+    when the rule does not apply (no peer copies are made of this root, or none verified
+    before the stop). A record that cannot be read raises (OSError, CkptError): the GC
+    pass fails, and the next one tries again."""
     doc = _read(root, strict=True)
-    if not doc or doc.get("stopped"):
+    if not doc:
         return None
     newest = max(_verified(doc), default=-1)
-    return {s for s in committed_steps(open_tier(root)) if s < newest}
+    steps = committed_steps(open_tier(root))
+    if doc.get("stopped"):
+        return None if newest < 0 else {s for s in steps if s != newest}
+    return {s for s in steps if s < newest}
 
 
 def with_peer_rule(root: str, redundant: Mapping[int, str | None] | None) -> dict[int, str | None] | None:
@@ -198,7 +204,8 @@ def drop_overwritten_copies(root: str, step: int) -> None:
 
 
 def record_peers_stopped(root: str, why: str) -> None:
-    """The copier stopped for good: the root's versions are no longer held back for it."""
+    """The copier stopped for good: the root's versions newer than its newest verified step
+    are no longer held back for it."""
     doc = _read(root)
     doc["stopped"] = why
     _write(root, doc)

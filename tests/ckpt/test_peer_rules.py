@@ -109,11 +109,20 @@ def test_a_replicators_local_retention_keeps_what_the_peer_copies_need(tmp_path:
     assert committed_steps(open_tier(str(root))) == [3]
 
 
-def test_a_stopped_copier_or_a_job_without_peers_lifts_the_rule(tmp_path: Path) -> None:
+def test_a_stopped_copier_keeps_its_newest_verified_step_and_a_job_without_peers_lifts_the_rule(
+    tmp_path: Path,
+) -> None:
+    """A copier stops for good when a peer stops answering: most often the node loss the
+    rule is for. Before, the stop lifted the rule: `ckpt gc --keep-last 1` (or any GC)
+    deleted step 1, the version whole on the survivors, and a restore after the node's
+    loss found none whole. Newer steps, which will never have verified copies, may go."""
     _three_steps(tmp_path)
     _status(tmp_path, {1: "verified"})
     record_peers_stopped(str(tmp_path), "RuntimeError: a peer stopped answering")
-    assert _retained_as_is(tmp_path) == [3]
+    out = CliRunner().invoke(ckpt_cli, ["gc", str(tmp_path), "--keep-last", "1"])
+    assert out.exit_code == 0, out.output
+    assert committed_steps(open_tier(str(tmp_path))) == [1, 3]
+    assert _retained_as_is(tmp_path) == [1, 3]  # the Checkpointer's retention alike
     state = {"w": torch.zeros(4)}
     with Checkpointer(tmp_path) as ck:  # no peer_copies: the old status holds nothing back
         ck.save(4, state)
