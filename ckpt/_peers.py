@@ -99,12 +99,15 @@ class PeerPlan:
     sources: tuple[int, ...]
 
 
-def plan_peers(root_groups: Sequence[Sequence[int]], me: int, copies: int, stride: int) -> PeerPlan:
+def plan_peers(
+    root_groups: Sequence[Sequence[int]], me: int, copies: int, stride: int, hosts: Sequence[str] | None = None
+) -> PeerPlan:
     """Root i sends to i + k * stride (k = 1..copies), mod the roots; ValueError unless every
-    pair of roots lies on two nodes and the copies of a root go to distinct roots."""
+    pair of roots lies on two nodes and the copies of a root go to distinct roots. A rank's
+    node: its host name where `hosts` (every rank's) is given, else node_of."""
     n = len(root_groups)
     leaders = tuple(g[0] for g in root_groups)
-    node = [node_of(r) for r in leaders]
+    node: list[int | str] = [hosts[r] if hosts is not None else node_of(r) for r in leaders]
     if copies >= n:
         raise ValueError(f"peer_copies={copies} needs more roots than that; the job has {n}")
     for i in range(n):
@@ -114,7 +117,7 @@ def plan_peers(root_groups: Sequence[Sequence[int]], me: int, copies: int, strid
         same = [t for t in to if node[t] == node[i]]
         if same:
             raise ValueError(
-                f"peer copies of root {i} (node {node[i]}) would go to root {same[0]} on the same node; "
+                f"peer copies of root {i} (node {node[i]!r}) would go to root {same[0]} on the same node; "
                 "set LOCAL_WORLD_SIZE, one root per node ({node} in the root), or peer_stride"
             )
     targets = tuple((me + k * stride) % n for k in range(1, copies + 1))

@@ -123,6 +123,9 @@ def launch(
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env.pop("PYTHONHASHSEED", None)  # each process hashes differently, as in a real job
     env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts in native code logs every thread's Python stack
+    # Each rank a node of its own (its own root), as torchrun on one-GPU nodes says: without
+    # it, peer copies tell nodes apart by host name, and this one host is a single node.
+    env.setdefault("LOCAL_WORLD_SIZE", "1")
     spec = json.dumps(
         {
             "module": str(module_file),

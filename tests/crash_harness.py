@@ -295,6 +295,7 @@ class Harness:
         self.trainers = []
         for rank in range(WORLD):
             env = {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            env["LOCAL_WORLD_SIZE"] = "1"  # each rank a node (its own disks), as torchrun on that node says
             self.trainers.append(self.spawn("trainer", spec, f"rank{rank}.log", f"incarnation {self.inc}", **env))
 
     def wait_ready(self) -> bool:

@@ -183,6 +183,32 @@ def test_a_peer_plan_refused_on_some_ranks_is_an_error_on_every_rank(tmp_path: P
     assert "same node" in results[1]["message"] and "rank 1" in results[0]["message"], results
 
 
+def open_on_one_host_without_local_world_size(ctx: Any, base: str) -> dict[str, Any]:
+    """Two ranks of one host, a disk each, launched without LOCAL_WORLD_SIZE (srun, mpirun)."""
+    import datetime
+    import os
+
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    try:
+        ck = Checkpointer(lambda r: f"{base}/disk{r}", peer_copies=1, timeout=datetime.timedelta(seconds=60))
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return {"raised": type(e).__name__, "message": str(e)}
+    ck.close()
+    return {"raised": None}
+
+
+def test_peer_copies_refuse_two_roots_of_one_host_without_local_world_size(tmp_path: Path) -> None:
+    """Without LOCAL_WORLD_SIZE every rank was taken for a node of its own: each disk got
+    the other's copy, recorded verified, and a loss of the host (the node) lost both, while
+    the job believed it survived one. The host name tells the ranks' nodes apart now."""
+    results, failures = launch(
+        __file__, "open_on_one_host_without_local_world_size", 2, tmp_path / "job", base=str(tmp_path)
+    )
+    assert not failures, failures
+    assert [r["raised"] for r in results] == ["ValueError", "ValueError"], results
+    assert "on the same node" in results[0]["message"], results
+
+
 def open_that_fails_after_the_peers(ctx: Any, base: str) -> dict[str, Any]:
     """Two ranks, a node each, peer copies on. The open is interrupted (a real SIGINT, Ctrl-C)
     after the peer-copy thread has started, on every rank: that thread must stop with the
