@@ -445,8 +445,14 @@ class Replicator:
         retention (which would delete it again at once). Uploading the part again would
         leave a directory that never gets a manifest, and the local version would never
         count as redundant, so local retention would keep it forever."""
+        if entry.remote is None or entry.remote.state != WAITING:
+            return False
+        return self._remote_policy_expires(manifest)
+
+    def _remote_policy_expires(self, manifest: Manifest) -> bool:
+        """Whether the remote's retention deletes this version, given what the remote holds."""
         policy = self.config.remote_policy
-        if policy is None or self.remote is None or entry.remote is None or entry.remote.state != WAITING:
+        if policy is None or self.remote is None:
             return False
         keys = None if manifest.keys is None else frozenset(manifest.keys)
         candidate = VersionInfo(
@@ -593,7 +599,16 @@ class Replicator:
         for d in gone:
             entry.copies[d.url] = CopyState("failed", now, error=why)
         if remote_gone and entry.remote is not None:
-            entry.remote = CopyState("failed", now, url=entry.remote.url, error=why)
+            try:  # another node's GC of the remote, by the remote's policy: not to be sent again
+                expired_there = self._remote_policy_expires(read_manifest(self._source_tiers[source], step))
+            except (CkptError, OSError) as e:
+                log.warning("gc %s: step %d kept: %s", source, step, self._redact(str(e)))
+                return False
+            if expired_there:
+                entry.remote = CopyState("expired", now, url=entry.remote.url)
+                remote_gone = False
+            else:
+                entry.remote = CopyState("failed", now, url=entry.remote.url, error=why)
         for where in [d.url for d in gone] + ([remote.url] if remote_gone and remote is not None else []):
             log.warning("gc %s: step %d's copy on %s is %s; it is made again", source, step, self._redact(where), why)
         return copies_done(status, entry) and remote_done(status, entry)

@@ -16,7 +16,9 @@ import torch
 from ckpt import Checkpointer, Shard
 from ckpt.replicator import service
 from ckpt.replicator.config import ReplicatorConfig
+from ckpt.replicator.policy import KeepLast
 from ckpt.replicator.service import Replicator
+from ckpt.replicator.status import read_status
 from ckpt.store import versions
 from ckpt.store.rank_file import rank_file_path
 from ckpt.store.tier import open_tier
@@ -28,6 +30,12 @@ def save_step_one(ctx: Ctx, base: str, value: float, overwrite: bool) -> None:
     piece = torch.full((4, 8), value + ctx.rank)
     with Checkpointer(f"{base}/node{ctx.rank}") as ck:
         ck.save(1, {"w": Shard(piece, (8, 8), (4 * ctx.rank, 0))}, overwrite=overwrite)
+
+
+def save_steps(ctx: Ctx, base: str, steps: list[int]) -> None:
+    with Checkpointer(f"{base}/node{ctx.rank}") as ck:
+        for step in steps:
+            ck.save(step, {"w": Shard(torch.full((4, 8), float(step + ctx.rank)), (8, 8), (4 * ctx.rank, 0))})
 
 
 def _save(tmp_path: Path, value: float, *, overwrite: bool = False) -> None:
@@ -101,3 +109,35 @@ def test_a_node_leaves_the_temp_files_of_other_nodes_uploads_alone(tmp_path: Pat
     assert versions.committed_steps(str(remote)) == []
     assert sorted(os.listdir(version / "parts")) == ["0.json"]
     assert open_tier(str(remote)).exists(f"{versions.version_dirname(1)}/{rank_file_path(0)}")
+
+
+def test_a_version_another_nodes_remote_gc_deleted_is_not_uploaded_again(tmp_path: Path) -> None:
+    """Node 1 completed steps 1 and 2 on the remote; node 0 completed step 3, and its GC of
+    the remote (keep the last 2) deleted step 1. Node 1's local GC then found its verified
+    remote copy of step 1 gone: before, it marked it failed and uploaded its part again, a
+    directory that never gets a manifest (node 0 counts step 1 done), and kept step 1
+    locally past its policy. Gone by the remote's own policy, it is expired there."""
+    remote = tmp_path / "remote"
+    config = ReplicatorConfig(remote=f"file://{remote}", local_policy=KeepLast(3), remote_policy=KeepLast(2))
+    node0, node1 = Replicator([str(tmp_path / "node0")], config), Replicator([str(tmp_path / "node1")], config)
+
+    def save(*steps: int) -> None:
+        _, failures = launch(__file__, "save_steps", 2, tmp_path / f"job{steps[0]}", base=str(tmp_path), steps=steps)
+        assert not failures, failures
+
+    save(1, 2)
+    node0.run_once()
+    node1.run_once()  # completes 1 and 2
+    save(3)
+    node1.run_once()
+    node0.run_once()  # completes 3; its remote GC deletes 1
+    assert versions.committed_steps(f"file://{remote}") == [2, 3]
+    save(4)
+    sent = node1.bytes_sent
+    node1.run_once()  # its local GC deletes 1, its part of 4 goes up
+    assert versions.committed_steps(str(tmp_path / "node1")) == [2, 3, 4]
+    assert not (remote / versions.version_dirname(1)).exists()
+    entry = read_status(str(tmp_path / "node1")).versions
+    assert 1 not in entry
+    part4 = sum(f.stat().st_size for f in (tmp_path / "node1" / versions.version_dirname(4)).rglob("*") if f.is_file())
+    assert node1.bytes_sent - sent <= part4, (node1.bytes_sent - sent, part4)
