@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import logging
 
-from ckpt.replicator.transfer import Transfer, missing_files
+from ckpt.replicator.transfer import Transfer, missing_files, part_sizes
 from ckpt.store.errors import ManifestError, StoppedError
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, parse_manifest
 from ckpt.store.rank_file import rank_file_path
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import COMMIT_CLAIM, DELETING_MARKER, RootInfo, read_root_info, version_dirname
 
-__all__ = ["GC_CLAIM", "clear_to_send", "committed_info", "publish"]
+__all__ = ["GC_CLAIM", "clear_to_send", "committed_info", "publish", "publish_waiting"]
 
 log = logging.getLogger("ckpt.replicator")
 GC_CLAIM = b"gc"
@@ -80,6 +80,52 @@ def _other_save_committed(tier: Tier, name: str, save_id: str) -> bool:
         return True
 
 
+def _part_key(name: str, part_index: int) -> str:
+    return join_key(name, PARTS, f"{part_index}.json")
+
+
+def _records_save(tier: Tier, key: str, save_id: str) -> bool:
+    """Whether the part record at `key` is there and names this save."""
+    try:
+        doc = json.loads(tier.get(key))
+    except (FileNotFoundError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("save_id") == save_id
+
+
+def publish_waiting(t: Transfer, writers: list[int], part_index: int) -> bool | None:
+    """A pass over a version whose part this node sent and recorded in an earlier pass, on
+    the shared remote: it rewrites its record (a live upload, to the collector of abandoned
+    ones) and reads the parts' records; it commits once they cover every rank. None where
+    its record is gone or names another save (a committer found files of the part missing
+    and withdrew it, or the step was saved again): the part is to be sent in full.
+    Waiting this way costs a listing of the records (one per node), not of the version's
+    files (one per chunk of every node): at thousands of nodes, every node but the last
+    waits on every version."""
+    tier, name, m = t.dest.tier, t.name, t.manifest
+    key = _part_key(name, part_index)
+    if not _records_save(tier, key, m.save_id):
+        return None
+    tier.put(key, json.dumps({"save_id": m.save_id, "writers": sorted(writers)}).encode())
+    if not _covered(tier, name, m.save_id) >= set(range(m.world_size)):
+        return False
+    return publish(t, writers, part_index, part_sizes(t.source, t.step))
+
+
+def _withdraw_parts(t: Transfer, missing: list[str]) -> None:
+    """The records of the parts whose files are missing, withdrawn: their nodes send those
+    parts in full (listing what is there) on their next pass."""
+    tier, name, m = t.dest.tier, t.name, t.manifest
+    writers = {a.chunk_path(c): c.writer for a in m.arrays.values() for c in a.iter_chunks() if c.inline is None}
+    writers.update({rank_file_path(r): r for r in range(len(m.rank_files))})
+    parts = {m.root_of(writers[rel]) for rel in missing if rel in writers}
+    for part in sorted(parts):
+        key = _part_key(name, part)
+        if _records_save(tier, key, m.save_id):
+            log.warning("%s: withdrawing part %d's record: it is sent again in full", t.where(), part)
+            tier.delete(key)
+
+
 def clear_to_send(t: Transfer, part_index: int) -> bool:
     """Whether this node may send its part of the save to the shared remote now. The step's
     directory there may hold another save of the step (the source saved it again): this
@@ -89,14 +135,8 @@ def clear_to_send(t: Transfer, part_index: int) -> bool:
     committer claims and then checks the parts: one that claims after this check finds the
     record withdrawn and commits nothing; one that claimed before it is seen here."""
     tier, name, save_id = t.dest.tier, t.name, t.manifest.save_id
-    key = join_key(name, PARTS, f"{part_index}.json")
-    try:
-        doc = json.loads(tier.get(key))
-    except FileNotFoundError:
-        doc = None
-    except ValueError:
-        doc = {}
-    if doc is not None and (not isinstance(doc, dict) or doc.get("save_id") != save_id):
+    key = _part_key(name, part_index)
+    if tier.exists(key) and not _records_save(tier, key, save_id):
         log.info("%s: withdrawing this node's part record of another save of step %d", t.where(), t.step)
         tier.delete(key)
     try:
@@ -133,7 +173,7 @@ def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, i
     tier, name, m = t.dest.tier, t.name, t.manifest
     if t.dest.kind == "shared":
         part = json.dumps({"save_id": m.save_id, "writers": sorted(writers)}).encode()
-        tier.put(join_key(name, PARTS, f"{part_index}.json"), part)
+        tier.put(_part_key(name, part_index), part)
         if not _covered(tier, name, m.save_id) >= set(range(m.world_size)):
             return False  # other nodes' parts are still on their way; whoever completes the set commits
         holders = tuple(range(m.world_size))
@@ -177,6 +217,8 @@ def _commit(t: Transfer, holders: tuple[int, ...], sizes: dict[str, int]) -> boo
         for rel in missing:
             t.journal.discard(rel)
         t.journal.save()
+        if t.dest.kind == "shared":
+            _withdraw_parts(t, missing)
         return False
     t.dest.check_disk()
     if _other_save_committed(tier, name, m.save_id):

@@ -39,7 +39,7 @@ from ckpt.replicator.placement import (
     source_label,
 )
 from ckpt.replicator.policy import Policy, VersionInfo, expired
-from ckpt.replicator.publish import clear_to_send, committed_info, publish
+from ckpt.replicator.publish import clear_to_send, committed_info, publish, publish_waiting
 from ckpt.replicator.ratelimit import RateLimiter
 from ckpt.replicator.status import (
     REMOTE_DONE,
@@ -425,7 +425,8 @@ class Replicator:
             if self._expired_on_remote(entry, manifest):
                 entry.remote = CopyState("expired", time.time(), url=url)
                 return
-            ok = self._push(source, step, manifest, writers, self.remote, state_dir, part)
+            waiting = done is not None and done.state == WAITING and done.url == url
+            ok = self._push(source, step, manifest, writers, self.remote, state_dir, part, waiting=waiting)
         except StoppedError:
             raise
         except Exception as e:  # noqa: BLE001 - as for the replicas: recorded as failed
@@ -481,9 +482,13 @@ class Replicator:
         dest: Destination,
         state_dir: str,
         part: int,
+        *,
+        waiting: bool = False,
     ) -> bool:
         """Copy, verify and commit; True once the destination holds the version (or this part).
-        Resumable: chunks the journal records as verified (and still there) are not sent again."""
+        Resumable: chunks the journal records as verified (and still there) are not sent again.
+        `waiting`: this node's part was sent and recorded on the shared remote in an earlier
+        pass (publish_waiting)."""
         dest.check_disk()
         there = committed_info(dest.tier, step)
         if there is not None and there.save_id == manifest.save_id:
@@ -526,6 +531,10 @@ class Replicator:
             threads=self.config.threads,
             readback=self.config.readback,
         )
+        if waiting:
+            done = publish_waiting(transfer, writers, part)
+            if done is not None:
+                return done
         if dest.kind == "shared" and not clear_to_send(transfer, part):
             return False  # another save of the step is being committed there: next pass
         sizes = copy_files(transfer, count)

@@ -20,6 +20,7 @@ from ckpt.replicator.policy import KeepLast
 from ckpt.replicator.service import Replicator
 from ckpt.replicator.status import read_status
 from ckpt.store import versions
+from ckpt.store._fsspec import FsspecTier
 from ckpt.store.rank_file import rank_file_path
 from ckpt.store.tier import open_tier
 from tests._dist import Ctx, launch
@@ -44,9 +45,9 @@ def _save(tmp_path: Path, value: float, *, overwrite: bool = False) -> None:
     assert not failures, failures
 
 
-def _restored(fresh: Path, url: str) -> torch.Tensor:
+def _restored(fresh: Path, url: str, storage_options: Any = None) -> torch.Tensor:
     state = {"w": torch.zeros(8, 8)}
-    with Checkpointer(fresh, tiers=[url]) as ck:
+    with Checkpointer(fresh, tiers=[url], storage_options=storage_options) as ck:
         assert ck.restore(state) == 1
     return state["w"]
 
@@ -89,21 +90,21 @@ def test_a_step_saved_again_while_its_upload_is_in_flight_never_commits_mixed(
 
 
 def test_a_node_leaves_the_temp_files_of_other_nodes_uploads_alone(tmp_path: Path) -> None:
-    """Node 0's part waits on the remote for node 1's; each of its passes sends what is
-    missing and cleans up temp files of copies that never finished. Before, it deleted
-    every temp file under the version, node 1's copies in flight too: node 1's uploads
-    failed ('vanished while it was copied') for as long as node 0 waited."""
+    """Node 0 sends its part while node 1 sends its own; a pass that sends cleans up the temp
+    files of copies that never finished. Before, it deleted every temp file under the
+    version, node 1's copies in flight too: node 1's uploads failed ('vanished while it was
+    copied'), and went on failing while node 0 waited (each waiting pass sent again)."""
     _save(tmp_path, 1.0)
     remote = tmp_path / "remote"
     node0 = Replicator([str(tmp_path / "node0")], ReplicatorConfig(remote=f"file://{remote}"))
-    node0.run_once()
     version = remote / versions.version_dirname(1)
     in_flight = version / f"{rank_file_path(1)}.tmp-{uuid.uuid4().hex}"  # node 1's, being written
     stale = version / f"{rank_file_path(0)}.tmp-{uuid.uuid4().hex}"  # node 0's, of a copy cut off
     for path in (in_flight, stale):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"partly written")
-    node0.run_once()
+    node0.run_once()  # sends its part
+    node0.run_once()  # waits
     assert in_flight.exists()
     assert not stale.exists()
     assert versions.committed_steps(str(remote)) == []
@@ -141,3 +142,52 @@ def test_a_version_another_nodes_remote_gc_deleted_is_not_uploaded_again(tmp_pat
     assert 1 not in entry
     part4 = sum(f.stat().st_size for f in (tmp_path / "node1" / versions.version_dirname(4)).rglob("*") if f.is_file())
     assert node1.bytes_sent - sent <= part4, (node1.bytes_sent - sent, part4)
+
+
+def test_a_node_waiting_on_the_remote_lists_the_part_records_not_the_version(
+    tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 0's part of step 1 waits on S3 for node 1's. Before, each of node 0's passes
+    listed every file of the version three times (the files of every node's part: at
+    thousands of nodes, millions of objects per pass per waiting node). Now a waiting pass
+    reads the parts' records alone; the commit, when node 1's part comes, lists once."""
+    _save(tmp_path, 1.0)
+    config = ReplicatorConfig(remote=s3.url, storage_options=s3.options)
+    node0, node1 = Replicator([str(tmp_path / "node0")], config), Replicator([str(tmp_path / "node1")], config)
+    node0.run_once()
+    listed: list[str] = []
+    real_find = FsspecTier.find
+
+    def find(self: FsspecTier, prefix: str) -> Any:
+        listed.append(prefix)
+        return real_find(self, prefix)
+
+    monkeypatch.setattr(FsspecTier, "find", find)
+    for _ in range(3):
+        node0.run_once()
+    assert read_status(str(tmp_path / "node0")).versions[1].remote.state == "waiting for other nodes"  # type: ignore[union-attr]
+    assert listed == []
+    node1.run_once()
+    assert versions.committed_steps(open_tier(s3.url, storage_options=s3.options)) == [1]
+    want = torch.cat([torch.full((4, 8), 1.0), torch.full((4, 8), 2.0)])
+    assert_bitwise(_restored(tmp_path / "fresh", s3.url, s3.options), want)
+
+
+def test_a_part_whose_files_vanished_is_sent_again_though_its_node_waits(tmp_path: Path) -> None:
+    """A waiting node no longer lists its part's files each pass: when some vanish from the
+    remote (a lifecycle rule, a wiped bucket), the committer finds them missing and
+    withdraws that part's record, and its node sends the part in full on its next pass."""
+    _save(tmp_path, 1.0)
+    remote = tmp_path / "remote"
+    config = ReplicatorConfig(remote=f"file://{remote}")
+    node0, node1 = Replicator([str(tmp_path / "node0")], config), Replicator([str(tmp_path / "node1")], config)
+    node0.run_once()
+    (remote / versions.version_dirname(1) / rank_file_path(0)).unlink()
+    node0.run_once()  # waiting: it does not look
+    node1.run_once()  # the committer: finds node 0's rank file missing
+    assert versions.committed_steps(str(remote)) == []
+    assert sorted(os.listdir(remote / versions.version_dirname(1) / "parts")) == ["1.json"]
+    node0.run_once()  # sends its part in full, and commits
+    assert versions.committed_steps(str(remote)) == [1]
+    want = torch.cat([torch.full((4, 8), 1.0), torch.full((4, 8), 2.0)])
+    assert_bitwise(_restored(tmp_path / "fresh", f"file://{remote}"), want)
