@@ -112,13 +112,14 @@ def publish_waiting(t: Transfer, writers: list[int], part_index: int) -> bool | 
     return publish(t, writers, part_index, part_sizes(t.source, t.step))
 
 
-def _withdraw_parts(t: Transfer, missing: list[str]) -> None:
+def _withdraw_parts(t: Transfer, missing: list[str], part_index: int) -> None:
     """The records of the parts whose files are missing, withdrawn: their nodes send those
-    parts in full (listing what is there) on their next pass."""
+    parts in full (listing what is there) on their next pass. A file every part holds (the
+    zarr.json documents) is this node's to send."""
     tier, name, m = t.dest.tier, t.name, t.manifest
     writers = {a.chunk_path(c): c.writer for a in m.arrays.values() for c in a.iter_chunks() if c.inline is None}
     writers.update({rank_file_path(r): r for r in range(len(m.rank_files))})
-    parts = {m.root_of(writers[rel]) for rel in missing if rel in writers}
+    parts = {m.root_of(writers[rel]) if rel in writers else part_index for rel in missing}
     for part in sorted(parts):
         key = _part_key(name, part)
         if _records_save(tier, key, m.save_id):
@@ -130,33 +131,34 @@ def clear_to_send(t: Transfer, part_index: int) -> bool:
     """Whether this node may send its part of the save to the shared remote now. The step's
     directory there may hold another save of the step (the source saved it again): this
     node's part record of that save is withdrawn first, as its files are about to hold this
-    save's bytes; and nothing is sent while another save (or a collector) holds the commit
-    claim, as that save may be committing over the files this upload would change. A
-    committer claims and then checks the parts: one that claims after this check finds the
-    record withdrawn and commits nothing; one that claimed before it is seen here."""
+    save's bytes. Then no committer of that save passes its check of the records (a
+    committer claims, then checks): one that claimed before shows in the claim, and
+    nothing is sent while it may be committing over the files this upload would change,
+    unless that save's records no longer cover every rank. Then it can never commit (this
+    node's part is not among them, and never will be): its claim is stale, left by a
+    committer that found a record withdrawn, and it is removed. A committer of it that
+    checked the records before the withdrawal finds the claim gone after writing its
+    manifest, and unpublishes. Nothing is sent while a collector holds the claim."""
     tier, name, save_id = t.dest.tier, t.name, t.manifest.save_id
     key = _part_key(name, part_index)
     if tier.exists(key) and not _records_save(tier, key, save_id):
         log.info("%s: withdrawing this node's part record of another save of step %d", t.where(), t.step)
         tier.delete(key)
+    claim = join_key(name, COMMIT_CLAIM)
     try:
-        holder = tier.get(join_key(name, COMMIT_CLAIM))
+        holder = tier.get(claim)
     except FileNotFoundError:
         return True
-    if holder != save_id.encode():
-        log.warning("%s: another save of step %d or a collector holds it; not sent now", t.where(), t.step)
-        return False
-    return True
-
-
-def _release(tier: Tier, name: str, save_id: str) -> None:
-    """Give up this save's commit claim: a claim left behind by a commit that did not
-    happen would keep the next save of the step from being sent."""
-    try:
-        if _still_ours(tier, name, save_id):
-            tier.delete(join_key(name, COMMIT_CLAIM))
-    except OSError as e:  # (a stale claim is collected with the upload, past the abandon age)
-        log.warning("%s: cannot give up the commit claim of %s: %s", tier.location, name, e)
+    if holder == save_id.encode():
+        return True
+    if holder != GC_CLAIM and not _covered(tier, name, holder.decode(errors="replace")) >= set(
+        range(t.manifest.world_size)
+    ):
+        log.info("%s: removing the stale commit claim of another save of step %d", t.where(), t.step)
+        tier.delete(claim)
+        return True
+    log.warning("%s: another save of step %d or a collector holds it; not sent now", t.where(), t.step)
+    return False
 
 
 def _still_ours(tier: Tier, name: str, save_id: str) -> bool:
@@ -182,16 +184,10 @@ def publish(t: Transfer, writers: list[int], part_index: int, sizes: dict[str, i
     if t.dest.kind == "shared" and not _claim(tier, name, m.save_id):
         log.warning("%s: held by a collector or another save of step %d; not committed now", t.where(), t.step)
         return False
-    committed = False
-    try:
-        committed = _commit(t, holders, sizes)
-    finally:
-        if not committed and t.dest.kind == "shared":
-            _release(tier, name, m.save_id)
-    return committed
+    return _commit(t, holders, part_index, sizes)
 
 
-def _commit(t: Transfer, holders: tuple[int, ...], sizes: dict[str, int]) -> bool:
+def _commit(t: Transfer, holders: tuple[int, ...], part_index: int, sizes: dict[str, int]) -> bool:
     tier, name, m = t.dest.tier, t.name, t.manifest
     # With the claim held nothing is collected here: what the checks find stays.
     if tier.exists(join_key(name, DELETING_MARKER)):
@@ -218,7 +214,7 @@ def _commit(t: Transfer, holders: tuple[int, ...], sizes: dict[str, int]) -> boo
             t.journal.discard(rel)
         t.journal.save()
         if t.dest.kind == "shared":
-            _withdraw_parts(t, missing)
+            _withdraw_parts(t, missing, part_index)
         return False
     t.dest.check_disk()
     if _other_save_committed(tier, name, m.save_id):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckpt import Checkpointer, Shard
+from ckpt.replicator import publish as publish_module
 from ckpt.replicator import service
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.policy import KeepLast
@@ -99,13 +100,14 @@ def test_a_node_leaves_the_temp_files_of_other_nodes_uploads_alone(tmp_path: Pat
     node0 = Replicator([str(tmp_path / "node0")], ReplicatorConfig(remote=f"file://{remote}"))
     version = remote / versions.version_dirname(1)
     in_flight = version / f"{rank_file_path(1)}.tmp-{uuid.uuid4().hex}"  # node 1's, being written
+    in_flight_doc = version / f"state/zarr.json.tmp-{uuid.uuid4().hex}"  # every part holds it: node 1's?
     stale = version / f"{rank_file_path(0)}.tmp-{uuid.uuid4().hex}"  # node 0's, of a copy cut off
-    for path in (in_flight, stale):
+    for path in (in_flight, in_flight_doc, stale):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"partly written")
     node0.run_once()  # sends its part
     node0.run_once()  # waits
-    assert in_flight.exists()
+    assert in_flight.exists() and in_flight_doc.exists()
     assert not stale.exists()
     assert versions.committed_steps(str(remote)) == []
     assert sorted(os.listdir(version / "parts")) == ["0.json"]
@@ -190,4 +192,60 @@ def test_a_part_whose_files_vanished_is_sent_again_though_its_node_waits(tmp_pat
     node0.run_once()  # sends its part in full, and commits
     assert versions.committed_steps(str(remote)) == [1]
     want = torch.cat([torch.full((4, 8), 1.0), torch.full((4, 8), 2.0)])
+    assert_bitwise(_restored(tmp_path / "fresh", f"file://{remote}"), want)
+
+
+def test_a_shared_document_missing_at_commit_is_sent_again_by_the_committer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both nodes' parts are recorded (node 1 found the claim busy once), and then a
+    zarr.json document every part holds vanishes from the remote. The committer finds it
+    missing; no part's chunks name it, so the committer's own record is withdrawn and it
+    sends its part in full. (A first version of the waiting pass withdrew no record: every
+    node went on waiting, and the version never committed.)"""
+    _save(tmp_path, 1.0)
+    remote = tmp_path / "remote"
+    config = ReplicatorConfig(remote=f"file://{remote}")
+    node0, node1 = Replicator([str(tmp_path / "node0")], config), Replicator([str(tmp_path / "node1")], config)
+    node0.run_once()
+    busy = [True]
+    real_claim = publish_module._claim
+
+    def claim(*args: Any) -> bool:
+        if busy:
+            return not busy.pop()  # (held by a collector, say)
+        return real_claim(*args)
+
+    monkeypatch.setattr(publish_module, "_claim", claim)
+    node1.run_once()  # its part recorded, its commit put off
+    assert sorted(os.listdir(remote / versions.version_dirname(1) / "parts")) == ["0.json", "1.json"]
+    (remote / versions.version_dirname(1) / "state" / "w" / "zarr.json").unlink()
+    for _ in range(2):
+        node0.run_once()
+        node1.run_once()
+    assert versions.committed_steps(str(remote)) == [1]
+    want = torch.cat([torch.full((4, 8), 1.0), torch.full((4, 8), 2.0)])
+    assert_bitwise(_restored(tmp_path / "fresh", f"file://{remote}"), want)
+
+
+def test_a_claim_left_by_a_save_that_can_no_longer_commit_does_not_hold_up_the_next(tmp_path: Path) -> None:
+    """A committer of step 1's first save claimed it and then found a part's record gone
+    (its node was sending the step's new save) or died: its claim stays. The new save's
+    nodes see that the first save's records no longer cover every rank, so it can never
+    commit: they remove its claim and go on. Before, nothing removed it (without a remote
+    policy, no collector ever runs) and the new save was never committed there."""
+    _save(tmp_path, 1.0)
+    remote = tmp_path / "remote"
+    config = ReplicatorConfig(remote=f"file://{remote}")
+    node0, node1 = Replicator([str(tmp_path / "node0")], config), Replicator([str(tmp_path / "node1")], config)
+    node0.run_once()
+    first = versions.read_manifest(str(tmp_path / "node0"), 1).save_id
+    (remote / versions.version_dirname(1) / versions.COMMIT_CLAIM).write_bytes(first.encode())
+    _save(tmp_path, 10.0, overwrite=True)
+    for _ in range(2):
+        node0.run_once()
+        node1.run_once()
+    assert versions.committed_steps(str(remote)) == [1]
+    assert versions.read_manifest(str(remote), 1).save_id != first
+    want = torch.cat([torch.full((4, 8), 10.0), torch.full((4, 8), 11.0)])
     assert_bitwise(_restored(tmp_path / "fresh", f"file://{remote}"), want)
