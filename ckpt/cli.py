@@ -5,7 +5,8 @@ Exit codes: 0 success, 1 damage (verification found bad chunks, or the version a
 is corrupt), 2 usage error (click), 3 any other error (one readable line on stderr, never
 a traceback; `verify` found no damage but files it could not read), 4 `ckpt gc` kept
 versions it could not read (a transient error is no proof of damage: run it again), 141
-(quietly, as a tool SIGPIPE ends) when the reader of its output went away (`ckpt ls | head`).
+(quietly, as a tool SIGPIPE ends) when the reader of its output went away (`ckpt ls | head`),
+130 when interrupted (Ctrl-C).
 
 Starting fast: `ckpt --help`, `ls` and `verify` never import torch (about 2 s) nor rich's
 progress bars; `inspect` and `restore` import them when they run.
@@ -50,6 +51,7 @@ EXIT_BAD_CHUNKS = 1
 EXIT_CKPT_ERROR = 3
 EXIT_UNJUDGED = 4
 EXIT_OUTPUT_GONE = 128 + 13  # as the shell reports a process SIGPIPE ended
+EXIT_INTERRUPTED = 128 + 2  # SIGINT's, as the shell reports it
 ABANDON_AFTER_S = 6 * 3600.0
 
 
@@ -81,6 +83,8 @@ def _errors_to_exit(fn: F) -> F:
             return fn(*args, **kwargs)
         except BrokenPipeError:  # the reader of the output went away: not an error to report
             _output_gone()
+        except KeyboardInterrupt:  # (click would say "Aborted!" and exit 1, damage's code)
+            _fail("interrupted: what it committed before stays committed (ckpt ls shows it)", EXIT_INTERRUPTED)
         except CorruptVersionError as e:  # a damaged version: as `verify`'s bad chunks
             _fail(str(e), EXIT_BAD_CHUNKS)
         except CkptError as e:

@@ -9,6 +9,7 @@ imported becomes an ordinary ckpt version, which holds no pickle.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from typing import Any
@@ -20,6 +21,7 @@ from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
 from ckpt.store.errors import UnsupportedStateError
 from ckpt.store.root import LOCK_NAME, ROOT_ID_NAME
+from ckpt.store.versions import TRASH_NAME
 
 __all__ = ["UntrustedSourceError", "read_foreign", "import_checkpoint"]
 
@@ -38,7 +40,7 @@ def _dcp_state(path: str) -> dict[str, Any]:
     reader = FileSystemReader(path)
     # .metadata read here first, its error as itself: DCP's loader would log the failure
     # with its traceback (to stderr, through the root logger) and try other files.
-    reader.read_metadata()
+    _check_coverage(path, reader.read_metadata())
     try:
         planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
         _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
@@ -47,6 +49,51 @@ def _dcp_state(path: str) -> dict[str, Any]:
         raise ValueError(" ".join(why.split())[:500]) from None
     _optimizer_ids(state)
     return state
+
+
+def _check_coverage(path: str, metadata: Any) -> None:
+    """UnsupportedStateError where a tensor's chunks do not cover it: DCP's loader would
+    hand back the rest as the uninitialised memory of torch.empty (a save that left a
+    rank's shard out, a damaged or edited .metadata). Chunks of a DCP save never overlap,
+    so their volumes, each within the tensor, add up to its size exactly when they cover it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        size, held = tuple(item.size), 0
+        for chunk in item.chunks:
+            if len(chunk.offsets) != len(size) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, size, strict=True)
+            ):
+                raise UnsupportedStateError(
+                    f"{path}: {key}: a chunk at {list(chunk.offsets)} lies outside {list(size)}"
+                )
+            held += math.prod(chunk.sizes)
+        if held != math.prod(size):
+            raise UnsupportedStateError(
+                f"{path}: {key}: its chunks hold {held} of its {math.prod(size)} elements: the checkpoint lacks a part"
+            )
+
+
+def _refuse_sharded(path: str, node: Any) -> None:
+    """UnsupportedStateError where a torch.save file holds DTensors sharded over several
+    ranks (each rank's `torch.save(model.state_dict())` of FSDP2, say): a rank's file holds
+    its shards alone."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(node, DTensor):
+        if node.device_mesh.size() > 1:
+            raise UnsupportedStateError(
+                f"{path}: holds DTensors over {node.device_mesh.size()} ranks (one rank's shards): import the "
+                "job's DCP checkpoint directory, or a file of full tensors"
+            )
+    elif isinstance(node, dict):
+        for v in node.values():
+            _refuse_sharded(path, v)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _refuse_sharded(path, v)
 
 
 def _optimizer_ids(node: Any) -> None:
@@ -91,13 +138,17 @@ def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
         raise UnsupportedStateError(f"{path}: not a readable {what}: {type(e).__name__}: {e}") from None
     if not isinstance(state, dict):
         raise UnsupportedStateError(f"{path}: holds a {type(state).__name__}, not a dict of state")
+    if not is_dcp:
+        _refuse_sharded(path, state)
     return state
 
 
 def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, overwrite: bool = False) -> int:
     """Save what `path` holds as version `step` under `root` (one process); its byte count."""
     state = read_foreign(path, trust=trust)
-    made = _first_missing(root)
+    local = os.fspath(root) if isinstance(root, (str, os.PathLike)) else None
+    made = None if local is None else _first_missing(local)
+    ck = None
     try:
         with Checkpointer(root, config=CheckpointerConfig(capture_rng=False)) as ck:
             ck.save(step, state, overwrite=overwrite)
@@ -105,19 +156,21 @@ def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, over
             return ck.stats()[-1].bytes_written
     except BaseException:
         # The directories this import made hold a root with no version: not left behind
-        # for the next command to take as a checkpoint root.
-        if made is not None and isinstance(root, str):
-            _remove_made(made, root)
+        # for the next command to take as a checkpoint root. Only once it held the root's
+        # lock: a root another writer made and locked meanwhile is that writer's.
+        if made is not None and local is not None and ck is not None:
+            _remove_made(made, local)
         raise
 
 
 def _remove_made(made: str, root: str) -> None:
-    """Remove a root with no version (only the identity and lock files every root has) and
-    the directories the import made above it, up to `made`, as long as each then holds
-    nothing: a file another process put in one meanwhile stays, with the path to it."""
+    """Remove a root with no version (only the identity and lock files every root has, and
+    the trash a failed write leaves its files in) and the directories the import made
+    above it, up to `made`, as long as each then holds nothing: a file another process put
+    in one meanwhile stays, with the path to it."""
     here = os.path.abspath(root)
     try:
-        if not set(os.listdir(here)) <= {ROOT_ID_NAME, LOCK_NAME}:
+        if not set(os.listdir(here)) <= {ROOT_ID_NAME, LOCK_NAME, TRASH_NAME}:
             return
         shutil.rmtree(here)
         while here != made:
@@ -127,10 +180,10 @@ def _remove_made(made: str, root: str) -> None:
         return
 
 
-def _first_missing(root: RootSpec) -> str | None:
+def _first_missing(root: str) -> str | None:
     """The outermost directory of a local `root` path that does not exist yet (None: it
     exists, or the root is no local path)."""
-    if not isinstance(root, str) or "://" in root:
+    if "://" in root:
         return None
     here, missing = os.path.abspath(root), None
     while not os.path.lexists(here):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
@@ -237,3 +238,135 @@ def test_a_failed_import_removes_only_what_it_made(tmp_path: Path) -> None:
     assert out.exit_code != 0, out.output
     assert beside.read_text() == "another job's file"
     assert not root.exists()  # its own part is gone
+
+
+# -- found by review, 2026-12-07: each failed on the code before its fix --------------------
+
+
+def test_a_dcp_tensor_whose_chunks_do_not_cover_it_is_refused(tmp_path: Path) -> None:
+    """A .metadata that names fewer chunks than the tensor holds (a save that left a rank's
+    shard out, a damaged or edited file): DCP's loader handed the rest back as torch.empty's
+    memory, which the import checksummed and committed as if it were the state."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    src = tmp_path / "dcp"
+    dcp.save(_state(5), checkpoint_id=str(src), no_dist=True)
+    metadata = FileSystemReader(str(src)).read_metadata()
+    item = metadata.state_dict_metadata["model.w"]
+    chunk = item.chunks[0]
+    item.chunks[0] = type(chunk)(offsets=chunk.offsets, sizes=torch.Size([3, 4]))  # rows 3-5 missing
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    out = CliRunner().invoke(cli, ["import", str(src), str(tmp_path / "root"), "--step", "1", "--trust"])
+    assert out.exit_code == 3 and "model.w: its chunks hold 12 of its 24 elements" in out.output, out.output
+    assert not (tmp_path / "root").exists()
+
+
+def save_dtensors_per_rank(ctx: Any, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    w = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    torch.save({"model": {"w": w}}, f"{out}/rank{ctx.rank}.pt")
+
+
+def test_a_rank_s_torch_save_file_of_sharded_dtensors_is_refused_before_writing(tmp_path: Path) -> None:
+    """FSDP2's `torch.save(model.state_dict())` on each rank: a file holds that rank's
+    shards. Before, the import wrote its chunks and then failed with exit 1 (damage's code)
+    and 'a writer run goes beyond rank 0', leaving the new root behind."""
+    from tests._dist import launch
+
+    _, failures = launch(__file__, "save_dtensors_per_rank", 2, tmp_path / "job", out=str(tmp_path))
+    assert not failures, failures
+    root = tmp_path / "new" / "root"
+    out = CliRunner().invoke(cli, ["import", str(tmp_path / "rank0.pt"), str(root), "--step", "1", "--trust"])
+    assert out.exit_code == 3 and "holds DTensors over 2 ranks" in out.output, out.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_import_whose_write_fails_leaves_no_root_behind(tmp_path: Path) -> None:
+    """The disk fills while the version is written (here: a file size limit): the failed
+    write leaves its files in the root's trash. Before, that trash kept the import from
+    removing the root it made: an empty root stayed, for the next command to take as one."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "model.pt"
+    torch.save({"w": torch.randn(64, 64)}, src)
+    root = tmp_path / "new" / "root"
+    limited = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+        "from ckpt.cli import main; sys.argv[0] = 'ckpt'; main()"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-c", limited, "import", str(src), str(root), "--step", "1", "--trust"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert res.returncode == 3 and "cannot write step 1" in res.stderr, res.stderr
+    assert not (tmp_path / "new").exists(), sorted(p.name for p in root.iterdir())
+
+
+def test_an_import_that_finds_the_root_locked_leaves_the_writer_s_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the import's look at ROOT (not there) and its open, another writer makes the
+    root and locks it. Before, the import's RootLockedError made it remove 'the root it
+    made', under the writer that holds it."""
+    import ckpt.importers
+
+    src = tmp_path / "model.pt"
+    torch.save(_state(1), src)
+    root = tmp_path / "new" / "root"
+    writers: list[Checkpointer] = []
+    real = ckpt.importers.Checkpointer
+
+    def another_writer_first(where: Any, **kwargs: Any) -> Checkpointer:
+        writers.append(real(where))
+        return real(where, **kwargs)
+
+    monkeypatch.setattr(ckpt.importers, "Checkpointer", another_writer_first)
+    try:
+        out = CliRunner().invoke(cli, ["import", str(src), str(root), "--step", "1", "--trust"])
+        assert out.exit_code == 3 and "in use" in out.output.lower(), out.output
+        assert root.is_dir()
+        writers[0].save(5, {"w": torch.ones(2)})
+        writers[0].wait()
+    finally:
+        for ck in writers:
+            ck.close()
+    with Checkpointer(root) as ck:
+        assert ck.steps() == [5]
+
+
+def test_ctrl_c_ends_a_command_with_130_and_one_line(tmp_path: Path) -> None:
+    """A real SIGINT while the import stages the state: before, click printed 'Aborted!' and
+    exited 1, the code of damage."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "model.pt"
+    torch.save(_state(1), src)
+    root = tmp_path / "new" / "root"
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpt.cli", "import", str(src), str(root), "--step", "1", "--trust"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "CKPT_INTERRUPT": "stage:0:1"},
+    )
+    assert res.returncode == 130, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("ckpt: error: interrupted"), res.stderr
+    assert "Aborted" not in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "new").exists()
