@@ -19,7 +19,7 @@ import torch
 from ckpt._roots import RootSpec
 from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
-from ckpt.store.errors import UnsupportedStateError
+from ckpt.store.errors import UnsupportedStateError, VersionExistsError
 from ckpt.store.root import LOCK_NAME, ROOT_ID_NAME
 from ckpt.store.versions import TRASH_NAME
 
@@ -118,8 +118,8 @@ def _optimizer_ids(node: Any) -> None:
         _optimizer_ids(v)
 
 
-def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
-    """The state a DCP directory (it holds `.metadata`) or a torch.save file holds."""
+def _check_source(path: str, *, trust: bool) -> bool:
+    """What is refused before anything is read; whether `path` is a DCP directory."""
     is_dcp = os.path.isdir(path)
     if is_dcp and not os.path.isfile(os.path.join(path, ".metadata")):
         raise UnsupportedStateError(f"{path}: a directory without .metadata is not a DCP checkpoint")
@@ -129,6 +129,12 @@ def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
             f"{path}: importing unpickles {what}, which can run any code; pass --trust (trust=True) "
             "only for files from a source you trust"
         )
+    return is_dcp
+
+
+def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
+    """The state a DCP directory (it holds `.metadata`) or a torch.save file holds."""
+    is_dcp = _check_source(path, trust=trust)
     try:
         state = _dcp_state(path) if is_dcp else torch.load(path, map_location="cpu", weights_only=False)
     except OSError:
@@ -145,12 +151,17 @@ def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
 
 def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, overwrite: bool = False) -> int:
     """Save what `path` holds as version `step` under `root` (one process); its byte count."""
-    state = read_foreign(path, trust=trust)
+    _check_source(path, trust=trust)
     local = os.fspath(root) if isinstance(root, (str, os.PathLike)) else None
     made = None if local is None else _first_missing(local)
     ck = None
     try:
         with Checkpointer(root, config=CheckpointerConfig(capture_rng=False)) as ck:
+            # A root in use and a step already there fail before the source is read (hours, for
+            # a large one): the save would refuse them only after.
+            if not overwrite and step in ck.steps():
+                raise VersionExistsError(f"step {step} is already committed under {ck.root}; pass --overwrite")
+            state = read_foreign(path, trust=trust)
             ck.save(step, state, overwrite=overwrite)
             ck.wait()
             return ck.stats()[-1].bytes_written

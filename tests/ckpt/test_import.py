@@ -370,3 +370,17 @@ def test_ctrl_c_ends_a_command_with_130_and_one_line(tmp_path: Path) -> None:
     assert res.stderr.strip().splitlines()[-1].startswith("ckpt: error: interrupted"), res.stderr
     assert "Aborted" not in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_a_step_already_there_is_refused_before_the_source_is_read(tmp_path: Path) -> None:
+    """Before, the whole source was read (hours, for a large one) before the save found the
+    step committed, and the message named the API's overwrite=True, not --overwrite."""
+    src = tmp_path / "model.pt"
+    torch.save(_state(1), src)
+    root = tmp_path / "root"
+    assert CliRunner().invoke(cli, ["import", str(src), str(root), "--step", "1", "--trust"]).exit_code == 0
+    unreadable = tmp_path / "huge.pt"
+    unreadable.write_bytes(b"not read at all")
+    out = CliRunner().invoke(cli, ["import", str(unreadable), str(root), "--step", "1", "--trust"])
+    assert out.exit_code == 3 and "already committed" in out.output and "--overwrite" in out.output, out.output
+    assert _same(_restored(root, 1), _state(1))
