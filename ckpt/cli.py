@@ -367,9 +367,11 @@ def _local_target(target: str, option: str) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace an existing version of the step.")
 @_errors_to_exit
 def import_cmd(source: str, root: str, step: int, trust: bool, overwrite: bool) -> None:
-    """Save a DCP checkpoint directory or a torch.save file as version STEP under ROOT.
+    """Save a DCP checkpoint directory, a torch.save file or a .safetensors file (its
+    tensors under the state key "model") as version STEP under ROOT.
 
-    Both are pickles, so nothing is read without --trust; the version written holds none.
+    DCP and torch.save are pickles, so they are not read without --trust; the version
+    written holds none.
     """
     from ckpt.importers import import_checkpoint
 

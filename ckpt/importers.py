@@ -1,10 +1,11 @@
 """Importing checkpoints of other formats into ckpt versions: a DCP checkpoint directory, a
-`torch.save` file.
+`torch.save` file, a safetensors file.
 
-Both formats are pickles (DCP's `.metadata` file and its non-tensor items; torch.save's
-whole file), and unpickling runs whatever code the file names. So importing requires the
-caller's explicit trust (`ckpt import --trust`): without it nothing is read. What is
-imported becomes an ordinary ckpt version, which holds no pickle.
+DCP and torch.save are pickles (DCP's `.metadata` file and its non-tensor items;
+torch.save's whole file), and unpickling runs whatever code the file names. So importing
+them requires the caller's explicit trust (`ckpt import --trust`): without it nothing is
+read. A safetensors file holds no pickle and needs none. What is imported becomes an
+ordinary ckpt version, which holds no pickle.
 """
 
 from __future__ import annotations
@@ -118,12 +119,30 @@ def _optimizer_ids(node: Any) -> None:
         _optimizer_ids(v)
 
 
+def _is_safetensors(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".safetensors")
+
+
+def _safetensors_state(path: str) -> dict[str, Any]:
+    """A safetensors file's tensors under "model" (where `ckpt restore --to-safetensors`
+    takes them from, and where restore({"model": module}) puts them back)."""
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError:
+        raise UnsupportedStateError(f"{path}: reading safetensors needs its package: pip install ckpt[hf]") from None
+    try:
+        return {"model": load_file(path, device="cpu")}
+    except (SafetensorError, ValueError) as e:
+        raise UnsupportedStateError(f"{path}: not a readable safetensors file: {e}") from None
+
+
 def _check_source(path: str, *, trust: bool) -> bool:
     """What is refused before anything is read; whether `path` is a DCP directory."""
     is_dcp = os.path.isdir(path)
     if is_dcp and not os.path.isfile(os.path.join(path, ".metadata")):
         raise UnsupportedStateError(f"{path}: a directory without .metadata is not a DCP checkpoint")
-    if not trust:
+    if not trust and not _is_safetensors(path):  # (safetensors holds no pickle)
         what = "a DCP checkpoint's .metadata and items" if is_dcp else "a torch.save file"
         raise UntrustedSourceError(
             f"{path}: importing unpickles {what}, which can run any code; pass --trust (trust=True) "
@@ -133,8 +152,11 @@ def _check_source(path: str, *, trust: bool) -> bool:
 
 
 def read_foreign(path: str, *, trust: bool) -> dict[str, Any]:
-    """The state a DCP directory (it holds `.metadata`) or a torch.save file holds."""
+    """The state a DCP directory (it holds `.metadata`), a torch.save file or a
+    `.safetensors` file holds."""
     is_dcp = _check_source(path, trust=trust)
+    if _is_safetensors(path):
+        return _safetensors_state(path)
     try:
         state = _dcp_state(path) if is_dcp else torch.load(path, map_location="cpu", weights_only=False)
     except OSError:

@@ -384,3 +384,31 @@ def test_a_step_already_there_is_refused_before_the_source_is_read(tmp_path: Pat
     out = CliRunner().invoke(cli, ["import", str(unreadable), str(root), "--step", "1", "--trust"])
     assert out.exit_code == 3 and "already committed" in out.output and "--overwrite" in out.output, out.output
     assert _same(_restored(root, 1), _state(1))
+
+
+def test_a_safetensors_file_is_imported_without_trust_under_model(tmp_path: Path) -> None:
+    """A safetensors file holds no pickle: before, the import asked for --trust ('importing
+    unpickles a torch.save file') and then read it through torch.load's sniffing of the
+    extension. Its tensors land under "model", where --to-safetensors takes them from."""
+    from safetensors.torch import save_file
+
+    module = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    tensors = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    src = tmp_path / "model.safetensors"
+    save_file(tensors, str(src))
+    root = tmp_path / "root"
+    out = CliRunner().invoke(cli, ["import", str(src), str(root), "--step", "1"])
+    assert out.exit_code == 0, out.output
+    got = {"model": {k: torch.zeros_like(v) for k, v in tensors.items()}}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got) == 1
+    assert_bitwise(got["model"], tensors)
+    fresh = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    with Checkpointer(root) as ck:
+        assert ck.restore({"model": fresh}) == 1
+    assert torch.equal(fresh.weight, module.weight) and torch.equal(fresh.bias, module.bias)
+    garbled = tmp_path / "garbled.safetensors"
+    garbled.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    out = CliRunner().invoke(cli, ["import", str(garbled), str(tmp_path / "root2"), "--step", "1"])
+    assert out.exit_code == 3 and "not a readable safetensors file" in out.output, out.output
+    assert not (tmp_path / "root2").exists()
