@@ -41,6 +41,7 @@ __all__ = [
     "open_tiers",
     "local_world",
     "node_of",
+    "host_names",
 ]
 
 log = logging.getLogger("ckpt")
@@ -79,11 +80,16 @@ def resolve_root(root: PathSpec, rank: int) -> str:
         raise ValueError(f"checkpoint root {text!r} has an unknown field: {e}") from None
 
 
+def host_names(ctl: Comm) -> list[str]:
+    """Collective: every rank's host name, by rank."""
+    return ctl.all_gather(platform.node())
+
+
 def local_rank(ctl: Comm) -> int:
     """This rank's index among the ranks of its host (LOCAL_RANK when torchrun sets it)."""
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
-    hosts = ctl.all_gather(platform.node())
+    hosts = host_names(ctl)
     return sum(1 for h in hosts[: ctl.rank] if h == hosts[ctl.rank])
 
 

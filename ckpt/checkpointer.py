@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -191,7 +190,7 @@ class Checkpointer:
         error: BaseException | None = None
         # Without LOCAL_WORLD_SIZE (srun, mpirun) ranks are told apart by host name: taking
         # each rank for a node of its own would let a copy land on its own node unseen.
-        hosts = None if os.environ.get("LOCAL_WORLD_SIZE") else self._ctl.all_gather(platform.node())
+        hosts = None if os.environ.get("LOCAL_WORLD_SIZE") else _roots.host_names(self._ctl)
         try:
             plan = plan_peers(
                 self._ctx.root_groups, self._ctx.root_index, self.config.peer_copies, self.config.peer_stride, hosts

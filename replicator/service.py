@@ -532,9 +532,9 @@ class Replicator:
             readback=self.config.readback,
         )
         if waiting:
-            done = publish_waiting(transfer, writers, part)
-            if done is not None:
-                return done
+            committed = publish_waiting(transfer, writers, part)
+            if committed is not None:
+                return committed
         if dest.kind == "shared" and not clear_to_send(transfer, part):
             return False  # another save of the step is being committed there: next pass
         sizes = copy_files(transfer, count)

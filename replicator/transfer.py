@@ -266,15 +266,12 @@ def copy_files(t: Transfer, progress: Callable[[int], None] = lambda n: None) ->
     # Temp files of copies that never finished (a disk unmounted mid-copy takes them along
     # and brings them back) are not the version's. On the shared remote only this part's:
     # the other nodes' (the zarr.json documents every part holds too) may be in flight.
-    own: Callable[[str], bool] = lambda rel: True  # noqa: E731
-    if t.dest.kind == "shared":
-        mine = {rel for rel in sizes if rel in chunks or rel in rank_files}
-        own = mine.__contains__
+    mine = {rel for rel in sizes if rel in chunks or rel in rank_files} if t.dest.kind == "shared" else None
     prefix = t.name + "/"
     t.dest.tier.delete_many(
         o.key
         for o in t.dest.tier.find(t.name)
-        if _TEMP.search(o.key) and own(_TEMP.sub("", o.key).removeprefix(prefix))
+        if _TEMP.search(o.key) and (mine is None or _TEMP.sub("", o.key).removeprefix(prefix) in mine)
     )
     t.dest.tier.sync(t.name)
     return sizes
