@@ -293,7 +293,8 @@ class Checkpointer:
         self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool, step: int, *, final: bool = False
     ) -> tuple[str, ...] | None:
         """The top-level keys this save holds; None: all of them. The schedule saves a
-        milestone (tagged, or a step keep_every keeps), and a `final` save, in full."""
+        milestone (tagged, or a step keep_every keeps), and a `final` save, in full; `only=`
+        at a step keep_every keeps is saved in full too (a warning says so)."""
         every = self.config.keep_every
         if only is not None:
             if milestone:
@@ -313,6 +314,10 @@ class Checkpointer:
         missing = [k for k in keys if k not in state]
         if not keys or (missing and self.world == 1):
             raise ValueError(f"only= / partial_keys name keys the state does not have: {missing or '(none given)'}")
+        if only is not None and every and step % every == 0:  # retention keeps it for good: a resume must take it
+            if self.rank == 0:
+                log.warning("step %d is a milestone (keep_every=%d): saved in full, not only %s", step, every, list(keys))
+            return None
         if missing:  # ranks may hold different trees (pipeline stages): this one saves what it has
             log.info("rank %d: no %s in this rank's state; its params-only version holds the rest", self.rank, missing)
         return tuple(k for k in keys if k in state)

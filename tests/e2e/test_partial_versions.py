@@ -257,6 +257,29 @@ def test_keep_every_steps_are_saved_in_full_by_the_schedule(tmp_path: Path) -> N
     assert committed_steps(tmp_path) == [4, 8, 9], kinds  # the milestone 4, and the newest two (8 full)
 
 
+def test_only_at_a_keep_every_step_saves_the_milestone_in_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step keep_every keeps is a milestone, and a milestone is always full: `only=` by
+    hand there saves the whole state and says so (it made a params-only milestone, kept
+    for good, that no resume could take)."""
+    model, opt = _build(0)
+    _train(model, opt, 1)
+    state = {"model": model, "optim": opt, "step": 0}
+    with Checkpointer(tmp_path, keep_last=1, keep_every=4) as ck, caplog.at_level(logging.WARNING, logger="ckpt"):
+        for step in range(1, 6):
+            ck.save(step, state, only=("model",))
+        with pytest.raises(ValueError, match="nope"):  # keys are still checked there
+            ck.save(8, state, only=("nope",))
+    kinds = _kinds(tmp_path)
+    assert kinds == {4: None, 5: ["model"]}, kinds
+    assert "step 4 is a milestone (keep_every=4): saved in full, not only ['model']" in caplog.text, caplog.text
+    m2, o2 = _build(7)
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore({"model": m2, "optim": o2, "step": 0}) == 4
+    assert not bitwise_diff(o2.state_dict(), opt.state_dict())
+
+
 def test_a_model_only_state_restores_from_a_full_version(tmp_path: Path) -> None:
     model, opt = _build(0)
     _train(model, opt, 1)
