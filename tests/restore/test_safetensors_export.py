@@ -87,6 +87,26 @@ def test_single_file_export_with_cast(saved: tuple[Path, Any], tmp_path: Path) -
         assert f.metadata() == {"format": "pt", "ckpt_step": "3"}
 
 
+def test_a_cast_leaves_float8_and_integer_tensors_as_saved(tmp_path: Path) -> None:
+    """--dtype casts the floats of 16 bits and more; a float8 tensor's scale is another
+    tensor, so it is exported bitwise as float8, as integers are as they are."""
+    import ckpt
+
+    state = {
+        "w": torch.linspace(-3, 3, 64, dtype=torch.float32),
+        "w8": torch.linspace(-3, 3, 64).to(torch.float8_e4m3fn),
+        "scale": torch.tensor([0.5], dtype=torch.float64),
+        "ids": torch.arange(5),
+    }
+    with ckpt.Checkpointer(str(tmp_path / "root")) as ck:
+        ck.save(1, {"model": state})
+    paths = ckpt.export_safetensors(str(tmp_path / "root"), str(tmp_path / "out"), dtype="fp16")
+    got = safetensors_torch.load_file(paths[0])
+    assert got["w"].dtype == torch.float16 and torch.equal(got["w"], state["w"].half())
+    assert got["scale"].dtype == torch.float16 and torch.equal(got["scale"], state["scale"].half())
+    assert not bitwise_diff({k: got[k] for k in ("w8", "ids")}, {k: state[k] for k in ("w8", "ids")})
+
+
 def test_a_file_read_in_several_batches_is_whole_and_reports_progress_per_batch(
     saved: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
