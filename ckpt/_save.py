@@ -137,6 +137,7 @@ class Saver:
         self._batch_names: list[str] = []
         self._last_split: _Split | None = None  # the last deferred save's (_split)
         self._layout = ""  # the plans' layout_key
+        self.last_partial = False  # whether the last save that went on is a params-only version (every rank alike)
         self._arena = Arena()
         self.gate = StagingGate()
         # save()'s thread is the first copy thread: copy_threads=1 copies on it alone.
@@ -153,9 +154,18 @@ class Saver:
         return self._ctx.root
 
     def save(
-        self, step: int, state: Mapping[str, Any], *, overwrite: bool, milestone: bool, partial: bool = False
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        overwrite: bool,
+        milestone: bool,
+        chosen: bool = False,
+        partial: bool = False,
     ) -> bool:
-        """`partial`: the state is the part of the training state a params-only version holds."""
+        """`chosen`: keys were chosen (`only=`, or the full_every schedule), on every rank
+        alike; `partial`: they leave some of this rank's state out. The version is a
+        params-only one where they do on any rank (then `last_partial`)."""
         started = time.perf_counter()
         if self.config.if_busy == "skip":
             busy = self._pending is not None and not self._pending.done()
@@ -166,10 +176,20 @@ class Saver:
         # The stall allocates a few small objects per tensor: cyclic collections they would
         # trigger walk the training process's whole heap (ckpt/_gc.py), inside the stall.
         with no_cyclic_gc(promote=True):
-            return self._save(step, state, started, overwrite=overwrite, milestone=milestone, partial=partial)
+            return self._save(
+                step, state, started, overwrite=overwrite, milestone=milestone, chosen=chosen, partial=partial
+            )
 
     def _save(
-        self, step: int, state: Mapping[str, Any], started: float, *, overwrite: bool, milestone: bool, partial: bool
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        started: float,
+        *,
+        overwrite: bool,
+        milestone: bool,
+        chosen: bool,
+        partial: bool,
     ) -> bool:
         described = Described([], [], [], 0, False, {})
         sig = 0  # this rank's layout signature
@@ -198,13 +218,16 @@ class Saver:
             error = e
         # One all-reduce of a few integers: whether any rank failed, whether any rank's
         # layout changed since the last plan, and rank 0's random save id (the others give 0s).
-        # Also each rank's step, overwrite, milestone and partial, and their negatives: all alike, or an error.
+        # Also each rank's step, overwrite, milestone and chosen, and their negatives: all
+        # alike, or an error; and whether any rank's keys leave some of its state out.
         ids = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else [0, 0]
-        args = [step, int(overwrite), int(milestone), int(partial)]
-        failed, changed, *rest = self._ctl.reduce_max(
-            [int(error is not None), int(sig != self._plan_sig), *ids, *args, *(-a for a in args)]
+        args = [step, int(overwrite), int(milestone), int(chosen)]
+        failed, changed, narrowed, *rest = self._ctl.reduce_max(
+            [int(error is not None), int(sig != self._plan_sig), int(chosen and partial), *ids, *args]
+            + [-a for a in args]
         )
         id_parts, highs, lows = rest[:2], rest[2:6], [-x for x in rest[6:]]
+        partial = bool(narrowed)
         if failed:  # rare: only now does each rank's error text cross, so that every rank can name it
             info = self._ctl.all_gather(None if error is None else (type(error).__name__, str(error)))
             if error is not None:
@@ -216,6 +239,7 @@ class Saver:
             raise ValueError(
                 f"save(): the ranks pass different steps ({lows[0]}..{highs[0]}), overwrite, milestone or only= flags"
             )
+        self.last_partial = partial
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
             self._plan_sig, self._batches, self._last_split = None, None, None
             positional = {n for n, path in leaves.paths.items() if any(type(k) is int for k in path)}

@@ -270,16 +270,20 @@ class Checkpointer:
     def _save_keys(
         self, step: int, state: Mapping[str, Any], keys: tuple[str, ...] | None, overwrite: bool, milestone: bool
     ) -> bool:
+        partial = False
         if keys is not None:
+            partial = len(set(keys)) < len(state)  # (keys are keys of state)
             state = {k: state[k] for k in keys}
         try:
-            saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone, partial=keys is not None)
+            saved = self._saver.save(
+                step, state, overwrite=overwrite, milestone=milestone, chosen=keys is not None, partial=partial
+            )
         except BaseException:
             self._restart_schedule()
             raise
         self._saves += saved
         if saved:
-            self._last_saved = (step, keys is None)
+            self._last_saved = (step, not self._saver.last_partial)
         return saved
 
     def _restart_schedule(self) -> None:
@@ -316,7 +320,9 @@ class Checkpointer:
             raise ValueError(f"only= / partial_keys name keys the state does not have: {missing or '(none given)'}")
         if only is not None and every and step % every == 0:  # retention keeps it for good: a resume must take it
             if self.rank == 0:
-                log.warning("step %d is a milestone (keep_every=%d): saved in full, not only %s", step, every, list(keys))
+                log.warning(
+                    "step %d is a milestone (keep_every=%d): saved in full, not only %s", step, every, list(keys)
+                )
             return None
         if missing:  # ranks may hold different trees (pipeline stages): this one saves what it has
             log.info("rank %d: no %s in this rank's state; its params-only version holds the rest", self.rank, missing)

@@ -320,6 +320,35 @@ def test_ranks_with_different_top_level_keys_choose_the_same_version(tmp_path: P
     assert [r["step"] for r in results] == [1, 1]
 
 
+def only_every_key(ctx: Any, root: str) -> dict[str, Any]:
+    """Pipeline-like ranks whose `only=` names every key of their state, or not."""
+    mine = f"stage{ctx.rank}"
+    state = {mine: torch.full((3,), float(ctx.rank + 1)), "step": 1}
+    with Checkpointer(root) as ck:
+        ck.save(1, state, only=(mine, "step"))  # every rank's whole state: a full version
+        ck.save(2, state, only=(mine, "step") if ctx.rank else (mine,))  # rank 0 leaves "step" out
+    return {}
+
+
+def test_only_naming_every_key_of_every_rank_makes_a_full_version(tmp_path: Path) -> None:
+    """Before, any `only=` recorded a params-only version, which an export without --keys
+    and retention's count of full versions passed over; now one that names every key of
+    the state on every rank is a full version, and one that leaves a key out on any rank
+    is params-only on all of them."""
+    model, opt = _build(0)
+    _train(model, opt, 1)
+    with Checkpointer(tmp_path / "one") as ck:
+        ck.save(1, {"model": model, "optim": opt}, only=("optim", "model"))
+        ck.save(2, {"model": model, "optim": opt}, only=("model",))
+    assert _kinds(tmp_path / "one") == {1: None, 2: ["model"]}
+    res = CliRunner().invoke(cli, ["restore", str(tmp_path / "one"), "--to-torch", str(tmp_path / "one.pt")])
+    assert res.exit_code == 0 and "step 1" in res.output, res.output
+    _, failures = launch(THIS, "only_every_key", 2, tmp_path, root=str(tmp_path / "two"), timeout=90)
+    assert not failures, failures
+    kinds = _kinds(tmp_path / "two")
+    assert kinds[1] is None and sorted(kinds[2]) == ["stage0", "stage1", "step"], kinds
+
+
 @pytest.mark.skipif(not can_isolate(), reason="needs root, unshare(1) and mount namespaces")
 def test_a_full_save_that_fails_makes_the_next_save_full(tmp_path: Path) -> None:
     """The schedule's full save fails to commit (the root's real 1 MiB tmpfs is full); the
