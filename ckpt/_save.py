@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -160,12 +161,13 @@ class Saver:
         *,
         overwrite: bool,
         milestone: bool,
-        chosen: bool = False,
+        named: Sequence[str] | None = None,
         partial: bool = False,
     ) -> bool:
-        """`chosen`: keys were chosen (`only=`, or the full_every schedule), on every rank
-        alike; `partial`: they leave some of this rank's state out. The version is a
-        params-only one where they do on any rank (then `last_partial`)."""
+        """`named`: the top-level keys chosen (`only=`, or the full_every schedule; every
+        rank names some, or none does), of which `state` holds those this rank has; each
+        must be held by some rank. `partial`: they leave some of this rank's state out. The
+        version is a params-only one where they do on any rank (then `last_partial`)."""
         started = time.perf_counter()
         if self.config.if_busy == "skip":
             busy = self._pending is not None and not self._pending.done()
@@ -177,8 +179,23 @@ class Saver:
         # trigger walk the training process's whole heap (ckpt/_gc.py), inside the stall.
         with no_cyclic_gc(promote=True):
             return self._save(
-                step, state, started, overwrite=overwrite, milestone=milestone, chosen=chosen, partial=partial
+                step, state, started, overwrite=overwrite, milestone=milestone, named=named, partial=partial
             )
+
+    def _check_held(self, keys: Sequence[str], state: Mapping[str, Any], *, same: bool) -> None:
+        """Collective, where some rank lacks a key it names: ValueError on every rank unless
+        each key named is held by some rank (one all-reduce of a flag per key). Ranks that
+        name different keys must each hold all they name."""
+        if not same:
+            lacks = [k for k in keys if k not in state]
+            raise ValueError(
+                "save(): the ranks name different keys in only=, and "
+                + (f"this rank's state has no {lacks}" if lacks else "another rank's state lacks some it names")
+            )
+        held = self._ctl.reduce_max([int(k in state) for k in keys])
+        nowhere = [k for k, h in zip(keys, held) if not h]
+        if nowhere:
+            raise ValueError(f"only= / partial_keys name keys no rank's state has: {nowhere}")
 
     def _save(
         self,
@@ -188,7 +205,7 @@ class Saver:
         *,
         overwrite: bool,
         milestone: bool,
-        chosen: bool,
+        named: Sequence[str] | None,
         partial: bool,
     ) -> bool:
         described = Described([], [], [], 0, False, {})
@@ -218,15 +235,20 @@ class Saver:
             error = e
         # One all-reduce of a few integers: whether any rank failed, whether any rank's
         # layout changed since the last plan, and rank 0's random save id (the others give 0s).
-        # Also each rank's step, overwrite, milestone and chosen, and their negatives: all
-        # alike, or an error; and whether any rank's keys leave some of its state out.
+        # Also each rank's step, overwrite, milestone and whether it names keys, and their
+        # negatives: all alike, or an error; whether any rank's keys leave some of its state
+        # out, whether any rank lacks a key it names, and whether all name the same keys.
         ids = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else [0, 0]
-        args = [step, int(overwrite), int(milestone), int(chosen)]
-        failed, changed, narrowed, *rest = self._ctl.reduce_max(
-            [int(error is not None), int(sig != self._plan_sig), int(chosen and partial), *ids, *args]
-            + [-a for a in args]
+        args = [step, int(overwrite), int(milestone), int(named is not None)]
+        keys = sorted(set(named or ()))
+        lacks = any(k not in state for k in keys)
+        keys_sig = zlib.crc32("\0".join(keys).encode())
+        failed, changed, narrowed, lacking, *rest = self._ctl.reduce_max(
+            [int(error is not None), int(sig != self._plan_sig), int(partial and named is not None), int(lacks)]
+            + [*ids, *args, keys_sig]
+            + [-a for a in [*args, keys_sig]]
         )
-        id_parts, highs, lows = rest[:2], rest[2:6], [-x for x in rest[6:]]
+        id_parts, highs, lows = rest[:2], rest[2:7], [-x for x in rest[7:]]
         partial = bool(narrowed)
         if failed:  # rare: only now does each rank's error text cross, so that every rank can name it
             info = self._ctl.all_gather(None if error is None else (type(error).__name__, str(error)))
@@ -235,10 +257,12 @@ class Saver:
             failures = {r: f"{e[0]}: {e[1]}" for r, e in enumerate(info) if e}
             exists = [e for e in info if e and e[0] == VersionExistsError.__name__]
             raise VersionExistsError(exists[0][1]) if exists else RankFailures(failures)
-        if highs != lows:
+        if highs[:4] != lows[:4]:
             raise ValueError(
                 f"save(): the ranks pass different steps ({lows[0]}..{highs[0]}), overwrite, milestone or only= flags"
             )
+        if lacking:  # (a pipeline stage's rank, or a name no rank has)
+            self._check_held(keys, state, same=highs[4] == lows[4])
         self.last_partial = partial
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
             self._plan_sig, self._batches, self._last_split = None, None, None

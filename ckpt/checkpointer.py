@@ -271,13 +271,11 @@ class Checkpointer:
         self, step: int, state: Mapping[str, Any], keys: tuple[str, ...] | None, overwrite: bool, milestone: bool
     ) -> bool:
         partial = False
-        if keys is not None:
-            partial = len(set(keys)) < len(state)  # (keys are keys of state)
-            state = {k: state[k] for k in keys}
+        if keys is not None:  # (a rank of a pipeline stage may lack some: ranks hold different trees)
+            mine = {k: state[k] for k in keys if k in state}
+            partial, state = len(mine) < len(state), mine
         try:
-            saved = self._saver.save(
-                step, state, overwrite=overwrite, milestone=milestone, chosen=keys is not None, partial=partial
-            )
+            saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone, named=keys, partial=partial)
         except BaseException:
             self._restart_schedule()
             raise
@@ -296,7 +294,7 @@ class Checkpointer:
     def _keys_to_save(
         self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool, step: int, *, final: bool = False
     ) -> tuple[str, ...] | None:
-        """The top-level keys this save holds; None: all of them. The schedule saves a
+        """The top-level keys this save names (this rank's state may lack some); None: all of them. The schedule saves a
         milestone (tagged, or a step keep_every keeps), and a `final` save, in full; `only=`
         at a step keep_every keeps is saved in full too (a warning says so)."""
         every = self.config.keep_every
@@ -326,7 +324,7 @@ class Checkpointer:
             return None
         if missing:  # ranks may hold different trees (pipeline stages): this one saves what it has
             log.info("rank %d: no %s in this rank's state; its params-only version holds the rest", self.rank, missing)
-        return tuple(k for k in keys if k in state)
+        return keys
 
     def reached_preemption(self) -> bool:
         """Collective, once per training step on every rank: True on every rank, at the same

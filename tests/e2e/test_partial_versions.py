@@ -330,6 +330,36 @@ def only_every_key(ctx: Any, root: str) -> dict[str, Any]:
     return {}
 
 
+def a_key_no_rank_holds(ctx: Any, root: str) -> dict[str, Any]:
+    mine = f"stage{ctx.rank}"
+    state = {mine: torch.full((3,), float(ctx.rank + 1)), "model": torch.ones(2), "step": 1}
+    errors = []
+    with Checkpointer(root, full_every=2, partial_keys=("modle",)) as ck:
+        ck.save(1, state)  # the schedule's full save
+        for step, only in ((2, None), (3, ("model", "modle")), (4, (mine,) if ctx.rank else (mine, "nope"))):
+            try:
+                ck.save(step, state, only=only)
+            except ValueError as e:
+                errors.append(str(e))
+        ck.save(5, state, only=("stage0", "stage1"))  # each held by one rank: a pipeline's params-only version
+    return {"errors": errors}
+
+
+def test_a_key_no_rank_holds_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """On one rank a key the state lacks was refused, but on several each rank dropped the
+    keys it lacked (as a pipeline stage's rank must), so a name no rank held committed an
+    empty params-only version that keep_last counted. Now a key must be held by some rank;
+    ranks naming different keys must each hold theirs."""
+    results, failures = launch(THIS, "a_key_no_rank_holds", 2, tmp_path, root=str(tmp_path / "root"), timeout=90)
+    assert not failures, failures
+    for r in results:
+        assert r["errors"][:2] == ["only= / partial_keys name keys no rank's state has: ['modle']"] * 2, r
+        assert len(r["errors"]) == 3 and "the ranks name different keys in only=" in r["errors"][2], r
+    assert "this rank's state has no ['nope']" in results[0]["errors"][2], results
+    kinds = _kinds(tmp_path / "root")
+    assert kinds[1] is None and sorted(kinds[5]) == ["stage0", "stage1"] and set(kinds) == {1, 5}, kinds
+
+
 def test_only_naming_every_key_of_every_rank_makes_a_full_version(tmp_path: Path) -> None:
     """Before, any `only=` recorded a params-only version, which an export without --keys
     and retention's count of full versions passed over; now one that names every key of
