@@ -15,7 +15,8 @@ Each root has its own Checkpointer, so nothing is shared but the training state:
 locks its root, stages into its own buffer (a save to two tiers at one step stages twice),
 commits and applies its retention on its own, and two Checkpointers can never open one
 root (RootLockedError). Restore tries the tiers from the one holding the newest version
-down, and keeps the newest version any of them restores intact.
+(anywhere its restore looks: its root, copies, `tiers` and remote) down, and keeps the
+newest version any of them restores intact.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from typing import Any
 
 from ckpt._preemption import pass_on
 from ckpt.checkpointer import Checkpointer, close_on_exit
-from ckpt.store.errors import CorruptVersionError, IncompleteVersionError, VersionNotFoundError
-from ckpt.store.versions import check_step
+from ckpt.store.errors import CkptError, CorruptVersionError, IncompleteVersionError, VersionNotFoundError
+from ckpt.store.versions import check_step, committed_steps
 
 __all__ = ["MultiTier"]
 
 log = logging.getLogger("ckpt")
+_UNKNOWN = 1 << 62  # MultiTier._newest of a tier a place of which could not be listed
 
 
 class MultiTier:
@@ -105,16 +107,34 @@ class MultiTier:
             elif best is not None:
                 dirty = True
         if best is not None and dirty:  # load the newest one found again, whole
-            best[1]._restore(state, **_restore_args({**kwargs, "step": best[0]}), written=written)
+            ck = best[1]
+            passed = ck._saver.passed_over  # by its first restore: a restore by step passes over fewer
+            try:
+                ck._restore(state, **_restore_args({**kwargs, "step": best[0]}), written=written)
+            finally:
+                ck._saver.passed_over |= passed
         if best is None and first_error is not None:
             raise first_error
         return None if best is None else best[0]
 
     @staticmethod
     def _newest(ck: Checkpointer) -> int:
-        """The newest step any rank sees on this tier's roots (-1: none), agreed."""
-        mine = ck.latest_step()
-        return ck._ctl.reduce_max([-1 if mine is None else mine])[0]
+        """Collective: the newest step committed anywhere this tier's restore looks (its
+        root, the replicator's and peers' copies, its `tiers` and remote; a shared store
+        listed by rank 0 alone), on any rank: no restore of it loads a newer one. -1: none;
+        _UNKNOWN where a place could not be listed (the tier is then tried first)."""
+        mine = -1
+        for tier in ck._search_tiers():
+            if tier.capabilities.shared and ck.rank != 0:
+                continue
+            try:
+                steps = committed_steps(tier)
+            except (CkptError, OSError) as e:  # its restore says what it finds; this is a ranking
+                log.warning("rank %d: cannot list %s to rank the tiers: %s", ck.rank, tier.location, e)
+                mine = _UNKNOWN
+                break
+            mine = max(mine, steps[-1] if steps else -1)
+        return ck._ctl.reduce_max([mine])[0]
 
     def reached_preemption(self) -> bool:
         """Collective: True once any tier's preemption_signals arrived (see

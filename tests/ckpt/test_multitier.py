@@ -128,3 +128,54 @@ def test_a_tier_that_failed_part_way_is_not_mixed_with_an_older_tiers_version(ra
     got = state(0)
     with MultiTier((Checkpointer(ram), 10), (Checkpointer(disk), 100)) as ck, pytest.raises(CorruptVersionError):
         ck.restore(got, strict=False)
+
+
+# -- found by review (2026-12-07): what the tiers hold beyond their roots, and resumes ------
+
+
+def test_a_tier_whose_newest_version_is_only_on_its_other_tiers_is_restored(ram: Path, tmp_path: Path) -> None:
+    """The disk tier's root was replaced (empty); its newest version survives on the tier
+    its Checkpointer also searches (`tiers=`, as a remote would be). MultiTier ranked the
+    tiers by their roots alone: it returned None (a silent fresh start) or RAM's older step."""
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    with Checkpointer(disk) as ck:
+        ck.save(100, _state(100))
+    shutil.copytree(disk, copy)
+    shutil.rmtree(disk)
+    for ram_step in (None, 50):
+        if ram_step is not None:
+            with Checkpointer(ram) as ck:
+                ck.save(ram_step, _state(ram_step))
+        state = _state(0)
+        with MultiTier((Checkpointer(ram), 10), (Checkpointer(disk, tiers=[str(copy)]), 100)) as mt:
+            assert mt.restore(state) == 100, ram_step
+        assert_bitwise(state, _state(100))
+
+
+def test_a_resume_through_tiers_saves_over_the_params_only_steps_it_passed(ram: Path, tmp_path: Path) -> None:
+    """Tier A holds full step 110 and the crashed run's params-only 120 and 130; tier B full
+    100 and params-only 125. B's attempt loads 100 over the state, so A's 110 is loaded
+    again by step, and that second restore forgot the steps A's first had passed over: the
+    resumed run's save of 120 raised VersionExistsError (one Checkpointer replaces it)."""
+    a, b = tmp_path / "A", ram
+
+    def full(step: int) -> dict[str, torch.Tensor | int]:
+        return {"model": _state(step)["w"], "optim": _state(step + 1)["w"], "step": step}
+
+    with Checkpointer(b) as ck:
+        ck.save(100, full(100))
+        ck.save(125, full(125), only=("model",))
+    with Checkpointer(a) as ck:
+        ck.save(110, full(110))
+        for step in (120, 130):
+            ck.save(step, full(step), only=("model",))
+    state = full(0)
+    with MultiTier((Checkpointer(a), 10), (Checkpointer(b), 25)) as mt:
+        assert mt.restore(state) == 110
+        assert_bitwise(state, full(110))
+        assert mt.save(120, full(120)) == [str(a)]
+        assert mt.save(125, full(125)) == [str(b)]
+    with Checkpointer(a) as ck:
+        got = full(0)
+        assert ck.restore(got, step=120) == 120
+    assert_bitwise(got, full(120))
