@@ -434,7 +434,9 @@ class Checkpointer:
         if if_incomplete not in ("raise", "fresh"):
             raise ValueError(f"if_incomplete must be 'raise' or 'fresh', not {if_incomplete!r}")
         self.wait()
-        self._last_saved = None  # the state is another from here: a save of the same step is not "done"
+        # The state is another from here: a save of the same step is not "done", and the
+        # full_every schedule starts again (its params-only versions would rest on the last full one).
+        self._restart_schedule()
 
         passed_over: set[int] = set()
         try:

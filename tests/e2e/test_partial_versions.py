@@ -280,6 +280,21 @@ def test_only_at_a_keep_every_step_saves_the_milestone_in_full(
     assert not bitwise_diff(o2.state_dict(), opt.state_dict())
 
 
+def test_the_first_save_after_a_restore_is_full(tmp_path: Path) -> None:
+    """A rollback (restore(step=N) in a running job) loads another state than the schedule's
+    last full version holds: the params-only versions after it would rest on a version of
+    the abandoned run. The schedule starts again at the restore."""
+    model, opt = _build(0)
+    state = {"model": model, "optim": opt, "step": 0}
+    with Checkpointer(tmp_path, full_every=3, partial_keys=("model",)) as ck:
+        ck.save(1, state)
+        ck.save(2, state)
+        assert ck.restore(state, step=1) == 1
+        ck.save(3, state, overwrite=True)
+        ck.save(4, state)
+    assert _kinds(tmp_path) == {1: None, 2: ["model"], 3: None, 4: ["model"]}
+
+
 def test_a_model_only_state_restores_from_a_full_version(tmp_path: Path) -> None:
     model, opt = _build(0)
     _train(model, opt, 1)
