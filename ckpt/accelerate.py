@@ -21,9 +21,12 @@ version holds what `Accelerator.save_state` writes, and what it leaves out:
   accelerate does not save although a seedable sampler is seeded with it), the seedable
   sampler's epoch and seed, and with `use_stateful_dataloader=True` the
   StatefulDataLoader's state_dict (the position in the epoch), as JSON: a loader's state
-  is the rank's own, and ckpt stores a plain tensor once, as replicated across ranks;
-- `accelerator`: the gradient-accumulation counter `accelerator.step`, and per rank the
-  RNG states of devices ckpt itself does not capture (XPU, MLU, SDAA, MUSA, HPU, Neuron).
+  is the rank's own, and ckpt stores a plain tensor once, as replicated across ranks; with
+  the world size, since on another one the shards differ and the epoch starts again;
+- `accelerator`: the gradient-accumulation counter `accelerator.step`, whether the save
+  was at a window's end (`sync_gradients`: gradients are in no version, so a save inside a
+  window is named at save and load), and per rank the RNG states of devices ckpt itself
+  does not capture (XPU, MLU, SDAA, MUSA, HPU, Neuron).
 
 Models, optimizers, schedulers, registered objects and loaders are dicts by index ("0",
 "1", ...), so that restoring into an accelerator holding another number of them fails
@@ -79,6 +82,13 @@ _ARRAY = "ckpt.accelerate.ndarray"
 _DEVICE_RNG = ("xpu", "mlu", "sdaa", "musa", "hpu", "neuron")
 
 _warned: set[str] = set()
+
+# Gradients are not part of what accelerate (or ckpt) saves.
+_MID_ACCUMULATION = (
+    "ckpt.accelerate: step %d %s inside a gradient accumulation window (accelerator.sync_gradients is "
+    "False): the gradients accumulated since the last optimizer step are not in the version, so %s "
+    "optimizer step applies only the rest of the window's; save where accelerator.sync_gradients is True"
+)
 
 
 def _warn_once(key: str, msg: str, *args: Any) -> None:
@@ -209,6 +219,7 @@ def _loader_state(accelerator: Accelerator, dl: Any) -> dict[str, Any]:
         "iteration": iteration,
         "sampler": {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)} if seedable else None,
         "state": _to_json(dl.state_dict()) if stateful else None,
+        "world": int(accelerator.num_processes),  # the loader's shards: its state is a shard's position
     }
 
 
@@ -223,7 +234,9 @@ def _in_epoch(accelerator: Accelerator, dl: Any) -> bool:
     return any(r is dl for r in refs)
 
 
-def _load_loader(dl: Any, saved: Mapping[str, Any]) -> None:
+def _load_loader(dl: Any, saved: Mapping[str, Any], world: int, step: int, index: int, *, say: bool) -> None:
+    """A loader's saved epoch counter, sampler seed and (saved on `world` ranks: each rank's
+    shard is the one it had) its position in the epoch; `say`: log what is not carried over."""
     if hasattr(dl, "iteration"):
         dl.iteration = int(saved["iteration"])
     sampler = _sampler(dl)
@@ -231,6 +244,19 @@ def _load_loader(dl: Any, saved: Mapping[str, Any]) -> None:
         sampler.epoch = int(saved["sampler"]["epoch"])
         sampler.initial_seed = int(saved["sampler"]["initial_seed"])
     state = saved.get("state")
+    was = saved.get("world")
+    if state is not None and isinstance(was, int) and was != world:
+        if say:
+            log.warning(
+                "ckpt.accelerate: step %d: dataloader %d was saved on %d ranks and is loaded on %d, whose shards "
+                "differ: its position in the epoch is not carried over, and the epoch starts again from its "
+                "first batch (its batches so far are seen again)",
+                step,
+                index,
+                was,
+                world,
+            )
+        state = None
     if state is not None:
         loaded = _from_json(state)
         dl.load_state_dict(loaded)
@@ -290,7 +316,11 @@ def accelerator_state(accelerator: Accelerator) -> dict[str, Any]:
     return {
         **_objects(accelerator),
         "dataloaders": _indexed(_loader_state(accelerator, dl) for dl in accelerator._dataloaders),
-        "accelerator": {"step": int(accelerator.step), "device_rng": _device_rng()},
+        "accelerator": {
+            "step": int(accelerator.step),
+            "device_rng": _device_rng(),
+            "synced": bool(accelerator.sync_gradients),  # False: inside a gradient accumulation window
+        },
     }
 
 
@@ -301,7 +331,10 @@ def save_state(accelerator: Accelerator, checkpointer: Checkpointer, step: int, 
     it returns once the state is staged and the version commits in the background;
     `save_kwargs` (overwrite, milestone, only) go to `Checkpointer.save`. Returns its result.
     """
-    return checkpointer.save(step, accelerator_state(accelerator), **save_kwargs)
+    state = accelerator_state(accelerator)
+    if not state["accelerator"]["synced"] and checkpointer.rank == 0:
+        log.warning(_MID_ACCUMULATION, step, "is saved", "a resumed run's next")
+    return checkpointer.save(step, state, **save_kwargs)
 
 
 def load_state(
@@ -340,11 +373,13 @@ def load_state(
                 "take its state; prepare it with use_stateful_dataloader=True (the models, optimizers "
                 "and schedulers are loaded, the loaders and accelerator.step are not)"
             )
-    for dl, mine in zip(loaders, saved):
+    for i, (dl, mine) in enumerate(zip(loaders, saved)):
         if mine is not None:
-            _load_loader(dl, mine)
+            _load_loader(dl, mine, int(accelerator.num_processes), found, i, say=checkpointer.rank == 0)
     extra = state["accelerator"]
     if extra is not None:
         accelerator.step = int(extra["step"])
         _load_device_rng(extra.get("device_rng") or {})
+        if extra.get("synced") is False and checkpointer.rank == 0:
+            log.warning(_MID_ACCUMULATION, found, "was saved", "the resumed run's next")
     return found

@@ -92,11 +92,13 @@ def run(
     scrambled: bool = False,
     seedable: bool = True,
     loader_generator: bool = True,
+    accumulate: int = 1,
 ) -> dict[str, Any]:
     """phase: "reference" (train to the end), "save" (train to step `stop_at`, save, stop) or
     "resume" (load_state, train to the end). Returns the losses of the steps it trained
     (hex), the warnings ckpt logged and, at the end, the final state. `seedable=False` and
-    `loader_generator=False` make a loader whose mid-epoch resume cannot be exact."""
+    `loader_generator=False` make a loader whose mid-epoch resume cannot be exact;
+    `accumulate`: accelerate's gradient_accumulation_steps."""
     if ctx.world > 1:  # accelerate reads the layout from the environment; the group is already up
         os.environ.update(
             RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world), LOCAL_RANK=str(ctx.rank), LOCAL_WORLD_SIZE=str(ctx.world)
@@ -118,6 +120,7 @@ def run(
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1.0 + 0.1 * s))
     accelerator = Accelerator(
         cpu=True,
+        gradient_accumulation_steps=accumulate,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=seedable, use_stateful_dataloader=stateful),
     )
     # accelerate creates a GradScaler for fp16 on GPUs only; give it one, as it would there.
@@ -127,7 +130,7 @@ def run(
     accelerator.register_for_checkpointing(progress)
     assert accelerator.num_processes == ctx.world, (accelerator.num_processes, ctx.world)
 
-    out: dict[str, Any] = {"losses": [], "warnings": []}
+    out: dict[str, Any] = {"losses": [], "warnings": [], "batches": []}
     warnings = _Collect(out["warnings"])
     logging.getLogger("ckpt").addHandler(warnings)
     with Checkpointer(root) as ck:
@@ -150,7 +153,9 @@ def run(
             else:
                 loader.set_epoch(epoch)
                 active = accelerator.skip_first_batches(loader, skip) if epoch == start_epoch and skip else loader
+            out["batches"].append(0)  # per epoch of this run
             for x, y in active:
+                out["batches"][-1] += 1
                 with accelerator.accumulate(model):
                     loss = F.mse_loss(model(x), y)
                     accelerator.backward(loss)

@@ -213,3 +213,37 @@ print(json.dumps({{"got": got, "weight": bool((m2.weight == 7.0).all()), "step":
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"got": 1, "weight": True, "step": 0 if case == "params_only" else 5}, out
+
+
+# -- found by review (2026-12-07): accumulation windows and another world size -------------
+
+
+def test_a_save_inside_a_gradient_accumulation_window_is_named_at_save_and_at_load(tmp_path: Path) -> None:
+    """The gradients accumulated since the last optimizer step are in no version (as in
+    accelerate's own save_state), so a resume from inside a window applies the rest of the
+    window's alone: it diverged from the run that went on, with no word. Now both the save
+    and the load say so; a save at a window's end says nothing."""
+    words = "inside a gradient accumulation window"
+    for stop_at, inside in ((6, False), (7, True)):
+        root = str(tmp_path / f"at{stop_at}")
+        [saved] = _run_one(tmp_path, phase="save", root=root, stateful=True, stop_at=stop_at, accumulate=3)
+        [resumed] = _run_one(tmp_path, phase="resume", root=root, stateful=True, accumulate=3)
+        assert resumed["restored"] == stop_at
+        for run in (saved, resumed):
+            said = [w for w in run["warnings"] if words in w]
+            assert len(said) == int(inside), (stop_at, run["warnings"])
+        if inside:
+            assert f"step {stop_at} is saved inside" in saved["warnings"][-1], saved["warnings"]
+
+
+def test_a_stateful_loader_resumed_on_another_world_size_starts_its_epoch_again(tmp_path: Path) -> None:
+    """A StatefulDataLoader's state is its rank's position in its shard; on another world
+    size the shards differ, and loading rank r % saved_world's position repeated or skipped
+    samples, silently. Now the epoch starts again from its first batch, with a warning."""
+    root = str(tmp_path / "ckpt")
+    _run(2, tmp_path, phase="save", root=root, stateful=True, stop_at=7)  # 5 batches a rank and epoch
+    [resumed] = _run_one(tmp_path, phase="resume", root=root, stateful=True)
+    assert resumed["restored"] == 7
+    said = [w for w in resumed["warnings"] if "saved on 2 ranks and is loaded on 1" in w]
+    assert len(said) == 1 and "dataloader 0" in said[0], resumed["warnings"]
+    assert resumed["batches"][0] == 9, resumed["batches"]  # the whole epoch, on one process
