@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from typing import Any
 
 import torch
@@ -21,8 +20,7 @@ from ckpt._roots import RootSpec
 from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
 from ckpt.store.errors import UnsupportedStateError, VersionExistsError
-from ckpt.store.root import LOCK_NAME, ROOT_ID_NAME
-from ckpt.store.versions import TRASH_NAME
+from ckpt.store.new_root import first_missing, remove_unused
 
 __all__ = ["UntrustedSourceError", "read_foreign", "import_checkpoint"]
 
@@ -175,7 +173,7 @@ def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, over
     """Save what `path` holds as version `step` under `root` (one process); its byte count."""
     _check_source(path, trust=trust)
     local = os.fspath(root) if isinstance(root, (str, os.PathLike)) else None
-    made = None if local is None else _first_missing(local)
+    made = None if local is None else first_missing(local)
     ck = None
     try:
         with Checkpointer(root, config=CheckpointerConfig(capture_rng=False)) as ck:
@@ -192,36 +190,5 @@ def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, over
         # for the next command to take as a checkpoint root. Only once it held the root's
         # lock: a root another writer made and locked meanwhile is that writer's.
         if made is not None and local is not None and ck is not None:
-            _remove_made(made, local)
+            remove_unused(made, local)
         raise
-
-
-def _remove_made(made: str, root: str) -> None:
-    """Remove a root with no version (only the identity and lock files every root has, and
-    the trash a failed write leaves its files in) and the directories the import made
-    above it, up to `made`, as long as each then holds nothing: a file another process put
-    in one meanwhile stays, with the path to it."""
-    here = os.path.abspath(root)
-    try:
-        if not set(os.listdir(here)) <= {ROOT_ID_NAME, LOCK_NAME, TRASH_NAME}:
-            return
-        shutil.rmtree(here)
-        while here != made:
-            here = os.path.dirname(here)
-            os.rmdir(here)  # OSError (ENOTEMPTY) where something else is there
-    except OSError:
-        return
-
-
-def _first_missing(root: str) -> str | None:
-    """The outermost directory of a local `root` path that does not exist yet (None: it
-    exists, or the root is no local path)."""
-    if "://" in root:
-        return None
-    here, missing = os.path.abspath(root), None
-    while not os.path.lexists(here):
-        missing, parent = here, os.path.dirname(here)
-        if parent == here:
-            break
-        here = parent
-    return missing

@@ -27,8 +27,10 @@ from ckpt.restore.sources import Source, from_first_good, rank_file_bytes_from
 from ckpt.store import commit
 from ckpt.store.chunk_read import read_chunk
 from ckpt.store.errors import CkptError, CorruptVersionError, VersionExistsError
+from ckpt.store.faults import fault_point
 from ckpt.store.fsio import DIR_MODE, FILE_MODE, fsync_dir, fsync_dirs, makedirs, write_chunk, write_new
 from ckpt.store.manifest import ArrayEntry, ChunkEntry, Manifest
+from ckpt.store.new_root import first_missing, remove_unused
 from ckpt.store.rank_file import RANKS_DIR, rank_file_path
 from ckpt.store.root import RootLock, version_above
 from ckpt.store.tree_format import DICT, MARKERS, OBJECT, TUPLE
@@ -49,7 +51,9 @@ Progress = Callable[[int], None]
 def copy_version(
     manifest: Manifest, sources: Sequence[Source], dest_root: str, progress: Progress = lambda n: None
 ) -> str:
-    """Copy every chunk, verified, into dest_root/v<step>/ with the commit protocol; returns its path."""
+    """Copy every chunk, verified, into dest_root/v<step>/ with the commit protocol; returns
+    its path. A root this call made is removed again if the copy fails."""
+    made = first_missing(dest_root)
     makedirs(dest_root)
     lock = RootLock(dest_root)
     lock.acquire()
@@ -58,6 +62,9 @@ def copy_version(
             raise VersionExistsError(f"step {manifest.step} is already committed in {dest_root}")
         tmp_name = commit.tmp_dirname(manifest.step, manifest.save_id)
         tmp = os.path.join(dest_root, tmp_name)
+        # A copy of this save that was killed left its directory (the name is the save's):
+        # under the lock no one else writes it.
+        commit.remove_tmp(dest_root, tmp_name)
         os.makedirs(tmp, mode=DIR_MODE)
         dirs: set[str] = {tmp}
         try:
@@ -85,6 +92,7 @@ def copy_version(
                     written = write_chunk(path, memoryview(buf), block_bytes=array.digest_block_bytes(chunk))  # type: ignore[arg-type]
                     if written.xxh3 != chunk.xxh3:  # the copy must be what the manifest promises
                         raise CorruptVersionError(f"copy of {path} changed in memory", path=path)
+                    fault_point("copy-chunk")  # tests: a copy killed part-way
                     progress(chunk.nbytes)
             fsync_dirs(sorted(d for d in _with_parents(dirs, tmp)))
             hier = write_hierarchy(
@@ -96,6 +104,11 @@ def copy_version(
             commit.remove_tmp(dest_root, tmp_name)
             raise
         return os.path.join(dest_root, version_dirname(manifest.step))
+    except BaseException:
+        lock.release()
+        if made is not None:
+            remove_unused(made, dest_root)
+        raise
     finally:
         lock.release()
 

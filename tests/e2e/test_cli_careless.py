@@ -186,6 +186,35 @@ def test_restore_of_a_corrupt_step_exits_1_like_verify(root: Path, tmp_path: Pat
     assert [p.name for p in tmp_path.iterdir()] == ["root"]  # no temporary file left
 
 
+def test_a_copy_killed_part_way_is_made_again_and_a_failed_one_leaves_no_root(root: Path, tmp_path: Path) -> None:
+    """`restore --to DIR` killed (SIGKILL) left its save's directory, named by the save, and
+    every later copy of that version failed on it ("File exists"), the lock notwithstanding.
+    A copy that failed (a damaged chunk) left DIR holding a lock and a trash, which later
+    commands took for a checkpoint root."""
+    dest = tmp_path / "copy"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CKPT_FAULT": "copy-chunk"}
+    cmd = [sys.executable, "-m", "ckpt.cli", "restore", str(root), "--step", "2", "--to", str(dest)]
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, (killed.returncode, killed.stderr)
+    assert [p.name for p in dest.iterdir() if p.name.startswith("v")] == [
+        f"{versions.version_dirname(2)}.tmp-{_save_id(root, 2)}"
+    ]
+    r = run("restore", root, "--step", "2", "--to", dest)
+    assert r.exit_code == 0, r.output
+    assert [p.name for p in dest.iterdir() if p.name.startswith("v")] == [versions.version_dirname(2)]
+    assert run("verify", dest).exit_code == 0
+    flip_last_byte(root, 3)
+    for where in (tmp_path / "new", tmp_path / "a" / "b" / "new"):
+        assert run("restore", root, "--step", "3", "--to", where).exit_code == 1
+        assert not where.exists() and not (tmp_path / "a").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "root"]
+
+
+def _save_id(root: Path, step: int) -> str:
+    manifest = json.loads((root / versions.version_dirname(step) / "manifest.json").read_text())
+    return str(manifest["save_id"])
+
+
 def test_verify_of_a_step_that_never_existed_says_so(root: Path) -> None:
     one_line_error(run("verify", root, "--step", "7"), 3, "step 7 does not exist")
 
