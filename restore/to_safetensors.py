@@ -17,8 +17,10 @@ into place with the index last: a reader never sees a partial export.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
+import logging
 import os
 import re
 import stat
@@ -33,6 +35,7 @@ from ckpt.restore.saved_ranks import saved_trees
 from ckpt.restore.sources import Source
 from ckpt.store.dtypes import ITEMSIZE
 from ckpt.store.errors import CkptError, VersionNotFoundError
+from ckpt.store.faults import fault_point
 from ckpt.store.fsio import DIR_MODE, fsync_dir, makedirs, open_new, write_new
 from ckpt.store.manifest import ArrayEntry, Manifest
 from ckpt.store.removal import remove_tree
@@ -62,6 +65,8 @@ _FLOATS = {"bfloat16", "float16", "float32", "float64"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20}
 _UNITS.update({"GIB": 1 << 30, "TIB": 1 << 40})
 _HEADER_KEY = "__metadata__"  # the header's own entry: a tensor of this name makes the file unreadable
+_EXPORT_PREFIX = ".ckpt-export-"  # an export's temporary directory in its target (export_dirname)
+log = logging.getLogger("ckpt")
 READ_BATCH_BYTES = 256 << 20  # tensors a single-process export reads at once (one read, one progress step)
 _EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
@@ -303,26 +308,59 @@ class ExportTarget:
 
     tmp: str
     made: tuple[str, ...]
+    lock: int = -1  # a descriptor of `tmp` holding its flock while the export runs (-1: none here)
 
 
 def open_export(manifest: Manifest, out_dir: str, force: bool) -> ExportTarget:
-    """Check the target, make it (and its missing parents) and the temporary directory in it."""
+    """Check the target, make it (and its missing parents) and the temporary directory in it,
+    locked; first remove what exports killed there left (temporary directories no one locks)."""
+    _remove_stale(out_dir)
     check_target(out_dir, force)
     made: list[str] = []  # those this call creates (not another's, nor ones found there)
+    lock = -1
     try:
         makedirs(out_dir, made)
         tmp = os.path.join(out_dir, export_dirname(manifest))
         os.mkdir(tmp, DIR_MODE)
+        lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BaseException:
+        if lock >= 0:
+            os.close(lock)
         _remove_empty(made[::-1])
         raise
-    return ExportTarget(tmp, tuple(made[::-1]))
+    return ExportTarget(tmp, tuple(made[::-1]), lock)
+
+
+def _remove_stale(out_dir: str) -> None:
+    """Remove the temporary directories of exports killed part-way: those whose lock a live
+    export does not hold (a process's flock ends with it)."""
+    try:
+        names = [n for n in os.listdir(out_dir) if n.startswith(_EXPORT_PREFIX)]
+    except OSError:  # none yet, or not a directory (check_target says which)
+        return
+    for name in names:
+        path = os.path.join(out_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # not a directory of ours (a link, a file): left as found
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live export's
+            continue
+        finally:
+            os.close(fd)
+        log.info("removing %s, left by an export that did not finish", path)
+        remove_tree(path, ignore_errors=True)
 
 
 def close_export(target: ExportTarget, done: bool) -> None:
     """Remove the temporary directory; after a failure (not `done`) also the directories made
     for the target, while they are empty: a failed export leaves nothing it made behind."""
     remove_tree(target.tmp, ignore_errors=True)
+    if target.lock >= 0:
+        os.close(target.lock)
     if not done:
         _remove_empty(target.made)
 
@@ -374,6 +412,7 @@ def write_safetensors(
                 tensors[name] = as_exported(r.dest, a, cast)
             progress(sum(a.nbytes for _, a in batch))
         write_file(os.path.join(tmp, f.name), tensors, manifest.step)
+        fault_point("export-file")  # tests: an export killed part-way
 
     done = False
     try:
@@ -402,7 +441,7 @@ def _batches(arrays: Sequence[tuple[str, ArrayEntry]], limit: int) -> list[list[
 
 def export_dirname(manifest: Manifest) -> str:
     """The temporary directory, inside the export's target, that its files are written into."""
-    return f".ckpt-export-{manifest.step}-{manifest.save_id[:16]}-{uuid.uuid4().hex[:8]}"
+    return f"{_EXPORT_PREFIX}{manifest.step}-{manifest.save_id[:16]}-{uuid.uuid4().hex[:8]}"
 
 
 def write_file(path: str, tensors: dict[str, Any], step: int) -> None:

@@ -107,6 +107,35 @@ def test_a_cast_leaves_float8_and_integer_tensors_as_saved(tmp_path: Path) -> No
     assert not bitwise_diff({k: got[k] for k in ("w8", "ids")}, {k: state[k] for k in ("w8", "ids")})
 
 
+def test_an_export_killed_part_way_leaves_nothing_that_stops_the_next(saved: tuple[Path, Any], tmp_path: Path) -> None:
+    """A SIGKILLed export left its temporary directory in the target: the next export was
+    refused ("not empty"), and one with --force left the directory there for good. Now a
+    temporary directory no live export locks is removed first; a live one's is not."""
+    import fcntl
+
+    root, model = saved
+    out = tmp_path / "hf"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CKPT_FAULT": "export-file"}
+    args = [sys.executable, "-m", "ckpt.cli", "restore", str(root), "--to-safetensors", str(out)]
+    killed = subprocess.run([*args, "--max-shard-size", "100KB"], env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    assert [p.name.startswith(".ckpt-export-") for p in out.iterdir()] == [True]
+    live = out / ".ckpt-export-live"  # another export's, running: its lock is held
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        res = _ckpt("restore", str(root), "--to-safetensors", str(out))
+        assert res.returncode == 3 and "is not empty" in res.stderr, res.stderr  # the live one's directory
+        res = _ckpt("restore", str(root), "--to-safetensors", str(out), "--force")
+        assert res.returncode == 0, res.stderr
+        assert sorted(p.name for p in out.iterdir()) == [".ckpt-export-live", "model.safetensors"]
+    finally:
+        os.close(fd)
+    got = safetensors_torch.load_file(out / "model.safetensors")
+    assert not bitwise_diff(got, dict(model.state_dict()))
+
+
 def test_a_file_read_in_several_batches_is_whole_and_reports_progress_per_batch(
     saved: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
