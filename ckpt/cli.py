@@ -594,6 +594,14 @@ def replicate_cmd(
     from ckpt.replicator.config import ReplicatorConfig
     from ckpt.replicator.daemon import run_daemon
 
+    if not root:
+        raise click.UsageError("ROOT is empty")
+    if remote == "" or "" in replica_roots:  # an unset variable (`--to "$REMOTE"`)
+        raise click.UsageError(f"{'--to' if remote == '' else '--replica-root'} is empty")
+    if replicas - 1 > len(replica_roots):
+        raise click.UsageError(f"--replicas {replicas} needs {replicas - 1} --replica-root, got {len(replica_roots)}")
+    if replica_roots and replicas == 1:
+        raise click.UsageError("--replica-root makes no copy without --replicas N (the copies in all, 2 or more)")
     if not os.path.isdir(root):
         raise CkptError(f"{root} is not a directory")
     check_writable_root(root)

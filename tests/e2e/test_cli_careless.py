@@ -296,8 +296,18 @@ def test_replicate_refuses_an_empty_remote_and_its_own_root_as_the_remote(
     monkeypatch.chdir(cwd)
     for option in ("--to", "--replica-root"):
         r = run("replicate", root, "--once", option, "")
-        assert r.exit_code == 2 and "empty" in r.output and "Traceback" not in r.output, r.output
+        assert r.exit_code == 2 and f"{option} is empty" in r.output and "Traceback" not in r.output, r.output
     assert list(cwd.iterdir()) == []
+    # Usage errors that named API arguments (replicas=2) or said nothing (ROOT ''), and a
+    # replica root that, without --replicas, was taken in silence and given no copy.
+    for args, words in (
+        (["", "--once"], "ROOT is empty"),
+        ([root, "--once", "--replicas", "2"], "--replicas 2 needs 1 --replica-root, got 0"),
+        ([root, "--once", "--replica-root", tmp_path / "disk2"], "makes no copy without --replicas"),
+    ):
+        r = run("replicate", *args)
+        assert r.exit_code == 2 and words in r.output and "=" not in r.stderr.splitlines()[-1], r.output
+    assert not (tmp_path / "disk2").exists()
     # the source as its own remote: the remote's GC would delete the source's versions
     for remote in (str(root), f"file://{root}/"):
         one_line_error(run("replicate", root, "--once", "--to", remote, "--remote-keep-last", "1"), 3, "itself")
