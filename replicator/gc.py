@@ -112,6 +112,13 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
                 _VALID_ROOT_INFO.popitem(last=False)
         copied = ok is None or (step in ok and ok[step] in (None, m.save_id))
         versions.append(VersionInfo(step, m.created, True, m.milestone, copied, m.keys, m.partial))
+    # A version directory that lost its manifest is a damaged version (its chunks are still
+    # there): the policy judges it as such (keep_last counts it), not deleted at sight.
+    judged = {v.step for v in versions}
+    for d in damaged_entries(tier):
+        if d.lost_manifest and d.step not in judged:
+            versions.append(VersionInfo(d.step, 0.0, False, False, ok is None or d.step in ok))
+    versions.sort(key=lambda v: v.step)
     return versions, unjudged
 
 
@@ -149,6 +156,9 @@ def collect(
     judged, unjudged = judge(tier, redundant) if versions is None else versions
     pins = set(pinned) | pinned_steps(tier)  # versions a restore is reading right now
     doomed = plan_deletions(judged, policy, pinned=pins, require_redundant=redundant is not None)
+    lost = {d.step for d in damaged_entries(tier) if d.lost_manifest} if any(not v.intact for v in judged) else set()
+    doomed_lost = {s for s in doomed if s in lost}  # collected with the other damaged entries
+    doomed = [s for s in doomed if s not in lost]
     deleted = list(doomed) if dry_run else []
     for step in [] if dry_run else doomed:
         if confirm is not None and not confirm(step):
@@ -161,18 +171,21 @@ def collect(
         deleted.append(step)
         log.info("gc %s: deleted step %d", tier.location, step)
     abandoned = [] if abandon_after_s is None else collect_abandoned(tier, abandon_after_s, dry_run=dry_run)
-    damaged = collect_damaged(tier, dry_run=dry_run)
-    return GcResult([v.step for v in judged if v.step not in deleted], deleted, unjudged, abandoned, damaged)
+    damaged = collect_damaged(tier, dry_run=dry_run, lost=doomed_lost)
+    gone = set(deleted) | set(damaged)
+    return GcResult([v.step for v in judged if v.step not in gone], deleted, unjudged, abandoned, damaged)
 
 
-def collect_damaged(tier: Tier, *, dry_run: bool = False) -> list[int]:
+def collect_damaged(tier: Tier, *, dry_run: bool = False, lost: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """Delete the entries of a local root named like versions that are none (see
-    versions.damaged_entries), holding the root's lock: never while a writer holds it (a
-    running job replaces such an entry when it saves that step). The steps collected."""
+    versions.damaged_entries): files and links, and of the version directories that lost
+    their manifest those of `lost` (the policy's to keep or not), holding the root's lock:
+    never while a writer holds it (a running job replaces such an entry when it saves that
+    step). The steps collected."""
     root = tier.local_path("")
     if root is None or not os.path.exists(os.path.join(root, ROOT_ID_NAME)):
         return []  # only a Checkpointer's root: its lock is what a writer takes (a replica or remote has none)
-    if not damaged_entries(tier):
+    if not any(not d.lost_manifest or d.step in lost for d in damaged_entries(tier)):
         return []  # the usual case: no lock taken, so no writer opening the root meets it
     lock = RootLock(root)
     try:
@@ -182,6 +195,8 @@ def collect_damaged(tier: Tier, *, dry_run: bool = False) -> list[int]:
     try:
         out = []
         for entry in damaged_entries(tier):
+            if entry.lost_manifest and entry.step not in lost:
+                continue
             if dry_run or delete_damaged(tier, entry):
                 out.append(entry.step)
                 what = "would remove" if dry_run else "removed"

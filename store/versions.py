@@ -229,6 +229,7 @@ class Damaged:
     step: int
     name: str
     why: str
+    lost_manifest: bool = False  # a version directory without its manifest (else a file or a link)
 
 
 def damaged_entries(where: Tier | str | os.PathLike[str]) -> list[Damaged]:
@@ -268,7 +269,7 @@ def damaged_entries(where: Tier | str | os.PathLike[str]) -> list[Damaged]:
             continue  # deleted since the listing
         except OSError:
             continue  # cannot be examined: proves nothing
-        out.append(Damaged(step, name, why))
+        out.append(Damaged(step, name, why, why.startswith("a version directory")))
     return out
 
 
