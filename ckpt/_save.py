@@ -240,15 +240,15 @@ class Saver:
         # out, whether any rank lacks a key it names, and whether all name the same keys.
         ids = [secrets.randbits(63), secrets.randbits(63)] if self.rank == 0 else [0, 0]
         args = [step, int(overwrite), int(milestone), int(named is not None)]
-        keys = sorted(set(named or ()))
+        keys = sorted(set(named or ()), key=repr)  # (repr: keys of any type, never a TypeError before the agreement)
         lacks = any(k not in state for k in keys)
-        keys_sig = zlib.crc32("\0".join(keys).encode())
+        keys_sig = [len(keys), zlib.crc32(repr(keys).encode())]
         failed, changed, narrowed, lacking, *rest = self._ctl.reduce_max(
             [int(error is not None), int(sig != self._plan_sig), int(partial and named is not None), int(lacks)]
-            + [*ids, *args, keys_sig]
-            + [-a for a in [*args, keys_sig]]
+            + [*ids, *args, *keys_sig]
+            + [-a for a in [*args, *keys_sig]]
         )
-        id_parts, highs, lows = rest[:2], rest[2:7], [-x for x in rest[7:]]
+        id_parts, highs, lows = rest[:2], rest[2:8], [-x for x in rest[8:]]
         partial = bool(narrowed)
         if failed:  # rare: only now does each rank's error text cross, so that every rank can name it
             info = self._ctl.all_gather(None if error is None else (type(error).__name__, str(error)))
@@ -262,7 +262,7 @@ class Saver:
                 f"save(): the ranks pass different steps ({lows[0]}..{highs[0]}), overwrite, milestone or only= flags"
             )
         if lacking:  # (a pipeline stage's rank, or a name no rank has)
-            self._check_held(keys, state, same=highs[4] == lows[4])
+            self._check_held(keys, state, same=highs[4:] == lows[4:])
         self.last_partial = partial
         if changed:  # the first save of a layout: plan its chunks (ckpt._plan)
             self._plan_sig, self._batches, self._last_split = None, None, None

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import xxhash
 
@@ -56,6 +56,14 @@ def close_on_exit(close: Callable[[], None], exc: BaseException | None, who: str
         close()
     except Exception:
         log.exception("%s: a pending save failed while handling another error", who)
+
+
+class _Keys(NamedTuple):
+    """What a save holds: the top-level keys `only=` or the full_every schedule name (None:
+    none named), and whether it saves the whole state all the same (a milestone)."""
+
+    named: tuple[str, ...] | None
+    whole: bool
 
 
 class Checkpointer:
@@ -261,21 +269,25 @@ class Checkpointer:
             log.exception("rank %d: the save in flight failed; the final save of step %d goes on", self.rank, step)
             self._restart_schedule()
         keys = self._keys_to_save(state, only, milestone, step, final=True)
-        if self._last_saved == (step, True) and keys is None and not overwrite and not milestone:
+        if self._last_saved == (step, True) and keys.whole and not overwrite and not milestone:
             return False
         if self._last_saved is not None and self._last_saved[0] == step:
             overwrite = True  # (its own version of this step: params-only, or now a milestone)
         return self._save_keys(step, state, keys, overwrite, milestone)
 
     def _save_keys(
-        self, step: int, state: Mapping[str, Any], keys: tuple[str, ...] | None, overwrite: bool, milestone: bool
+        self, step: int, state: Mapping[str, Any], keys: _Keys | None, overwrite: bool, milestone: bool
     ) -> bool:
+        """Save `keys` of `state` (None: the whole state, no keys named)."""
+        keys = keys or _Keys(None, True)
         partial = False
-        if keys is not None:  # (a rank of a pipeline stage may lack some: ranks hold different trees)
-            mine = {k: state[k] for k in keys if k in state}
+        if not keys.whole and keys.named is not None:  # (a pipeline stage's rank may lack some: trees differ)
+            mine = {k: state[k] for k in keys.named if k in state}
             partial, state = len(mine) < len(state), mine
         try:
-            saved = self._saver.save(step, state, overwrite=overwrite, milestone=milestone, named=keys, partial=partial)
+            saved = self._saver.save(
+                step, state, overwrite=overwrite, milestone=milestone, named=keys.named, partial=partial
+            )
         except BaseException:
             self._restart_schedule()
             raise
@@ -293,10 +305,11 @@ class Checkpointer:
 
     def _keys_to_save(
         self, state: Mapping[str, Any], only: Sequence[str] | None, milestone: bool, step: int, *, final: bool = False
-    ) -> tuple[str, ...] | None:
-        """The top-level keys this save names (this rank's state may lack some); None: all of them. The schedule saves a
-        milestone (tagged, or a step keep_every keeps), and a `final` save, in full; `only=`
-        at a step keep_every keeps is saved in full too (a warning says so)."""
+    ) -> _Keys:
+        """The top-level keys this save names (this rank's state may lack some; each must be
+        some rank's), and whether it saves the whole state. The schedule saves a milestone
+        (tagged, or a step keep_every keeps), and a `final` save, in full; `only=` at a step
+        keep_every keeps is saved in full too (a warning says so)."""
         every = self.config.keep_every
         if only is not None:
             if milestone:
@@ -312,7 +325,7 @@ class Checkpointer:
             assert self.config.partial_keys is not None
             keys = self.config.partial_keys
         else:
-            return None
+            return _Keys(None, True)
         missing = [k for k in keys if k not in state]
         if not keys or (missing and self.world == 1):
             raise ValueError(f"only= / partial_keys name keys the state does not have: {missing or '(none given)'}")
@@ -321,10 +334,10 @@ class Checkpointer:
                 log.warning(
                     "step %d is a milestone (keep_every=%d): saved in full, not only %s", step, every, list(keys)
                 )
-            return None
+            return _Keys(keys, True)
         if missing:  # ranks may hold different trees (pipeline stages): this one saves what it has
-            log.info("rank %d: no %s in this rank's state; its params-only version holds the rest", self.rank, missing)
-        return keys
+            log.info("rank %d: no %s in this rank's state; the other ranks' hold them", self.rank, missing)
+        return _Keys(keys, False)
 
     def reached_preemption(self) -> bool:
         """Collective, once per training step on every rank: True on every rank, at the same

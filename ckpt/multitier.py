@@ -28,13 +28,12 @@ from typing import Any
 
 from ckpt._preemption import pass_on
 from ckpt.checkpointer import Checkpointer, close_on_exit
-from ckpt.store.errors import CkptError, CorruptVersionError, IncompleteVersionError, VersionNotFoundError
-from ckpt.store.versions import check_step, committed_steps
+from ckpt.store.errors import CorruptVersionError, IncompleteVersionError, VersionNotFoundError
+from ckpt.store.versions import check_step, newest_committed
 
 __all__ = ["MultiTier"]
 
 log = logging.getLogger("ckpt")
-_UNKNOWN = 1 << 62  # MultiTier._newest of a tier a place of which could not be listed
 
 
 class MultiTier:
@@ -121,19 +120,23 @@ class MultiTier:
     def _newest(ck: Checkpointer) -> int:
         """Collective: the newest step committed anywhere this tier's restore looks (its
         root, the replicator's and peers' copies, its `tiers` and remote; a shared store
-        listed by rank 0 alone), on any rank: no restore of it loads a newer one. -1: none;
-        _UNKNOWN where a place could not be listed (the tier is then tried first)."""
+        listed by rank 0 alone), on any rank (-1: none). A place that cannot be listed
+        counts for nothing here, as in the restore, which lists it again."""
         mine = -1
-        for tier in ck._search_tiers():
+        try:
+            places = ck._search_tiers()
+        except Exception as e:  # noqa: BLE001 - a ranking: no rank may skip the all-reduce below
+            log.warning("rank %d: cannot find %s's places to rank the tiers: %s", ck.rank, ck.root, e)
+            places = []
+        for tier in places:
             if tier.capabilities.shared and ck.rank != 0:
                 continue
             try:
-                steps = committed_steps(tier)
-            except (CkptError, OSError) as e:  # its restore says what it finds; this is a ranking
+                newest = newest_committed(tier)
+            except Exception as e:  # noqa: BLE001 - as above; the tier's restore says what it finds
                 log.warning("rank %d: cannot list %s to rank the tiers: %s", ck.rank, tier.location, e)
-                mine = _UNKNOWN
-                break
-            mine = max(mine, steps[-1] if steps else -1)
+                continue
+            mine = max(mine, -1 if newest is None else newest)
         return ck._ctl.reduce_max([mine])[0]
 
     def reached_preemption(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from ckpt.store.errors import (
 from ckpt.store.faults import fault_delay, fault_point
 from ckpt.store.manifest import MANIFEST_NAME
 from ckpt.store.pins import deleting, pinned_steps
+from ckpt.store.rank_file import rank_file_path
 from ckpt.store.root import ROOT_ID_NAME, RootLock
 from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import (
@@ -50,8 +52,11 @@ from ckpt.store.versions import (
     delete_version,
     finish_deletions,
     parse_version_dirname,
+    read_manifest,
     read_manifest_facts,
+    read_root_info,
     root_info_verdict,
+    version_dirname,
 )
 
 __all__ = ["GcResult", "judge", "collect", "collect_abandoned", "collect_damaged"]
@@ -106,6 +111,20 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
                 continue  # unpublished, or replaced by an overwrite, since its manifest was read: not damage
             versions.append(VersionInfo(step, m.created, False, m.milestone, ok is None or step in ok))
             continue
+        if seen not in _VALID_ROOT_INFO:  # (and its files, once per save)
+            try:
+                gap = _files_out_of_place(tier, step)
+            except (CkptError, OSError) as e:  # no proof of damage
+                unjudged[step] = f"{type(e).__name__}: {e}"
+                log.warning("gc %s: step %d's files cannot be examined, kept: %s", tier.location, step, e)
+                versions.append(VersionInfo(step, m.created, None, m.milestone, ok is None or step in ok))
+                continue
+            if gap is not None:
+                if not _still_published(tier, step, m.save_id):
+                    continue  # unpublished, or replaced by an overwrite, meanwhile: not damage
+                log.warning("gc %s: step %d is damaged, %s", tier.location, step, gap)
+                versions.append(VersionInfo(step, m.created, False, m.milestone, ok is None or step in ok))
+                continue
         with _VALID_LOCK:
             _VALID_ROOT_INFO[seen] = None
             while len(_VALID_ROOT_INFO) > _VALID_KEPT:
@@ -125,6 +144,37 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
 _VALID_ROOT_INFO: OrderedDict[tuple[str, int, str], None] = OrderedDict()  # (tier, step, save id) judged valid
 _VALID_LOCK = threading.Lock()
 _VALID_KEPT = 4096
+
+
+def _files_out_of_place(tier: Tier, step: int) -> str | None:
+    """On a local tier, what keeps the version's files from being all there as its manifest
+    says (a chunk or rank file of this root missing, of another size, or not a regular
+    file); None where they are, or the tier is no local one. Sizes only, a stat per file:
+    the bytes are `ckpt verify`'s. A version whose chunks are gone is no version to delete
+    older ones for (its manifest alone made it intact)."""
+    top = tier.local_path(version_dirname(step))
+    if top is None:
+        return None
+    manifest = read_manifest(tier, step)
+    info = read_root_info(tier, step)
+    writers = None if info is None else set(info.writers)
+    files = [(rank_file_path(r), -1) for r in range(manifest.world_size) if writers is None or r in writers]
+    if not manifest.rank_files:
+        files = []
+    for array in manifest.arrays.values():
+        for chunk in array.iter_chunks():
+            if chunk.inline is None and (writers is None or chunk.writer in writers):
+                files.append((array.chunk_path(chunk), chunk.nbytes))
+    for rel, size in files:
+        try:
+            st = os.lstat(os.path.join(top, rel))
+        except FileNotFoundError:
+            return f"{rel} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{rel} is no regular file"
+        if size >= 0 and st.st_size != size:
+            return f"{rel} holds {st.st_size} bytes, the manifest says {size}"
+    return None
 
 
 def _still_published(tier: Tier, step: int, save_id: str) -> bool:

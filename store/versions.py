@@ -53,6 +53,7 @@ __all__ = [
     "parse_version_dirname",
     "check_step",
     "committed_steps",
+    "newest_committed",
     "is_committed",
     "committed",
     "listing",
@@ -279,6 +280,17 @@ def committed_steps(where: Tier | str | os.PathLike[str]) -> list[int]:
     decided (a GC killed before removing the manifest leaves it so)."""
     tier = as_tier(where)
     return [step for step, name in _version_names(tier) if _holds_commit(tier, name)]
+
+
+def newest_committed(where: Tier | str | os.PathLike[str]) -> int | None:
+    """committed_steps(where)[-1] (None: none), looking into version directories from the
+    newest down only until one holds a commit: two requests on an object store, not one
+    per version."""
+    tier = as_tier(where)
+    for step, name in sorted(_version_names(tier), reverse=True):
+        if _holds_commit(tier, name):
+            return step
+    return None
 
 
 def is_committed(where: Tier | str | os.PathLike[str], step: int) -> bool:

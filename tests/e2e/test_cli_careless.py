@@ -341,6 +341,32 @@ def test_a_version_whose_root_json_is_damaged_is_damaged_to_gc_verify_and_ls(roo
     assert r.exit_code == 0 and "restored step 2" in r.output, r.output
 
 
+@pytest.mark.parametrize("harm", ["missing", "truncated", "link", "rank-file"])
+def test_gc_keeps_what_a_restore_falls_back_to_when_the_newest_lost_files(root: Path, harm: str) -> None:
+    """gc judged a version intact by its manifest and root.json alone: with the newest one's
+    chunk file gone (or cut short, or a link), `--keep-last 1` deleted every version a
+    restore could fall back to. Its files are now checked against the manifest (a stat each)."""
+    v3 = root / versions.version_dirname(3)
+    chunk = next((v3 / "state" / "model").rglob("c.*"))
+    if harm == "missing":
+        chunk.unlink()
+    elif harm == "truncated":
+        chunk.write_bytes(chunk.read_bytes()[:-1])
+    elif harm == "link":
+        data = chunk.read_bytes()
+        chunk.unlink()
+        (root.parent / "elsewhere").write_bytes(data)
+        chunk.symlink_to(root.parent / "elsewhere")
+    else:
+        (v3 / "ranks" / "0.json").unlink()
+    r = run("gc", root, "--keep-last", "1")
+    assert r.exit_code == 0, r.output
+    assert versions.committed_steps(str(root)) == [2, 3], r.output
+    with Checkpointer(root) as ck:
+        got = _state(0)
+        assert ck.restore(got) == 2
+
+
 def test_gc_by_kind_needs_both_counts(tmp_path: Path) -> None:
     """`--keep-last-partial 2` alone kept no full version (the other count was taken as 0)."""
     root = tmp_path / "root"
