@@ -37,6 +37,7 @@ from ckpt._reports import gather_reports
 from ckpt._timings import summarize
 from ckpt._write import metadata_documents, open_tree, write_tasks
 from ckpt.provenance import job_provenance, rank_provenance
+from ckpt.replicator.gc import note_whole
 from ckpt.store import commit as commit_mod
 from ckpt.store import metrics
 from ckpt.store.dtypes import itemsize
@@ -297,6 +298,7 @@ def _commit(
                     dirs = write_hierarchy(tmp_dir, inline, None, replace=True)
                     commit_mod.prepare(tmp_dir, manifest, list(ctx.root_groups[ctx.root_index]), dirs, raw)
                     remember_manifest(raw, manifest)  # retention judges it next, without parsing it again
+                    note_whole(ctx.root, job.step, manifest.save_id)  # (nor statting its files)
                     del manifest, inline
             except BaseException as e:  # noqa: BLE001 - every rank learns it in agree()
                 error = _disk_error(e, f"cannot prepare step {job.step} in {ctx.root}")

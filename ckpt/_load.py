@@ -304,6 +304,13 @@ def _copies(located: Located) -> tuple[tuple[str, int, int] | str, ...]:
     return tuple(out)
 
 
+def _shares_elements(data: Any) -> bool:
+    """Whether writing `data` element by element would write some memory twice: a dimension
+    of more than one element with stride 0 (torch's expand, NumPy's as_strided)."""
+    strides = data.strides if isinstance(data, np.ndarray) else data.stride()
+    return any(n > 1 and not st for n, st in zip(data.shape, strides))
+
+
 def load_version(
     ctl: Comm,
     config: CheckpointerConfig,
@@ -358,6 +365,11 @@ def load_version(
                     raise StateMismatchError(
                         f"{leaf.key}: the checkpoint holds {array.data_type}{list(array.shape)}, "
                         f"the state has {piece.data_type}{list(piece.global_shape)}"
+                    )
+                if _shares_elements(leaf.value if isinstance(leaf.value, np.ndarray) else piece.data):
+                    raise StateMismatchError(
+                        f"{leaf.key}: elements of the state's tensor share memory (an expanded view, stride 0): "
+                        "restore cannot fill it in place; give it a tensor of its own (.clone())"
                     )
                 bound.results[leaf.name] = piece.data if isinstance(leaf.value, np.ndarray) else leaf.value
                 requests.append(ReadRequest(array, piece.data, piece.offsets))

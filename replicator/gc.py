@@ -45,6 +45,7 @@ from ckpt.store.tier import Tier, join_key
 from ckpt.store.versions import (
     COMMIT_CLAIM,
     DELETING_MARKER,
+    RootInfo,
     committed_steps,
     damaged_entries,
     delete_damaged,
@@ -54,12 +55,11 @@ from ckpt.store.versions import (
     parse_version_dirname,
     read_manifest,
     read_manifest_facts,
-    read_root_info,
     root_info_verdict,
     version_dirname,
 )
 
-__all__ = ["GcResult", "judge", "collect", "collect_abandoned", "collect_damaged"]
+__all__ = ["GcResult", "judge", "collect", "collect_abandoned", "collect_damaged", "note_whole"]
 
 log = logging.getLogger("ckpt.replicator")
 
@@ -94,9 +94,10 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
             versions.append(VersionInfo(step, 0.0, False, False, ok is None or step in ok))
             continue
         # Its root info, as a restore's listing judges it: a version without a valid one
-        # cannot be chosen, so it is no intact version to keep in place of older ones. A
-        # save's root info found valid once is not read again (a pass judges every version).
-        seen = (tier.location, step, m.save_id)
+        # cannot be chosen, so it is no intact version to keep in place of older ones; nor is
+        # one whose files are not all there. A save found whole once (or written whole by
+        # this process) is not judged again (a pass judges every version).
+        seen = (_place(tier), step, m.save_id)
         try:
             info = True if seen in _VALID_ROOT_INFO else root_info_verdict(tier, step)
         except TierUnavailableError as e:
@@ -111,9 +112,9 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
                 continue  # unpublished, or replaced by an overwrite, since its manifest was read: not damage
             versions.append(VersionInfo(step, m.created, False, m.milestone, ok is None or step in ok))
             continue
-        if seen not in _VALID_ROOT_INFO:  # (and its files, once per save)
+        if isinstance(info, RootInfo):  # (not yet judged whole: its files too)
             try:
-                gap = _files_out_of_place(tier, step)
+                gap = _files_out_of_place(tier, step, set(info.writers))
             except (CkptError, OSError) as e:  # no proof of damage
                 unjudged[step] = f"{type(e).__name__}: {e}"
                 log.warning("gc %s: step %d's files cannot be examined, kept: %s", tier.location, step, e)
@@ -125,10 +126,7 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
                 log.warning("gc %s: step %d is damaged, %s", tier.location, step, gap)
                 versions.append(VersionInfo(step, m.created, False, m.milestone, ok is None or step in ok))
                 continue
-        with _VALID_LOCK:
-            _VALID_ROOT_INFO[seen] = None
-            while len(_VALID_ROOT_INFO) > _VALID_KEPT:
-                _VALID_ROOT_INFO.popitem(last=False)
+        _remember(seen)
         copied = ok is None or (step in ok and ok[step] in (None, m.save_id))
         versions.append(VersionInfo(step, m.created, True, m.milestone, copied, m.keys, m.partial))
     # A version directory that lost its manifest is a damaged version (its chunks are still
@@ -141,12 +139,33 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
     return versions, unjudged
 
 
-_VALID_ROOT_INFO: OrderedDict[tuple[str, int, str], None] = OrderedDict()  # (tier, step, save id) judged valid
+# (tier, step, save id) whose root info was judged valid and files found in place, or
+# that this process wrote whole (note_whole): judged once per save, not once a pass.
+_VALID_ROOT_INFO: OrderedDict[tuple[str, int, str], None] = OrderedDict()
 _VALID_LOCK = threading.Lock()
 _VALID_KEPT = 4096
 
 
-def _files_out_of_place(tier: Tier, step: int) -> str | None:
+def _place(tier: Tier) -> str:
+    local = tier.local_path("")
+    return tier.location if local is None else os.path.realpath(local)
+
+
+def _remember(seen: tuple[str, int, str]) -> None:
+    with _VALID_LOCK:
+        _VALID_ROOT_INFO[seen] = None
+        _VALID_ROOT_INFO.move_to_end(seen)
+        while len(_VALID_ROOT_INFO) > _VALID_KEPT:
+            _VALID_ROOT_INFO.popitem(last=False)
+
+
+def note_whole(root: str, step: int, save_id: str) -> None:
+    """A version this process has just written whole under the local root `root` (its root
+    info and files): judge takes them as checked, without reading its manifest again."""
+    _remember((os.path.realpath(root), step, save_id))
+
+
+def _files_out_of_place(tier: Tier, step: int, writers: set[int]) -> str | None:
     """On a local tier, what keeps the version's files from being all there as its manifest
     says (a chunk or rank file of this root missing, of another size, or not a regular
     file); None where they are, or the tier is no local one. Sizes only, a stat per file:
@@ -156,14 +175,10 @@ def _files_out_of_place(tier: Tier, step: int) -> str | None:
     if top is None:
         return None
     manifest = read_manifest(tier, step)
-    info = read_root_info(tier, step)
-    writers = None if info is None else set(info.writers)
-    files = [(rank_file_path(r), -1) for r in range(manifest.world_size) if writers is None or r in writers]
-    if not manifest.rank_files:
-        files = []
+    files = [(rank_file_path(r), -1) for r in sorted(writers)] if manifest.rank_files else []
     for array in manifest.arrays.values():
         for chunk in array.iter_chunks():
-            if chunk.inline is None and (writers is None or chunk.writer in writers):
+            if chunk.inline is None and chunk.writer in writers:
                 files.append((array.chunk_path(chunk), chunk.nbytes))
     for rel, size in files:
         try:

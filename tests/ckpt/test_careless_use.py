@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import zarr
@@ -672,3 +673,22 @@ def test_a_checkpointer_refused_after_it_locked_the_root_leaves_the_root_free(tm
         Checkpointer(tmp_path / "root", peer_copies=1)
     with Checkpointer(tmp_path / "root") as ck:
         assert ck.save(1, {"w": torch.ones(2)})
+
+
+def test_a_destination_whose_elements_share_memory_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    """An expanded tensor (a buffer made with .expand) has one memory location for many
+    elements: the restore wrote every row through it and returned, each row then holding
+    the last one saved (torch's own copy_ refuses it)."""
+    saved = {"pe": torch.arange(70, dtype=torch.float32).reshape(10, 7), "w": torch.ones(3)}
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, saved)
+    row = torch.zeros(1, 7)
+    got = {"pe": row.expand(10, 7), "w": torch.zeros(3)}
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(StateMismatchError, match="share memory"):
+            ck.restore(got)
+    assert not row.any() and not got["w"].any()  # nothing was written
+    arr = np.lib.stride_tricks.as_strided(np.zeros(7, dtype=np.float32), (10, 7), (0, 4), writeable=True)
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(StateMismatchError, match="share memory"):
+            ck.restore({"pe": arr, "w": torch.zeros(3)})
