@@ -54,7 +54,7 @@ import torch
 from ckpt._dist import Comm
 from ckpt._peer_status import forget_peer_step, peer_dir, peer_dirs, record_peer_copies, record_peers_stopped
 from ckpt._roots import node_of
-from ckpt.replicator.gc import collect
+from ckpt.replicator.gc import collect, note_whole
 from ckpt.replicator.policy import Policy
 from ckpt.store import commit
 from ckpt.store.digest import ChunkHasher
@@ -702,6 +702,7 @@ class PeerCopier:
             fsync_dir(incoming)
             commit.publish(home, tmp_name, step, overwrite=True)
             fsync_dirs([os.path.dirname(home), self._root])  # the first copy made replicas/ and peer-<id>/
+            note_whole(home, step, manifest.save_id)  # every file checked as it came: its GC need not stat them
         except Exception as e:  # noqa: BLE001 - not kept; the round goes on to its acknowledgements
             errors[source] = f"{type(e).__name__}: {e}"
             return False
