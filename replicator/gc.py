@@ -112,7 +112,7 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
                 continue  # unpublished, or replaced by an overwrite, since its manifest was read: not damage
             versions.append(VersionInfo(step, m.created, False, m.milestone, ok is None or step in ok))
             continue
-        if isinstance(info, RootInfo):  # (not yet judged whole: its files too)
+        if isinstance(info, RootInfo) and seen not in _WRITTEN_WHOLE:  # (not yet judged: its files too)
             try:
                 gap = _files_out_of_place(tier, step, set(info.writers))
             except (CkptError, OSError) as e:  # no proof of damage
@@ -139,9 +139,10 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
     return versions, unjudged
 
 
-# (tier, step, save id) whose root info was judged valid and files found in place, or
-# that this process wrote whole (note_whole): judged once per save, not once a pass.
+# (tier, step, save id) whose root info was judged valid and files found in place: judged
+# once per save, not once a pass; and those whose files this process wrote whole (note_whole).
 _VALID_ROOT_INFO: OrderedDict[tuple[str, int, str], None] = OrderedDict()
+_WRITTEN_WHOLE: OrderedDict[tuple[str, int, str], None] = OrderedDict()
 _VALID_LOCK = threading.Lock()
 _VALID_KEPT = 4096
 
@@ -151,18 +152,19 @@ def _place(tier: Tier) -> str:
     return tier.location if local is None else os.path.realpath(local)
 
 
-def _remember(seen: tuple[str, int, str]) -> None:
+def _remember(seen: tuple[str, int, str], into: OrderedDict[tuple[str, int, str], None] = _VALID_ROOT_INFO) -> None:
     with _VALID_LOCK:
-        _VALID_ROOT_INFO[seen] = None
-        _VALID_ROOT_INFO.move_to_end(seen)
-        while len(_VALID_ROOT_INFO) > _VALID_KEPT:
-            _VALID_ROOT_INFO.popitem(last=False)
+        into[seen] = None
+        into.move_to_end(seen)
+        while len(into) > _VALID_KEPT:
+            into.popitem(last=False)
 
 
 def note_whole(root: str, step: int, save_id: str) -> None:
-    """A version this process has just written whole under the local root `root` (its root
-    info and files): judge takes them as checked, without reading its manifest again."""
-    _remember((os.path.realpath(root), step, save_id))
+    """A version this process has just written whole under the local root `root`: judge
+    takes its files as checked, without reading its manifest again (its root info is read
+    once, as any version's)."""
+    _remember((os.path.realpath(root), step, save_id), _WRITTEN_WHOLE)
 
 
 def _files_out_of_place(tier: Tier, step: int, writers: set[int]) -> str | None:
