@@ -54,7 +54,7 @@ import torch
 from ckpt._dist import Comm
 from ckpt._peer_status import forget_peer_step, peer_dir, peer_dirs, record_peer_copies, record_peers_stopped
 from ckpt._roots import node_of
-from ckpt.replicator.gc import collect, note_whole
+from ckpt.replicator.gc import collect, note_whole, spare_candidate
 from ckpt.replicator.policy import Policy
 from ckpt.store import commit
 from ckpt.store.digest import ChunkHasher
@@ -709,9 +709,9 @@ class PeerCopier:
         if self._policy is not None:
             try:
                 tier = open_tier(home)
-                doomed = collect(tier, self._policy, dry_run=True).deleted
-                if doomed:
-                    retire(tier, home, min(doomed))
+                spare = spare_candidate(tier, self._policy)
+                if spare is not None:
+                    retire(tier, home, spare)
                 collect(tier, self._policy)
             except Exception as e:  # noqa: BLE001 - the copy is kept; pruning waits for the next round
                 log.warning("%s: pruning the peer copies of root %d failed: %s", self._root, source, e)

@@ -23,7 +23,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckpt._peer_status import with_peer_rule
-from ckpt.replicator.gc import collect
+from ckpt.replicator.gc import collect, spare_candidate
 from ckpt.replicator.policy import Policy
 from ckpt.replicator.status import read_status, redundant_saves
 from ckpt.store import metrics
@@ -74,9 +74,9 @@ class Retention:
                 status = read_status(self._root)
                 redundant = with_peer_rule(self._root, None if status is None else redundant_saves(status))
                 if self._spares:
-                    doomed = collect(self._tier, self._policy, redundant=redundant, dry_run=True).deleted
-                    if doomed:
-                        self._retire(min(doomed))
+                    spare = spare_candidate(self._tier, self._policy, redundant)
+                    if spare is not None:
+                        self._retire(spare)
                 result = collect(self._tier, self._policy, redundant=redundant)
                 metrics.RETENTION_DELETED.inc(len(result.deleted))
                 if result.deleted:

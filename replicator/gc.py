@@ -59,7 +59,7 @@ from ckpt.store.versions import (
     version_dirname,
 )
 
-__all__ = ["GcResult", "judge", "collect", "collect_abandoned", "collect_damaged", "note_whole"]
+__all__ = ["GcResult", "judge", "collect", "collect_abandoned", "collect_damaged", "note_whole", "spare_candidate"]
 
 log = logging.getLogger("ckpt.replicator")
 
@@ -115,6 +115,8 @@ def judge(tier: Tier, redundant: Mapping[int, str | None] | None = None) -> tupl
         if isinstance(info, RootInfo) and seen not in _WRITTEN_WHOLE:  # (not yet judged: its files too)
             try:
                 gap = _files_out_of_place(tier, step, set(info.writers))
+            except VersionNotFoundError:
+                continue  # deleted (another GC) since the listing
             except (CkptError, OSError) as e:  # no proof of damage
                 unjudged[step] = f"{type(e).__name__}: {e}"
                 log.warning("gc %s: step %d's files cannot be examined, kept: %s", tier.location, step, e)
@@ -192,6 +194,16 @@ def _files_out_of_place(tier: Tier, step: int, writers: set[int]) -> str | None:
         if size >= 0 and st.st_size != size:
             return f"{rel} holds {st.st_size} bytes, the manifest says {size}"
     return None
+
+
+def spare_candidate(tier: Tier, policy: Policy, redundant: Mapping[int, str | None] | None = None) -> int | None:
+    """The oldest version `policy` would delete that is intact, judged now: the tree a save
+    may overwrite in place (store.spare); a damaged one (a chunk path that is a link or a
+    directory) would fail that save. None: no such version."""
+    judged = judge(tier, redundant)
+    doomed = collect(tier, policy, redundant=redundant, dry_run=True, versions=judged).deleted
+    whole = {v.step for v in judged[0] if v.intact}
+    return min((s for s in doomed if s in whole), default=None)
 
 
 def _still_published(tier: Tier, step: int, save_id: str) -> bool:

@@ -309,3 +309,32 @@ def test_a_spare_deleted_while_the_next_save_takes_it_costs_that_save_nothing(tm
     assert names.count("zarr.json") == arrays + 3 and sum(f.startswith("c") and f != "c" for f in names) >= arrays
     group = zarr.open_group(str(last / "state"), mode="r")
     assert all(float(group[f"model/w{i}"][0]) == 17000 + i for i in range(arrays))
+
+
+def test_a_version_judged_damaged_is_deleted_not_kept_for_the_next_save_to_overwrite(tmp_path: Path) -> None:
+    """A chunk of an old version replaced by a directory: retention judged the version
+    damaged, yet kept its tree as the spare the next save writes into, and that save
+    failed (EISDIR). The versions are written by another process, as after a restart."""
+
+    root = tmp_path / "root"
+    code = (
+        "import torch, sys\nfrom ckpt import Checkpointer\n"
+        "with Checkpointer(sys.argv[1]) as ck:\n"
+        "    for s in (1, 2):\n        ck.save(s, {'w': torch.full((300, 1024), float(s)), 'step': s})\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root)], cwd=repo, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    chunk = next((root / version_dirname(1) / "state").rglob("c.*"))
+    chunk.unlink()
+    chunk.mkdir()
+    with Checkpointer(root, keep_last=2) as ck:
+        for s in range(3, 7):
+            ck.save(s, {"w": torch.full((300, 1024), float(s)), "step": s})
+            ck.wait()
+    got = {"w": torch.zeros(300, 1024), "step": 0}
+    with Checkpointer(root) as ck:
+        assert ck.restore(got) == 6
+    assert torch.equal(got["w"], torch.full((300, 1024), 6.0))
