@@ -28,7 +28,7 @@ from typing import Any
 
 from ckpt._preemption import pass_on
 from ckpt.checkpointer import Checkpointer, close_on_exit
-from ckpt.store.errors import CorruptVersionError, IncompleteVersionError, VersionNotFoundError
+from ckpt.store.errors import CkptError, CorruptVersionError, IncompleteVersionError, VersionNotFoundError
 from ckpt.store.versions import check_step, newest_committed
 
 __all__ = ["MultiTier"]
@@ -121,23 +121,26 @@ class MultiTier:
         """Collective: the newest step committed anywhere this tier's restore looks (its
         root, the replicator's and peers' copies, its `tiers` and remote; a shared store
         listed by rank 0 alone), on any rank (-1: none). A place that cannot be listed
-        counts for nothing here, as in the restore, which lists it again."""
+        counts for nothing here, as in the restore, which lists it again; a bug raises on
+        every rank."""
         mine = -1
+        bug: Exception | None = None
         try:
-            places = ck._search_tiers()
-        except Exception as e:  # noqa: BLE001 - a ranking: no rank may skip the all-reduce below
-            log.warning("rank %d: cannot find %s's places to rank the tiers: %s", ck.rank, ck.root, e)
-            places = []
-        for tier in places:
-            if tier.capabilities.shared and ck.rank != 0:
-                continue
-            try:
-                newest = newest_committed(tier)
-            except Exception as e:  # noqa: BLE001 - as above; the tier's restore says what it finds
-                log.warning("rank %d: cannot list %s to rank the tiers: %s", ck.rank, tier.location, e)
-                continue
-            mine = max(mine, -1 if newest is None else newest)
-        return ck._ctl.reduce_max([mine])[0]
+            for tier in ck._search_tiers():
+                if tier.capabilities.shared and ck.rank != 0:
+                    continue
+                try:
+                    newest = newest_committed(tier)
+                except (CkptError, OSError) as e:  # unreachable or unreadable: its restore says what it finds
+                    log.warning("rank %d: cannot list %s to rank the tiers: %s", ck.rank, tier.location, e)
+                    continue
+                mine = max(mine, -1 if newest is None else newest)
+        except Exception as e:  # noqa: BLE001 - a bug: raised on every rank below, none left waiting
+            bug = e
+        agreed, failed = ck._ctl.reduce_max([mine, int(bug is not None)])
+        if failed:
+            ck._ctl.agree(bug)  # every rank raises (the one that failed, its own error)
+        return agreed
 
     def reached_preemption(self) -> bool:
         """Collective: True once any tier's preemption_signals arrived (see
