@@ -534,9 +534,13 @@ class Checkpointer:
     def _locate(
         self, step: int | None, read: Callable[[Manifest, Located], None] | None = None
     ) -> tuple[Manifest, Located] | None:
-        """ckpt._load.locate, once this Checkpointer's pending saves are done."""
+        """ckpt._load.locate, once this Checkpointer's pending saves are done. With `read`
+        (a load into the state, as DCP's), the full_every schedule starts again, as at
+        restore()."""
         self._check_open()
         self.wait()
+        if read is not None:
+            self._restart_schedule()
         return locate(self._ctl, self._search_tiers, step, read)
 
     # -- lifecycle -------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckpt.dcp
 from ckpt import Checkpointer, StateMismatchError
+from ckpt.cli import main as cli
 from tests._dist import launch
 
 THIS = os.path.abspath(__file__)
@@ -50,6 +53,23 @@ def test_a_checkpointer_with_a_params_only_schedule_saves_every_item(tmp_path: P
     for step in (1, 2, 3):
         got = _load(root, step)
         assert torch.equal(got["optim"]["m"], _state(step)["optim"]["m"]), step
+
+
+def test_the_first_save_after_a_dcp_load_through_the_checkpointer_is_full(tmp_path: Path) -> None:
+    """A dcp.load through the Checkpointer loads another state than the one its full_every
+    schedule last saved in full: the next save was params-only, resting on a full version
+    of the abandoned run. The schedule starts again at the load, as at restore()."""
+    root = tmp_path / "root"
+    with Checkpointer(root, full_every=3, partial_keys=("model",), capture_rng=False) as ck:
+        dcp.save(_state(1), storage_writer=ckpt.dcp.StorageWriter(str(root), 1, checkpointer=ck), no_dist=True)
+        ck.save(2, _state(2))
+        got = _state(0)
+        dcp.load(got, storage_reader=ckpt.dcp.StorageReader(str(root), step=1, checkpointer=ck), no_dist=True)
+        assert torch.equal(got["optim"]["m"], _state(1)["optim"]["m"])
+        ck.save(3, got)
+    ls = CliRunner().invoke(cli, ["ls", str(root), "--json"])
+    assert ls.exit_code == 0, ls.output
+    assert {r["step"]: r["keys"] for r in json.loads(ls.output)} == {1: None, 2: ["model"], 3: None}
 
 
 def test_a_checkpointer_s_save_in_flight_does_not_make_the_dcp_save_skip(tmp_path: Path) -> None:
