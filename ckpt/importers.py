@@ -19,7 +19,7 @@ import torch
 from ckpt._roots import RootSpec
 from ckpt.checkpointer import Checkpointer
 from ckpt.config import CheckpointerConfig
-from ckpt.store.errors import UnsupportedStateError, VersionExistsError
+from ckpt.store.errors import UnsupportedStateError, VersionExistsError, for_cli
 from ckpt.store.new_root import first_missing, remove_unused
 
 __all__ = ["UntrustedSourceError", "read_foreign", "import_checkpoint"]
@@ -142,9 +142,10 @@ def _check_source(path: str, *, trust: bool) -> bool:
         raise UnsupportedStateError(f"{path}: a directory without .metadata is not a DCP checkpoint")
     if not trust and not _is_safetensors(path):  # (safetensors holds no pickle)
         what = "a DCP checkpoint's .metadata and items" if is_dcp else "a torch.save file"
-        raise UntrustedSourceError(
-            f"{path}: importing unpickles {what}, which can run any code; pass --trust (trust=True) "
-            "only for files from a source you trust"
+        unpickles = f"{path}: importing unpickles {what}, which can run any code"
+        raise for_cli(
+            UntrustedSourceError(f"{unpickles}; pass trust=True only for files from a source you trust"),
+            f"{unpickles}; pass --trust only for files from a source you trust",
         )
     return is_dcp
 
@@ -180,7 +181,8 @@ def import_checkpoint(path: str, root: RootSpec, step: int, *, trust: bool, over
             # A root in use and a step already there fail before the source is read (hours, for
             # a large one): the save would refuse them only after.
             if not overwrite and step in ck.steps():
-                raise VersionExistsError(f"step {step} is already committed under {ck.root}; pass --overwrite")
+                there = f"step {step} is already committed under {ck.root}"
+                raise for_cli(VersionExistsError(f"{there}; pass overwrite=True"), f"{there}; pass --overwrite")
             state = read_foreign(path, trust=trust)
             ck.save(step, state, overwrite=overwrite)
             ck.wait()

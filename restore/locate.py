@@ -52,6 +52,7 @@ from ckpt.store.errors import (
     RankFailures,
     TierUnavailableError,
     VersionNotFoundError,
+    for_cli,
 )
 from ckpt.store.manifest import MANIFEST_NAME, ROOT_INFO_NAME, Manifest
 from ckpt.store.pins import pin_version
@@ -289,9 +290,15 @@ def restore_newest(
             ):
                 _lacking(held, needed, listed)
             if params_only and not set(reachable_steps(held)) - params_only - excluded - vanished:
-                raise VersionNotFoundError(
+                newest = max((params_only & set(reachable_steps(held))) - excluded - vanished or params_only)
+                keys = ",".join(sorted(_holds(held).get(newest) or ()))
+                what = (
                     f"every version in {', '.join(t.location for t in listed)} that can be read is a params-only "
-                    f"version (steps {sorted(params_only)}); name the keys to take from one (the CLI: --keys)"
+                    f"version (steps {sorted(params_only)})"
+                )
+                raise for_cli(
+                    VersionNotFoundError(f"{what}; restore a dict of the keys one holds (step {newest}: {keys})"),
+                    f"{what}; --keys {keys} restores step {newest}",
                 )
             # A damaged or unreadable entry of the step asked for, or (none asked for) of a
             # step no tier holds intact: an error, never "not committed" or a fresh start;
@@ -459,7 +466,7 @@ def _report_passed(
         )
 
 
-def _incomplete(held: Holdings, searched: Sequence[str]) -> str:
+def _incomplete(held: Holdings, searched: Sequence[str]) -> IncompleteVersionError:
     """Which versions are there only in part, whose part is missing, and where the ranks looked."""
     parts = [
         f"step {s} lacks the part of ranks {missing}"
@@ -468,10 +475,15 @@ def _incomplete(held: Holdings, searched: Sequence[str]) -> str:
         for s in reversed(partial_steps(held))
         for missing in [missing_writers(held, s)]
     ]
-    return (
+    what = (
         f"committed versions are incomplete on the tiers searched: {'; '.join(parts)} "
-        f"(searched: {', '.join(searched)}); not starting from scratch. Bring back a copy of the missing "
-        "parts (the remote, another node's disk), or restore(state, if_incomplete='fresh') to start fresh"
+        f"(searched: {', '.join(searched)}); not starting from scratch. Bring back a copy of the missing parts"
+    )
+    return for_cli(
+        IncompleteVersionError(
+            f"{what} (the remote, another node's disk), or restore(state, if_incomplete='fresh') to start fresh"
+        ),
+        f"{what} (--tier: the remote, another node's disk)",
     )
 
 
@@ -503,11 +515,15 @@ def _lacking(held: Holdings, needed: frozenset[str] | OneOf, tiers: Sequence[Tie
     # The newest version holding the most of the state's keys: restoring those keys loads it.
     best = max(steps, key=lambda s: (len(needed & (holds.get(s) or frozenset())), s))
     keys = sorted(needed & (holds.get(best) or frozenset()))
-    raise VersionNotFoundError(
-        f"no version in {where} holds every key of the state {sorted(needed)}: steps {steps} hold only "
-        f"{have}; restore a dict of the keys a version holds (the newest holding {keys} is step {best}), "
-        "or restore(state, strict=False) (the CLI: --keys) to load the newest version, whatever it holds, "
-        "into the keys it has"
+    what = f"no version in {where} holds every key of the state {sorted(needed)}: steps {steps} hold only {have}"
+    raise for_cli(
+        VersionNotFoundError(
+            f"{what}; restore a dict of the keys a version holds (the newest holding {keys} is step {best}), "
+            "or restore(state, strict=False) to load the newest version, whatever it holds, into the keys it has"
+        ),
+        f"{what}; --keys {','.join(keys)} restores step {best}"
+        if keys
+        else f"{what}; give --keys of keys a version holds",
     )
 
 
@@ -533,7 +549,7 @@ def _nothing(
     if step is not None and step in vanished:
         raise VersionNotFoundError(f"step {step} is being deleted (by a GC) in {where}")
     if step is not None and step in partial:
-        raise IncompleteVersionError(_incomplete([h for h in held if h.step == step], searched))
+        raise _incomplete([h for h in held if h.step == step], searched)
     if step is not None:
         raise VersionNotFoundError(f"step {step} is not committed where every rank can reach it ({where}){hint}")
     if excluded:
@@ -549,6 +565,6 @@ def _nothing(
             "not starting from scratch",
         )
     if partial and if_incomplete == "raise":
-        raise IncompleteVersionError(_incomplete(held, searched))
+        raise _incomplete(held, searched)
     if not missing_ok:
         raise VersionNotFoundError(f"no complete committed version in {where}{hint}")

@@ -7,6 +7,7 @@ or `ValueError` keep working.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 __all__ = [
     "CkptError",
@@ -29,7 +30,21 @@ __all__ = [
 
 
 class CkptError(Exception):
-    """Base of every error raised by ckpt."""
+    """Base of every error raised by ckpt.
+
+    `cli`: the message in the CLI's words where the API's names an argument of a call
+    (`if_incomplete=`, `strict=`, `trust=`); the `ckpt` command prints it instead."""
+
+    cli: str | None = None
+
+
+E = TypeVar("E", bound=CkptError)
+
+
+def for_cli(error: E, message: str) -> E:
+    """`error`, with the message the CLI prints in its place (CkptError.cli)."""
+    error.cli = message
+    return error
 
 
 class VersionNotFoundError(CkptError, FileNotFoundError):

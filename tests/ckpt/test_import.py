@@ -13,6 +13,8 @@ from click.testing import CliRunner
 
 from ckpt import Checkpointer
 from ckpt.cli import main as cli
+from ckpt.importers import UntrustedSourceError, import_checkpoint
+from ckpt.store.errors import VersionExistsError
 from tests._states import assert_bitwise
 
 
@@ -110,6 +112,10 @@ def test_a_pickle_is_not_unpickled_without_trust(tmp_path: Path) -> None:
         assert out.exit_code == 3, out.output
         lines = out.output.strip().splitlines()
         assert len(lines) == 1 and "--trust" in lines[0] and "can run any code" in lines[0], out.output
+        assert "trust=True" not in lines[0], lines[0]  # the API's name, not the command's
+        with pytest.raises(UntrustedSourceError) as refused:
+            import_checkpoint(str(source), tmp_path / "root", 1, trust=False)
+        assert "trust=True" in str(refused.value) and "--trust" not in str(refused.value), refused.value
     assert not marker.exists()
     assert not (tmp_path / "root").exists()
     # The payload is real: trusted, the file is unpickled and its code runs.
@@ -383,6 +389,9 @@ def test_a_step_already_there_is_refused_before_the_source_is_read(tmp_path: Pat
     unreadable.write_bytes(b"not read at all")
     out = CliRunner().invoke(cli, ["import", str(unreadable), str(root), "--step", "1", "--trust"])
     assert out.exit_code == 3 and "already committed" in out.output and "--overwrite" in out.output, out.output
+    with pytest.raises(VersionExistsError) as exists:  # the API names its own argument
+        import_checkpoint(str(unreadable), root, 1, trust=True)
+    assert "overwrite=True" in str(exists.value) and "--overwrite" not in str(exists.value), exists.value
     assert _same(_restored(root, 1), _state(1))
 
 

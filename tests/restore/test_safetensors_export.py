@@ -271,6 +271,8 @@ def test_a_version_split_over_two_roots_exports_from_both(tmp_path: Path) -> Non
     assert torch.equal(got["stage0.w"], torch.zeros(3)) and torch.equal(got["stage1.w"], torch.ones(3))
     alone = _ckpt("restore", str(tmp_path / "node0"), "--to-safetensors", str(tmp_path / "alone"))
     assert alone.returncode != 0 and "lacks the part of ranks [1]" in alone.stderr, alone.stderr
+    # In the CLI's words: the API's if_incomplete= is no option of the command.
+    assert "--tier" in alone.stderr and "if_incomplete" not in alone.stderr, alone.stderr
 
 
 def export_by_ranks(ctx: Any, view: str, out: str) -> dict[str, Any]:
