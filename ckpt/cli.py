@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import urllib.parse
 from collections.abc import Callable
 from functools import wraps
@@ -86,9 +87,9 @@ def _errors_to_exit(fn: F) -> F:
         except KeyboardInterrupt:  # (click would say "Aborted!" and exit 1, damage's code)
             _fail("interrupted: what it committed before stays committed (ckpt ls shows it)", EXIT_INTERRUPTED)
         except CorruptVersionError as e:  # a damaged version: as `verify`'s bad chunks
-            _fail(str(e), EXIT_BAD_CHUNKS)
+            _fail(e.cli or str(e), EXIT_BAD_CHUNKS)
         except CkptError as e:
-            _fail(str(e), EXIT_CKPT_ERROR)
+            _fail(e.cli or str(e), EXIT_CKPT_ERROR)
         except OSError as e:  # a path given to the command: missing, not a directory, read-only, full
             _fail(_os_error(e), EXIT_CKPT_ERROR)
 
@@ -151,7 +152,12 @@ def _tiers(root: str, extra: tuple[str, ...], options: dict[str, Any]) -> list[T
             if not extra or not usable:
                 raise CkptError(f"{path} is not a directory")
             click.echo(f"ckpt: warning: {path} is not a directory; reading the other tiers", err=True)
-    return [tiers[p] for p in usable]
+    from ckpt._roots import replica_tiers  # imports torch
+
+    # Then the copies those roots' disks hold (the replicator's, other nodes' peer copies), as
+    # a Checkpointer's restore reads them: a node's part of a version may survive only there.
+    local = [path for path in (tiers[p].local_path("") for p in usable) if path is not None]
+    return [tiers[p] for p in usable] + replica_tiers(local)
 
 
 @click.group()
@@ -565,7 +571,12 @@ def gc_cmd(
 @click.option("--replica-root", "replica_roots", multiple=True, help="A place for copies: another disk or a peer URL.")
 @click.option("--bwlimit", type=click.FloatRange(min=0, min_open=True), default=None, help="Cap in MB/s.")
 @click.option("--once", is_flag=True, help="Make one pass and exit.")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=0.5, help="Seconds between passes.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.05, max=threading.TIMEOUT_MAX),
+    default=0.5,
+    help="Seconds between passes.",
+)
 @click.option("--keep-last", type=click.IntRange(min=0), default=None, help="Local retention: newest N.")
 @click.option("--remote-keep-last", type=click.IntRange(min=0), default=None, help="Remote retention: newest N.")
 @click.option("--milestone-every", type=click.IntRange(min=1), default=None, help="Remote: keep every K-th step.")
@@ -602,6 +613,8 @@ def replicate_cmd(
         raise click.UsageError(f"--replicas {replicas} needs {replicas - 1} --replica-root, got {len(replica_roots)}")
     if replica_roots and replicas == 1:
         raise click.UsageError("--replica-root makes no copy without --replicas N (the copies in all, 2 or more)")
+    if interval != interval:  # (FloatRange lets nan through)
+        raise click.UsageError("--interval nan is no number of seconds")
     if not os.path.isdir(root):
         raise CkptError(f"{root} is not a directory")
     check_writable_root(root)

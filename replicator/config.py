@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,8 +56,10 @@ class ReplicatorConfig:
             raise ValueError(f"replicas={self.replicas} needs at least {self.replicas - 1} replica roots")
         if self.bwlimit_mbps is not None and self.bwlimit_mbps <= 0:
             raise ValueError("bwlimit_mbps must be positive")
-        if self.threads < 1 or self.interval_s <= 0:
-            raise ValueError("threads and interval_s must be positive")
+        if self.threads < 1 or not 0 < self.interval_s <= threading.TIMEOUT_MAX:  # (inf, nan: the wait fails)
+            raise ValueError(
+                f"threads and interval_s must be positive (interval_s at most {threading.TIMEOUT_MAX:.0f})"
+            )
         if self.abandon_after_s <= 0:
             raise ValueError("abandon_after_s must be positive")
         if not self.drain_timeout_s > 0:

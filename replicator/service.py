@@ -155,7 +155,11 @@ class Replicator:
             if dest is not None:
                 out.append(dest)
         if len(out) < self.config.replicas - 1:
-            log.warning("only %d distinct disks for %d copies of %s", len(out) + 1, self.config.replicas, source)
+            # The copies go on to the disks there are (retention counts those), and the pass
+            # fails: `--once` exits 3 rather than report the copies asked for as made.
+            short = f"only {len(out) + 1} distinct disks for {self.config.replicas} copies of {self._redact(source)}"
+            log.error("%s (replica roots on a copy's disk or device are skipped)", short)
+            self.errors.append(short)
         status.required_copies = len(out)
         status.replicas = [d.url for d in out]
         status.remote = self._redact(self.config.remote) if self.config.remote is not None else None

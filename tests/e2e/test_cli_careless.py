@@ -215,6 +215,19 @@ def _save_id(root: Path, step: int) -> str:
     return str(manifest["save_id"])
 
 
+def test_restore_where_every_version_is_params_only_names_the_keys_option(tmp_path: Path) -> None:
+    """The message named the API's restore(state, strict=False); the command's way is --keys."""
+    where = tmp_path / "root"
+    with Checkpointer(where) as ck:
+        ck.save(1, _state(1), only=("model",))
+    r = run("restore", where, "--to-torch", tmp_path / "f.pt")
+    assert r.exit_code == 3, r.output
+    line = r.stderr.splitlines()[-1]
+    assert line.startswith("ckpt: error: ") and "--keys model restores step 1" in line, r.stderr
+    assert "the CLI" not in line and "restore(" not in line, line
+    assert run("restore", where, "--keys", "model", "--to-torch", tmp_path / "f.pt").exit_code == 0
+
+
 def test_verify_of_a_step_that_never_existed_says_so(root: Path) -> None:
     one_line_error(run("verify", root, "--step", "7"), 3, "step 7 does not exist")
 
@@ -307,6 +320,10 @@ def test_replicate_refuses_an_empty_remote_and_its_own_root_as_the_remote(
     ):
         r = run("replicate", *args)
         assert r.exit_code == 2 and words in r.output and "=" not in r.stderr.splitlines()[-1], r.output
+    # a wait no pass can make: a traceback (OverflowError) after the first pass, and exit 1
+    for interval, words in (("inf", "inf is not in the range"), ("nan", "--interval nan is no number of seconds")):
+        r = run("replicate", root, "--interval", interval)
+        assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "disk2").exists()
     # the source as its own remote: the remote's GC would delete the source's versions
     for remote in (str(root), f"file://{root}/"):

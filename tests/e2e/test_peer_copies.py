@@ -398,9 +398,37 @@ def test_a_node_with_empty_disks_restores_from_its_peer(tmp_path: Path) -> None:
     assert len(rows) == 2 and all(r[-2] == "1/1" for r in rows), listed.output  # copies: 1 verified of 1
     shutil.rmtree(nodes.disks / "node1")  # node 1 is replaced: an empty disk
     (nodes.disks / "node1").mkdir()
+    # The CLI on node 0's root reads the peer copies its disk holds, as a restore does
+    # (before: "step 4 lacks the part of ranks [2, 3]" unless they were named with --tier).
+    out = tmp_path / "whole.pt"
+    exported = CliRunner().invoke(cli, ["restore", str(nodes.disks / "node0"), "--to-torch", str(out)])
+    assert exported.exit_code == 0 and "restored step 4" in exported.output, exported.output
+    got = torch.load(out, weights_only=True)
+    assert torch.equal(got["w"], _full(4)[0]) and torch.equal(got["own"], _full(4)[1]), got
     results, failures = launch(THIS, "restore_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view))
     assert not failures, failures
     assert [(r["step"], r["bitwise"]) for r in results] == [(4, True)] * 4, results
+
+
+def test_a_peer_copy_left_between_its_rename_and_its_publish_is_removed_by_the_next_copy(tmp_path: Path) -> None:
+    """A copier that dies between the rename out of .incoming and the publish leaves
+    v<step>.tmp-<save id>: nothing removed it unless the same save of that step was copied
+    again, so it held a rank's part for good (memory, on /dev/shm)."""
+    nodes = _nodes(tmp_path)
+    _, failures = launch(
+        THIS, "save_job", 4, tmp_path / "job", isolate=nodes, view=str(nodes.view), steps=[2], keep_last=None
+    )
+    assert not failures, failures
+    held = _held(nodes.disks / "node0")
+    left = [held / f"v000000000001.tmp-{'a' * 32}", held / f"v000000000002.tmp-{'b' * 32}"]
+    for d in left:  # an older step's, and another save of a step held
+        shutil.copytree(held / "v000000000002", d)
+    _, failures = launch(
+        THIS, "save_job", 4, tmp_path / "job2", isolate=nodes, view=str(nodes.view), steps=[4], keep_last=None
+    )
+    assert not failures, failures
+    assert not any(d.exists() for d in left), os.listdir(held)
+    assert _versions(held) == ["v000000000002", "v000000000004"], os.listdir(held)
 
 
 def _nodes(tmp_path: Path) -> Nodes:

@@ -23,8 +23,10 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from ckpt import Checkpointer
+from ckpt.cli import main as cli
 from ckpt.replicator.config import ReplicatorConfig
 from ckpt.replicator.placement import claim_disk, source_label
 from ckpt.replicator.service import Replicator
@@ -63,11 +65,19 @@ def test_unmarked_replica_roots_are_told_apart_by_device(tmp_path: Path, shm: Pa
     with Checkpointer(src) as ck:
         ck.save(1, state(1))
     config = ReplicatorConfig(replicas=3, replica_roots=(str(same_device), str(other_a), str(other_b)))
-    status = Replicator([str(src)], config).run_once()[str(src)]
+    replicator = Replicator([str(src)], config)
+    status = replicator.run_once()[str(src)]
     assert copies(status, 1) == {f"{other_a}/replicas/{source_label(str(src))}": "verified"}
     assert status.required_copies == 1  # three copies asked for, two disks found
     assert not same_device.exists() and not other_b.exists()
     assert versions.committed_steps(str(other_a / "replicas" / source_label(str(src)))) == [1]
+    # The copies asked for were not all made: the pass fails (before: no error, `--once` exited 0).
+    assert replicator.errors == [f"only 2 distinct disks for 3 copies of {src}"], replicator.errors
+    once = CliRunner().invoke(
+        cli, ["replicate", str(src), "--replicas", "2", "--replica-root", str(same_device), "--once"]
+    )
+    assert once.exit_code == 3 and "only 1 distinct disks for 2 copies" in once.output, once.output
+    assert not same_device.exists()
 
 
 def test_a_root_claimed_on_a_device_a_copy_is_on_is_no_second_disk(
