@@ -697,7 +697,10 @@ class PeerCopier:
             with open(os.path.join(incoming, version_dirname(step), MANIFEST_NAME), "rb") as f:
                 manifest = parse_manifest(f.read())
             tmp_name = commit.tmp_dirname(step, manifest.save_id)
-            remove_tree(os.path.join(home, tmp_name), ignore_errors=True)  # left by a round that failed there
+            # Left by a round that failed or died between its rename and its publish (of any
+            # step and save: only this copier writes here, and no restore reads a tmp name).
+            for left in commit.prepared_versions(home):
+                remove_tree(os.path.join(home, left.dirname), ignore_errors=True)
             os.rename(os.path.join(incoming, version_dirname(step)), os.path.join(home, tmp_name))
             fsync_dir(incoming)
             commit.publish(home, tmp_name, step, overwrite=True)
