@@ -220,6 +220,7 @@ def _loader_state(accelerator: Accelerator, dl: Any) -> dict[str, Any]:
         "sampler": {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)} if seedable else None,
         "state": _to_json(dl.state_dict()) if stateful else None,
         "world": int(accelerator.num_processes),  # the loader's shards: its state is a shard's position
+        "mid_epoch": _in_epoch(accelerator, dl) and not getattr(dl, "end_of_dataloader", False),
     }
 
 
@@ -244,6 +245,15 @@ def _load_loader(dl: Any, saved: Mapping[str, Any], world: int, step: int, index
         sampler.epoch = int(saved["sampler"]["epoch"])
         sampler.initial_seed = int(saved["sampler"]["initial_seed"])
     state = saved.get("state")
+    if state is None and _stateful(dl) and saved.get("mid_epoch") is not False and say:
+        log.warning(
+            "ckpt.accelerate: step %d: dataloader %d was saved as a plain loader%s, which keeps no position in "
+            "the epoch: this stateful one starts the epoch again from its first batch (its batches so far are "
+            "seen again; accelerator.skip_first_batches skips them)",
+            step,
+            index,
+            " inside an epoch" if saved.get("mid_epoch") else "",
+        )
     was = saved.get("world")
     if state is not None and isinstance(was, int) and was != world:
         if say:

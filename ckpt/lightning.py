@@ -111,6 +111,8 @@ class CkptCallback(Callback):
     `root` and `checkpointer_options` go to `ckpt.Checkpointer` (`keep_last=3`,
     `replicate_to="s3://..."`, `tiers=[...]`, ...). After `fit` started, `checkpointer`
     is the open Checkpointer and `restored_step` the step restored (None: a fresh start).
+    A strategy that spawns its processes (`ddp_spawn`) trains with copies of the callback:
+    these attributes are set on the copies, in the processes that train, not on this one.
     """
 
     def __init__(self, root: RootSpec, *, every_n_steps: int, **checkpointer_options: Any) -> None:

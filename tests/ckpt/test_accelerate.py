@@ -247,3 +247,23 @@ def test_a_stateful_loader_resumed_on_another_world_size_starts_its_epoch_again(
     said = [w for w in resumed["warnings"] if "saved on 2 ranks and is loaded on 1" in w]
     assert len(said) == 1 and "dataloader 0" in said[0], resumed["warnings"]
     assert resumed["batches"][0] == 9, resumed["batches"]  # the whole epoch, on one process
+
+
+def test_a_plain_loader_saved_mid_epoch_and_resumed_stateful_says_its_epoch_starts_again(tmp_path: Path) -> None:
+    """A plain loader keeps no position in the epoch. Resumed into a StatefulDataLoader (which
+    goes on by itself, so no skip_first_batches), its epoch started again from its first
+    batch in silence. Now a warning says so; saved at an epoch's last batch, nothing is lost
+    and nothing is said."""
+    for stop_at, mid_epoch in ((7, True), (9, False)):  # 9 batches an epoch
+        where = tmp_path / str(stop_at)
+        where.mkdir()
+        root = str(where / "ckpt")
+        _run_one(where, phase="save", root=root, stateful=False, stop_at=stop_at)
+        [resumed] = _run_one(where, phase="resume", root=root, stateful=True)
+        assert resumed["restored"] == stop_at
+        said = [w for w in resumed["warnings"] if "was saved as a plain loader" in w]
+        assert resumed["batches"][0] == 9, resumed["batches"]  # the whole epoch
+        if mid_epoch:
+            assert len(said) == 1 and "inside an epoch" in said[0] and "dataloader 0" in said[0], resumed["warnings"]
+        else:
+            assert said == [], resumed["warnings"]
