@@ -375,7 +375,12 @@ def load_version(
                 requests.append(ReadRequest(array, piece.data, piece.offsets))
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
             error = e
-        ctl.agree(error)
+        try:
+            ctl.agree(error)
+        except BaseException:
+            if bound is not None:  # (bind undoes its own work where it fails)
+                bound.undo()
+            raise
         if written is not None:
             written |= touched  # from here on, a failure may leave these keys part-filled
         read_agreed(ctl, config, located, manifest, requests)

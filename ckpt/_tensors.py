@@ -16,6 +16,7 @@ from ckpt.restore.torch_dtypes import TORCH_TO_ZARR, ZARR_TO_TORCH
 from ckpt.shard import Shard
 from ckpt.store.errors import UnsupportedStateError
 from ckpt.store.layout import REPLICATE, Mesh
+from ckpt.store.manifest import MAX_NDIM
 
 __all__ = [
     "TENSOR_LIKE",
@@ -182,6 +183,11 @@ def _refuse_unusual(data: torch.Tensor, key: KeyPath | tuple[Any, ...] | str) ->
         )
 
 
+def _check_ndim(shape: tuple[int, ...], key: KeyPath | tuple[Any, ...] | str) -> None:
+    if len(shape) > MAX_NDIM:  # (a manifest holding more would not parse)
+        raise UnsupportedStateError(f"{_named(key)}: {len(shape)} dimensions; a tensor may have at most {MAX_NDIM}")
+
+
 _ZEROS = tuple((0,) * n for n in range(16))  # a plain tensor's offsets, shared (not one tuple per save)
 
 
@@ -195,7 +201,11 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
         if dtype not in TORCH_TO_ZARR:
             raise UnsupportedStateError(f"{_named(key)}: dtype {dtype} is not supported")
         shape = tuple(value.shape)
-        offsets = _ZEROS[len(shape)] if len(shape) < len(_ZEROS) else (0,) * len(shape)
+        if len(shape) < len(_ZEROS):
+            offsets = _ZEROS[len(shape)]
+        else:
+            _check_ndim(shape, key)
+            offsets = (0,) * len(shape)
         return LocalPiece(value.detach() if value.requires_grad else value, TORCH_TO_ZARR[dtype], shape, offsets, shape)
     kind = "plain"
     mesh: Mesh | None = None
@@ -239,6 +249,7 @@ def describe(value: Any, key: KeyPath | tuple[Any, ...] | str) -> LocalPiece:
         _refuse_unusual(data, key)
     if data.dtype not in TORCH_TO_ZARR:
         raise UnsupportedStateError(f"{_named(key)}: dtype {data.dtype} is not supported")
+    _check_ndim(shape, key)
     # Detached only where autograd tracks it: a state_dict() tensor is detached already, and
     # a second tensor object per leaf would cost its allocation here and its deallocation
     # (which releases the GIL) when the save's objects are freed.

@@ -12,7 +12,7 @@ Decoding (`bind`) pairs the saved tree with the live state in one pass and retur
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = ["Leaf", "Leaves", "EncodeMemo", "encode_state", "bind", "Bound"]
 
 _MARKERS = MARKERS
 _KEY_TYPES = (str, int, bool, type(None))
+_INT_BITS = 14_000  # ~4,200 digits: under the 4,300 Python turns into text by default (sys.int_info)
 _is_str = str.__instancecheck__  # isinstance(k, str) without a Python frame, for all(map(...))
 
 
@@ -130,6 +131,11 @@ class _Encoder:
                     f"{KeyPath(path)}: its array name of {len(name)} bytes is too long for a file path "
                     f"(at most {MAX_NAME_BYTES}); shorten or flatten its keys"
                 )
+            if isinstance(v, np.ma.MaskedArray):  # (its values would come back, its mask not)
+                raise UnsupportedStateError(
+                    f"{KeyPath(path)}: a masked array's mask is not stored; save np.asarray(x) and x.mask as arrays "
+                    "of their own"
+                )
             paths[name] = path
             self.leaves.values.append(v)
             return {NDARRAY if isinstance(v, np.ndarray) else TENSOR: name}
@@ -152,6 +158,10 @@ class _Encoder:
             for k in v:
                 if not isinstance(k, _KEY_TYPES):
                     raise UnsupportedStateError(f"{_key_str(path)}: dict key {k!r} of type {type(k).__name__}")
+                if type(k) is int and k.bit_length() > _INT_BITS:
+                    raise UnsupportedStateError(
+                        f"{_key_str(path)}: a dict key of {k.bit_length()} bits (ints: {_INT_BITS})"
+                    )
             return self.enc_keyed(v, path, name)
         if isinstance(v, tuple):
             return {TUPLE: [enc(x, path + (i,), f"{name}/{i}") for i, x in enumerate(v)]}
@@ -160,6 +170,11 @@ class _Encoder:
         if v is None or isinstance(v, (bool, str)):
             return v
         if isinstance(v, int):
+            if v.bit_length() > _INT_BITS:  # beyond Python's int-to-text limit: the JSON would fail
+                raise UnsupportedStateError(
+                    f"{_key_str(path)}: an int of {v.bit_length()} bits; ints up to {_INT_BITS} bits are saved "
+                    "(store a larger one as a tensor of its bytes)"
+                )
             return int(v)
         if isinstance(v, float):
             return float(v) if math.isfinite(v) else {FLOAT: repr(float(v))}
@@ -258,6 +273,14 @@ class Bound:
     leaves: list[Leaf] = field(default_factory=list)
     results: dict[str, torch.Tensor] = field(default_factory=dict)
     finish: Callable[[], Any] = lambda: None
+    # fresh optimizers given state tensors to fill (_init_optimizer_state)
+    initialized: list[torch.optim.Optimizer] = field(default_factory=list)
+
+    def undo(self) -> None:
+        """A restore refused before anything was read leaves the state as it found it: the
+        optimizers given state to fill are fresh again."""
+        for opt in self.initialized:
+            opt.state.clear()
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer, saved_state: Any) -> None:
@@ -342,12 +365,16 @@ def bind(saved: Any, target: Mapping[str, Any], *, strict: bool = True) -> Bound
     if not isinstance(saved, dict):
         raise StateMismatchError(f"the checkpoint's state is {_saved_kind(saved)}, not a dict")
     try:
-        out.finish = _Binder(out.leaves, out.results, strict).b(saved, target, (), False)
+        out.finish = _Binder(out, strict).b(saved, target, (), False)
     except RecursionError:  # a tree an older save nested deeper than this stack takes
+        out.undo()
         raise UnsupportedStateError(
             "the saved state is nested too deeply to restore on this call stack (Python's recursion limit; "
             "sys.setrecursionlimit raises it)"
         ) from None
+    except BaseException:
+        out.undo()
+        raise
     return out
 
 
@@ -356,8 +383,9 @@ class _Binder:
     the Bound: either cycle would keep the state's tensors alive until the cyclic collector
     runs."""
 
-    def __init__(self, leaves: list[Leaf], results: dict[str, torch.Tensor], strict: bool) -> None:
-        self.leaves, self.results, self.strict = leaves, results, strict
+    def __init__(self, bound: Bound, strict: bool) -> None:
+        self.leaves, self.results, self.strict = bound.leaves, bound.results, strict
+        self.initialized = bound.initialized
 
     def b(self, s: Any, t: Any, path: tuple[Any, ...], in_object: bool) -> Callable[[], Any]:
         key = KeyPath(path)  # rendered only in an error: a restore binds every node of the tree
@@ -368,9 +396,11 @@ class _Binder:
             is_array = NDARRAY in s
             self.leaves.append(Leaf(name, key, t))
             results = self.results  # (the closures hold the dict, not the binder)
-            if is_array:
-                return lambda: _to_ndarray(results[name], t)
-            return lambda: results[name]
+            if isinstance(t, np.ndarray):  # filled in place (through a copy where it is not contiguous)
+                return lambda: _into_ndarray(results[name], t)
+            if is_array and t is None:
+                return lambda: _as_ndarray(results[name])
+            return lambda: results[name]  # the state's own tensor, filled in place
         plain = isinstance(s, dict) and (DICT in s or not (_MARKERS & s.keys()))
         if plain and _has_state_dict(t) and not isinstance(t, Mapping):
             s = {OBJECT: s}  # a saved state_dict() restores into the live object, through load_state_dict
@@ -381,7 +411,8 @@ class _Binder:
                 raise StateMismatchError(
                     f"{key}: the checkpoint has an object with state here, the state has {t!r:.60}"
                 )
-            if isinstance(t, torch.optim.Optimizer) and _tree_has_tensor(s[OBJECT]):
+            if isinstance(t, torch.optim.Optimizer) and _tree_has_tensor(s[OBJECT]) and not t.state:
+                self.initialized.append(t)
                 _init_optimizer_state(t, s[OBJECT].get("state") if isinstance(s[OBJECT], dict) else None)
             sd = t.state_dict()
             sub = self.b(s[OBJECT], sd, path, True)
@@ -420,19 +451,29 @@ class _Binder:
                 return {k: f() for k, f in subs}
 
             return finish_dict
-        if isinstance(s, dict) and TUPLE in s:
-            t_seq = t if isinstance(t, (tuple, list)) and len(t) == len(s[TUPLE]) else [None] * len(s[TUPLE])
-            subs_t = [self.b(v, tv, path + (i,), in_object) for i, (v, tv) in enumerate(zip(s[TUPLE], t_seq))]
-            return lambda: tuple(f() for f in subs_t)
-        if isinstance(s, list):
-            t_list = t if isinstance(t, list) and len(t) == len(s) else None
-            subs_l = [self.b(v, t_list[i] if t_list else None, path + (i,), in_object) for i, v in enumerate(s)]
+        if isinstance(s, list) or (isinstance(s, dict) and TUPLE in s):
+            items_l: list[Any] = s if isinstance(s, list) else s[TUPLE]
+            t_seq: Sequence[Any] | None = t if isinstance(t, (tuple, list)) else None
+            if t_seq is not None and len(t_seq) != len(items_l):
+                # A list of values takes the saved one whole; one of tensors or objects, filled
+                # in place, cannot (inside an object's state_dict(), its load_state_dict judges).
+                if not in_object and any(map(_filled_in_place, t_seq)):
+                    raise StateMismatchError(
+                        f"{key}: the checkpoint has a list of {len(items_l)} here, the state has one of "
+                        f"{len(t_seq)} holding tensors or objects"
+                    )
+                t_seq = None
+            subs_l = [
+                self.b(v, None if t_seq is None else t_seq[i], path + (i,), in_object) for i, v in enumerate(items_l)
+            ]
+            as_tuple = isinstance(t, tuple) or (not isinstance(t, list) and not isinstance(s, list))
 
             def finish_list() -> Any:
-                if t_list is not None:
-                    t_list[:] = [f() for f in subs_l]
-                    return t_list
-                return [f() for f in subs_l]
+                values = [f() for f in subs_l]
+                if isinstance(t, list) and t_seq is not None:
+                    t[:] = values  # the state's own list, in place
+                    return t
+                return tuple(values) if as_tuple else values
 
             return finish_list
         if isinstance(s, dict) and FLOAT in s:
@@ -454,10 +495,23 @@ def _what(v: Any) -> str:
     return f"{_kind(v)} ({type(v).__name__})"
 
 
-def _to_ndarray(filled: Any, target: Any) -> Any:
-    """NumPy leaves are read into a tensor view (or a copy, for non-contiguous arrays)."""
-    if not isinstance(target, np.ndarray):
-        return filled.numpy() if isinstance(filled, torch.Tensor) else filled
+def _filled_in_place(v: Any) -> bool:
+    """Whether a restore fills `v` (or something in it) in place: a tensor, an object with state."""
+    if is_tensor_like(v) or _has_state_dict(v):
+        return True
+    if isinstance(v, Mapping):
+        return any(map(_filled_in_place, v.values()))
+    return isinstance(v, (list, tuple)) and any(map(_filled_in_place, v))
+
+
+def _as_ndarray(filled: Any) -> Any:
+    """A saved NumPy array read into a slot that held None: an array again."""
+    return filled.numpy() if isinstance(filled, torch.Tensor) else filled
+
+
+def _into_ndarray(filled: Any, target: np.ndarray) -> np.ndarray:
+    """The state's array, read into a tensor view of it, or into a copy (an array that is not
+    contiguous) whose values go back into it here."""
     if isinstance(filled, torch.Tensor) and not np.shares_memory(filled.numpy(), target):
         np.copyto(target, filled.numpy().reshape(target.shape))
     return target

@@ -692,3 +692,94 @@ def test_a_destination_whose_elements_share_memory_is_refused_before_anything_is
     with Checkpointer(tmp_path) as ck:
         with pytest.raises(StateMismatchError, match="share memory"):
             ck.restore({"pe": arr, "w": torch.zeros(3)})
+
+
+def test_a_list_of_another_length_is_a_mismatch_not_a_restore_into_new_tensors(tmp_path: Path) -> None:
+    """{"params": list(model.parameters())} restored into a model with fewer parameters:
+    restore() returned the step, swapped in a list of new tensors and left the model's own
+    unfilled. A list or tuple of another length holding tensors is a StateMismatchError,
+    strict or not (one of plain values takes the saved list whole, as before)."""
+    saved = [torch.full((2,), float(i)) for i in range(4)]
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"params": saved, "pair": (torch.ones(2), 3)})
+    for strict in (True, False):
+        for slot, target in (("params", [torch.zeros(2), torch.zeros(2)]), ("pair", (torch.zeros(2),))):
+            with Checkpointer(tmp_path) as ck, pytest.raises(StateMismatchError, match="a list of"):
+                ck.restore({slot: target}, strict=strict)
+            assert all(not t.any() for t in target)
+    # Of the same length, each element is filled in place, and the state keeps its own list.
+    params = [torch.zeros(2) for _ in range(4)]
+    pair = [torch.zeros(2), 0]  # a list where a tuple was saved
+    state = {"params": params, "pair": pair}
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(state) == 1
+    assert state["params"] is params and state["pair"] is pair and pair[1] == 3
+    assert_bitwise(params, saved)
+    assert torch.equal(pair[0], torch.ones(2))
+
+
+def test_numpy_slots_are_filled_in_place_and_keep_their_kind(tmp_path: Path) -> None:
+    """A tensor saved and restored into a non-contiguous array was read into a copy that never
+    went back (the array kept its zeros, and restore returned the step), and into a contiguous
+    one the slot became a tensor; an array saved and restored into a tensor slot became an array."""
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"t": torch.arange(6.0).reshape(2, 3), "a": np.arange(4.0)})
+    arr = np.zeros((3, 2), dtype=np.float32).T  # (2, 3), not contiguous
+    ten = torch.zeros(4, dtype=torch.float64)
+    state = {"t": arr, "a": ten}
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(state) == 1
+    assert state["t"] is arr and state["a"] is ten
+    assert np.array_equal(arr, np.arange(6.0).reshape(2, 3)) and torch.equal(
+        ten, torch.arange(4.0, dtype=torch.float64)
+    )
+    contiguous = np.zeros((2, 3), dtype=np.float32)
+    state = {"t": contiguous}
+    with Checkpointer(tmp_path) as ck:
+        ck.restore(state, strict=False)
+    assert state["t"] is contiguous and np.array_equal(contiguous, np.arange(6.0).reshape(2, 3))
+
+
+def test_a_refused_restore_leaves_a_fresh_optimizer_fresh(tmp_path: Path) -> None:
+    """Binding gives a fresh optimizer its state tensors (one step at lr 0) before the
+    tensors' dtypes and shapes are checked: a restore refused there left Adam at step 1."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with Checkpointer(tmp_path) as ck:
+        ck.save(1, {"model": model, "optim": opt, "extra": torch.zeros(3)})
+    fresh_model = torch.nn.Linear(3, 2)
+    fresh = torch.optim.Adam(fresh_model.parameters())
+    with Checkpointer(tmp_path) as ck, pytest.raises(StateMismatchError, match="float32"):
+        ck.restore({"model": fresh_model, "optim": fresh, "extra": torch.zeros(4)})
+    assert len(fresh.state) == 0, fresh.state
+    with Checkpointer(tmp_path) as ck:  # and the same optimizer then restores
+        assert ck.restore({"model": fresh_model, "optim": fresh, "extra": torch.zeros(3)}) == 1
+    assert_bitwise(fresh.state_dict(), opt.state_dict())
+
+
+def test_what_a_save_cannot_keep_is_refused_at_save_naming_the_key(tmp_path: Path) -> None:
+    """A masked array's mask was dropped in silence; an int beyond Python's int-to-text limit
+    and a tensor of 33 dimensions were taken by save() and failed in wait() (ValueError, and
+    ManifestError, the type of a damaged manifest), after the chunks were written."""
+    cases = {
+        "masked": np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False]),
+        "huge": 10**5000,
+        "hugekey": {10**5000: 1},
+        "deep": torch.zeros((1,) * 33),
+    }
+    with Checkpointer(tmp_path) as ck:
+        for key, value in cases.items():
+            with pytest.raises(UnsupportedStateError, match=key):
+                ck.save(1, {key: value})
+        mapped = np.memmap(tmp_path / "mm", dtype=np.float32, mode="w+", shape=(4,))  # a subclass that keeps all
+        mapped[:] = [1, 2, 3, 4]
+        ck.save(1, {"ok": torch.zeros((1,) * 32), "big": 10**4000, "mm": mapped})
+        ck.wait()
+    into = np.memmap(tmp_path / "mm2", dtype=np.float32, mode="w+", shape=(4,))
+    got: dict[str, Any] = {"ok": torch.ones((1,) * 32), "big": 0, "mm": into}
+    with Checkpointer(tmp_path) as ck:
+        assert ck.restore(got) == 1
+    assert got["big"] == 10**4000 and not got["ok"].any()
+    assert got["mm"] is into and np.array_equal(into, [1, 2, 3, 4])
