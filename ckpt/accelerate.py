@@ -220,13 +220,25 @@ def _loader_state(accelerator: Accelerator, dl: Any) -> dict[str, Any]:
         "sampler": {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)} if seedable else None,
         "state": _to_json(dl.state_dict()) if stateful else None,
         "world": int(accelerator.num_processes),  # the loader's shards: its state is a shard's position
-        "mid_epoch": _in_epoch(accelerator, dl) and not getattr(dl, "end_of_dataloader", False),
+        "mid_epoch": _mid_epoch(accelerator, dl),
     }
 
 
 def _stateful(dl: Any) -> bool:
     """Whether a prepared loader saves and loads its own state (use_stateful_dataloader=True)."""
     return bool(getattr(dl, "use_stateful_dataloader", False)) and callable(getattr(dl, "state_dict", None))
+
+
+def _mid_epoch(accelerator: Accelerator, dl: Any) -> bool:
+    """Whether `dl`, or a loader over its dataset made from it (accelerator.skip_first_batches,
+    as a resumed epoch iterates), is being iterated short of its last batch."""
+    data = getattr(dl, "dataset", None)
+    refs = getattr(accelerator.gradient_state, "dataloader_references", [])
+    return any(
+        (r is dl or (data is not None and getattr(r, "dataset", None) is data))
+        and not getattr(r, "end_of_dataloader", False)
+        for r in refs
+    )
 
 
 def _in_epoch(accelerator: Accelerator, dl: Any) -> bool:

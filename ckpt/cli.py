@@ -33,6 +33,7 @@ from ckpt._cli_console import WARNINGS, progress
 from ckpt._cli_policies import gc_policy, replicate_policy
 from ckpt._cli_targets import check_writable_root
 from ckpt._listing import peer_copies_held, version_rows
+from ckpt._peer_status import peer_dirs
 from ckpt._render import human, inspect_lines, inspect_rows, ls_lines
 from ckpt._verify import verify_tier
 from ckpt.store.errors import CkptError, CorruptVersionError, VersionNotFoundError
@@ -152,12 +153,17 @@ def _tiers(root: str, extra: tuple[str, ...], options: dict[str, Any]) -> list[T
             if not extra or not usable:
                 raise CkptError(f"{path} is not a directory")
             click.echo(f"ckpt: warning: {path} is not a directory; reading the other tiers", err=True)
-    from ckpt._roots import replica_tiers  # imports torch
-
-    # Then the copies those roots' disks hold (the replicator's, other nodes' peer copies), as
-    # a Checkpointer's restore reads them: a node's part of a version may survive only there.
-    local = [path for path in (tiers[p].local_path("") for p in usable) if path is not None]
-    return [tiers[p] for p in usable] + replica_tiers(local)
+    # Then the peer copies those roots' disks hold (other nodes' parts of this job's versions),
+    # as a Checkpointer's restore reads them: a node's part may survive only there. (Not the
+    # replicator's copies under replicas/: those may be another root's or job's; --tier names them.)
+    held: list[Tier] = []
+    for p in usable:
+        local = tiers[p].local_path("")
+        try:
+            held += [] if local is None else [open_tier(d) for d in peer_dirs(local).values()]
+        except OSError as e:  # (replicas/ unreadable: the roots given are still read)
+            click.echo(f"ckpt: warning: the peer copies on {p} cannot be listed: {_os_error(e)}", err=True)
+    return [tiers[p] for p in usable] + held
 
 
 @click.group()

@@ -298,7 +298,7 @@ def restore_newest(
                 )
                 raise for_cli(
                     VersionNotFoundError(f"{what}; restore a dict of the keys one holds (step {newest}: {keys})"),
-                    f"{what}; --keys {keys} restores step {newest}",
+                    f"{what}; --keys {keys} restores step {newest}" if keys else f"{what}; --keys names what to take",
                 )
             # A damaged or unreadable entry of the step asked for, or (none asked for) of a
             # step no tier holds intact: an error, never "not committed" or a fresh start;

@@ -34,7 +34,7 @@ from ckpt.restore.locate import ExportPrefix
 from ckpt.restore.saved_ranks import saved_trees
 from ckpt.restore.sources import Source
 from ckpt.store.dtypes import ITEMSIZE
-from ckpt.store.errors import CkptError, VersionNotFoundError
+from ckpt.store.errors import CkptError, VersionNotFoundError, for_cli
 from ckpt.store.faults import fault_point
 from ckpt.store.fsio import DIR_MODE, fsync_dir, makedirs, open_new, write_new
 from ckpt.store.manifest import ArrayEntry, Manifest
@@ -254,7 +254,11 @@ def check_target(out_dir: str, force: bool) -> None:
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CkptError(f"{out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
-        raise CkptError(f"{out_dir} is not empty: give --force to write the export into it")
+        full = f"{out_dir} is not empty"
+        raise for_cli(
+            CkptError(f"{full}: pass force=True to write the export into it"),
+            f"{full}: give --force to write the export into it",
+        )
 
 
 def export_safetensors(

@@ -267,3 +267,43 @@ def test_a_plain_loader_saved_mid_epoch_and_resumed_stateful_says_its_epoch_star
             assert len(said) == 1 and "inside an epoch" in said[0] and "dataloader 0" in said[0], resumed["warnings"]
         else:
             assert said == [], resumed["warnings"]
+
+
+def test_a_plain_loader_saved_inside_a_resumed_epoch_is_named_too(tmp_path: Path) -> None:
+    """A resumed epoch iterates the loader accelerator.skip_first_batches made, not the
+    prepared one: a save there was recorded as outside an epoch, and its load into a
+    stateful loader started the epoch again in silence."""
+    code = f"""
+import json, logging, torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+from ckpt import Checkpointer
+import ckpt.accelerate as ca
+
+said = []
+class Keep(logging.Handler):
+    def emit(self, record): said.append(record.getMessage())
+logging.getLogger("ckpt").addHandler(Keep())
+
+def build(stateful):
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(
+        use_seedable_sampler=True, use_stateful_dataloader=stateful))
+    data = torch.arange(20.0).reshape(10, 2)
+    return (acc, *acc.prepare(torch.nn.Linear(2, 2), torch.utils.data.DataLoader(data, batch_size=2)))
+
+acc, m, dl = build(False)
+for i, batch in enumerate(acc.skip_first_batches(dl, 2)):  # a resumed epoch: batches 3, 4, ...
+    if i == 1:
+        with Checkpointer({str(tmp_path / "r")!r}) as ck:
+            ca.save_state(acc, ck, 4)
+        break
+acc2, m2, dl2 = build(True)
+with Checkpointer({str(tmp_path / "r")!r}) as ck:
+    print(json.dumps({{"step": ca.load_state(acc2, ck), "said": said}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["step"] == 4
+    assert any("saved as a plain loader inside an epoch" in w for w in got["said"]), got["said"]

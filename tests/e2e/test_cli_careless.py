@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -226,6 +227,21 @@ def test_restore_where_every_version_is_params_only_names_the_keys_option(tmp_pa
     assert line.startswith("ckpt: error: ") and "--keys model restores step 1" in line, r.stderr
     assert "the CLI" not in line and "restore(" not in line, line
     assert run("restore", where, "--keys", "model", "--to-torch", tmp_path / "f.pt").exit_code == 0
+
+
+def test_restore_reads_no_replicator_copy_held_under_root(root: Path, tmp_path: Path) -> None:
+    """ROOT/replicas/<label> may hold the replicator's copies of another root, another job's
+    too (its --replica-root pointed here): restore and inspect read ROOT's own versions and
+    the peer copies of its job, not those (a --tier names them)."""
+    other = tmp_path / "other"
+    with Checkpointer(other) as ck:
+        ck.save(500, _state(9))
+    shutil.copytree(other, root / "replicas" / "other-job")
+    out = run("restore", root, "--to-torch", tmp_path / "f.pt")
+    assert out.exit_code == 0 and "restored step 3" in out.output, out.output
+    assert run("inspect", root).output.startswith("step 3,")
+    named = run("restore", root, "--tier", root / "replicas" / "other-job", "--to-torch", tmp_path / "g.pt")
+    assert named.exit_code == 0 and "restored step 500" in named.output, named.output
 
 
 def test_verify_of_a_step_that_never_existed_says_so(root: Path) -> None:

@@ -18,6 +18,8 @@ import torch
 import transformers
 from safetensors import safe_open
 
+import ckpt
+from ckpt.store.errors import CkptError
 from tests._dist import launch
 from tests._states import bitwise_diff
 
@@ -127,6 +129,10 @@ def test_an_export_killed_part_way_leaves_nothing_that_stops_the_next(saved: tup
     try:
         res = _ckpt("restore", str(root), "--to-safetensors", str(out))
         assert res.returncode == 3 and "is not empty" in res.stderr, res.stderr  # the live one's directory
+        assert "--force" in res.stderr and "force=True" not in res.stderr, res.stderr
+        with pytest.raises(CkptError, match="is not empty") as refused:  # the API names its own argument
+            ckpt.export_safetensors(str(root), str(out))
+        assert "force=True" in str(refused.value) and "--force" not in str(refused.value), refused.value
         res = _ckpt("restore", str(root), "--to-safetensors", str(out), "--force")
         assert res.returncode == 0, res.stderr
         assert sorted(p.name for p in out.iterdir()) == [".ckpt-export-live", "model.safetensors"]
