@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.store.errors import (
     CkptError,
+    CollectiveError,
     CorruptVersionError,
     IncompleteVersionError,
     ManifestError,
@@ -72,6 +73,7 @@ __all__ = [
     "NonFiniteError",
     "StagingRaceError",
     "RankFailures",
+    "CollectiveError",
     "ReshardError",
     "RootLockedError",
     "StateMismatchError",

@@ -12,16 +12,17 @@ calls by kind (`calls`), for the tests and benchmarks that hold the save to that
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ckpt.store.errors import CorruptVersionError, RankFailures
+from ckpt.store.errors import CkptError, CollectiveError, CorruptVersionError, RankFailures
 
 __all__ = ["Comm", "make_comm", "make_comms", "subgroup", "destroy_comms", "describe_error"]
 
@@ -29,6 +30,21 @@ __all__ = ["Comm", "make_comm", "make_comms", "subgroup", "destroy_comms", "desc
 def describe_error(e: BaseException) -> str:
     """An error as the other ranks learn it (exceptions do not cross ranks: text does)."""
     return f"{type(e).__name__}: {e}"
+
+
+@contextlib.contextmanager
+def _transport(comm: Comm, what: str) -> Iterator[None]:
+    """torch.distributed's own failure (a plain RuntimeError from gloo: a peer's connection
+    reset, a timeout) as the documented CollectiveError."""
+    try:
+        yield
+    except CkptError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"{what} of ckpt's group of {comm.world} ranks failed on rank {comm.rank} (another rank died or "
+            f"hung past the timeout, or the network broke): {describe_error(e)}"
+        ) from e
 
 
 class Comm:
@@ -72,7 +88,8 @@ class Comm:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        with _transport(self, "an all-gather"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def all_to_all(self, parts: Sequence[Any]) -> list[Any]:
@@ -90,7 +107,8 @@ class Comm:
             for r, p in enumerate(parts)
         ]
         sizes = torch.empty(self.world, dtype=torch.int64)
-        dist.all_to_all_single(sizes, torch.tensor([len(d) for d in data], dtype=torch.int64), group=self.group)
+        with _transport(self, "an all-to-all"):
+            dist.all_to_all_single(sizes, torch.tensor([len(d) for d in data], dtype=torch.int64), group=self.group)
         bufs = {r: torch.empty(int(n), dtype=torch.uint8) for r, n in enumerate(sizes.tolist()) if n}
         sends = [(r, 0, torch.frombuffer(bytearray(d), dtype=torch.uint8)) for r, d in enumerate(data) if d]
         self.exchange(sends, [(r, 0, b) for r, b in bufs.items()])
@@ -108,7 +126,8 @@ class Comm:
             return [value]
         out = torch.empty(self.world, dtype=torch.int64)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.12
-        gather(out, torch.tensor([value], dtype=torch.int64), group=self.group)
+        with _transport(self, "an all-gather"):
+            gather(out, torch.tensor([value], dtype=torch.int64), group=self.group)
         return [int(v) for v in out.tolist()]
 
     def any(self, flag: bool) -> bool:
@@ -123,7 +142,8 @@ class Comm:
         if self.world == 1:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        with _transport(self, "an all-reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
 
     def gather(self, obj: Any) -> list[Any] | None:
@@ -132,7 +152,8 @@ class Comm:
         if self.world == 1:
             return [obj]
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
+        with _transport(self, "a gather"):
+            dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -140,7 +161,8 @@ class Comm:
         if self.world == 1:
             return obj
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        with _transport(self, "a broadcast"):
+            dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def exchange(
@@ -160,13 +182,15 @@ class Comm:
             if sends or recvs:
                 raise ValueError("a single process has no peer to exchange with")
             return lambda: None
-        works = [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
-        works += [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
+        with _transport(self, "a point-to-point exchange"):
+            works = [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
+            works += [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
 
         def wait() -> None:
-            for w in works:
-                if w is not None:
-                    w.wait()
+            with _transport(self, "a point-to-point exchange"):
+                for w in works:
+                    if w is not None:
+                        w.wait()
 
         return wait
 
@@ -175,28 +199,31 @@ class Comm:
         self.calls["p2p"] += 1
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([len(data)], dtype=torch.int64)
-        works = [dist.isend(size, dst=d, group=self.group, tag=tag) for d in dsts]
-        works += [dist.isend(payload, dst=d, group=self.group, tag=tag + 1) for d in dsts if data]
-        for w in works:
-            if w is not None:
-                w.wait()
+        with _transport(self, "a send"):
+            works = [dist.isend(size, dst=d, group=self.group, tag=tag) for d in dsts]
+            works += [dist.isend(payload, dst=d, group=self.group, tag=tag + 1) for d in dsts if data]
+            for w in works:
+                if w is not None:
+                    w.wait()
 
     def recv_bytes(self, src: int, tag: int) -> bytes:
         """What send_bytes sent this rank."""
         self.calls["p2p"] += 1
         size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src=src, group=self.group, tag=tag)
-        n = int(size.item())
-        if not n:
-            return b""
-        payload = torch.empty(n, dtype=torch.uint8)
-        dist.recv(payload, src=src, group=self.group, tag=tag + 1)
+        with _transport(self, "a receive"):
+            dist.recv(size, src=src, group=self.group, tag=tag)
+            n = int(size.item())
+            if not n:
+                return b""
+            payload = torch.empty(n, dtype=torch.uint8)
+            dist.recv(payload, src=src, group=self.group, tag=tag + 1)
         return payload.numpy().tobytes()
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         self.calls["broadcast"] += 1
         if self.world > 1:
-            dist.broadcast(tensor, src=src, group=self.group)
+            with _transport(self, "a broadcast"):
+                dist.broadcast(tensor, src=src, group=self.group)
 
 
 def make_comm(timeout: timedelta) -> Comm:

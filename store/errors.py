@@ -18,6 +18,7 @@ __all__ = [
     "TierUnavailableError",
     "ReshardError",
     "RankFailures",
+    "CollectiveError",
     "RootLockedError",
     "UnsupportedStateError",
     "StateMismatchError",
@@ -125,6 +126,13 @@ class RankFailures(CkptError):
         self.causes = dict(causes)
         detail = "; ".join(f"rank {r}: {c}" for r, c in sorted(self.causes.items()))
         super().__init__(f"failed on {len(self.causes)} rank(s): {detail}")
+
+
+class CollectiveError(CkptError, RuntimeError):
+    """A collective of the checkpointer's own gloo group failed: another rank died or hung
+    past the timeout, or the network broke. The last committed version is intact; a version
+    whose commit was under way is rolled forward or discarded when the roots are next
+    opened. The Checkpointer cannot save again in this job (its group is broken)."""
 
 
 class NonFiniteError(CkptError, ValueError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import inspect
+import json
 import os
 import random
 import select
@@ -346,3 +347,56 @@ def test_sigkill_during_overwrite(tmp_path: Path, point: str) -> None:
         assert ck.restore(target) == 5
     assert_bitwise(target, want, "the old version" if point in ("after-write", "after-prepare") else "the new version")
     assert not (root / ".trash").exists() or list((root / ".trash").iterdir()) == []
+
+
+# -- a rank killed while another saves -------------------------------------------------
+
+SURVIVOR_CHILD = """
+import json, socket
+import torch.distributed as dist
+from ckpt import Checkpointer
+
+rank, workdir = int(sys.argv[1]), sys.argv[2]
+fault = os.environ.pop("CKPT_FAULT", None)  # rank 1's, armed for step 2 only
+dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
+out: dict[str, Any] = {}
+with Checkpointer(f"{workdir}/root{rank}") as ck:
+    ck.save(1, state_for(1))
+    ck.wait()
+    if fault:
+        os.environ["CKPT_FAULT"] = fault
+    try:
+        ck.save(2, state_for(2))
+        ck.wait()
+    except BaseException as e:
+        out = {"mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    out["steps"] = ck.steps()
+with open(f"{workdir}/rank{rank}.json", "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.parametrize("point", ["after-stage", "after-prepare"])
+def test_a_rank_killed_mid_save_is_a_collective_error_on_the_other(tmp_path: Path, point: str) -> None:
+    """Rank 1 is SIGKILLed inside step 2's save: rank 0's save or wait raises the documented
+    CollectiveError (it raised gloo's bare RuntimeError), and step 1 stays committed."""
+    script = _script(tmp_path, "survivor.py", SURVIVOR_CHILD)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path)],
+            env=_child_env(CKPT_FAULT=point, CKPT_FAULT_RANK="1"),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert procs[1].returncode == -signal.SIGKILL, f"rank 1 exited {procs[1].returncode}\n{outs[1]}"
+    assert procs[0].returncode == 0, f"rank 0 exited {procs[0].returncode}\n{outs[0]}"
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen.get("mro", [None])[0] == "CollectiveError", seen
+    assert {"CkptError", "RuntimeError"} <= set(seen["mro"]), seen
+    assert "another rank died" in seen["message"] and "RuntimeError" in seen["message"], seen
+    assert 1 in seen["steps"], seen
