@@ -174,6 +174,62 @@ def test_a_strided_shard_restores_where_its_rows_are_one_run_and_is_refused_else
         assert r["refused"] is not None and "is not one block of the global tensor" in r["refused"], r
 
 
+def strided_reshard_job(ctx: Any, root: str, mode: str) -> str:
+    """FSDP2 over TP (dp 2 x tp 2, a strided shard's rows) saved on 4 ranks and restored on
+    2 into Shard(1) columns and into a plain tensor; and Shard(0) rows saved on 2 ranks and
+    restored on 4 into the strided layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckpt import Checkpointer
+
+    full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6) * 1.5 - 7
+
+    def strided(values: torch.Tensor) -> Any:
+        mesh = init_device_mesh("cpu", (2, 2))
+        dp, tp = mesh.get_coordinate()
+        lo = 4 * tp + 2 * dp
+        placements = [_StridedShard(0, split_factor=2), Shard(0)]
+        return DTensor.from_local(
+            values[lo : lo + 2].clone(), mesh, placements, run_check=False, shape=(8, 6), stride=(6, 1)
+        )
+
+    with Checkpointer(root, capture_rng=False) as ck:
+        if mode == "save-strided":
+            d = strided(full)
+            ctx.check(torch.equal(d.full_tensor(), full), "the test's rows are not torch's for these placements")
+            ck.save(1, {"w": d})
+        elif mode == "restore-strided":
+            d = strided(torch.zeros(8, 6))
+            ck.restore({"w": d})
+            ctx.check(torch.equal(d.full_tensor(), full), "Shard(0) rows restored into FSDP2+TP differ")
+        elif mode == "save-rows":
+            ck.save(1, {"w": distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)])})
+        else:  # restore-cols
+            cols = distribute_tensor(torch.zeros(8, 6), init_device_mesh("cpu", (2,)), [Shard(1)])
+            plain = torch.zeros(8, 6)
+            ck.restore({"w": cols})
+            ctx.check(torch.equal(cols.full_tensor(), full), "FSDP2+TP restored into Shard(1) columns differs")
+            ck.restore({"w": plain})
+            ctx.check(torch.equal(plain, full), "FSDP2+TP restored into a plain tensor differs")
+    return mode
+
+
+def test_a_strided_shard_reshards_both_ways(tmp_path: Path) -> None:
+    for world, mode, root in [
+        (4, "save-strided", "a"),
+        (2, "restore-cols", "a"),
+        (2, "save-rows", "b"),
+        (4, "restore-strided", "b"),
+    ]:
+        results, failures = launch(
+            THIS, "strided_reshard_job", world, tmp_path / mode, root=str(tmp_path / root), mode=mode
+        )
+        assert not failures, failures
+        assert results == [mode] * world, results
+
+
 def outside_the_mesh_job(ctx: Any, root: str, mode: str) -> str:
     import datetime
 
