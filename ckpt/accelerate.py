@@ -46,6 +46,12 @@ an epoch goes on at the start of the next one; so the epoch and the batch to go 
 are `divmod(step, len(loader))` when each step consumes one batch, as in accelerate's
 examples.
 
+A loader with workers (`num_workers > 0`) seeds them at each `iter()` from its own
+generator, whose state is in the version: a dataset that draws random numbers in the
+workers (augmentation) draws, in a run resumed at an epoch's end, what this run would
+have; in one resumed inside an epoch, other numbers for the rest of that epoch (no state
+says how far each worker's RNG had drawn), and the same from the next epoch on.
+
 FSDP, DeepSpeed, Megatron-LM and XLA are not handled here (FSDP: save through DCP with
 `ckpt.dcp`); save_state raises NotImplementedError for them.
 """
@@ -215,13 +221,23 @@ def _loader_state(accelerator: Accelerator, dl: Any) -> dict[str, Any]:
     iteration = int(getattr(dl, "iteration", 0))
     if getattr(dl, "end_of_dataloader", False) and _in_epoch(accelerator, dl):
         iteration += 1
+    gen = _generator(dl)
     return {
         "iteration": iteration,
         "sampler": {"epoch": int(sampler.epoch), "initial_seed": int(sampler.initial_seed)} if seedable else None,
+        # Each iter() draws the workers' base seed from it: a resumed run's epochs get the seeds
+        # this run's would have (a seedable sampler reseeds it each epoch; the draw comes first).
+        "generator": None if gen is None else _to_json(gen.get_state()),
         "state": _to_json(dl.state_dict()) if stateful else None,
         "world": int(accelerator.num_processes),  # the loader's shards: its state is a shard's position
         "mid_epoch": _mid_epoch(accelerator, dl),
     }
+
+
+def _generator(dl: Any) -> torch.Generator | None:
+    """The loader's own CPU generator (DataLoader(generator=...)), if it has one."""
+    gen = getattr(getattr(dl, "base_dataloader", dl), "generator", None)
+    return gen if isinstance(gen, torch.Generator) and gen.device.type == "cpu" else None
 
 
 def _stateful(dl: Any) -> bool:
@@ -248,14 +264,18 @@ def _in_epoch(accelerator: Accelerator, dl: Any) -> bool:
 
 
 def _load_loader(dl: Any, saved: Mapping[str, Any], world: int, step: int, index: int, *, say: bool) -> None:
-    """A loader's saved epoch counter, sampler seed and (saved on `world` ranks: each rank's
-    shard is the one it had) its position in the epoch; `say`: log what is not carried over."""
+    """A loader's saved epoch counter, sampler seed, generator and (saved on `world` ranks:
+    each rank's shard is the one it had) its position in the epoch; `say`: log what is not
+    carried over."""
     if hasattr(dl, "iteration"):
         dl.iteration = int(saved["iteration"])
     sampler = _sampler(dl)
     if saved.get("sampler") is not None and sampler is not None and hasattr(sampler, "initial_seed"):
         sampler.epoch = int(saved["sampler"]["epoch"])
         sampler.initial_seed = int(saved["sampler"]["initial_seed"])
+    gen = _generator(dl)
+    if saved.get("generator") is not None and gen is not None:
+        gen.set_state(_from_json(saved["generator"]))
     state = saved.get("state")
     if state is None and _stateful(dl) and saved.get("mid_epoch") is not False and say:
         log.warning(
@@ -279,11 +299,24 @@ def _load_loader(dl: Any, saved: Mapping[str, Any], world: int, step: int, index
                 world,
             )
         state = None
+    if state is not None and saved.get("mid_epoch") is False:
+        # Saved between epochs (or at an epoch's last batch): a fresh iterator starts the next
+        # epoch as this run's would have. torchdata's resume of a spent epoch makes an
+        # iterator for it first, and draws one more base seed from the generator restored above.
+        state = None
     if state is not None:
         loaded = _from_json(state)
         dl.load_state_dict(loaded)
         if hasattr(dl, "dl_state_dict"):
             dl.dl_state_dict = loaded  # what state_dict() answers until the loader yields again
+    elif _stateful(dl):
+        # accelerate made the StatefulDataLoader's first iterator when it prepared the loader
+        # (its state_dict() does), with a base seed drawn from the generator as it was then:
+        # drop it, so the next iter() makes one from the generator as restored, after
+        # set_epoch (a loader with workers draws its first indices when it makes one).
+        dl.load_state_dict({})
+        if hasattr(dl, "dl_state_dict"):
+            dl.dl_state_dict = {}  # (a save before the next batch: a fresh iterator, loaded as such)
 
 
 def _device_module(name: str) -> Any:

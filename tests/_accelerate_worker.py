@@ -47,6 +47,20 @@ class Progress:
         self.step, self.loss_sum = state["step"], state["loss_sum"]
 
 
+class Noisy(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A dataset that draws from torch's RNG per sample (augmentation): in a loader's
+    worker that is the worker's RNG, seeded from the loader's generator at each iter()."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(self.x.shape[1:]), self.y[i]
+
+
 class _Collect(logging.Handler):
     """The warnings ckpt logs, for the result."""
 
@@ -93,12 +107,15 @@ def run(
     seedable: bool = True,
     loader_generator: bool = True,
     accumulate: int = 1,
+    workers: int = 0,
+    noisy: bool = False,
 ) -> dict[str, Any]:
     """phase: "reference" (train to the end), "save" (train to step `stop_at`, save, stop) or
     "resume" (load_state, train to the end). Returns the losses of the steps it trained
     (hex), the warnings ckpt logged and, at the end, the final state. `seedable=False` and
     `loader_generator=False` make a loader whose mid-epoch resume cannot be exact;
-    `accumulate`: accelerate's gradient_accumulation_steps."""
+    `accumulate`: accelerate's gradient_accumulation_steps; `workers`: the loader's
+    num_workers; `noisy`: each sample drawn with noise from torch's RNG."""
     if ctx.world > 1:  # accelerate reads the layout from the environment; the group is already up
         os.environ.update(
             RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world), LOCAL_RANK=str(ctx.rank), LOCAL_WORLD_SIZE=str(ctx.world)
@@ -112,9 +129,11 @@ def run(
 
     set_seed(0)
     g = torch.Generator().manual_seed(1234)
-    data = TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g))
+    data = (Noisy if noisy else TensorDataset)(
+        torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g)
+    )
     own = torch.Generator().manual_seed(7) if loader_generator else None
-    loader = DataLoader(data, batch_size=BATCH, shuffle=True, generator=own)
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True, generator=own, num_workers=workers)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1.0 + 0.1 * s))
@@ -130,7 +149,7 @@ def run(
     accelerator.register_for_checkpointing(progress)
     assert accelerator.num_processes == ctx.world, (accelerator.num_processes, ctx.world)
 
-    out: dict[str, Any] = {"losses": [], "warnings": [], "batches": []}
+    out: dict[str, Any] = {"losses": [], "warnings": [], "batches": [], "inputs": []}
     warnings = _Collect(out["warnings"])
     logging.getLogger("ckpt").addHandler(warnings)
     with Checkpointer(root) as ck:
@@ -156,6 +175,7 @@ def run(
             out["batches"].append(0)  # per epoch of this run
             for x, y in active:
                 out["batches"][-1] += 1
+                out["inputs"].append(x.double().sum().item().hex())  # the batch this step saw
                 with accelerator.accumulate(model):
                     loss = F.mse_loss(model(x), y)
                     accelerator.backward(loss)

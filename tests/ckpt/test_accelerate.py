@@ -59,13 +59,13 @@ def _run(world: int, workdir: Path, **spec: Any) -> list[dict[str, Any]]:
     return results
 
 
-def _resume_matches(tmp_path: Path, *, world: int, stateful: bool, stop_at: int) -> list[dict[str, Any]]:
+def _resume_matches(tmp_path: Path, *, world: int, stateful: bool, stop_at: int, **loader: Any) -> list[dict[str, Any]]:
     """Reference, save at `stop_at` and stop, resume: the resumed run is the reference's tail.
     Returns the save phase's results (per rank)."""
     root = str(tmp_path / "ckpt")
-    ref = _run(world, tmp_path, phase="reference", root=str(tmp_path / "ref"), stateful=stateful)
-    saved = _run(world, tmp_path, phase="save", root=root, stateful=stateful, stop_at=stop_at)
-    resumed = _run(world, tmp_path, phase="resume", root=root, stateful=stateful, scrambled=True)
+    ref = _run(world, tmp_path, phase="reference", root=str(tmp_path / "ref"), stateful=stateful, **loader)
+    saved = _run(world, tmp_path, phase="save", root=root, stateful=stateful, stop_at=stop_at, **loader)
+    resumed = _run(world, tmp_path, phase="resume", root=root, stateful=stateful, scrambled=True, **loader)
     for rank in range(world):
         want, mid, got = ref[rank], saved[rank], resumed[rank]
         assert want["restored"] is None  # an empty root: load_state returns None
@@ -91,6 +91,32 @@ def test_skip_first_batches_resumes_mid_epoch(tmp_path: Path) -> None:
     """A plain prepared DataLoader: the resumed run skips the consumed batches with
     accelerator.skip_first_batches (set_epoch at the start of each epoch)."""
     _resume_matches(tmp_path, world=1, stateful=False, stop_at=13)
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "skip_first_batches"])
+def test_a_loader_with_workers_drawing_noise_resumes_exactly_from_an_epoch_s_end(
+    tmp_path: Path, stateful: bool
+) -> None:
+    """num_workers=2 and a dataset that draws from torch's RNG in the workers, whose seeds
+    come from the loader's own generator at each iter(): the generator is in the version.
+    Before, the resumed epochs drew other seeds (and, stateful, accelerate's first iterator,
+    made when the loader was prepared, kept a base seed of the generator before the restore)."""
+    _resume_matches(tmp_path, world=1, stateful=stateful, stop_at=9, workers=2, noisy=True)
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "skip_first_batches"])
+def test_a_loader_with_workers_drawing_noise_resumed_mid_epoch_draws_the_next_epochs_alike(
+    tmp_path: Path, stateful: bool
+) -> None:
+    """Saved at batch 4 of 9 of the second epoch: the rest of that epoch draws other noise
+    (no state holds how far each worker's RNG drew), and every later epoch the same batches
+    as the reference (the seedable sampler reseeds the generator each epoch)."""
+    spec: dict[str, Any] = {"stateful": stateful, "workers": 2, "noisy": True}
+    [ref] = _run_one(tmp_path, phase="reference", root=str(tmp_path / "ref"), **spec)
+    _run_one(tmp_path, phase="save", root=str(tmp_path / "ckpt"), stop_at=13, **spec)
+    [got] = _run_one(tmp_path, phase="resume", root=str(tmp_path / "ckpt"), scrambled=True, **spec)
+    assert got["restored"] == 13 and len(ref["inputs"]) == 27
+    assert got["inputs"][18 - 13 :] == ref["inputs"][18:], "the epochs after the resumed one draw other batches"
 
 
 def test_saved_at_the_last_batch_of_an_epoch_resumes_at_the_next(tmp_path: Path) -> None:
