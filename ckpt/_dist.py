@@ -41,8 +41,11 @@ def _transport(comm: Comm, what: str) -> Iterator[None]:
     except CkptError:
         raise
     except RuntimeError as e:
+        if type(e) is not RuntimeError and not isinstance(e, dist.DistError):
+            raise  # out of memory, recursion...: not the transport's
+        rank = dist.get_rank() if dist.is_initialized() else comm.rank
         raise CollectiveError(
-            f"{what} of ckpt's group of {comm.world} ranks failed on rank {comm.rank} (another rank died or "
+            f"{what} of ckpt's group of {comm.world} ranks failed on rank {rank} (another rank died or "
             f"hung past the timeout, or the network broke): {describe_error(e)}"
         ) from e
 

@@ -19,7 +19,7 @@ version holds what `Accelerator.save_state` writes, and what it leaves out:
 - `scaler`: the gradient scaler (None without mixed precision that needs one);
 - `dataloaders`: per prepared loader and per rank, its epoch counter (`iteration`, which
   accelerate does not save although a seedable sampler is seeded with it), the seedable
-  sampler's epoch and seed, and with `use_stateful_dataloader=True` the
+  sampler's epoch and seed, the loader's own generator, and with `use_stateful_dataloader=True` the
   StatefulDataLoader's state_dict (the position in the epoch), as JSON: a loader's state
   is the rank's own, and ckpt stores a plain tensor once, as replicated across ranks; with
   the world size, since on another one the shards differ and the epoch starts again;
@@ -240,6 +240,12 @@ def _generator(dl: Any) -> torch.Generator | None:
     return gen if isinstance(gen, torch.Generator) and gen.device.type == "cpu" else None
 
 
+def _spent(state: Any) -> bool:
+    """Whether a StatefulDataLoader's saved state is of an epoch's last batch (accelerate
+    marks it `_iterator_finished`): the next epoch starts afresh."""
+    return isinstance(state, Mapping) and state.get("_iterator_finished") is True
+
+
 def _stateful(dl: Any) -> bool:
     """Whether a prepared loader saves and loads its own state (use_stateful_dataloader=True)."""
     return bool(getattr(dl, "use_stateful_dataloader", False)) and callable(getattr(dl, "state_dict", None))
@@ -299,10 +305,10 @@ def _load_loader(dl: Any, saved: Mapping[str, Any], world: int, step: int, index
                 world,
             )
         state = None
-    if state is not None and saved.get("mid_epoch") is False:
-        # Saved between epochs (or at an epoch's last batch): a fresh iterator starts the next
-        # epoch as this run's would have. torchdata's resume of a spent epoch makes an
-        # iterator for it first, and draws one more base seed from the generator restored above.
+    if _spent(state):
+        # Saved at an epoch's last batch: a fresh iterator starts the next epoch as this run's
+        # would have. torchdata's resume of a spent epoch makes an iterator for it first, and
+        # draws one more base seed from the generator restored above.
         state = None
     if state is not None:
         loaded = _from_json(state)
@@ -315,6 +321,9 @@ def _load_loader(dl: Any, saved: Mapping[str, Any], world: int, step: int, index
         # drop it, so the next iter() makes one from the generator as restored, after
         # set_epoch (a loader with workers draws its first indices when it makes one).
         dl.load_state_dict({})
+        base = getattr(dl, "base_dataloader", dl)
+        if getattr(base, "next_iter_state", None) is not None:
+            base.next_iter_state = None  # (a state loaded before, not yet iterated: {} keeps it)
         if hasattr(dl, "dl_state_dict"):
             dl.dl_state_dict = {}  # (a save before the next batch: a fresh iterator, loaded as such)
 
@@ -421,7 +430,7 @@ def load_state(
     held = state["dataloaders"] if isinstance(state["dataloaders"], dict) else {}
     saved = [held.get(str(i)) for i in range(len(loaders))]
     for i, (dl, mine) in enumerate(zip(loaders, saved)):  # every loader checked before any is changed
-        if mine is not None and mine.get("state") is not None and not _stateful(dl):
+        if mine is not None and mine.get("state") is not None and not _spent(mine["state"]) and not _stateful(dl):
             raise StateMismatchError(
                 f"step {found}: dataloader {i} was saved as a stateful loader (accelerate's "
                 "DataLoaderConfiguration(use_stateful_dataloader=True)), and this accelerator's cannot "

@@ -333,3 +333,64 @@ with Checkpointer({str(tmp_path / "r")!r}) as ck:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["step"] == 4
     assert any("saved as a plain loader inside an epoch" in w for w in got["said"]), got["said"]
+
+
+RELOAD_SCRIPT = """
+import json, sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from ckpt import Checkpointer
+import ckpt.accelerate as ca
+
+phase, root = sys.argv[1], sys.argv[2]
+set_seed(0)
+config = DataLoaderConfiguration(use_seedable_sampler=True, use_stateful_dataloader=True)
+acc = Accelerator(cpu=True, dataloader_config=config)
+data = TensorDataset(torch.arange(36.0).reshape(36, 1))
+dl = acc.prepare(DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)))
+seen, step = [], 0
+with Checkpointer(root) as ck:
+    if phase == "resave":  # load step 13 (inside an epoch) and save it again before any batch
+        ca.save_state(acc, ck, ca.load_state(acc, ck, step=13) + 100)
+        ck.wait()
+        sys.exit(0)
+    if phase == "resume-resaved":
+        step = ca.load_state(acc, ck, step=113) - 100
+    if phase == "twice":  # inside an epoch, then at an epoch's end, before any batch
+        ca.load_state(acc, ck, step=13)
+        step = ca.load_state(acc, ck, step=18)
+    for epoch in range(step // len(dl), 3):
+        dl.set_epoch(epoch)
+        for (x,) in dl:
+            step += 1
+            seen.append(int(x.sum().item()))
+            if phase == "save" and step in (13, 18):
+                ca.save_state(acc, ck, step)
+                ck.wait()
+print(json.dumps(seen))
+"""
+
+
+def test_a_stateful_loader_s_position_survives_a_resave_and_a_second_load(tmp_path: Path) -> None:
+    """A save right after a mid-epoch load_state kept the position (the loader is not being
+    iterated, so its record says not mid-epoch); two loads before any batch take the
+    second's position (found by review: the epoch started again, and batches were skipped)."""
+    script = tmp_path / "reload.py"
+    script.write_text(RELOAD_SCRIPT)
+    root = str(tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    def run(phase: str) -> list[int]:
+        proc = subprocess.run(
+            [sys.executable, str(script), phase, root], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, f"{phase}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        return json.loads(proc.stdout.strip().splitlines()[-1]) if phase != "resave" else []
+
+    ref = run("save")
+    assert len(ref) == 27
+    run("resave")
+    assert run("resume-resaved") == ref[13:]
+    assert run("twice") == ref[18:]
