@@ -33,7 +33,7 @@ def describe_error(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _transport(comm: Comm, what: str) -> Iterator[None]:
+def _transport(world: int, what: str) -> Iterator[None]:
     """torch.distributed's own failure (a plain RuntimeError from gloo: a peer's connection
     reset, a timeout) as the documented CollectiveError."""
     try:
@@ -43,9 +43,9 @@ def _transport(comm: Comm, what: str) -> Iterator[None]:
     except RuntimeError as e:
         if type(e) is not RuntimeError and not isinstance(e, dist.DistError):
             raise  # out of memory, recursion...: not the transport's
-        rank = dist.get_rank() if dist.is_initialized() else comm.rank
+        rank = dist.get_rank() if dist.is_initialized() else 0
         raise CollectiveError(
-            f"{what} of ckpt's group of {comm.world} ranks failed on rank {rank} (another rank died or "
+            f"ckpt's group of {world} ranks failed in {what} on rank {rank} (another rank died or "
             f"hung past the timeout, or the network broke): {describe_error(e)}"
         ) from e
 
@@ -91,7 +91,7 @@ class Comm:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        with _transport(self, "an all-gather"):
+        with _transport(self.world, "an all-gather"):
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
@@ -110,7 +110,7 @@ class Comm:
             for r, p in enumerate(parts)
         ]
         sizes = torch.empty(self.world, dtype=torch.int64)
-        with _transport(self, "an all-to-all"):
+        with _transport(self.world, "an all-to-all"):
             dist.all_to_all_single(sizes, torch.tensor([len(d) for d in data], dtype=torch.int64), group=self.group)
         bufs = {r: torch.empty(int(n), dtype=torch.uint8) for r, n in enumerate(sizes.tolist()) if n}
         sends = [(r, 0, torch.frombuffer(bytearray(d), dtype=torch.uint8)) for r, d in enumerate(data) if d]
@@ -129,7 +129,7 @@ class Comm:
             return [value]
         out = torch.empty(self.world, dtype=torch.int64)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.12
-        with _transport(self, "an all-gather"):
+        with _transport(self.world, "an all-gather"):
             gather(out, torch.tensor([value], dtype=torch.int64), group=self.group)
         return [int(v) for v in out.tolist()]
 
@@ -145,7 +145,7 @@ class Comm:
         if self.world == 1:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.int64)
-        with _transport(self, "an all-reduce"):
+        with _transport(self.world, "an all-reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
 
@@ -155,7 +155,7 @@ class Comm:
         if self.world == 1:
             return [obj]
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        with _transport(self, "a gather"):
+        with _transport(self.world, "a gather"):
             dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
@@ -164,7 +164,7 @@ class Comm:
         if self.world == 1:
             return obj
         box = [obj if self.rank == src else None]
-        with _transport(self, "a broadcast"):
+        with _transport(self.world, "a broadcast"):
             dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
@@ -185,12 +185,12 @@ class Comm:
             if sends or recvs:
                 raise ValueError("a single process has no peer to exchange with")
             return lambda: None
-        with _transport(self, "a point-to-point exchange"):
+        with _transport(self.world, "a point-to-point exchange"):
             works = [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
             works += [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
 
         def wait() -> None:
-            with _transport(self, "a point-to-point exchange"):
+            with _transport(self.world, "a point-to-point exchange"):
                 for w in works:
                     if w is not None:
                         w.wait()
@@ -202,7 +202,7 @@ class Comm:
         self.calls["p2p"] += 1
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([len(data)], dtype=torch.int64)
-        with _transport(self, "a send"):
+        with _transport(self.world, "a send"):
             works = [dist.isend(size, dst=d, group=self.group, tag=tag) for d in dsts]
             works += [dist.isend(payload, dst=d, group=self.group, tag=tag + 1) for d in dsts if data]
             for w in works:
@@ -213,7 +213,7 @@ class Comm:
         """What send_bytes sent this rank."""
         self.calls["p2p"] += 1
         size = torch.empty(1, dtype=torch.int64)
-        with _transport(self, "a receive"):
+        with _transport(self.world, "a receive"):
             dist.recv(size, src=src, group=self.group, tag=tag)
             n = int(size.item())
             if not n:
@@ -225,7 +225,7 @@ class Comm:
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         self.calls["broadcast"] += 1
         if self.world > 1:
-            with _transport(self, "a broadcast"):
+            with _transport(self.world, "a broadcast"):
                 dist.broadcast(tensor, src=src, group=self.group)
 
 
@@ -233,7 +233,10 @@ def make_comm(timeout: timedelta) -> Comm:
     """A gloo communicator of the whole job; collective when torch.distributed is initialised."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return Comm(None, 0, 1)
-    return Comm(dist.new_group(backend="gloo", timeout=timeout), dist.get_rank(), dist.get_world_size())
+    world = dist.get_world_size()
+    with _transport(world, "its creation"):
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    return Comm(group, dist.get_rank(), world)
 
 
 def make_comms(timeout: timedelta) -> tuple[Comm, Comm]:
@@ -247,7 +250,8 @@ def subgroup(ranks: Sequence[int], timeout: timedelta) -> Comm | None:
     Comm in it, None if it is not a member. Its point-to-point calls name peers by their
     rank in the job."""
     members = sorted(ranks)
-    group = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
+    with _transport(len(members), "its creation"):
+        group = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
     me = dist.get_rank()
     return Comm(group, members.index(me), len(members)) if me in members else None
 

@@ -352,34 +352,40 @@ def test_sigkill_during_overwrite(tmp_path: Path, point: str) -> None:
 # -- a rank killed while another saves -------------------------------------------------
 
 SURVIVOR_CHILD = """
-import json, socket
+import datetime, json, signal
 import torch.distributed as dist
 from ckpt import Checkpointer
 
 rank, workdir = int(sys.argv[1]), sys.argv[2]
 fault = os.environ.pop("CKPT_FAULT", None)  # rank 1's, armed for step 2 only
 dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
+if fault == "before-open" and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
 out: dict[str, Any] = {}
-with Checkpointer(f"{workdir}/root{rank}") as ck:
-    ck.save(1, state_for(1))
-    ck.wait()
-    if fault:
-        os.environ["CKPT_FAULT"] = fault
-    try:
-        ck.save(2, state_for(2))
+try:
+    with Checkpointer(f"{workdir}/root{rank}", timeout=datetime.timedelta(seconds=20)) as ck:
+        ck.save(1, state_for(1))
         ck.wait()
-    except BaseException as e:
-        out = {"mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
-    out["steps"] = ck.steps()
+        if fault:
+            os.environ["CKPT_FAULT"] = fault
+        try:
+            ck.save(2, state_for(2))
+            ck.wait()
+        except BaseException as e:
+            out = {"mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+        out["steps"] = ck.steps()
+except BaseException as e:
+    out = {"mro": [c.__name__ for c in type(e).__mro__], "message": str(e), "steps": None}
 with open(f"{workdir}/rank{rank}.json", "w") as f:
     json.dump(out, f)
 """
 
 
-@pytest.mark.parametrize("point", ["after-stage", "after-prepare"])
+@pytest.mark.parametrize("point", ["after-stage", "after-prepare", "before-open"])
 def test_a_rank_killed_mid_save_is_a_collective_error_on_the_other(tmp_path: Path, point: str) -> None:
     """Rank 1 is SIGKILLed inside step 2's save: rank 0's save or wait raises the documented
-    CollectiveError (it raised gloo's bare RuntimeError), and step 1 stays committed."""
+    CollectiveError (it raised gloo's bare RuntimeError), and step 1 stays committed. Killed
+    before the Checkpointer opens: rank 0's opening raises it (after the timeout)."""
     script = _script(tmp_path, "survivor.py", SURVIVOR_CHILD)
     procs = [
         subprocess.Popen(
@@ -399,4 +405,7 @@ def test_a_rank_killed_mid_save_is_a_collective_error_on_the_other(tmp_path: Pat
     assert seen.get("mro", [None])[0] == "CollectiveError", seen
     assert {"CkptError", "RuntimeError"} <= set(seen["mro"]), seen
     assert "another rank died" in seen["message"] and "RuntimeError" in seen["message"], seen
-    assert 1 in seen["steps"], seen
+    if point == "before-open":
+        assert "in its creation" in seen["message"] and seen["steps"] is None, seen
+    else:
+        assert 1 in seen["steps"], seen
