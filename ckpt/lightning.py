@@ -145,6 +145,15 @@ class CkptCallback(Callback):
                 f"CkptCallback supports the single-device and DDP strategies, not {type(strategy).__name__}: "
                 "it saves whole state dicts; for FSDP, save through DCP with ckpt.dcp.StorageWriter"
             )
+        others = [c for c in trainer.callbacks if isinstance(c, CkptCallback) and c is not self]  # type: ignore[attr-defined]
+        if others:
+            # Each would hand Lightning its own version to restore, and the last one's setup
+            # would win (no version there: a fresh start over the other's versions).
+            raise ValueError(
+                f"a Trainer takes one CkptCallback; this one has {len(others) + 1} (roots "
+                f"{[str(c.root) for c in [*others, self]]}): give one callback more places with "
+                "replicate_to=, tiers= or peer_copies="
+            )
         # Last in the list, as Lightning puts its own Checkpoint callbacks: the others'
         # on_train_batch_end changes are then in the version. (A new list: the list of this
         # setup call goes on as it was.)

@@ -319,6 +319,30 @@ def test_a_value_ckpt_cannot_save_is_refused_by_name(tmp_path: Path) -> None:
     assert _steps(tmp_path / "root") == []
 
 
+class AnotherCkptCallback(CkptCallback):
+    pass
+
+
+def test_a_second_ckpt_callback_is_refused(tmp_path: Path) -> None:
+    """Two in one Trainer: each setup hands Lightning its own version, the last one's wins,
+    and one whose root is empty would start fresh over the other's versions. Lightning
+    refuses two of one class (their state_key); a subclass passes that, and setup refuses."""
+    _quiet()
+    with pytest.raises(RuntimeError, match="more than one stateful callback"):
+        _trainer(
+            [CkptCallback(str(tmp_path / "a"), every_n_steps=2), CkptCallback(str(tmp_path / "b"), every_n_steps=3)],
+            max_steps=4,
+        )
+    _fit(tmp_path / "a", seed=0, max_steps=4, every=2)
+    trainer = _trainer(
+        [CkptCallback(str(tmp_path / "a"), every_n_steps=2), AnotherCkptCallback(str(tmp_path / "b"), every_n_steps=3)],
+        max_steps=6,
+    )
+    with pytest.raises(ValueError, match="one CkptCallback"):
+        trainer.fit(Net())
+    assert _steps(tmp_path / "a") == [2, 4] and _steps(tmp_path / "b") == []
+
+
 def test_every_n_steps_is_checked() -> None:
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="every_n_steps"):
