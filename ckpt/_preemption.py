@@ -39,13 +39,14 @@ class PreemptionWatch:
         self.noticed_at: float | None = None  # time.monotonic() of the first notice on this rank
         self.reached_at: float | None = None  # of the call at which the ranks agreed
         self._signum: int | None = None
+        self._passed = False  # the first notice reached the handler from before this one
         self._reached = False
         self._closed = False
         self._kept: set[int] = set()  # signals no longer passed on (take_over)
         self._previous: dict[int, _Handler] = {}
         sig: object = signals
         try:
-            for sig in signals:
+            for sig in dict.fromkeys(signals):  # once each: a second pass would take ours for the previous
                 self._previous[sig] = signal.getsignal(sig)
                 signal.signal(sig, self._handle)
         except (ValueError, OSError, TypeError) as e:  # not a signal, or one that cannot be caught
@@ -75,9 +76,11 @@ class PreemptionWatch:
                     if not standing:
                         _standing_in.discard(signum)
             return
-        if self.noticed_at is None:
+        first = self.noticed_at is None
+        if first:
             self.noticed_at, self._signum = time.monotonic(), signum
         if callable(previous) and signum not in self._kept:
+            self._passed = self._passed or first
             previous(signum, frame)
 
     def take_over(self, sig: int) -> None:
@@ -117,8 +120,9 @@ class PreemptionWatch:
         """Put the previous handlers back where ours is still the one installed (from the
         main thread); where it cannot be, ours forwards to them from now on. A notice no
         agreement acted on (it came after the last reached(), as while close() waited for
-        the last save) is then sent again, to those handlers: the signal does what it
-        would have done without this watch (SIGTERM's default: the process ends). With
+        the last save) and that no handler from before had is then sent again, to those
+        handlers: the signal does what it would have done without this watch (SIGTERM's
+        default: the process ends). With
         `resend=False` it is returned instead, for the caller to send once the other
         Checkpointers it closes have committed (MultiTier)."""
         self._closed = True
@@ -126,8 +130,8 @@ class PreemptionWatch:
         for sig, previous in list(self._previous.items()):
             if main and signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        if self._signum is None or self._reached:
-            return None
+        if self._signum is None or self._reached or self._passed:
+            return None  # (passed: the handler from before had it, once, as without this watch)
         if not resend:
             return self._signum
         pass_on(self._signum)

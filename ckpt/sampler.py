@@ -29,6 +29,10 @@ from ckpt.store.errors import StateMismatchError
 __all__ = ["DistributedSampler"]
 
 
+# What every saved state holds (the segment keys came later: older states lack them).
+_SAVED = ("epoch", "seed", "position", "num_replicas", "rank", "shuffle", "drop_last", "dataset_len")
+
+
 class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
     """Drop-in for `torch.utils.data.DistributedSampler` with a resumable position.
 
@@ -128,6 +132,11 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
+        if isinstance(self.position, bool) or not isinstance(self.position, int) or self.position < 0:
+            raise ValueError(
+                f"sampler.position must be the number of samples this rank's loop consumed in the epoch, an int "
+                f">= 0, not {self.position!r}"
+            )
         return {
             "epoch": self.epoch,
             "seed": self.seed,
@@ -143,6 +152,9 @@ class DistributedSampler(_TorchSampler):  # type: ignore[type-arg]
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        lacking = [k for k in _SAVED if k not in state]
+        if lacking:
+            raise StateMismatchError(f"not a ckpt.DistributedSampler's state: it lacks {lacking}")
         size = len(self.dataset)  # type: ignore[arg-type]
         if state["dataset_len"] != size:
             raise StateMismatchError(f"sampler was saved over {state['dataset_len']} samples, the dataset has {size}")

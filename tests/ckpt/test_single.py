@@ -291,6 +291,20 @@ def test_sampler_refuses_another_dataset():
         DistributedSampler(list(range(11)), num_replicas=2, rank=0).load_state_dict(s.state_dict())
 
 
+def test_sampler_refuses_a_position_set_by_hand_that_is_none_and_a_state_that_is_not_its_own():
+    """sampler.position set by hand (loader workers prefetch): -1 was saved, and the resumed
+    rank yielded a sample of the epoch's end; a state lacking keys was a bare KeyError."""
+    s = DistributedSampler(list(range(8)), num_replicas=2, rank=0)
+    for bad in (-1, 2.0, True, None):
+        s.position = bad  # type: ignore[assignment]
+        with pytest.raises(ValueError, match="sampler.position"):
+            s.state_dict()
+    s.position = 3
+    assert s.state_dict()["position"] == 3
+    with pytest.raises(ckpt.StateMismatchError, match="dataset_len"):
+        DistributedSampler(list(range(8)), num_replicas=2, rank=0).load_state_dict({"epoch": 0, "seed": 0})
+
+
 @pytest.mark.parametrize("old,new", [(2, 3), (4, 1), (1, 4), (3, 2), (3, 5)])
 def test_sampler_reshards_the_rest_of_the_epoch(old, new):
     data = list(range(53))

@@ -263,3 +263,44 @@ def test_a_notice_after_the_last_check_is_passed_on_at_close(tmp_path: Path) -> 
     )
     assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
     assert (tmp_path / "a" / "v000000000001" / "manifest.json").exists()  # the save before it committed
+
+
+def test_a_signal_named_twice_is_handled_once_and_close_puts_the_default_back(tmp_path: Path) -> None:
+    """preemption_signals=(SIGUSR1, SIGUSR1): the second install took ckpt's own handler for
+    the one before it, so a notice recursed (RecursionError in the training loop) and
+    close() left ckpt's handler installed (the process then outlived the signal)."""
+    out = _python(
+        f"""
+        import os, signal, time
+        from ckpt import Checkpointer
+        ck = Checkpointer({str(tmp_path / "a")!r}, preemption_signals=(signal.SIGUSR1, signal.SIGUSR1))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print("reached", ck.reached_preemption())
+        ck.close()
+        print("default", signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)
+        print("survived")
+        """
+    )
+    assert out.returncode == -signal.SIGUSR1, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert "reached True" in out.stdout and "default True" in out.stdout, out.stdout
+
+
+def test_a_late_notice_the_handler_before_had_is_not_sent_to_it_again(tmp_path: Path) -> None:
+    """A Python handler installed before ckpt's (a requeue hook) gets each notice once: a
+    notice after the last check reached it as it came, so close() does not send it again
+    (it ran twice)."""
+    out = _python(
+        f"""
+        import os, signal
+        from ckpt import Checkpointer
+        calls = []
+        signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))
+        ck = Checkpointer({str(tmp_path / "a")!r}, preemption_signals=(signal.SIGUSR1,))
+        os.kill(os.getpid(), signal.SIGUSR1)  # noted; no reached_preemption() follows
+        ck.close()
+        print("calls", len(calls))
+        """
+    )
+    assert out.returncode == 0 and "calls 1" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
