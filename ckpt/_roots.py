@@ -24,7 +24,7 @@ from ckpt.store import commit
 from ckpt.store.errors import CkptError, RankFailures, RootLockedError, TierUnavailableError
 from ckpt.store.fsio import makedirs
 from ckpt.store.root import RootLock, root_id, version_above
-from ckpt.store.tier import Tier, is_url, open_tier
+from ckpt.store.tier import Tier, is_url, local_location, open_tier
 from ckpt.store.versions import committed
 
 __all__ = [
@@ -67,7 +67,7 @@ def resolve_root(root: PathSpec, rank: int) -> str:
     if not text:
         raise ValueError("checkpoint root is empty")
     if callable(root):
-        return os.path.abspath(text)
+        return _local_root(text)
     fields = {
         "rank": rank,
         "local_rank": int(os.environ.get("LOCAL_RANK", rank % local_world())),
@@ -75,9 +75,22 @@ def resolve_root(root: PathSpec, rank: int) -> str:
         "hostname": platform.node(),
     }
     try:
-        return os.path.abspath(text.format(**fields)) if "{" in text else os.path.abspath(text)
+        text = text.format(**fields) if "{" in text else text
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"checkpoint root {text!r} has an unknown field: {e}") from None
+    return _local_root(text)
+
+
+def _local_root(text: str) -> str:
+    """The absolute path of a root: a path or a file:// URL (one of another scheme was made
+    a local directory named like it, `./s3:/bucket/...`)."""
+    local = local_location(text)  # (ValueError for a file: URL of no path of this machine)
+    if local is None:
+        raise ValueError(
+            f"checkpoint root {text!r} is a URL: the root is a directory of this machine (node-local "
+            "disk); give a remote as replicate_to= (copies) or tiers= (restore reads it)"
+        )
+    return os.path.abspath(local)
 
 
 def host_names(ctl: Comm) -> list[str]:

@@ -69,7 +69,13 @@ def verify_tier(tier: Tier, step: int | None = None) -> Iterator[Checked]:
         yield Checked(d.step, (f"BAD {d.name}: {d.why}",), "", whole=True)
     for s in steps:
         with pin_version(tier, s) as held:  # GC leaves it alone while it is checked
-            there = held and tier.exists(join_key(version_dirname(s), MANIFEST_NAME))  # or a GC deleted it meanwhile
+            try:
+                there = held and tier.exists(
+                    join_key(version_dirname(s), MANIFEST_NAME)
+                )  # or a GC deleted it meanwhile
+            except TierUnavailableError as e:  # (its directory cannot be looked into): no proof it is gone
+                yield Checked(s, (), "", unreadable=(f"UNREADABLE {version_dirname(s)}: {e}",))
+                continue
             if not there:
                 if step is not None:
                     why = "does not exist" if held else "is being deleted (by a GC)"

@@ -22,7 +22,6 @@ import re
 import shutil
 import sys
 import threading
-import urllib.parse
 from collections.abc import Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -133,10 +132,19 @@ def _is_directory(tier: Tier) -> bool:
     return path is None or os.path.isdir(path)
 
 
+def _local(location: str, option: str) -> str | None:
+    """local_location(), a malformed file:// URL a usage error."""
+    try:
+        return local_location(location)
+    except ValueError as e:
+        raise click.UsageError(f"{option}: {e}") from None
+
+
 def _root(location: str, options: dict[str, Any]) -> Tier:
     """The tier of a ROOT argument: a local one (a path or a file:// URL) must exist."""
     if not location:
         raise click.UsageError("ROOT is empty")
+    _local(location, "ROOT")
     tier = open_tier(location, options)
     if not _is_directory(tier):
         raise CkptError(f"{location} is not a directory")
@@ -146,6 +154,8 @@ def _root(location: str, options: dict[str, Any]) -> Tier:
 def _tiers(root: str, extra: tuple[str, ...], options: dict[str, Any]) -> list[Tier]:
     if not root or not all(extra):
         raise click.UsageError("a ROOT or --tier is empty")
+    for p, option in ((root, "ROOT"), *((t, "--tier") for t in extra)):
+        _local(p, option)
     tiers = {p: open_tier(p, options) for p in (root, *extra)}
     usable = [p for p, t in tiers.items() if _is_directory(t)]
     for path in tiers:
@@ -362,10 +372,7 @@ def _local_target(target: str, option: str) -> str:
     if not target:
         raise click.UsageError(f"{option} is empty")
     if target.startswith("file:"):
-        url = urllib.parse.urlsplit(target)
-        if url.netloc not in ("", "localhost") or not url.path:
-            raise click.UsageError(f"{option} {target} names no path of this machine")
-        return urllib.parse.unquote(url.path)
+        return _local(target, option) or target
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", target):
         raise click.UsageError(f"{option} writes to this machine: give a path or a file:// URL, not {target}")
     return target
@@ -624,8 +631,8 @@ def replicate_cmd(
     if not os.path.isdir(root):
         raise CkptError(f"{root} is not a directory")
     check_writable_root(root)
-    for where in (remote, *replica_roots):  # where copies go: never into an ordinary directory
-        local = local_location(where) if where else None
+    for where, option in ((remote, "--to"), *((r, "--replica-root") for r in replica_roots)):
+        local = _local(where, option) if where else None  # where copies go: never into an ordinary directory
         if local is not None:
             check_writable_root(local, where)
     options = _options(storage_options)

@@ -27,7 +27,7 @@ import xxhash
 
 from ckpt.store.errors import TierUnavailableError
 from ckpt.store.fsio import makedirs, write_durable
-from ckpt.store.tier import Capabilities, ObjectInfo, ReadHandle, Tier, is_url
+from ckpt.store.tier import Capabilities, ObjectInfo, ReadHandle, Tier, is_url, local_location
 
 __all__ = [
     "DISK_MARKER",
@@ -50,7 +50,7 @@ def is_local_location(location: str) -> bool:
 
 def _path(location: str) -> str:
     """The real path: a symlink names the disk it points into, not the one it lies on."""
-    return os.path.realpath(location[len("file://") :] if location.startswith("file://") else location)
+    return os.path.realpath(local_location(location) or location)
 
 
 def disk_id(location: str) -> str:

@@ -70,7 +70,7 @@ from ckpt.store.pins import deleting, pin_version
 from ckpt.store.retry import RetryPolicy
 from ckpt.store.root import ROOT_ID_NAME
 from ckpt.store.storage_options import redact
-from ckpt.store.tier import Tier, join_key, open_tier
+from ckpt.store.tier import Tier, join_key, local_location, open_tier
 from ckpt.store.versions import (
     RootInfo,
     committed_steps,
@@ -92,7 +92,7 @@ def _refuse_a_source_as_remote(remote: str, sources: list[str]) -> None:
     versions, and its copies would be the originals, counted as a second copy."""
     if not is_local_location(remote):
         return
-    path = os.path.realpath(remote.removeprefix("file://"))
+    path = os.path.realpath(local_location(remote) or remote)
     for source in sources:
         if path == os.path.realpath(source):
             raise CkptError(f"the remote {remote} is the root {source} itself: give another place")

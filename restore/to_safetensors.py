@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from ckpt.restore.locate import ExportPrefix
@@ -90,7 +91,7 @@ def parse_size(text: str | int) -> int:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
         if m is None or m.group(2) not in _UNITS:
             raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MiB, 1000000)")
-        size = int(float(m.group(1)) * _UNITS[m.group(2)])
+        size = int(Fraction(m.group(1)) * _UNITS[m.group(2)])  # (exact: a float overflows, or rounds)
     if size <= 0:
         raise ValueError(f"a shard size must be positive, not {text!r}")
     return size

@@ -325,7 +325,14 @@ class LocalTier(Tier):
         return sorted(out, key=lambda o: o.key)
 
     def exists(self, key: str) -> bool:
-        return os.path.lexists(self.local_path(key))
+        path = self.local_path(key)
+        try:
+            os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as e:  # a permission, an I/O error: no proof of absence (os.path says False)
+            raise TierUnavailableError(e.errno, f"cannot examine {path}: {e.strerror}") from None
+        return True
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

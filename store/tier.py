@@ -204,9 +204,18 @@ class Tier(ABC):
 
 
 def local_location(location: str) -> str | None:
-    """The directory a local path or `file://` URL names; None for any other URL."""
-    if location.startswith("file://"):
-        return location[len("file://") :]
+    """The directory a local path or `file://` URL names; None for any other URL. A URL's
+    path is taken as written, as fsspec's local filesystem takes it (no %-decoding), on
+    this machine (`file:///path`, `file://localhost/path`, `file:/path`); ValueError for
+    any other (`file://` alone, as an unset variable leaves it, named the working
+    directory; `file://host/path` named `./host/path`)."""
+    if location.startswith("file:"):
+        path = location[len("file:") :]
+        if path.startswith("//"):  # file://host/path: this machine's, or none
+            path = path[len("//localhost") :] if path.startswith("//localhost/") else path[2:]
+        if not path.startswith("/") or path.startswith("//"):
+            raise ValueError(f"{location!r} names no path of this machine: write file:///absolute/path")
+        return path
     return None if is_url(location) else location
 
 

@@ -219,7 +219,16 @@ def _may_be_version(tier: Tier, name: str) -> bool:
 def _holds_commit(tier: Tier, name: str) -> bool:
     """Whether a version's directory holds a committed version: its manifest, and no
     `.deleting` marker (an object store's GC killed before removing the manifest leaves one)."""
-    inside = tier.listdir(name)  # one request on an object store
+    try:
+        inside = tier.listdir(name)  # one request on an object store
+    except TierUnavailableError:
+        if tier.local_path(name) is None:
+            raise  # (a store that does not answer after the retries: no listing at all)
+        # A local directory that cannot be looked into (a permission, an I/O error) is no
+        # proof that it holds no commit, and must not stop the listing of the others: it is
+        # listed, and each reader meets its unreadable manifest as it meets any (`ls`:
+        # unreadable; verify, gc: kept, reported; restore: not passed over).
+        return True
     return MANIFEST_NAME in inside and DELETING_MARKER not in inside
 
 

@@ -22,6 +22,7 @@ from ckpt._listing import Row
 from ckpt.cli import main as cli
 from ckpt.replicator.status import CopyState
 from ckpt.store import versions
+from ckpt.store.tier import open_tier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -550,3 +551,76 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(root: Path, comman
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert err == ""
+
+
+def test_a_file_url_of_no_absolute_path_is_a_usage_error_not_the_working_directory(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`file://$UNSET` named the working directory: from inside a root, `gc file://` deleted
+    its versions, and `replicate --to file://` wrote copies where the shell stood."""
+    monkeypatch.chdir(root)
+    for args in (["ls", "file://"], ["gc", "file://", "--keep-last", "0"], ["ls", "file://rel"]):
+        r = run(*args)
+        assert r.exit_code == 2 and "names no path of this machine" in r.output, (args, r.exit_code, r.output)
+    assert sorted(versions.committed_steps(open_tier(str(root)))) == [1, 2, 3]
+    empty = tmp_path / "cwd"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    r = run("replicate", root, "--to", "file://", "--once")
+    assert r.exit_code == 2 and "--to" in r.output, (r.exit_code, r.output)
+    assert list(empty.iterdir()) == []
+    r = run("ls", f"file://localhost{root}")
+    assert r.exit_code == 0 and "committed" in r.output, (r.exit_code, r.output)
+
+
+def test_a_checkpointer_root_that_is_a_url_is_its_path_or_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpointer("file:///abs") rooted itself at ./file:/abs, and Checkpointer("s3://b/x")
+    at ./s3:/b/x, a local directory the user took for the bucket."""
+    monkeypatch.chdir(tmp_path)
+    with Checkpointer(f"file://{tmp_path / 'a'}") as ck:
+        assert ck.root == str(tmp_path / "a")
+    for bad in ("s3://bucket/run1", "file://", "file://relative", "file:relative"):
+        with pytest.raises(ValueError, match="is a URL|no path of this machine"):
+            Checkpointer(bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def _without_root_s_override(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user whom permissions bind: root, less the capabilities that override them."""
+    drop = "-dac_override,-dac_read_search"
+    return subprocess.run(
+        ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", sys.executable, "-m", "ckpt.cli", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+    )
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to drop the override"
+)
+def test_a_version_directory_that_cannot_be_listed_stops_no_listing(root: Path) -> None:
+    """v3's directory unreadable (mode 000, a user bound by permissions): ls, verify and gc
+    stopped at it (exit 3, 'cannot list'), showing and checking nothing of steps 1 and 2;
+    verify skipped it in silence where it was listed (os.path.lexists said it was gone)."""
+    v3 = root / versions.version_dirname(3)
+    v3.chmod(0)
+    try:
+        ls = _without_root_s_override("ls", str(root))
+        rows = {line.split()[0]: line for line in ls.stdout.splitlines() if line.strip()[:1].isdigit()}
+        assert ls.returncode == 0 and sorted(rows) == ["1", "2", "3"], ls
+        assert "unreadable" in rows["3"] and "committed" in rows["1"] and "committed" in rows["2"], rows
+        verify = _without_root_s_override("verify", str(root))
+        assert verify.returncode == 3, verify
+        assert "step 1: ok" in verify.stdout and "step 2: ok" in verify.stdout, verify.stdout
+        assert "step 3: UNREADABLE" in verify.stdout, verify.stdout
+        gc = _without_root_s_override("gc", str(root), "--keep-last", "1")
+        # 3 cannot be judged: kept (exit 4), and so is 2, the newest intact version
+        assert gc.returncode == 4 and "deleted 1 version(s): [1]; kept [2, 3]" in gc.stdout, gc
+    finally:
+        v3.chmod(0o755)
+    assert sorted(versions.committed_steps(open_tier(str(root)))) == [2, 3]

@@ -600,3 +600,6 @@ def test_a_shard_size_of_another_type_is_a_value_error() -> None:
         with pytest.raises(ValueError, match="not a size"):
             parse_size(bad)  # type: ignore[arg-type]
     assert parse_size("5GB") == 5 * 10**9 and parse_size(1000) == 1000
+    # Exact, and no OverflowError (a traceback and exit 1 in the CLI) for a huge one.
+    assert parse_size("0.3GB") == 3 * 10**8 and parse_size("1.1KB") == 1100
+    assert parse_size("9" * 400 + "GB") == int("9" * 400) * 10**9
