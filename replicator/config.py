@@ -9,6 +9,8 @@ from typing import Any
 
 from ckpt.replicator.policy import Policy
 
+_MIN_BWLIMIT_MBPS = 0.001  # below, the limiter's waits overflow a timestamp
+
 __all__ = ["ReplicatorConfig"]
 
 
@@ -54,13 +56,13 @@ class ReplicatorConfig:
             raise ValueError("replicas must be at least 1")
         if self.replicas - 1 > len(self.replica_roots):
             raise ValueError(f"replicas={self.replicas} needs at least {self.replicas - 1} replica roots")
-        if self.bwlimit_mbps is not None and self.bwlimit_mbps <= 0:
-            raise ValueError("bwlimit_mbps must be positive")
+        if self.bwlimit_mbps is not None and not _MIN_BWLIMIT_MBPS <= self.bwlimit_mbps:  # (nan: no cap at all)
+            raise ValueError(f"bwlimit_mbps must be a number of MB/s, at least {_MIN_BWLIMIT_MBPS} (1 kB/s)")
         if self.threads < 1 or not 0 < self.interval_s <= threading.TIMEOUT_MAX:  # (inf, nan: the wait fails)
             raise ValueError(
                 f"threads and interval_s must be positive (interval_s at most {threading.TIMEOUT_MAX:.0f})"
             )
-        if self.abandon_after_s <= 0:
+        if not self.abandon_after_s > 0:  # (nan too)
             raise ValueError("abandon_after_s must be positive")
         if not self.drain_timeout_s > 0:
             raise ValueError("drain_timeout_s must be positive")

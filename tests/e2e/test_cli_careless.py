@@ -341,6 +341,10 @@ def test_replicate_refuses_an_empty_remote_and_its_own_root_as_the_remote(
     for interval, words in (("inf", "inf is not in the range"), ("nan", "--interval nan is no number of seconds")):
         r = run("replicate", root, "--interval", interval)
         assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
+    # a cap of nan was no cap at all, and 1e-300 MB/s failed each copy with OverflowError
+    for option, value in (("--bwlimit", "nan"), ("--bwlimit", "1e-300"), ("--abandoned-after", "nan")):
+        r = run("replicate", root, "--once", option, value)
+        assert r.exit_code == 2 and "Traceback" not in r.output, (option, value, r.exit_code, r.output)
     assert not (tmp_path / "disk2").exists()
     # the source as its own remote: the remote's GC would delete the source's versions
     for remote in (str(root), f"file://{root}/"):
