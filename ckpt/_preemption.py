@@ -80,7 +80,9 @@ class PreemptionWatch:
         if first:
             self.noticed_at, self._signum = time.monotonic(), signum
         if callable(previous) and signum not in self._kept:
-            self._passed = self._passed or first
+            # (another watch's handler only notes it, or forwards it: this one's close() still
+            # sends it on where that one's chain ends in no Python handler)
+            self._passed = self._passed or (first and not _is_watch(previous))
             previous(signum, frame)
 
     def take_over(self, sig: int) -> None:
@@ -136,6 +138,11 @@ class PreemptionWatch:
             return self._signum
         pass_on(self._signum)
         return None
+
+
+def _is_watch(handler: object) -> bool:
+    """Whether a handler is a PreemptionWatch's (open or closed)."""
+    return getattr(handler, "__func__", None) is PreemptionWatch._handle
 
 
 def pass_on(signum: int) -> None:

@@ -25,7 +25,7 @@ from ckpt.store.errors import CkptError, RankFailures, RootLockedError, TierUnav
 from ckpt.store.fsio import makedirs
 from ckpt.store.root import RootLock, root_id, version_above
 from ckpt.store.tier import Tier, is_url, local_location, open_tier
-from ckpt.store.versions import committed
+from ckpt.store.versions import listing
 
 __all__ = [
     "PathSpec",
@@ -192,21 +192,35 @@ def lock_replicator(ctl: Comm, ctx: RootContext, replication: ReplicatorConfig |
 def recover(ctl: Comm, ctx: RootContext, tier: Tier) -> None:
     """Leftovers of a crash: prepared saves that another root published are rolled forward,
     other tmp directories removed, the trash emptied."""
-    mine: list[tuple[int, str]] = []
+    mine: list[tuple[int, str | None]] = []
     error = None
     try:
-        mine = [(c.step, c.save_id) for c in committed(tier)] if ctx.is_leader else []
+        if ctx.is_leader:
+            found, _, unread = listing(tier)
+            # A step whose root info cannot be read now (an I/O error, a permission) may be
+            # published, by any save: None, so no root removes its prepared part of it.
+            mine = [(c.step, c.save_id) for c in found] + [(step, None) for step in unread]
     except (CkptError, OSError) as e:  # every rank raises it in agree(), none is left waiting
         error = e
     ctl.agree(error)
     published = {tuple(x) for view in ctl.all_gather(mine) for x in view}
     if not ctx.is_leader:
         return
+    unknown = {step for step, save_id in published if save_id is None}
     for p in commit.prepared_versions(ctx.root):
         if p.has_manifest and (p.step, p.save_id) in published:
             log.warning("rank %d: rolling forward step %d, published on another root", ctx.rank, p.step)
             drop_overwritten_copies(ctx.root, p.step)
             commit.publish(ctx.root, p.dirname, p.step, overwrite=True)
+        elif p.has_manifest and p.step in unknown:
+            log.warning(
+                "rank %d: step %d's unfinished save %s kept: a root cannot read its step %d, which may be "
+                "that save's; the next opening judges it again",
+                ctx.rank,
+                p.step,
+                p.dirname,
+                p.step,
+            )
         else:
             log.info("rank %d: removing unfinished save of step %d (%s)", ctx.rank, p.step, p.dirname)
             commit.remove_tmp(ctx.root, p.dirname)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.replicator.policy import Policy
+from ckpt.store.tier import local_location
 
 _MIN_BWLIMIT_MBPS = 0.001  # below, the limiter's waits overflow a timestamp
 
@@ -52,6 +53,8 @@ class ReplicatorConfig:
         if self.remote == "" or "" in self.replica_roots:
             # an unset variable (`--to "$REMOTE"`): "" would open the working directory
             raise ValueError("the remote and the replica roots must not be empty (no remote: None)")
+        for where in (*([] if self.remote is None else [self.remote]), *self.replica_roots):
+            local_location(where)  # a file: URL of no path of this machine: ValueError
         if self.replicas < 1:
             raise ValueError("replicas must be at least 1")
         if self.replicas - 1 > len(self.replica_roots):

@@ -304,3 +304,24 @@ def test_a_late_notice_the_handler_before_had_is_not_sent_to_it_again(tmp_path: 
         """
     )
     assert out.returncode == 0 and "calls 1" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+def test_a_late_notice_to_two_open_watches_still_ends_the_process(tmp_path: Path) -> None:
+    """Two Checkpointers open, the first closed, then a SIGTERM, then the second closed: the
+    second's handler passed the notice to the first's (a watch: it only forwards), and was
+    taken to have given it to a handler from before, so no one sent it on: the process
+    outlived the SIGTERM (found by review)."""
+    out = _python(
+        f"""
+        import os, signal, time
+        from ckpt import Checkpointer
+        c1 = Checkpointer({str(tmp_path / "a")!r}, preemption_signals=(signal.SIGTERM,))
+        c2 = Checkpointer({str(tmp_path / "b")!r}, preemption_signals=(signal.SIGTERM,))
+        c1.close()
+        os.kill(os.getpid(), signal.SIGTERM)
+        c2.close()
+        time.sleep(1)
+        print("survived")
+        """
+    )
+    assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr[-2000:])
