@@ -191,7 +191,8 @@ def lock_replicator(ctl: Comm, ctx: RootContext, replication: ReplicatorConfig |
 
 def recover(ctl: Comm, ctx: RootContext, tier: Tier) -> None:
     """Leftovers of a crash: prepared saves that another root published are rolled forward,
-    other tmp directories removed, the trash emptied."""
+    those of a step some root cannot read now kept for the next opening, other tmp
+    directories removed, the trash emptied."""
     mine: list[tuple[int, str | None]] = []
     error = None
     try:

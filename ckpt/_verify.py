@@ -69,11 +69,10 @@ def verify_tier(tier: Tier, step: int | None = None) -> Iterator[Checked]:
         yield Checked(d.step, (f"BAD {d.name}: {d.why}",), "", whole=True)
     for s in steps:
         with pin_version(tier, s) as held:  # GC leaves it alone while it is checked
+            # (or a GC deleted it meanwhile; a directory that cannot be looked into is no proof of that)
             try:
-                there = held and tier.exists(
-                    join_key(version_dirname(s), MANIFEST_NAME)
-                )  # or a GC deleted it meanwhile
-            except TierUnavailableError as e:  # (its directory cannot be looked into): no proof it is gone
+                there = held and tier.exists(join_key(version_dirname(s), MANIFEST_NAME))
+            except TierUnavailableError as e:
                 yield Checked(s, (), "", unreadable=(f"UNREADABLE {version_dirname(s)}: {e}",))
                 continue
             if not there:
