@@ -21,6 +21,8 @@ The remote is a local file:// directory by default; --moto starts a loopback S3 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import json
 import os
 import shutil
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from ckpt import Checkpointer, DistributedSampler
 
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # (stdout and stderr are the rank's log)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -188,6 +191,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class LaunchError(RuntimeError):
+    """A phase's ranks did not end as the demo expects: one failed, or hung."""
+
+
+STACKS_SIGNAL = signal.SIGUSR2  # a rank the launcher stops logs its threads' stacks first
+ON_FAILURE_S = 10.0  # a failed rank leaves the others blocked in a collective: how long they get
+AFTER_KILL_S = 60.0  # the survivors of a kill fail in their next collective: how long they get
+
+
 def _launch(
     world: int,
     out: str,
@@ -195,47 +207,97 @@ def _launch(
     kill_rank_at: tuple[int, int] | None = None,
     per_node: int | None = None,
     kill_once: Callable[[], bool] = lambda: True,
+    worker: Sequence[str] = (sys.executable, "-m", "ckpt.demo", "--worker"),
+    timeout: float = 600.0,
 ) -> list[int]:
-    """Start `world` rank processes (`per_node` to a simulated node; default: one node);
-    optionally SIGKILL one when it reaches a step (and `kill_once()` holds), with the other
-    ranks of its node. Returns exit codes."""
+    """Start `world` rank processes (`per_node` to a simulated node; default: one node),
+    as torchrun does: this process hosts the job's TCPStore. Optionally SIGKILL one rank
+    when it reaches a step (and `kill_once()` holds), with the other ranks of its node.
+    Returns the exit codes.
+
+    Raises LaunchError when a rank fails without a kill, or when ranks are still running
+    `timeout` seconds after the start (or long after a failure or the kill); those ranks
+    log their threads' stacks before they are stopped, and the error quotes their logs.
+    """
+    import torch.distributed as dist
+
     per_node = per_node or world
     os.makedirs(out, exist_ok=True)
-    port = _free_port()
-    procs = []
+    # Port 0: the OS picks a free port and the store holds it from now on. A port picked
+    # here and bound later by rank 0 could meanwhile be taken, by another process or by a
+    # rank's own connect retries reaching itself, and the job would wait on it for good.
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    procs, logs = [], []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(
+            os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port)
+        )
         env.update(LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1")
-        log = open(os.path.join(out, f"rank{rank}.log"), "wb")
-        cmd = [sys.executable, "-m", "ckpt.demo", "--worker", "--out", out, *extra]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # rank 0 is a client of this process's store too
+        logs.append(os.path.join(out, f"rank{rank}.log"))
+        with open(logs[-1], "wb") as log:
+            procs.append(
+                subprocess.Popen([*worker, "--out", out, *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
+            )
+    start = time.monotonic()
+    killed: list[int] = []
+    killed_at: float | None = None
+    failed_at: float | None = None
     try:
-        if kill_rank_at is not None:
-            victim, at = kill_rank_at
-            while procs[victim].poll() is None:
+        while None in (codes := [p.poll() for p in procs]):
+            now = time.monotonic()
+            if kill_rank_at is not None and not killed:
+                victim, at = kill_rank_at
                 reached = read_progress(out, victim)
-                if reached is not None and reached >= at and kill_once():
-                    node = (
+                alive = procs[victim].poll() is None and failed_at is None
+                if alive and reached is not None and reached >= at and kill_once():
+                    killed = (
                         [r for r in range(world) if r // per_node == victim // per_node]
                         if per_node < world
                         else [victim]
                     )
-                    for r in node:
+                    for r in killed:
                         procs[r].send_signal(signal.SIGKILL)
-                    print(f"  SIGKILL rank{'s' if len(node) > 1 else ''} {', '.join(map(str, node))} at step {at}")
-                    break
-                time.sleep(0.01)
-            deadline = time.monotonic() + 60
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                time.sleep(0.05)  # the survivors fail in their next collective
-        for p in procs:
-            p.wait(timeout=600)
+                    killed_at = now
+                    print(f"  SIGKILL rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} at step {at}")
+            if failed_at is None and killed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            late = (
+                now - start > timeout
+                or (failed_at is not None and now - failed_at > ON_FAILURE_S)
+                or (killed_at is not None and now - killed_at > AFTER_KILL_S)
+            )
+            if late:
+                break
+            time.sleep(0.01)
     finally:
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        for r in hung:
+            with contextlib.suppress(ProcessLookupError):
+                procs[r].send_signal(STACKS_SIGNAL)
+        if hung:
+            time.sleep(1.0)  # for the stacks to reach the logs
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
-    return [p.returncode for p in procs]
+            p.wait()
+    if killed_at is not None and not hung:
+        print(f"  the other ranks ended {time.monotonic() - killed_at:.1f} s after the kill")
+    ended = [p.wait() for p in procs]  # (each has ended)
+    failed = [r for r, c in enumerate(ended) if c != 0 and r not in killed and r not in hung]
+    if hung or failed_at is not None:
+        what = [f"rank {r} still running, stopped" for r in hung]
+        what += [f"rank {r} exited with {ended[r]}" for r in failed]
+        tails = "\n".join(f"--- {logs[r]} (end) ---\n{_tail(logs[r])}" for r in sorted({*hung, *failed}))
+        raise LaunchError(f"{out}: {'; '.join(what)}\n{tails}")
+    return ended
+
+
+def _tail(path: str, size: int = 6000) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - size))
+        return f.read().decode(errors="replace")
 
 
 def _start_moto(work: str) -> tuple[subprocess.Popen[bytes], str, dict[str, Any]]:
@@ -271,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, default=17)
     ap.add_argument("--remote", default=None, help="remote tier URL (default: file://<dir>/remote)")
     ap.add_argument("--moto", action="store_true", help="start a loopback S3 server (moto) as the remote")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds each run's ranks may take (default 600)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -296,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"ckpt demo in {work} (remote: {remote})")
         print("1) reference run: 2 ranks, no checkpoints")
-        _launch(2, os.path.join(work, "ref"), common)
+        _launch(2, os.path.join(work, "ref"), common, timeout=args.timeout)
         print(f"2) 2 ranks, async saves every {args.every} steps to 2 disks + replication; one rank dies")
         run = [*common, "--ckpt", "--remote", remote, "--storage-options", json.dumps(options)]
-        codes = _launch(2, os.path.join(work, "killed"), run, kill_rank_at=(1, args.kill_at))
+        codes = _launch(2, os.path.join(work, "killed"), run, kill_rank_at=(1, args.kill_at), timeout=args.timeout)
         print(f"  exit codes {codes}")
         print("3) restart on 3 ranks from the newest intact version (resharded)")
-        _launch(3, os.path.join(work, "resumed"), run)
+        _launch(3, os.path.join(work, "resumed"), run, timeout=args.timeout)
         print("4) 4 ranks on 2 nodes with peer copies, no remote; node 1 dies and comes back with an empty disk")
         nodes = [*common, "--ckpt", "--nodes"]
         node0 = os.path.join(work, "nodes", "node0")
@@ -313,13 +376,17 @@ def main(argv: list[str] | None = None) -> int:
             kill_rank_at=(2, args.kill_at),
             per_node=2,
             kill_once=lambda: bool(verified_peer_steps(node0)),  # a node lost before any copy: an error, not this demo
+            timeout=args.timeout,
         )
         print(f"  exit codes {codes}")
         shutil.rmtree(os.path.join(work, "nodes", "node1"))
         os.makedirs(os.path.join(work, "nodes", "node1"))
         print("  node 1's disk replaced by an empty one; restart on 4 ranks")
-        _launch(4, os.path.join(work, "node-back"), nodes, per_node=2)
+        _launch(4, os.path.join(work, "node-back"), nodes, per_node=2, timeout=args.timeout)
         return _summarize(work, remote, options, args)
+    except LaunchError as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
     finally:
         if moto is not None:
             moto.terminate()

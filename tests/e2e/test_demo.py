@@ -4,23 +4,33 @@ its peer copies with no remote; both match the reference bit for bit."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
+
+from ckpt import demo
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_resumes_bit_exactly_on_another_world_size(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "ckpt.demo", "--dir", str(tmp_path), "--steps", "12", "--every", "3", "--kill-at", "8"],
+        # (a run's ranks get 100 s, then the demo stops them and prints their stacks)
+        [sys.executable, "-m", "ckpt.demo", "--dir", str(tmp_path), "--steps", "12", "--every", "3", "--kill-at", "8"]
+        + ["--timeout", "100"],
         cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # (what it printed, should it be stopped)
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=280,
     )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-20000:]
     assert "the resumed runs are bit-exact" in out.stdout
+    assert "SIGKILL rank 1 at step 8" in out.stdout and "SIGKILL ranks 2, 3 at step" in out.stdout
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     resumed = json.loads((tmp_path / "resumed" / "rank2.json").read_text())
     assert resumed["world"] == 3 and resumed["resumed_from"] in (3, 6)  # a version before the kill
@@ -47,3 +57,64 @@ def test_demo_resumes_bit_exactly_on_another_world_size(tmp_path: Path) -> None:
         / "replicas"
         / f"peer-{(tmp_path / 'nodes' / 'node1' / '.ckpt-root-id').read_text()}"
     ).is_dir()
+
+
+# A rank of the launcher's test jobs: `fail` exits at once, `init` waits for the whole
+# group in init_process_group, `sleep` never ends.
+RANK_SCRIPT = """
+import os, sys, time
+what = os.environ["DEMO_TEST_PLAN"].split(",")[int(os.environ["RANK"])]
+print("rank", os.environ["RANK"], what, "via", os.environ["MASTER_PORT"], flush=True)
+if what == "fail":
+    sys.exit(3)
+import faulthandler, signal
+faulthandler.register(signal.SIGUSR2, all_threads=True)
+if what == "init":
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    print("rank joined", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _plan(monkeypatch: pytest.MonkeyPatch, plan: str) -> list[str]:
+    monkeypatch.setenv("DEMO_TEST_PLAN", plan)
+    return [sys.executable, "-c", RANK_SCRIPT]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_at_its_start_stops_the_run_with_the_others_stacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1 dies before it joins: rank 0 would wait in init_process_group for the whole
+    # gloo timeout (30 min); the launcher stops it and says why, with its stack.
+    t0 = time.monotonic()
+    with pytest.raises(demo.LaunchError) as err:
+        demo._launch(2, str(tmp_path / "out"), [], worker=_plan(monkeypatch, "init,fail"))
+    assert time.monotonic() - t0 < demo.ON_FAILURE_S + 30
+    msg = str(err.value)
+    assert "rank 1 exited with 3" in msg and "rank 0 still running, stopped" in msg
+    assert "init_process_group" in msg  # rank 0's stack, from its log
+    assert "rank 1 fail" in msg  # rank 1's log
+
+
+@pytest.mark.timeout(120)
+def test_ranks_still_running_at_the_timeout_are_stopped_with_their_stacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(demo.LaunchError) as err:
+        demo._launch(3, str(tmp_path / "out"), [], worker=_plan(monkeypatch, "init,init,init"), timeout=15)
+    msg = str(err.value)
+    # every rank joined the launcher's store (rank 0 a client of it too), then hung
+    assert all(f"rank {r} still running, stopped" in msg for r in range(3))
+    assert msg.count("rank joined") == 3 and msg.count("Current thread") == 3
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_meet_at_the_launchers_store_and_their_exit_codes_come_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = RANK_SCRIPT.replace("while True:\n    time.sleep(1)", "dist.destroy_process_group()")
+    monkeypatch.setenv("DEMO_TEST_PLAN", "init,init")
+    assert demo._launch(2, str(tmp_path / "out"), [], worker=[sys.executable, "-c", script]) == [0, 0]
