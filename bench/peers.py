@@ -60,19 +60,17 @@ TARGETS = {
 
 
 def _launch(phase: str, world: int, local_world: int, args: argparse.Namespace, extra: dict[str, str]) -> None:
-    from run import free_port
+    from ckpt._job_store import job_store
 
-    port = str(free_port())
+    store, rendezvous = job_store(world)
     procs = []
     for rank in range(world):
-        env = dict(os.environ, **extra)
+        env = dict(os.environ, **extra, **rendezvous)
         env.update(
             RANK=str(rank),
             WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank % local_world),
             LOCAL_WORLD_SIZE=str(local_world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
         )
@@ -80,6 +78,7 @@ def _launch(phase: str, world: int, local_world: int, args: argparse.Namespace, 
         cmd += ["--dir", args.dir, "--results", os.path.join(args.dir, "peers.jsonl")]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO))
     codes = [p.wait() for p in procs]
+    del store  # (served until every rank has ended)
     if any(codes):
         raise SystemExit(f"bench/peers.py phase {phase} failed: exit codes {codes}")
 

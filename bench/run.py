@@ -128,17 +128,17 @@ def launch(
     env_extra: dict[str, str] | None = None,
 ) -> None:
     """Run one phase as `world` gloo ranks; raise if any rank fails."""
-    port = str(free_port())
+    from ckpt._job_store import job_store
+
+    store, rendezvous = job_store(world)
     procs = []
     for rank in range(world):
-        env = dict(os.environ)
+        env = dict(os.environ, **rendezvous)
         env.update(
             RANK=str(rank),
             WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
             PYTHONUNBUFFERED="1",
             PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
         )
@@ -159,8 +159,8 @@ def launch(
         ]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True))
     try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
+        while None in (codes := [p.poll() for p in procs]):  # (each polled: a failure is seen at once)
+            if any(c not in (None, 0) for c in codes):
                 break
             time.sleep(0.2)
     finally:
@@ -168,6 +168,7 @@ def launch(
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        del store  # (served until every rank has ended)
     bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     if bad:
         raise RuntimeError(f"phase {phase} at world {world} failed: rank/exit {bad}")

@@ -551,20 +551,19 @@ def real_rank(workdir: str, world: int, phase: str) -> None:
 
 
 def _launch_real(workdir: str, world: int, phase: str) -> list[dict[str, Any]]:
-    import socket
+    from ckpt._job_store import job_store
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store, rendezvous = job_store(world)
     procs = []
     for rank in range(world):
         per_node = str(world // 4)
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=per_node)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=per_node, **rendezvous)
         env.update(LOCAL_RANK=str(rank % (world // 4)))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env.update(OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "bench.scale", "--real-rank", workdir, str(world), phase]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env))
     codes = [p.wait(timeout=900) for p in procs]
+    del store  # (served until every rank has ended)
     if any(codes):
         raise RuntimeError(f"real job {phase} at world {world} failed: exit codes {codes}")
     tag = phase.replace(":", "_")

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ckpt._job_store import job_store
+
 GLOBAL_BATCH = 12  # divisible by 2 and 3: the same global batch at either world size
 SAMPLES = 240
 
@@ -219,21 +221,13 @@ def _launch(
     `timeout` seconds after the start (or long after a failure or the kill); those ranks
     log their threads' stacks before they are stopped, and the error quotes their logs.
     """
-    import torch.distributed as dist
-
     per_node = per_node or world
     os.makedirs(out, exist_ok=True)
-    # Port 0: the OS picks a free port and the store holds it from now on. A port picked
-    # here and bound later by rank 0 could meanwhile be taken, by another process or by a
-    # rank's own connect retries reaching itself, and the job would wait on it for good.
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    store, rendezvous = job_store(world)
     procs, logs = [], []
     for rank in range(world):
-        env = dict(
-            os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port)
-        )
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), **rendezvous)
         env.update(LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1")
-        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # rank 0 is a client of this process's store too
         logs.append(os.path.join(out, f"rank{rank}.log"))
         with open(logs[-1], "wb") as log:
             procs.append(
@@ -281,6 +275,7 @@ def _launch(
             if p.poll() is None:
                 p.kill()
             p.wait()
+        del store  # (served until every rank has ended)
     if killed_at is not None and not hung:
         print(f"  the other ranks ended {time.monotonic() - killed_at:.1f} s after the kill")
     ended = [p.wait() for p in procs]  # (each has ended)

@@ -69,7 +69,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -79,6 +78,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt._job_store import job_store
 from ckpt.replicator.service import WAITING
 from ckpt.replicator.status import read_status
 from tests._harness_checks import (
@@ -171,12 +171,6 @@ class Figures:
         return now
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Hang(Exception):
     """A round took longer than the watchdog allows."""
 
@@ -234,6 +228,7 @@ class Harness:
         self.journals = Journals(self.layout)
         self.ctx = forkserver()
         self.trainers: list[Child] = []
+        self._store: Any = None  # the trainers' rendezvous, served here
         self.daemons: dict[int, Child | None] = dict.fromkeys(range(WORLD))
         self.inc = 0
         self.known: dict[str, set[int]] = {}
@@ -291,10 +286,10 @@ class Harness:
             "keep_last": self.c.keep_last,
             "timeout_s": 30,
         }
-        port = str(_free_port())
+        self._store, rendezvous = job_store(WORLD)  # (the previous incarnation's store closes)
         self.trainers = []
         for rank in range(WORLD):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            env = {"RANK": str(rank), "WORLD_SIZE": str(WORLD), **rendezvous}
             env["LOCAL_WORLD_SIZE"] = "1"  # each rank a node (its own disks), as torchrun on that node says
             self.trainers.append(self.spawn("trainer", spec, f"rank{rank}.log", f"incarnation {self.inc}", **env))
 

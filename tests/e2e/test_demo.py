@@ -118,3 +118,26 @@ def test_the_ranks_meet_at_the_launchers_store_and_their_exit_codes_come_back(
     script = RANK_SCRIPT.replace("while True:\n    time.sleep(1)", "dist.destroy_process_group()")
     monkeypatch.setenv("DEMO_TEST_PLAN", "init,init")
     assert demo._launch(2, str(tmp_path / "out"), [], worker=[sys.executable, "-c", script]) == [0, 0]
+
+
+def test_the_job_store_holds_its_port_on_every_address() -> None:
+    """Why the launcher hosts the store: a port found free on 127.0.0.1 may be in use on
+    another address, and a rank-0 store then fails to bind it (its peers would retry
+    their connection for 30 min). The job store's port is held on every address."""
+    import socket
+
+    import torch.distributed as dist
+
+    from ckpt._job_store import job_store
+
+    with socket.socket() as elsewhere:
+        elsewhere.bind(("127.0.0.2", 0))  # (all of 127/8 is this machine's loopback)
+        port = elsewhere.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # what a "free port" check finds: free
+        with pytest.raises(dist.DistNetworkError, match="EADDRINUSE|in use"):
+            dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    store, env = job_store(2)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.2", int(env["MASTER_PORT"])))
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and store.port == int(env["MASTER_PORT"])
