@@ -74,12 +74,12 @@ def _model() -> Any:
 
 def _worker(args: argparse.Namespace) -> None:
     """One rank. Exits 0 after `--steps`, or is killed."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # (stdout and stderr are the rank's log)
     import torch
     import torch.distributed as dist
 
     from ckpt import Checkpointer, DistributedSampler
 
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # (stdout and stderr are the rank's log)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -224,27 +224,30 @@ def _launch(
     per_node = per_node or world
     os.makedirs(out, exist_ok=True)
     store, rendezvous = job_store(world)
-    procs, logs = [], []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), **rendezvous)
-        env.update(LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1")
-        logs.append(os.path.join(out, f"rank{rank}.log"))
-        with open(logs[-1], "wb") as log:
-            procs.append(
-                subprocess.Popen([*worker, "--out", out, *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
-            )
-    start = time.monotonic()
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [os.path.join(out, f"rank{rank}.log") for rank in range(world)]
     killed: list[int] = []
     killed_at: float | None = None
-    failed_at: float | None = None
+    failed_at: float | None = None  # when a rank first failed, no kill before
     try:
-        while None in (codes := [p.poll() for p in procs]):
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), **rendezvous)
+            env.update(LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node), OMP_NUM_THREADS="1")
+            with open(logs[rank], "wb") as log:
+                cmd = [*worker, "--out", out, *extra]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        start = time.monotonic()
+        while True:
+            codes = [p.poll() for p in procs]
             now = time.monotonic()
-            if kill_rank_at is not None and not killed:
+            if failed_at is None and killed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now
+            if None not in codes:
+                break
+            if kill_rank_at is not None and killed_at is None and failed_at is None:
                 victim, at = kill_rank_at
                 reached = read_progress(out, victim)
-                alive = procs[victim].poll() is None and failed_at is None
-                if alive and reached is not None and reached >= at and kill_once():
+                if codes[victim] is None and reached is not None and reached >= at and kill_once():
                     killed = (
                         [r for r in range(world) if r // per_node == victim // per_node]
                         if per_node < world
@@ -253,9 +256,9 @@ def _launch(
                     for r in killed:
                         procs[r].send_signal(signal.SIGKILL)
                     killed_at = now
-                    print(f"  SIGKILL rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} at step {at}")
-            if failed_at is None and killed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = now
+                    print(
+                        f"  SIGKILL rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} at step {reached}"
+                    )
             late = (
                 now - start > timeout
                 or (failed_at is not None and now - failed_at > ON_FAILURE_S)

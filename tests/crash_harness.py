@@ -672,6 +672,7 @@ class Harness:
             monitor.join()
             self._kill_all(self.trainers)
             self._kill_all([p for p in self.daemons.values() if p is not None])
+            self._store = None
         self.journals.refresh()
         self.fig.steps_committed = len(self.journals.committed)
         self.fig.nondeterministic_steps = len(self.journals.nondeterministic())
