@@ -63,21 +63,30 @@ def test_demo_resumes_bit_exactly_on_another_world_size(tmp_path: Path) -> None:
 
 
 # A rank of the launcher's test jobs: `init` joins the group in init_process_group (which
-# waits for every rank), then sleeps; `done` exits 0; `fail` exits 3 after rank 0 is about
+# waits for every rank), then sleeps; `done` exits 0; `fail` exits 3 once rank 0 is about
 # to join (an `init` rank 0) or has ended.
 RANK_SCRIPT = """
 import faulthandler, os, signal, sys, time
 faulthandler.register(signal.SIGUSR2, all_threads=True)
 rank, out = int(os.environ["RANK"]), sys.argv[sys.argv.index("--out") + 1]
 plan = os.environ["DEMO_TEST_PLAN"].split(",")
-print("rank", rank, plan[rank], "via", os.environ["MASTER_PORT"], flush=True)
+print("rank", rank, plan[rank], "pid", os.getpid(), "via", os.environ["MASTER_PORT"], flush=True)
 if plan[rank] == "done":
     sys.exit(0)
+
+def rank0_ended():  # (its process gone, or a zombie its launcher has not reaped yet)
+    words = open(os.path.join(out, "rank0.log")).read().split()
+    if len(words) < 5:
+        return False
+    try:
+        return open(f"/proc/{words[4]}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
 if plan[rank] == "fail":
-    mark = "joining" if plan[0] == "init" else "rank 0 done"
-    while mark not in open(os.path.join(out, "rank0.log")).read():
+    # an `init` rank 0 about to join stays in init_process_group for good; one `done`, ended
+    while not ("joining" in open(os.path.join(out, "rank0.log")).read() if plan[0] == "init" else rank0_ended()):
         time.sleep(0.05)
-    time.sleep(0.5)
     sys.exit(3)
 import torch.distributed as dist
 print("joining", flush=True)
